@@ -1,0 +1,55 @@
+# radixkv: `make serve` runs the daemon on its embedded defaults, `make test` runs every
+# test. Both install what is missing first (a virtualenv in .venv, system programs the
+# tests drive). Override PY, ARGS (daemon flags) or TORCH_SPEC on the command line.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU build keeps installs small; GPU nodes bring their own CUDA build of torch.
+TORCH_SPEC ?= torch>=2.4,<2.14
+PYTEST_ARGS ?=
+
+.PHONY: install serve test unit service bench bench-full soak proto proto-check system-deps sim clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/python -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC)"; $(BIN)/pip install -q "$(TORCH_SPEC)"; }
+	@echo "installing radixkv into $(VENV)"
+	@$(BIN)/pip install -q -e ".[test,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/python -c "import radixkv_server, radixkv, grpc, torch" 
+	@touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/radixkv-server $(ARGS)
+
+sim: $(STAMP)
+	$(BIN)/radixkv-sim $(ARGS)
+
+system-deps:
+	@scripts/ensure-system-deps.sh
+
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+proto-check: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py --check
+
+test: $(STAMP) system-deps proto-check
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench --quick
+
+bench-full: $(STAMP)
+	$(BIN)/python -m bench --full
+
+soak: $(STAMP)
+	$(BIN)/python -m tests.soak $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,24 @@
+"""The pure cache core: radix tree, tiers, write policies, load-back pins, eviction.
+
+No grpc, protobuf, asyncio, threads or I/O. Bytes move through the `Copier` the
+caller provides; see `cache.HierarchicalCache` for the public API.
+"""
+
+from .cache import HierarchicalCache
+from .copier import Copier
+from .errors import (
+    CacheError, InvalidRequest, LockError, NotReady, PageOwnershipError, UnknownNode,
+    UnknownTransfer,
+)
+from .policy import CacheConfig, WritePolicy
+from .results import (
+    CacheCounters, CopyOutcome, EvictResult, FinishResult, InsertResult, LoadBackResult,
+    MatchResult,
+)
+
+__all__ = [
+    "CacheConfig", "CacheCounters", "CacheError", "Copier", "CopyOutcome", "EvictResult",
+    "FinishResult", "HierarchicalCache", "InsertResult", "InvalidRequest", "LoadBackResult",
+    "LockError", "MatchResult", "NotReady", "PageOwnershipError", "UnknownNode",
+    "UnknownTransfer", "WritePolicy",
+]

@@ -1,0 +1,17 @@
+"""The interface the core calls to move bytes. The data path implements it.
+
+The core decides what to copy and when; an implementation copies and later reports
+completion with `HierarchicalCache.on_copy_done(transfer, error)`. It must never call
+back from inside `load` or `backup` (the core is mid-operation there): report on a
+later turn of the event loop, or from a test.
+"""
+
+from typing import Protocol
+
+
+class Copier(Protocol):
+    def load(self, transfer: int, host_pages: bytes, device_pages: bytes) -> None:
+        """Start copying host pages to device pages (host -> device), page i to page i."""
+
+    def backup(self, transfer: int, device_pages: bytes, host_pages: bytes) -> None:
+        """Start copying device pages to host pages (device -> host), page i to page i."""

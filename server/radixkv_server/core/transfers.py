@@ -1,0 +1,46 @@
+"""Copies in flight between the device and the host, as the cache tracks them."""
+
+import enum
+from dataclasses import dataclass, field
+
+from .node import Node
+
+
+class TransferKind(enum.Enum):
+    LOAD = "load"              # host -> device (load-back); finished by the engine's ACK
+    BACKUP = "backup"          # device -> host (write-through); settles on completion
+    WRITE_BACK = "write_back"  # device -> host before the device pages are freed (eviction)
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One copy the data path is running for the cache.
+
+    `nodes` are the nodes whose pages it copies, top-down. A node split while the copy
+    runs adds its new upper half here, so completion settles both halves.
+    `device_pages` / `host_pages` are the packed page lists handed to the data path.
+
+    Load-backs only:
+    - `anchor`: deepest loaded node; its path stays locked until the ACK.
+    - `depends_on`: earlier load-backs, still copying at start, whose device pages this
+      one's prefix uses; `dependents` is the reverse edge. A failure cascades along it.
+    - `error`: why the load failed (its copy, or a dependency); then `parked` holds the
+      device pages taken out of the tree, returned to the engine at the ACK.
+    """
+
+    id: int
+    kind: TransferKind
+    nodes: list[Node]
+    device_pages: bytes
+    host_pages: bytes
+    anchor: Node | None = None
+    depends_on: tuple[int, ...] = ()
+    dependents: list[int] = field(default_factory=list)
+    copied: bool = False
+    error: str | None = None
+    parked: bytes = b""
+    owner: object = None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages) // 4

@@ -1,0 +1,116 @@
+"""The radix tree's structure: nodes, walking a prompt, splitting and removing nodes.
+
+Keys are packed int32 token bytes, always whole pages. Children are keyed by the bytes
+of their first page, so one dict lookup and one slice comparison per node match a run.
+Each `extra_key` (LoRA id, cache salt) has a root of its own. Residency bookkeeping is
+the cache's; `split` copies a node's state to its new upper half and nothing more.
+"""
+
+import itertools
+
+from .errors import UnknownNode
+from .node import Node
+
+
+class RadixTree:
+    def __init__(self, page_size: int):
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.stride = page_size * 4  # bytes of one page of tokens
+        self.roots: dict[bytes, Node] = {}
+        self.nodes: dict[int, Node] = {}
+        self._ids = itertools.count(1)
+
+    def root(self, extra_key: bytes) -> Node:
+        """The root for `extra_key`, created on first use."""
+        root = self.roots.get(extra_key)
+        if root is None:
+            root = Node(next(self._ids), None, b"", extra_key)
+            self.roots[extra_key] = root
+            self.nodes[root.id] = root
+        return root
+
+    def get(self, node_id: int) -> Node:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise UnknownNode(f"node {node_id} is not in the cache (evicted or never existed); match again")
+        return node
+
+    def pages_of(self, node: Node) -> int:
+        return len(node.key) // self.stride
+
+    def walk(self, root: Node, tokens: bytes) -> tuple[list[Node], Node | None, int]:
+        """Follow page-aligned `tokens` down from `root`. Changes nothing.
+
+        Returns the fully matched nodes (top-down), then the next node if the prompt
+        matches only its first `k` pages (0 < k < its length), else (None, 0).
+        """
+        stride = self.stride
+        end = len(tokens)
+        path: list[Node] = []
+        node, off = root, 0
+        while off < end:
+            child = node.children.get(tokens[off:off + stride])
+            if child is None:
+                break
+            key = child.key
+            klen = len(key)
+            if off + klen <= end and tokens[off:off + klen] == key:
+                path.append(child)
+                node, off = child, off + klen
+                continue
+            # Partial: the first page matched; binary-search the longest equal run.
+            lo, hi = 1, min(klen, end - off) // stride
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if tokens[off:off + mid * stride] == key[:mid * stride]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return path, child, lo
+        return path, None, 0
+
+    def add_child(self, parent: Node, key: bytes) -> Node:
+        node = Node(next(self._ids), parent, key, parent.extra_key)
+        parent.children[key[:self.stride]] = node
+        self.nodes[node.id] = node
+        return node
+
+    def split(self, node: Node, pages: int) -> Node:
+        """Cut `node` after `pages` pages. A new node takes the first part and becomes
+        `node`'s parent; `node` keeps its id (and its leases, anchors) for the rest.
+        The new node inherits locks, pins and in-flight state of the whole."""
+        cut = pages * self.stride
+        parent = node.parent
+        top = Node(next(self._ids), parent, node.key[:cut], node.extra_key)
+        parent.children[node.key[:self.stride]] = top
+        node.key = node.key[cut:]
+        node.parent = top
+        top.children[node.key[:self.stride]] = node
+        self.nodes[top.id] = top
+
+        s, t = node.full, top.full
+        n = pages * 4
+        if s.device_pages is not None:
+            t.device_pages, s.device_pages = s.device_pages[:n], s.device_pages[n:]
+            top.device_children = 1
+        if s.host_pages is not None:
+            t.host_pages, s.host_pages = s.host_pages[:n], s.host_pages[n:]
+        t.backup = s.backup
+        t.evicting = s.evicting
+        t.lock_ref = s.lock_ref
+        t.host_lock = s.host_lock
+        t.pins = set(s.pins)
+        top.hit_count = node.hit_count
+        top.last_access = node.last_access
+        return top
+
+    def remove(self, node: Node) -> None:
+        """Unlink a childless node."""
+        del node.parent.children[node.key[:self.stride]]
+        del self.nodes[node.id]
+
+    def iter_nodes(self):
+        """Every non-root node (unordered)."""
+        return (n for n in self.nodes.values() if n.parent is not None)
