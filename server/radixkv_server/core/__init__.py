@@ -7,7 +7,7 @@ caller provides; see `cache.HierarchicalCache` for the public API.
 from .cache import HierarchicalCache
 from .copier import Copier
 from .errors import (
-    CacheError, InvalidRequest, LockError, NotReady, PageOwnershipError, UnknownNode,
+    CacheError, InvalidRequest, LockError, NotOwner, NotReady, PageOwnershipError, UnknownNode,
     UnknownTransfer,
 )
 from .policy import CacheConfig, WritePolicy
@@ -19,6 +19,6 @@ from .results import (
 __all__ = [
     "CacheConfig", "CacheCounters", "CacheError", "Copier", "CopyOutcome", "EvictResult",
     "FinishResult", "HierarchicalCache", "InsertResult", "InvalidRequest", "LoadBackResult",
-    "LockError", "MatchResult", "NotReady", "PageOwnershipError", "UnknownNode",
+    "LockError", "MatchResult", "NotOwner", "NotReady", "PageOwnershipError", "UnknownNode",
     "UnknownTransfer", "WritePolicy",
 ]

@@ -5,7 +5,9 @@ I/O: bytes move through the `Copier` given at construction. Every method either
 completes or raises a `CacheError` subclass before changing anything.
 """
 
+from .device_ledger import DeviceLedger
 from .errors import InvalidRequest, LockError, NotReady
+from .invariants import check_invariants
 from .loadback import LoadBacks
 from .node import Node
 from .pages import count
@@ -170,8 +172,6 @@ class HierarchicalCache(LoadBacks):
         Raises NotReady while copies are in flight (finish them first)."""
         if self.transfers:
             raise NotReady("copies are still in flight", tuple(sorted(self.transfers)))
-        from .device_ledger import DeviceLedger
-
         dropped = 0
         for root in self.tree.roots.values():
             for node in list(root.children.values()):
@@ -204,8 +204,6 @@ class HierarchicalCache(LoadBacks):
 
     def check_invariants(self) -> list[str]:
         """Every violated invariant, as one line each; empty when the state is sound."""
-        from .invariants import check_invariants
-
         return check_invariants(self)
 
     @staticmethod

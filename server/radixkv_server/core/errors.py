@@ -36,5 +36,9 @@ class NotReady(CacheError):
         self.transfers = transfers
 
 
+class NotOwner(CacheError):
+    """The transfer belongs to another session."""
+
+
 class LockError(CacheError):
     """Unlock of a node that holds no lock."""

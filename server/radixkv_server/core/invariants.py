@@ -4,6 +4,8 @@ Slow (walks the whole tree) and side-effect free. Run after every operation in t
 randomized tests, and by operators through the CheckInvariants RPC.
 """
 
+import hashlib
+
 from .pages import count, unpack
 from .transfers import TransferKind
 
@@ -77,8 +79,8 @@ def check_invariants(cache) -> list[str]:
             t = cache.transfers.get(tid)
             if t is None:
                 err(f"node {nid}: pin names finished transfer {tid}")
-            elif t.kind is not TransferKind.LOAD or node not in t.nodes:
-                err(f"node {nid}: pin names transfer {tid}, which does not load it")
+            elif t.kind is not TransferKind.LOAD or (node not in t.nodes and node not in t.shared):
+                err(f"node {nid}: pin names transfer {tid}, which neither loads it nor depends on it")
         if s.device_pages is not None and s.host_valid and not s.pins:
             settled.add(nid)
         if (s.device_pages is not None and node.device_children == 0 and s.lock_ref == 0
@@ -101,9 +103,9 @@ def check_invariants(cache) -> list[str]:
     parked: set[int] = set()
     for tid, t in cache.transfers.items():
         if t.kind is TransferKind.LOAD:
-            for n in t.nodes:
+            for n in (*t.shared, *t.nodes):
                 if tid not in n.full.pins:
-                    err(f"transfer {tid}: loads node {n.id} without pinning it")
+                    err(f"transfer {tid}: uses node {n.id} without pinning it")
                 if n.id not in tree.nodes:
                     err(f"transfer {tid}: node {n.id} left the tree")
             if t.anchor is not None and t.anchor.full.lock_ref <= 0:
@@ -141,3 +143,25 @@ def check_invariants(cache) -> list[str]:
     if host.num_free + len(host_seen) != host.capacity:
         err(f"host pages: free {host.num_free} + used {len(host_seen)} != capacity {host.capacity}")
     return errors
+
+
+def state_digest(cache) -> str:
+    """A hash of everything a caller could observe: tree, residency, locks, pins,
+    transfers, pools and counts. Equal digests mean equal states (for tests that check
+    a refused request changed nothing)."""
+    h = hashlib.sha256()
+    for nid in sorted(cache.tree.nodes):
+        n = cache.tree.nodes[nid]
+        s = n.full
+        h.update(repr((nid, n.parent.id if n.parent else 0, n.key, n.extra_key, s.device_pages,
+                       s.host_pages, s.backup, s.evicting, s.lock_ref, s.host_lock, sorted(s.pins),
+                       n.hit_count, n.device_children)).encode())
+    for tid in sorted(cache.transfers):
+        t = cache.transfers[tid]
+        h.update(repr((tid, t.kind.value, [n.id for n in t.nodes], [n.id for n in t.shared],
+                       t.copied, t.error, t.parked, t.depends_on, t.dependents)).encode())
+    h.update(repr((sorted(cache.host.free_pages()), sorted(cache.device.held_pages()),
+                   cache.device.num_taken, cache.device.num_returned, cache.evictable_pages,
+                   cache.protected_pages, sorted(cache.duplicates.ids()),
+                   sorted(cache.device_leaves.ids()), sorted(cache.host_leaves.ids()))).encode())
+    return h.hexdigest()

@@ -7,7 +7,7 @@ of different transfers may overlap in every write policy, and each ACK removes o
 its own. Loaded nodes stay locked, and their host copies host-locked, until the ACK.
 """
 
-from .errors import InvalidRequest, NotReady, UnknownTransfer
+from .errors import NotOwner, NotReady, UnknownTransfer
 from .eviction import Evictions
 from .node import Node
 from .results import FinishResult, LoadBackResult
@@ -46,6 +46,13 @@ class LoadBacks(Evictions):
         tid, used = 0, 0
         if loaded:
             tid = self._reserve_transfer_id()
+            # Nodes still arriving through earlier loads: this load's prefix relies on
+            # their host copies too, so it pins them as well until its own ACK.
+            shared = [n for n in on_device if self._copying((n,))]
+            for n in shared:
+                n.full.pins.add(tid)
+                n.full.host_lock += 1
+                self._refresh(n)
             for n in loaded:
                 k = self._pages(n) * 4
                 pages = device_pages[used:used + k]
@@ -56,7 +63,7 @@ class LoadBacks(Evictions):
                 self.device.take(pages)
                 self._set_device(n, pages)
                 n.last_access = now
-            t = self._new_transfer(TransferKind.LOAD, loaded, tid, anchor=loaded[-1],
+            t = self._new_transfer(TransferKind.LOAD, loaded, tid, anchor=loaded[-1], shared=shared,
                                    depends_on=depends_on, owner=owner)
             for d in depends_on:
                 self.transfers[d].dependents.append(tid)
@@ -81,7 +88,7 @@ class LoadBacks(Evictions):
 
         Raises NotReady while this copy or one it depends on is still running (the RPC
         layer waits and retries), UnknownTransfer for an id not in flight or not a
-        load-back, and InvalidRequest when `owner` is given and the transfer is another's.
+        load-back, and NotOwner when `owner` is given and the transfer is another's.
         A failed load finishes too: its device pages come back in `failed_pages`.
         """
         t = self.transfers.get(transfer)
@@ -90,7 +97,7 @@ class LoadBacks(Evictions):
                 f"transfer {transfer} is not a load-back in flight (never started, or already acknowledged)"
             )
         if owner is not None and t.owner is not None and t.owner != owner:
-            raise InvalidRequest(f"transfer {transfer} belongs to another session")
+            raise NotOwner(f"transfer {transfer} belongs to another session")
         waiting = tuple(
             tid for tid in (transfer, *t.depends_on)
             if tid in self.transfers and not self.transfers[tid].copied
@@ -101,7 +108,7 @@ class LoadBacks(Evictions):
         for d in t.depends_on:
             if d in self.transfers:
                 self.transfers[d].dependents.remove(transfer)
-        for n in t.nodes:
+        for n in (*t.shared, *t.nodes):
             n.full.host_lock -= 1
         for n in t.anchor.path():
             n.full.pins.discard(transfer)

@@ -160,7 +160,8 @@ class CacheState:
         if node.full.backup is not None:
             tids.add(node.full.backup)
         for tid in tids:
-            nodes = self.transfers[tid].nodes
+            t = self.transfers[tid]
+            nodes = t.nodes if node in t.nodes else t.shared
             nodes.insert(nodes.index(node), top)
         self._refresh(top)
         return top

@@ -22,6 +22,9 @@ class Transfer:
 
     Load-backs only:
     - `anchor`: deepest loaded node; its path stays locked until the ACK.
+    - `shared`: nodes above `nodes` that earlier loads were still filling when this one
+      started; pinned (and host-locked) by this transfer too, since its prefix relies on
+      their host copies until those loads finish.
     - `depends_on`: earlier load-backs, still copying at start, whose device pages this
       one's prefix uses; `dependents` is the reverse edge. A failure cascades along it.
     - `error`: why the load failed (its copy, or a dependency); then `parked` holds the
@@ -34,6 +37,7 @@ class Transfer:
     device_pages: bytes
     host_pages: bytes
     anchor: Node | None = None
+    shared: list[Node] = field(default_factory=list)
     depends_on: tuple[int, ...] = ()
     dependents: list[int] = field(default_factory=list)
     copied: bool = False

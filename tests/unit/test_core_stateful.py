@@ -1,0 +1,203 @@
+"""Randomized operation sequences against the core, in every write policy.
+
+An engine model drives the cache the way a scheduler would (match, load back, compute,
+insert, evict, lease) while copies complete, fail and get acknowledged in random order.
+After every step: `check_invariants()` is empty, the engine's free pages plus the
+pages the cache holds are exactly the device pool, every device page the cache hands
+out holds the identity of the prefix page it claims, and leased prefixes stay cached.
+"""
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from radixkv_server.core import NotReady
+from radixkv_server.core.pages import pack, unpack
+
+from harness import Engine, make_cache
+
+PAGE = 2
+DEVICE_PAGES = 24
+HOST_PAGES = 12
+
+prompts = st.lists(st.integers(0, 3), min_size=1, max_size=6)
+extra_keys = st.sampled_from([b"", b"lora"])
+
+
+def prompt_bytes(symbols) -> bytes:
+    return pack([v for s in symbols for v in (s, s + 10)])
+
+
+class CoreMachine(RuleBasedStateMachine):
+    policy = "write_through"
+    eviction = "lru"
+
+    def __init__(self):
+        super().__init__()
+        self.cache, self.copier = make_cache(self.policy, page_size=PAGE, device_pages=DEVICE_PAGES,
+                                             host_pages=HOST_PAGES, eviction=self.eviction)
+        self.eng = Engine(self.cache, self.copier)
+        self.loads: dict[int, tuple[bytes, bytes, bytes]] = {}  # transfer -> (prompt, extra, prefix pages)
+        self.leases: list[tuple[int, bytes, bytes, int]] = []    # (node, prompt, extra, tokens)
+
+    # -- engine requests ---------------------------------------------------------------
+
+    @rule(symbols=prompts, extra=extra_keys, lease=st.booleans())
+    def insert(self, symbols, extra, lease):
+        prompt = prompt_bytes(symbols)
+        m = self.cache.match(prompt, extra)
+        if not m.depends_on:
+            assert self.eng.verify(prompt, extra, m.device_pages) == []
+        have = m.device_tokens // PAGE
+        need = len(symbols) - have
+        if need > len(self.eng.free):
+            return
+        pages = self.eng.alloc(need)
+        self.eng.compute(prompt, extra, have, pages)
+        try:
+            r = self.cache.insert(prompt, m.device_pages + pack(pages), extra)
+        except NotReady:
+            self.eng.give(pack(pages))
+            return
+        self.eng.give(r.redundant_pages)
+        after = self.cache.match(prompt, extra)
+        assert after.device_tokens == len(symbols) * PAGE
+        assert self.eng.verify(prompt, extra, after.device_pages) == []
+        if lease:
+            self.cache.lock(r.node)
+            self.leases.append((r.node, prompt, extra, len(symbols) * PAGE))
+
+    @rule(symbols=prompts, extra=extra_keys, spare=st.integers(0, 2))
+    def load_back(self, symbols, extra, spare):
+        prompt = prompt_bytes(symbols)
+        m = self.cache.match(prompt, extra)
+        n = m.host_tokens // PAGE + spare
+        if not m.host_tokens or n > len(self.eng.free):
+            return
+        lb = self.cache.load_back(m.host_node, pack(self.eng.alloc(n)))
+        self.eng.give(lb.unused_pages)
+        assert lb.device_tokens == m.device_tokens + lb.loaded_tokens
+        if lb.transfer:
+            self.loads[lb.transfer] = (prompt, extra, lb.device_pages)
+
+    # -- the data path and the engine's acks -----------------------------------------
+
+    @precondition(lambda self: self.copier.pending)
+    @rule(pick=st.integers(0, 1000), fail=st.integers(0, 9))
+    def complete_copy(self, pick, fail):
+        pending = sorted(self.copier.pending)
+        outcome = self.copier.complete(self.cache, pending[pick % len(pending)], fail=fail == 0)
+        self.eng.give(outcome.freed_pages)
+
+    @precondition(lambda self: self.loads)
+    @rule(pick=st.integers(0, 1000))
+    def ack(self, pick):
+        tid = sorted(self.loads)[pick % len(self.loads)]
+        try:
+            result = self.cache.finish_load_back(tid)
+        except NotReady:
+            return
+        prompt, extra, prefix = self.loads.pop(tid)
+        if result.error is None:
+            assert self.eng.verify(prompt, extra, prefix) == []
+        else:
+            self.eng.give(result.failed_pages)
+
+    # -- pressure and leases -------------------------------------------------------------
+
+    @rule(n=st.integers(0, 8))
+    def evict_device(self, n):
+        self.eng.give(self.cache.evict_device(n).freed_pages)
+
+    @rule(n=st.integers(0, 8))
+    def evict_host(self, n):
+        self.cache.evict_host(n)
+
+    @precondition(lambda self: self.leases)
+    @rule(pick=st.integers(0, 1000))
+    def release(self, pick):
+        node, *_ = self.leases.pop(pick % len(self.leases))
+        self.cache.unlock(node)
+
+    # -- checks --------------------------------------------------------------------------
+
+    @invariant()
+    def sound(self):
+        assert self.cache.check_invariants() == []
+        free = self.eng.free
+        assert len(set(free)) == len(free)
+        assert not set(free) & self.cache.device.held_pages()
+        assert len(free) + self.cache.device.num_held == DEVICE_PAGES
+
+    @invariant()
+    def leased_prefixes_stay_cached(self):
+        for _, prompt, extra, n_tokens in self.leases:
+            root = self.cache.tree.roots[extra]
+            path, partial, _ = self.cache.tree.walk(root, prompt[: n_tokens * 4])
+            assert partial is None and sum(len(n.key) for n in path) == n_tokens * 4
+
+    def teardown(self):
+        # Drain: every copy completes, every load is acknowledged, every lease released;
+        # then the whole device pool can be evicted back to the engine.
+        while self.copier.pending or self.loads:
+            for outcome in self.copier.complete_all(self.cache).values():
+                self.eng.give(outcome.freed_pages)
+            for tid in sorted(self.loads):
+                self.ack(sorted(self.loads).index(tid))
+        for node, *_ in self.leases:
+            self.cache.unlock(node)
+        while self.cache.device.num_held:
+            r = self.cache.evict_device(DEVICE_PAGES)
+            self.eng.give(r.freed_pages)
+            for outcome in self.copier.complete_all(self.cache).values():
+                self.eng.give(outcome.freed_pages)
+            assert r.freed_pages or r.pending, "device pages stuck in the cache"
+        assert sorted(self.eng.free) == list(range(DEVICE_PAGES))
+        assert self.cache.check_invariants() == []
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def machine(policy, eviction="lru"):
+    cls = type(f"CoreMachine_{policy}_{eviction}", (CoreMachine,), {"policy": policy, "eviction": eviction})
+    return cls.TestCase
+
+
+TestWriteThrough = machine("write_through")
+TestWriteThroughSelective = machine("write_through_selective")
+TestWriteBack = machine("write_back")
+TestWriteBackLFU = machine("write_back", "lfu")
+for case in (TestWriteThrough, TestWriteThroughSelective, TestWriteBack, TestWriteBackLFU):
+    case.settings = SETTINGS
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_machine_runs_long_sequences(policy):
+    """One long seeded walk per policy beyond what the shrinking examples cover."""
+    import random
+
+    rnd = random.Random(7)
+    m = type("M", (CoreMachine,), {"policy": policy})()
+    for _ in range(3000):
+        op = rnd.randrange(8)
+        syms = [rnd.randrange(4) for _ in range(rnd.randint(1, 6))]
+        extra = rnd.choice([b"", b"lora"])
+        if op == 0:
+            m.insert(syms, extra, rnd.random() < 0.2)
+        elif op == 1:
+            m.load_back(syms, extra, rnd.randrange(3))
+        elif op in (2, 3) and m.copier.pending:
+            m.complete_copy(rnd.randrange(1000), rnd.randrange(10))
+        elif op == 4 and m.loads:
+            m.ack(rnd.randrange(1000))
+        elif op == 5:
+            m.evict_device(rnd.randrange(9))
+        elif op == 6:
+            m.evict_host(rnd.randrange(9))
+        elif op == 7 and m.leases:
+            m.release(rnd.randrange(1000))
+        m.sound()
+        m.leased_prefixes_stay_cached()
+    m.teardown()
