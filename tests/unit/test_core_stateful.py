@@ -7,6 +7,8 @@ pages the cache holds are exactly the device pool, every device page the cache h
 out holds the identity of the prefix page it claims, and leased prefixes stay cached.
 """
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -79,6 +81,32 @@ class CoreMachine(RuleBasedStateMachine):
         assert lb.device_tokens == m.device_tokens + lb.loaded_tokens
         if lb.transfer:
             self.loads[lb.transfer] = (prompt, extra, lb.device_pages)
+
+    @rule(base=prompts, tails=st.lists(prompts, min_size=2, max_size=3), extra=extra_keys)
+    def overlapping_loads(self, base, tails, extra):
+        """Several requests sharing a host-only prefix load back in the same step."""
+        for tail in tails:
+            self.load_back(base + tail, extra, 0)
+
+    @rule(pick=st.integers(0, 1000))
+    def staged_load(self, pick):
+        """Load a host-only parent, then its host-only child while the first copy runs:
+        the second load depends on the first and pins the parent too."""
+        nodes = sorted((n for n in self.cache.tree.iter_nodes()
+                        if n.full.device_pages is None and n.parent.parent is not None
+                        and n.parent.full.device_pages is None), key=lambda n: n.id)
+        if not nodes:
+            return
+        node = nodes[pick % len(nodes)]
+        prompt = b"".join(n.key for n in reversed(node.path()))
+        for target in (node.parent, node):
+            n = sum(len(x.key) for x in target.path() if x.full.device_pages is None) // 4 // PAGE
+            if n > len(self.eng.free):
+                return
+            lb = self.cache.load_back(target.id, pack(self.eng.alloc(n)))
+            self.eng.give(lb.unused_pages)
+            if lb.transfer:
+                self.loads[lb.transfer] = (prompt[: lb.device_tokens * 4], node.extra_key, lb.device_pages)
 
     # -- the data path and the engine's acks -----------------------------------------
 
@@ -173,15 +201,14 @@ for case in (TestWriteThrough, TestWriteThroughSelective, TestWriteBack, TestWri
     case.settings = SETTINGS
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_machine_runs_long_sequences(policy):
-    """One long seeded walk per policy beyond what the shrinking examples cover."""
-    import random
-
-    rnd = random.Random(7)
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_machine_runs_long_sequences(policy, seed):
+    """Long seeded walks per policy, beyond what the shrinking examples cover."""
+    rnd = random.Random(seed)
     m = type("M", (CoreMachine,), {"policy": policy})()
-    for _ in range(3000):
-        op = rnd.randrange(8)
+    for _ in range(2000):
+        op = rnd.randrange(10)
         syms = [rnd.randrange(4) for _ in range(rnd.randint(1, 6))]
         extra = rnd.choice([b"", b"lora"])
         if op == 0:
@@ -198,6 +225,10 @@ def test_machine_runs_long_sequences(policy):
             m.evict_host(rnd.randrange(9))
         elif op == 7 and m.leases:
             m.release(rnd.randrange(1000))
+        elif op == 9:
+            m.staged_load(rnd.randrange(1000))
+        elif op == 8:
+            m.overlapping_loads(syms[:2], [[rnd.randrange(4)] * rnd.randint(1, 3) for _ in range(2)], extra)
         m.sound()
         m.leased_prefixes_stay_cached()
     m.teardown()

@@ -1,0 +1,27 @@
+"""L3 storage: whole KV pages kept across restarts and shared across daemons.
+
+Keys come from `page_keys` (a hash chain salted by `namespace_salt`); values are
+checksummed `record`s. Backends are blocking and thread-safe (the daemon calls them from
+worker threads): `FileStorage` (a directory, the embedded default) and `RedisStorage`
+(Redis or Valkey). `open_storage(url)` picks one. A store fault raises
+`StorageUnavailable`; a damaged page reads as a miss.
+"""
+
+from .base import MAX_KEY_BYTES, StorageBackend, StorageStats, StorageUnavailable, open_storage
+from .file import FileStorage
+from .keys import KEY_BYTES, namespace_salt, page_keys
+from .record import CorruptPage, decode, encode
+
+__all__ = [
+    "KEY_BYTES", "MAX_KEY_BYTES", "CorruptPage", "FileStorage", "RedisStorage",
+    "StorageBackend", "StorageStats", "StorageUnavailable", "decode", "encode",
+    "namespace_salt", "open_storage", "page_keys",
+]
+
+
+def __getattr__(name: str):
+    # RedisStorage imports redis-py; load it only when asked for.
+    if name == "RedisStorage":
+        from .redis_store import RedisStorage
+        return RedisStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,315 @@
+"""The L3 storage interface every backend implements, and `open_storage` to pick one.
+
+The daemon calls a backend from worker threads, never from its event loop: every method
+blocks. One backend object may be used by several threads at once. Storage is a cache:
+a fault raises `StorageUnavailable` (the daemon then serves from device and host only
+and tries again later), a damaged record reads as a miss, and nothing here ever raises
+a raw `OSError` or redis error.
+"""
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit
+
+from .record import HEADER_BYTES, CorruptPage, decode, encode
+
+MAX_KEY_BYTES = 64
+log = logging.getLogger(__name__)
+
+
+class StorageUnavailable(Exception):
+    """The store could not be reached, or refused an operation (I/O error, lost
+    connection, timeout, out of memory, closed backend). `store` names it (credentials
+    left out), `operation` is the call that failed, `__cause__` the underlying error."""
+
+    def __init__(self, store: str, operation: str, cause: BaseException | None = None,
+                 detail: str | None = None):
+        self.store = store
+        self.operation = operation
+        reason = detail if detail is not None else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"storage {store} unavailable during {operation}: {reason}")
+
+
+@dataclass(slots=True)
+class StorageStats:
+    """Counters of one backend since it was opened; `hits = gets - misses - corrupt`."""
+
+    gets: int = 0          # pages asked for by get()
+    get_bytes: int = 0     # payload bytes get() returned
+    misses: int = 0        # pages get() found absent
+    corrupt: int = 0       # pages get() found damaged (returned as None and removed)
+    puts: int = 0          # pages put() stored
+    put_bytes: int = 0     # payload bytes of those pages
+    put_skipped: int = 0   # pages put() left alone because their key was present
+    errors: int = 0        # calls that raised StorageUnavailable
+    seconds: float = 0.0   # wall time spent talking to the store
+
+    def snapshot(self) -> "StorageStats":
+        """A copy, consistent enough for metrics (fields are read without a lock)."""
+        return replace(self)
+
+
+class StorageBackend(ABC):
+    """A key -> page store. Keys are 1..64 bytes (`keys.page_keys` makes 32-byte ones);
+    payloads are opaque bytes, wrapped in a checksummed `record` inside the backend.
+
+    Contract shared by every backend:
+    - Keys are content addresses: a present key is never rewritten, so a reader sees
+      either no page or a whole page, never a partial or mixed one.
+    - Store faults raise `StorageUnavailable`; bad arguments raise ValueError or
+      TypeError before the store is touched. After a fault the same object keeps
+      working once the store is back (no reopen needed).
+    - `close()` is idempotent; any call after it raises StorageUnavailable.
+    Subclasses implement the `_`-prefixed primitives and set `faults`, the raw error
+    types that mean "the store failed"; the base class wraps those, times and counts.
+    """
+
+    faults: tuple[type[BaseException], ...] = (OSError,)
+
+    def __init__(self, name: str):
+        self.name = name  # for messages and logs; never holds credentials
+        self.stats = StorageStats()
+        self._stats_lock = threading.Lock()  # worker threads update stats concurrently
+        self._closed = False
+
+    # -- public API ------------------------------------------------------------------
+
+    def exists_prefix(self, keys: list[bytes]) -> int:
+        """How many leading `keys` are present; stops probing at the first miss.
+
+        A present but damaged record counts as present (get() then reports it). Reads only.
+        """
+        keys = _checked_keys(keys, "exists_prefix")
+        return self._call("exists_prefix", self._exists_prefix, keys) if keys else 0
+
+    def get(self, keys: list[bytes]) -> list[bytes | None]:
+        """The payload stored under each key, in order; None for a miss or a damaged
+        record. A damaged record is counted in `stats.corrupt`, logged and removed
+        (best effort) so a later put() can store the page again."""
+        keys = _checked_keys(keys, "get")
+        if not keys:
+            return []
+        blobs = self._call("get", self._get_blobs, keys)
+        out: list[bytes | None] = []
+        damaged = []
+        misses = nbytes = 0
+        for key, blob in zip(keys, blobs):
+            payload = None
+            if blob is None:
+                misses += 1
+            else:
+                try:
+                    payload = decode(blob)
+                    nbytes += len(payload)
+                except CorruptPage as exc:
+                    log.warning("storage %s: dropping damaged page %s: %s", self.name, key.hex(), exc)
+                    damaged.append(key)
+            out.append(payload)
+        self._count(gets=len(keys), misses=misses, corrupt=len(damaged), get_bytes=nbytes)
+        if damaged:
+            self._drop(damaged)
+        return out
+
+    def put(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Store (key, payload) pairs whose key is absent; returns how many were stored.
+
+        A present key is left as it is (counted in `stats.put_skipped`). Pages of one call
+        are not stored atomically together: after a fault some may be stored, none partially.
+        """
+        items = _checked_items(items)
+        if not items:
+            return 0
+        records = [(key, encode(payload)) for key, payload in items]
+        stored = self._call("put", self._put_blobs, records)
+        new = sum(1 for s in stored if s)
+        nbytes = sum(len(blob) - HEADER_BYTES for (_, blob), s in zip(records, stored) if s)
+        self._count(puts=new, put_bytes=nbytes, put_skipped=len(items) - new)
+        return new
+
+    def check(self) -> None:
+        """Probe the store (reachable, writable where that can be told cheaply);
+        returns None or raises StorageUnavailable. For start-up logs and health checks."""
+        self._call("check", self._check)
+
+    def close(self) -> None:
+        """Release connections and handles. Idempotent; later calls raise StorageUnavailable."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    # -- for subclasses ---------------------------------------------------------------
+
+    @abstractmethod
+    def _exists_prefix(self, keys: list[bytes]) -> int:
+        """Number of leading keys present (keys is non-empty)."""
+
+    @abstractmethod
+    def _get_blobs(self, keys: list[bytes]) -> list[bytes | None]:
+        """The stored records (undecoded), None where absent."""
+
+    @abstractmethod
+    def _put_blobs(self, records: list[tuple[bytes, bytes]]) -> list[bool]:
+        """Store each record unless its key is present; True where this call stored it."""
+
+    @abstractmethod
+    def _discard(self, keys: list[bytes]) -> None:
+        """Remove the records of damaged pages; absent keys are not an error."""
+
+    @abstractmethod
+    def _check(self) -> None:
+        """Raise one of `faults` (or StorageUnavailable) unless the store answers."""
+
+    def _close(self) -> None:
+        """Release resources; called once."""
+
+    # -- internals --------------------------------------------------------------------
+
+    def _call(self, operation: str, fn, *args):
+        start = time.perf_counter()
+        try:
+            if self._closed:
+                raise StorageUnavailable(self.name, operation, detail="the backend is closed")
+            return fn(*args)
+        except StorageUnavailable:
+            self._count(errors=1)
+            raise
+        except self.faults as exc:
+            self._count(errors=1)
+            raise StorageUnavailable(self.name, operation, exc) from exc
+        finally:
+            self._count(seconds=time.perf_counter() - start)
+
+    def _drop(self, keys: list[bytes]) -> None:
+        try:
+            self._call("discard", self._discard, keys)
+        except StorageUnavailable as exc:  # the get() result stands; the next get retries
+            log.warning("%s", exc)
+
+    def _count(self, **deltas) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+
+def _checked_keys(keys, operation: str) -> list[bytes]:
+    keys = list(keys)
+    for key in keys:
+        if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"{operation}: a key must be 1..{MAX_KEY_BYTES} bytes, got {key!r:.80}")
+    return keys
+
+
+def _checked_items(items) -> list[tuple[bytes, bytes]]:
+    items = list(items)
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise ValueError(f"put: each item must be a (key, payload) tuple, got {item!r:.80}")
+        _checked_keys([item[0]], "put")
+        if not isinstance(item[1], (bytes, bytearray, memoryview)):
+            raise TypeError(f"put: payload must be bytes-like, got {type(item[1]).__name__}")
+    return items
+
+
+# -- opening a store by URL ---------------------------------------------------------------
+
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def open_storage(url: str) -> StorageBackend:
+    """Open the store named by `url`. Accepted forms:
+
+    - `file:///abs/dir` (or `file://localhost/abs/dir`) and a bare path (`/abs/dir`,
+      `rel/dir`, `~/dir`): a directory of page files (`FileStorage`), created if absent.
+      Option: `?fsync=1` to fsync each page and its directory before it becomes visible.
+    - `redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS), and
+      `unix:///path/redis.sock[?db=N]`: Redis or Valkey (`RedisStorage`), connected lazily.
+      Options: `ttl=<seconds>` (pages expire that long after they are written),
+      `prefix=<text>` (key prefix, default `radixkv:`), and redis-py's connection options
+      (`socket_timeout`, `socket_connect_timeout`, `max_connections`, ...).
+
+    Raises ValueError (naming the problem) for an empty URL, an unknown scheme, a missing
+    path, or a bad option; StorageUnavailable if a file directory cannot be created.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"storage URL must be a non-empty string, got {url!r}")
+    if "://" not in url:
+        from .file import FileStorage
+        return FileStorage(url)
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    options = _query(parts.query, url)
+    if scheme == "file":
+        return _open_file(parts, options, url)
+    if scheme in _REDIS_SCHEMES:
+        from .redis_store import RedisStorage
+        ttl = options.pop("ttl", None)
+        prefix = options.pop("prefix", "radixkv:")
+        rest = url.split("?", 1)[0].split("#", 1)[0]
+        if options:
+            rest += "?" + urlencode(options)
+        return RedisStorage(rest, key_prefix=prefix.encode(),
+                            ttl_seconds=_positive_int(ttl, "ttl", url) if ttl is not None else None)
+    raise ValueError(
+        f"unsupported storage URL scheme {parts.scheme!r} in {redact_url(url)}; use file://, "
+        "a bare path, redis://, rediss:// or unix://")
+
+
+def _open_file(parts, options: dict[str, str], url: str) -> StorageBackend:
+    from .file import FileStorage
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"file storage URL {url!r} names host {parts.netloc!r}; only local paths work")
+    path = unquote(parts.path)
+    if not path:
+        raise ValueError(f"file storage URL {url!r} has no path")
+    fsync = options.pop("fsync", "0")
+    if options:
+        raise ValueError(f"unknown option(s) {sorted(options)} in {url!r}; file storage takes fsync")
+    if fsync not in ("0", "1", "true", "false"):
+        raise ValueError(f"fsync must be 0, 1, true or false in {url!r}, got {fsync!r}")
+    return FileStorage(path, fsync=fsync in ("1", "true"))
+
+
+def _query(query: str, url: str) -> dict[str, str]:
+    try:
+        pairs = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ValueError(f"malformed query string in storage URL {redact_url(url)}") from None
+    repeated = [name for name, values in pairs.items() if len(values) > 1]
+    if repeated:
+        raise ValueError(f"option(s) {repeated} given more than once in {redact_url(url)}")
+    return {name: values[0] for name, values in pairs.items()}
+
+
+def _positive_int(text: str, name: str, url: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name} must be a whole number of seconds >= 1 in {redact_url(url)}, got {text!r}")
+    return int(text)
+
+
+def redact_url(url: str) -> str:
+    """The URL without credentials and query (which may carry a password)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        port = parts.port
+    except ValueError:  # a malformed port: show none rather than fail while reporting
+        port = None
+    if port is not None:
+        host = f"{host}:{port}"
+    return f"{parts.scheme}://{host}{parts.path}"

@@ -1,0 +1,122 @@
+"""Store faults raise StorageUnavailable (never a raw error), and the same backend
+object works again once the store is back."""
+
+import os
+import shutil
+import signal
+
+import pytest
+import redis
+
+from radixkv_server.storage import FileStorage, RedisStorage, StorageUnavailable, open_storage
+
+KEY_A, KEY_B = b"a" * 32, b"b" * 32
+
+
+def _assert_unavailable(call, store_name: str, operation: str) -> StorageUnavailable:
+    with pytest.raises(StorageUnavailable) as info:
+        call()
+    exc = info.value
+    assert exc.store == store_name and exc.operation == operation
+    assert str(exc).startswith(f"storage {store_name} unavailable during {operation}: ")
+    return exc
+
+
+# -- Redis ----------------------------------------------------------------------------------
+
+def test_redis_stopped_then_restarted(private_redis):
+    backend = RedisStorage(private_redis.url, socket_timeout=1.0, connect_timeout=1.0, retries=1)
+    assert backend.put([(KEY_A, b"before")]) == 1
+    private_redis.stop()
+
+    name = f"unix://{private_redis.socket}"
+    for operation, call in [
+        ("get", lambda: backend.get([KEY_A])),
+        ("put", lambda: backend.put([(KEY_B, b"page")])),
+        ("exists_prefix", lambda: backend.exists_prefix([KEY_A])),
+        ("check", backend.check),
+    ]:
+        exc = _assert_unavailable(call, name, operation)
+        assert isinstance(exc.__cause__, redis.ConnectionError)
+        assert "ConnectionError" in str(exc)
+    assert backend.stats.errors == 4
+
+    private_redis.start()  # same socket, empty (no persistence)
+    assert backend.put([(KEY_B, b"after")]) == 1
+    assert backend.get([KEY_A, KEY_B]) == [None, b"after"]
+    assert backend.exists_prefix([KEY_B]) == 1
+    backend.close()
+
+
+def test_redis_that_hangs_times_out(private_redis):
+    backend = RedisStorage(private_redis.url, socket_timeout=0.3, connect_timeout=0.3, retries=0)
+    backend.put([(KEY_A, b"page")])
+    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    try:
+        exc = _assert_unavailable(lambda: backend.get([KEY_A]), f"unix://{private_redis.socket}", "get")
+        assert isinstance(exc.__cause__, redis.TimeoutError)
+    finally:
+        os.kill(private_redis.proc.pid, signal.SIGCONT)
+    assert backend.get([KEY_A]) == [b"page"]
+    backend.close()
+
+
+def test_redis_error_message_leaves_out_the_password():
+    backend = open_storage("redis://user:s3cret@127.0.0.1:1/0?socket_connect_timeout=0.2")
+    exc = _assert_unavailable(lambda: backend.get([KEY_A]), "redis://127.0.0.1:1/0", "get")
+    assert "s3cret" not in str(exc) and "s3cret" not in repr(backend)
+    backend.close()
+
+
+# -- files ----------------------------------------------------------------------------------
+
+def _all_calls(backend):
+    return [
+        ("get", lambda: backend.get([KEY_A])),
+        ("put", lambda: backend.put([(KEY_B, b"page")])),
+        ("exists_prefix", lambda: backend.exists_prefix([KEY_A, KEY_B])),
+        ("check", backend.check),
+    ]
+
+
+def test_file_directory_removed_then_restored(tmp_path):
+    directory = tmp_path / "pages"
+    backend = FileStorage(directory)
+    backend.put([(KEY_A, b"page")])
+    shutil.rmtree(directory)
+
+    for operation, call in _all_calls(backend):
+        exc = _assert_unavailable(call, f"file://{directory}", operation)
+        assert "missing or not a directory" in str(exc)
+    assert not directory.exists()  # the backend did not recreate it
+
+    directory.mkdir()
+    assert backend.put([(KEY_B, b"again")]) == 1
+    assert backend.get([KEY_A, KEY_B]) == [None, b"again"]
+
+
+def test_file_directory_replaced_by_a_file(tmp_path):
+    directory = tmp_path / "pages"
+    backend = FileStorage(directory)
+    shutil.rmtree(directory)
+    directory.write_bytes(b"not a directory")
+    for operation, call in _all_calls(backend):
+        _assert_unavailable(call, f"file://{directory}", operation)
+
+
+def test_file_directory_that_cannot_take_pages(tmp_path):
+    # A regular file where the page's fan-out directory belongs: writes fail with
+    # ENOTDIR for every user, root included (for whom mode bits would not matter).
+    backend = FileStorage(tmp_path / "pages")
+    (tmp_path / "pages" / KEY_B.hex()[:2]).write_bytes(b"obstruction")
+    exc = _assert_unavailable(lambda: backend.put([(KEY_B, b"page")]), backend.name, "put")
+    assert isinstance(exc.__cause__, NotADirectoryError)
+    assert backend.put([(KEY_A, b"page")]) == 1  # other fan-out directories still work
+    leftovers = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_file_storage_that_cannot_be_created(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(StorageUnavailable, match="during open"):
+        open_storage(str(tmp_path / "file" / "pages"))
