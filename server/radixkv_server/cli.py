@@ -1,0 +1,32 @@
+"""`radixkv-server` / `python -m radixkv_server`: parse the config, log it, serve."""
+
+import logging
+import sys
+
+import uvloop
+
+from .config import load_config
+from .logs import log_event, setup_logging
+from .server import StartupError, serve
+
+log = logging.getLogger("radixkv")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ValueError as e:
+        print(f"radixkv-server: {e}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+    log_event(log, "config", **{k: (",".join(v) if isinstance(v, tuple) else v)
+                                for k, v in config.describe().items()})
+    try:
+        return uvloop.run(serve(config))
+    except StartupError as e:
+        log_event(log, "daemon.failed", logging.ERROR, reason=str(e))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

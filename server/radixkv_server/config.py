@@ -1,0 +1,139 @@
+"""The daemon's configuration: one frozen dataclass. CLI flags and RADIXKV_* environment
+variables are derived from its fields (flag `--host-pool-size` <-> field
+`host_pool_size` <-> variable `RADIXKV_HOST_POOL_SIZE`); precedence is flag, then
+environment, then the default written here."""
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_SOCKET = "unix:///run/radixkv/radixkv.sock"
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '4GiB', '512MiB', '1.5G', '4096' (decimal k/M/G, binary Ki/Mi/Gi)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4GiB, 512MiB, 1000000)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _opt(default, help: str, *, size: bool = False, repeat: bool = False, choices=None):
+    meta = {"help": help, "size": size, "repeat": repeat, "choices": choices}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    listen: tuple[str, ...] = _opt(
+        (DEFAULT_SOCKET,), "gRPC address: unix:///path.sock or host:port (repeatable; "
+        "TCP binds where told, use 127.0.0.1 for loopback only)", repeat=True)
+    metrics_port: int = _opt(9464, "Prometheus /metrics HTTP port (0: off)")
+    metrics_host: str = _opt("127.0.0.1", "address the metrics port binds")
+    host_pool_size: int = _opt(4 * 1024**3, "host (L2) pool per namespace, bytes (e.g. 4GiB)", size=True)
+    max_host_pool_size: int = _opt(0, "largest host pool a Register may ask for (0: host_pool_size)", size=True)
+    page_size: int = _opt(16, "tokens per page when a Register's layout leaves it 0")
+    write_policy: str = _opt("write_through", "default write policy",
+                             choices=("write_through", "write_through_selective", "write_back"))
+    write_through_threshold: int = _opt(2, "hits before write_through_selective backs a node up")
+    eviction_policy: str = _opt("lru", "eviction order", choices=("lru", "lfu", "fifo"))
+    copy_workers: int = _opt(2, "threads copying pages per namespace")
+    max_sessions: int = _opt(64, "most sessions at once")
+    max_namespaces: int = _opt(64, "most namespaces at once")
+    max_prompts_per_match: int = _opt(4096, "most prompts in one Match")
+    max_message_size: int = _opt(64 * 1024**2, "largest gRPC message, bytes", size=True)
+    max_concurrent_rpcs: int = _opt(1024, "RPCs in progress before new ones get RESOURCE_EXHAUSTED")
+    shutdown_grace: float = _opt(10.0, "seconds in-flight RPCs get on shutdown")
+    log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = _opt("text", "log lines as key=value text or JSON", choices=("text", "json"))
+
+    def __post_init__(self):
+        if not self.listen:
+            raise ValueError("listen: give at least one address")
+        for name in ("page_size", "write_through_threshold", "copy_workers", "max_sessions",
+                     "max_namespaces", "max_prompts_per_match", "max_concurrent_rpcs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_pool_size < 0 or self.max_host_pool_size < 0:
+            raise ValueError("host pool sizes must be >= 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    @property
+    def host_pool_limit(self) -> int:
+        return self.max_host_pool_size or self.host_pool_size
+
+    def describe(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _convert(f: dataclasses.Field, text: str):
+    if f.metadata.get("size"):
+        return parse_size(text)
+    kind = type(f.default) if f.default is not dataclasses.MISSING else str
+    if kind is bool:
+        return text.lower() in ("1", "true", "yes", "on")
+    return kind(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixkv-server",
+        description="radixkv: hierarchical KV-cache daemon for LLM inference engines. "
+        "Every flag can also be set as RADIXKV_<FLAG_NAME> in the environment.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(DaemonConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kwargs = {"help": f.metadata["help"], "dest": f.name, "default": None}
+        if f.metadata.get("repeat"):
+            kwargs["action"] = "append"
+        else:
+            kwargs["type"] = str
+            kwargs["metavar"] = f.name.upper()
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+        kwargs["help"] += f" (default: {default if not isinstance(default, tuple) else ', '.join(default)})"
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> DaemonConfig:
+    """Resolve the configuration from flags, then RADIXKV_* variables, then defaults.
+    Raises SystemExit (argparse) for unknown flags and ValueError for bad values."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    values = {}
+    for f in dataclasses.fields(DaemonConfig):
+        given = getattr(args, f.name)
+        env = environ.get("RADIXKV_" + f.name.upper())
+        if f.metadata.get("repeat"):
+            if given:
+                values[f.name] = tuple(given)
+            elif env:
+                values[f.name] = tuple(x.strip() for x in env.split(",") if x.strip())
+            continue
+        text = given if given is not None else env
+        if text is None:
+            continue
+        try:
+            values[f.name] = _convert(f, text)
+        except ValueError as e:
+            raise ValueError(f"{f.name}: {e}") from None
+    return DaemonConfig(**values)

@@ -1,0 +1,131 @@
+"""serve(): the gRPC server around one Daemon, from start to a clean exit.
+
+Shutdown order (SIGTERM/SIGINT): health NOT_SERVING -> refuse new sessions -> finish
+copies in flight -> server.stop(grace) -> close sessions (finish load-backs, release
+leases) -> close device handles and unpin host pools -> remove socket files.
+"""
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
+
+from .config import DEFAULT_SOCKET, DaemonConfig
+from .logs import log_event
+from .service.daemon import Daemon
+from .service.servicer import RadixKVServicer
+
+log = logging.getLogger("radixkv.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RadixKV"].full_name
+
+
+class StartupError(Exception):
+    """The daemon cannot start as configured (the message says why and what to do)."""
+
+
+def _unix_path(address: str) -> str | None:
+    if address.startswith("unix://"):
+        return address[len("unix://"):]
+    if address.startswith("unix:"):
+        return address[len("unix:"):]
+    return None
+
+
+def _prepare_socket(path: str) -> None:
+    """Create the socket's directory (0750) and clear a stale socket file."""
+    Path(path).parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: left over from a killed daemon
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another process already listens on {path}; stop it or pick another --listen")
+
+
+def _resolve_listen(config: DaemonConfig) -> list[str]:
+    """The configured addresses; the default socket falls back to a per-user runtime
+    directory when /run/radixkv cannot be created (not root)."""
+    addresses = list(config.listen)
+    if addresses == [DEFAULT_SOCKET]:
+        path = _unix_path(DEFAULT_SOCKET)
+        try:
+            Path(path).parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        except PermissionError:
+            base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/radixkv-{os.getuid()}"
+            addresses = [f"unix://{base}/radixkv/radixkv.sock"]
+            log_event(log, "listen.fallback", logging.WARNING, wanted=DEFAULT_SOCKET, using=addresses[0],
+                      reason="no permission to create /run/radixkv")
+    return addresses
+
+
+def _bind(server: grpc.aio.Server, address: str) -> str | None:
+    path = _unix_path(address)
+    if path is not None:
+        _prepare_socket(path)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise StartupError(f"cannot listen on {address}: {e}") from None
+    if path is None and port == 0:
+        raise StartupError(f"cannot listen on {address} (address in use or not local?)")
+    return path
+
+
+async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
+    """Run until `stop` is set or SIGTERM/SIGINT arrives; returns the exit code."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    daemon = Daemon(config)
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", config.max_message_size),
+                 ("grpc.max_send_message_length", config.max_message_size),
+                 ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    sockets = [p for p in (_bind(server, a) for a in _resolve_listen(config)) if p]
+    await server.start()
+    for path in sockets:
+        os.chmod(path, 0o660)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(_resolve_listen(config)))
+
+    await stop.wait()
+    log_event(log, "daemon.stopping", sessions=len(daemon.sessions))
+    await health_servicer.enter_graceful_shutdown()
+    daemon.stop_accepting()
+    await daemon.drain()
+    await server.stop(config.shutdown_grace)
+    await daemon.close()
+    for path in sockets:
+        try:
+            os.unlink(path)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+    log_event(log, "daemon.stopped")
+    return 0

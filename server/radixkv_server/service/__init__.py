@@ -1,0 +1,1 @@
+"""The gRPC shell around the core: sessions, namespaces, acks, errors, the server."""

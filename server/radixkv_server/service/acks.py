@@ -1,0 +1,106 @@
+"""The Acks stream of one engine session.
+
+One reader (this handler's coroutine), one task per ack (waiting for its copy, then
+finishing the transfer on the core), one writer draining a queue of answers. When the
+stream ends (engine half-close, cancellation, daemon shutdown) the session is closed
+in the background, which finishes its remaining load-backs and releases its leases.
+"""
+
+import asyncio
+import logging
+
+import grpc
+from radixkv.v1 import radixkv_pb2 as pb
+
+from ..core.errors import CacheError
+from ..logs import log_event
+from .daemon import Daemon
+from .errors import ServiceError, status_of
+
+log = logging.getLogger("radixkv.acks")
+
+
+class AckStream:
+    def __init__(self, daemon: Daemon, context):
+        self.daemon = daemon
+        self.context = context
+        self.session = None
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self.acks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._write())
+        stopping = asyncio.create_task(self.daemon.stopping.wait())
+        reason = "ack stream ended"
+        try:
+            while True:
+                read = asyncio.create_task(self.context.read())
+                done, _ = await asyncio.wait({read, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
+                    read.cancel()
+                    reason = "daemon shutting down"
+                    break
+                request = read.result()
+                if request is grpc.aio.EOF:
+                    break
+                if not await self._accept(request):
+                    return
+            if self.acks:
+                await asyncio.gather(*self.acks)
+            await self.replies.put(None)
+            await writer
+        except asyncio.CancelledError:
+            reason = "ack stream cancelled (engine gone?)"
+            raise
+        finally:
+            stopping.cancel()
+            if not writer.done():
+                writer.cancel()
+            if self.session is not None:
+                self.daemon.close_in_background(self.session, reason)
+
+    async def _accept(self, request) -> bool:
+        """Start handling one ack. False when the stream was aborted."""
+        if self.session is None:
+            try:
+                session = self.daemon.session(request.session)
+                if session.has_ack_stream:
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"session {session.id} already has an ack stream")
+            except ServiceError as e:
+                await self.context.abort(e.code, str(e))
+                return False
+            session.has_ack_stream = True
+            self.session = session
+        elif request.session and request.session != self.session.id:
+            self.replies.put_nowait(pb.AckResponse(
+                transfer=request.transfer, code=grpc.StatusCode.PERMISSION_DENIED.value[0],
+                message=f"this ack stream belongs to session {self.session.id}"))
+            return True
+        task = asyncio.create_task(self._ack(request.transfer))
+        self.acks.add(task)
+        task.add_done_callback(self.acks.discard)
+        return True
+
+    async def _ack(self, transfer: int) -> None:
+        try:
+            result = await self.daemon.ack(self.session, transfer)
+        except (CacheError, ServiceError) as e:
+            code, message = status_of(e)
+            self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=code.value[0], message=message))
+            return
+        except Exception as e:  # a bug: answer it rather than leave the engine waiting
+            log.exception("internal error acknowledging transfer %s", transfer)
+            self.replies.put_nowait(pb.AckResponse(
+                transfer=transfer, code=grpc.StatusCode.INTERNAL.value[0], message=f"internal error: {e}"))
+            return
+        if result.error is not None:
+            log_event(log, "load.failed", logging.WARNING, session=self.session.id[:8],
+                      transfer=transfer, reason=result.error)
+        self.replies.put_nowait(pb.AckResponse(
+            transfer=transfer, code=0, message=result.error or "",
+            load_failed=result.error is not None, failed_pages=result.failed_pages))
+
+    async def _write(self) -> None:
+        while (reply := await self.replies.get()) is not None:
+            await self.context.write(reply)

@@ -1,0 +1,311 @@
+"""The daemon's state above the core: namespaces, sessions, and every operation that
+spans an `await` (registration, waiting for copies). RPC handlers call into here.
+
+The event loop owns everything. No tree change spans an `await`: an operation that
+must wait for copies waits first, then re-checks its session and retries on the core.
+"""
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from radixkv.layout import KvLayout
+
+from ..config import DaemonConfig
+from ..core import CacheConfig, LoadBackResult, NotReady
+from ..core.pages import count
+from ..datapath import DeviceOpenError, HostPool, open_device_buffers
+from ..logs import log_event
+from .errors import exhausted, invalid, not_found, precondition, unavailable
+from .namespace import Namespace
+from .sessions import Session, SessionRegistry
+
+log = logging.getLogger("radixkv.daemon")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+BACKENDS = ("shm", "cuda")
+
+
+@dataclass(frozen=True)
+class Registration:
+    namespace: str
+    layout: KvLayout
+    backend: str
+    device: int
+    buffers: list
+    num_device_pages: int
+    write_policy: str = ""
+    host_pool_pages: int = 0
+    replace_existing: bool = False
+    engine: str = ""
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class Registered:
+    session: Session
+    warm: bool
+    dropped_device_tokens: int
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.instance = uuid.uuid4().hex[:12]
+        self.started = time.monotonic()
+        self.namespaces: dict[str, Namespace] = {}
+        self.sessions = SessionRegistry()
+        self.accepting = True
+        self.stopping = asyncio.Event()
+        self._register_lock = asyncio.Lock()  # registrations await I/O; one at a time
+        self._background: set[asyncio.Task] = set()
+
+    # -- registration ------------------------------------------------------------------
+
+    async def register(self, reg: Registration) -> Registered:
+        """Attach an engine. Validates everything, then opens its device buffers and
+        creates (or re-attaches) the namespace. Errors change nothing."""
+        if not self.accepting:
+            raise unavailable("the daemon is shutting down; register with its successor")
+        if not _NAME.match(reg.namespace):
+            raise invalid(f"namespace {reg.namespace!r}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -, "
+                          "starting with a letter or digit")
+        if reg.backend not in BACKENDS:
+            raise invalid(f"backend {reg.backend!r}: use one of {list(BACKENDS)}")
+        if reg.num_device_pages < 1:
+            raise invalid("num_device_pages must be >= 1")
+        if len(reg.buffers) != reg.layout.num_buffers:
+            raise invalid(f"layout needs {reg.layout.num_buffers} device buffers "
+                          f"({reg.layout.num_layers} layers x {reg.layout.buffers_per_layer}), got {len(reg.buffers)}")
+        async with self._register_lock:
+            ns = self.namespaces.get(reg.namespace)
+            policy = reg.write_policy or (ns.config.write_policy.value if ns else self.config.write_policy)
+            if ns is not None:
+                self._check_compatible(ns, reg, policy)
+                if ns.session is not None:
+                    if not reg.replace_existing:
+                        raise precondition(
+                            f"namespace {reg.namespace} is attached to a live session (engine "
+                            f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
+                    await self.close_session(ns.session, "replaced by a new registration")
+            elif len(self.namespaces) >= self.config.max_namespaces:
+                raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
+            if len(self.sessions) >= self.config.max_sessions:
+                raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions")
+            try:
+                cache_config = CacheConfig(
+                    page_size=reg.layout.page_size, write_policy=policy,
+                    write_through_threshold=self.config.write_through_threshold,
+                    eviction_policy=self.config.eviction_policy)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+            host_pages = self._host_pages(reg) if ns is None else 0
+            device = await self._open_device(reg)
+            dropped = 0
+            try:
+                if ns is None:
+                    pool = await asyncio.get_running_loop().run_in_executor(
+                        None, HostPool, reg.layout, host_pages)
+                    ns = Namespace(reg.namespace, reg.layout, reg.model or reg.namespace, cache_config,
+                                   pool, device, reg.backend, self.config.copy_workers)
+                    self.namespaces[reg.namespace] = ns
+                    warm = False
+                else:
+                    dropped = await ns.attach(device, reg.backend)
+                    warm = True
+            except BaseException:
+                device.close()
+                raise
+            session = self.sessions.new(ns, reg.engine)
+            ns.session = session
+        log_event(log, "session.registered", namespace=ns.name, session=session.id[:8],
+                  engine=reg.engine, backend=reg.backend, device_pages=reg.num_device_pages,
+                  host_pages=ns.host_pool.num_pages, warm=warm, dropped_tokens=dropped)
+        return Registered(session, warm, dropped)
+
+    def _check_compatible(self, ns: Namespace, reg: Registration, policy: str) -> None:
+        if ns.layout != reg.layout:
+            raise precondition(f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
+                               "use a new namespace name for this one")
+        if policy != ns.config.write_policy.value:
+            raise precondition(f"namespace {ns.name} uses write policy {ns.config.write_policy.value}, "
+                               f"not {policy}")
+
+    def _host_pages(self, reg: Registration) -> int:
+        page_bytes = reg.layout.page_bytes
+        limit = self.config.host_pool_limit // page_bytes
+        if reg.host_pool_pages:
+            if reg.host_pool_pages > limit:
+                raise exhausted(
+                    f"host pool of {reg.host_pool_pages} pages ({reg.host_pool_pages * page_bytes} bytes) "
+                    f"exceeds the per-namespace limit of {limit} pages ({self.config.host_pool_limit} bytes)")
+            return reg.host_pool_pages
+        return self.config.host_pool_size // page_bytes
+
+    async def _open_device(self, reg: Registration):
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                None, open_device_buffers, reg.backend, reg.layout, reg.num_device_pages,
+                reg.buffers, reg.device)
+        except DeviceOpenError as e:
+            raise invalid(f"cannot open the engine's device buffers: {e}") from None
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def session(self, session_id: str) -> Session:
+        return self.sessions.get(session_id)
+
+    @staticmethod
+    def check_open(session: Session) -> None:
+        if session.closing:
+            raise precondition(f"session {session.id} closed while this call waited")
+
+    async def close_session(self, session: Session, reason: str) -> None:
+        """Finish the session's load-backs (after their copies), release its leases and
+        detach it from its namespace. Idempotent; concurrent calls wait for the first."""
+        if session.closing:
+            await session.closed.wait()
+            return
+        session.closing = True
+        ns = session.namespace
+        try:
+            for tid in ns.cache.pending_loads(session.id):
+                await self._finish(ns, tid, None)
+            for node in session.leases.values():
+                ns.cache.unlock(node)
+            session.leases.clear()
+        finally:
+            if ns.session is session:
+                ns.session = None
+            self.sessions.forget(session, reason)
+            session.closed.set()
+        log_event(log, "session.closed", namespace=ns.name, session=session.id[:8], reason=reason)
+
+    def close_in_background(self, session: Session, reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.close_session(session, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- engine operations -------------------------------------------------------------
+
+    def match(self, session: Session, prompts: list[tuple[bytes, bytes]], lease: bool):
+        """Match every prompt; with `lease`, lock each matched path. Returns
+        (MatchResult, lease id or 0) per prompt. Validates all prompts first."""
+        if len(prompts) > self.config.max_prompts_per_match:
+            raise exhausted(f"{len(prompts)} prompts in one Match; the limit is {self.config.max_prompts_per_match}")
+        for i, (tokens, _) in enumerate(prompts):
+            if len(tokens) % 4:
+                raise invalid(f"prompt {i}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
+        cache = session.namespace.cache
+        out = []
+        for tokens, extra_key in prompts:
+            result = cache.match(tokens, extra_key)
+            lease_id = 0
+            if lease and (result.device_tokens or result.host_tokens):
+                cache.lock(result.host_node)
+                lease_id = self.sessions.new_lease(session, result.host_node)
+            out.append((result, lease_id))
+        return out
+
+    async def insert(self, session: Session, tokens: bytes, pages: bytes, extra_key: bytes,
+                     chunked: bool, release_lease: int, lease: bool):
+        ns = session.namespace
+        while True:
+            if release_lease and release_lease not in session.leases:
+                raise not_found(f"lease {release_lease} is not held by this session")
+            try:
+                result = ns.cache.insert(tokens, pages, extra_key, chunked)
+                break
+            except NotReady as e:
+                await ns.wait_copied(e.transfers)
+                self.check_open(session)
+        if release_lease:
+            ns.cache.unlock(session.leases.pop(release_lease))
+        lease_id = 0
+        if lease:
+            ns.cache.lock(result.node)
+            lease_id = self.sessions.new_lease(session, result.node)
+        return result, lease_id
+
+    async def load_back(self, session: Session, node: int, pages: bytes) -> tuple[LoadBackResult, list[bytes]]:
+        ns = session.namespace
+        result = ns.cache.load_back(node, pages, owner=session.id)
+        events: list[bytes] = []
+        if result.transfer and ns.backend == "cuda":
+            events = await ns.engine.submitted(result.transfer)
+        return result, events
+
+    async def ack(self, session: Session, transfer: int):
+        return await self._finish(session.namespace, transfer, session.id)
+
+    async def _finish(self, ns: Namespace, transfer: int, owner):
+        while True:
+            try:
+                return ns.cache.finish_load_back(transfer, owner=owner)
+            except NotReady as e:
+                await ns.wait_copied(e.transfers)
+
+    def release(self, session: Session, leases: list[int]) -> None:
+        unknown = [lease for lease in leases if lease not in session.leases]
+        if unknown or len(set(leases)) != len(leases):
+            raise not_found(f"leases {unknown or leases} are not held by this session (or listed twice)")
+        for lease in leases:
+            session.namespace.cache.unlock(session.leases.pop(lease))
+
+    async def evict(self, session: Session, num_pages: int) -> tuple[bytes, int]:
+        return await session.namespace.evict(num_pages)
+
+    # -- operators ---------------------------------------------------------------------
+
+    def namespace(self, name: str) -> Namespace:
+        ns = self.namespaces.get(name)
+        if ns is None:
+            raise not_found(f"no namespace {name!r}; known: {sorted(self.namespaces)}")
+        return ns
+
+    def selected(self, name: str) -> list[Namespace]:
+        return [self.namespace(name)] if name else list(self.namespaces.values())
+
+    def check_invariants(self, name: str) -> list[tuple[str, str]]:
+        out = []
+        for ns in self.selected(name):
+            out += [(ns.name, v) for v in ns.cache.check_invariants()]
+            for session in self.sessions.all():
+                if session.namespace is ns:
+                    for lease, node in session.leases.items():
+                        n = ns.cache.tree.nodes.get(node)
+                        if n is None or (n.parent is not None and n.full.lock_ref <= 0):
+                            out.append((ns.name, f"lease {lease} names node {node}, which is not locked"))
+        return out
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+        self.stopping.set()
+
+    async def drain(self) -> None:
+        for ns in list(self.namespaces.values()):
+            await ns.drain()
+
+    async def close(self) -> None:
+        """Close every session, then every namespace (device handles, pinned pool).
+        Idempotent."""
+        self.stop_accepting()
+        for session in self.sessions.all():
+            await self.close_session(session, "daemon shutting down")
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for ns in list(self.namespaces.values()):
+            await ns.close()
+        self.namespaces.clear()
+
+    def uptime(self) -> float:
+        return time.monotonic() - self.started
+
+
+__all__ = ["Daemon", "Registration", "Registered", "count"]

@@ -1,0 +1,60 @@
+"""Every error a caller can cause, mapped to a gRPC status in this one place."""
+
+import grpc
+
+from ..core import errors as core
+
+
+class ServiceError(Exception):
+    """An error raised by the RPC layer itself (sessions, limits, registration)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# Most specific first: the first matching class decides the status.
+_CORE_STATUS: list[tuple[type, grpc.StatusCode]] = [
+    (core.NotOwner, grpc.StatusCode.PERMISSION_DENIED),
+    (core.PageOwnershipError, grpc.StatusCode.INVALID_ARGUMENT),
+    (core.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (core.UnknownNode, grpc.StatusCode.NOT_FOUND),
+    (core.UnknownTransfer, grpc.StatusCode.NOT_FOUND),
+    (core.LockError, grpc.StatusCode.FAILED_PRECONDITION),
+    (core.NotReady, grpc.StatusCode.UNAVAILABLE),
+    (core.CacheError, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status and message for a caller error; None for anything else (a bug)."""
+    if isinstance(exc, ServiceError):
+        return exc.code, str(exc)
+    for cls, code in _CORE_STATUS:
+        if isinstance(exc, cls):
+            return code, str(exc)
+    return None
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.NOT_FOUND, message)
+
+
+def precondition(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def exhausted(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+def unauthenticated(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def unavailable(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message)

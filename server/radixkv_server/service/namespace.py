@@ -1,0 +1,130 @@
+"""A namespace: one cache core, its host pool, and the attached engine's device buffers.
+
+The event loop owns all of it. Copies run on the copy engine's threads and report back
+on the loop (`_on_copy_done`), which is the only place the core hears of them.
+"""
+
+import asyncio
+import logging
+
+from radixkv.layout import KvLayout
+
+from ..core import CacheConfig, HierarchicalCache
+from ..core.pages import count
+from ..datapath import CopyEngine, HostPool
+from ..logs import log_event
+
+log = logging.getLogger("radixkv.namespace")
+
+
+class Namespace:
+    def __init__(self, name: str, layout: KvLayout, model: str, config: CacheConfig,
+                 host_pool: HostPool, device, backend: str, copy_workers: int):
+        self.name = name
+        self.layout = layout
+        self.model = model
+        self.config = config
+        self.host_pool = host_pool
+        self.device = device
+        self.backend = backend  # "shm" or "cuda"
+        self.copy_workers = copy_workers
+        self.session = None  # the attached engine's Session, if any
+        self.cache = HierarchicalCache(config, self, num_device_pages=device.num_pages,
+                                       host_pages=host_pool.num_pages)
+        self._copied: dict[int, asyncio.Event] = {}
+        self._evictions: dict[int, asyncio.Future] = {}
+        self._loop = asyncio.get_running_loop()
+        self.engine = self._new_engine()
+
+    def _new_engine(self) -> CopyEngine:
+        return CopyEngine(self._loop, self.device, self.host_pool, self._on_copy_done,
+                          workers=self.copy_workers)
+
+    # -- the core's Copier -----------------------------------------------------------
+
+    def load(self, transfer: int, host_pages: bytes, device_pages: bytes) -> None:
+        self.engine.load(transfer, host_pages, device_pages)
+
+    def backup(self, transfer: int, device_pages: bytes, host_pages: bytes) -> None:
+        self.engine.backup(transfer, device_pages, host_pages)
+
+    def _on_copy_done(self, transfer: int, error: str | None) -> None:
+        outcome = self.cache.on_copy_done(transfer, error)
+        if error is not None:
+            log_event(log, "copy.failed", logging.WARNING, namespace=self.name,
+                      transfer=transfer, error=error)
+        fut = self._evictions.pop(transfer, None)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome.freed_pages)
+        event = self._copied.pop(transfer, None)
+        if event is not None:
+            event.set()
+
+    # -- waiting -----------------------------------------------------------------------
+
+    def _in_flight(self, transfer: int) -> bool:
+        t = self.cache.transfers.get(transfer)
+        return t is not None and not t.copied
+
+    async def wait_copied(self, transfers) -> None:
+        """Return once every named copy has completed (unknown ids count as done)."""
+        for tid in transfers:
+            if self._in_flight(tid):
+                event = self._copied.setdefault(tid, asyncio.Event())
+                await event.wait()
+
+    async def drain(self) -> None:
+        """Return once no copy is in flight."""
+        while busy := [tid for tid in self.cache.transfers if self._in_flight(tid)]:
+            await self.wait_copied(busy)
+
+    # -- operations spanning copies ----------------------------------------------------
+
+    async def evict(self, num_pages: int) -> tuple[bytes, int]:
+        """Free up to `num_pages` device pages, waiting for write-backs. Returns the
+        freed pages and how many of them were written back to host first."""
+        freed: list[bytes] = []
+        written_back = 0
+        need = num_pages
+        while need > 0:
+            result = self.cache.evict_device(need)
+            freed.append(result.freed_pages)
+            progress = count(result.freed_pages)
+            if not result.pending:
+                break
+            futures = []
+            for tid in result.pending:
+                fut = self._loop.create_future()
+                self._evictions[tid] = fut
+                futures.append(fut)
+            for pages in await asyncio.gather(*futures):
+                freed.append(pages)
+                written_back += count(pages)
+                progress += count(pages)
+            if progress == 0:
+                break  # write-backs kept their nodes (touched meanwhile)
+            need -= progress
+        return b"".join(freed), written_back
+
+    async def attach(self, device, backend: str) -> int:
+        """Swap in a restarted engine's device buffers: wait for copies, drop the old
+        device residency (host copies stay), start a new copy engine. Returns tokens
+        dropped from the cache."""
+        await self.drain()
+        old_engine, old_device = self.engine, self.device
+        dropped = self.cache.drop_device(device.num_pages)
+        old_engine.close()
+        old_device.close()
+        self.device = device
+        self.backend = backend
+        self.engine = self._new_engine()
+        log_event(log, "namespace.reattached", namespace=self.name, dropped_tokens=dropped)
+        return dropped
+
+    async def close(self) -> None:
+        """Drain copies, stop the copy threads, close the device buffers (IPC handles)
+        and the host pool (unpinning it). Idempotent."""
+        await self.drain()
+        self.engine.close()
+        self.device.close()
+        self.host_pool.close()
