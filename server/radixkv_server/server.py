@@ -21,6 +21,7 @@ from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
 from .config import DEFAULT_SOCKET, DaemonConfig
 from .logs import log_event
+from .metrics import Metrics
 from .service.daemon import Daemon
 from .service.servicer import RadixKVServicer
 
@@ -93,7 +94,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    daemon = Daemon(config)
+    metrics = Metrics()
+    daemon = Daemon(config, metrics)
+    metrics.watch(daemon, loop)
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", config.max_message_size),
                  ("grpc.max_send_message_length", config.max_message_size),
@@ -110,6 +113,11 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     await server.start()
     for path in sockets:
         os.chmod(path, 0o660)
+    try:
+        metrics.serve(config.metrics_host, config.metrics_port)
+    except OSError as e:
+        await server.stop(None)
+        raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(_resolve_listen(config)))
@@ -121,6 +129,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     await daemon.drain()
     await server.stop(config.shutdown_grace)
     await daemon.close()
+    metrics.close()
     for path in sockets:
         try:
             os.unlink(path)

@@ -52,8 +52,9 @@ class Registered:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, metrics=None):
         self.config = config
+        self.metrics = metrics
         self.instance = uuid.uuid4().hex[:12]
         self.started = time.monotonic()
         self.namespaces: dict[str, Namespace] = {}
@@ -110,7 +111,7 @@ class Daemon:
                     pool = await asyncio.get_running_loop().run_in_executor(
                         None, HostPool, reg.layout, host_pages)
                     ns = Namespace(reg.namespace, reg.layout, reg.model or reg.namespace, cache_config,
-                                   pool, device, reg.backend, self.config.copy_workers)
+                                   pool, device, reg.backend, self.config.copy_workers, self.metrics)
                     self.namespaces[reg.namespace] = ns
                     warm = False
                 else:
@@ -280,6 +281,9 @@ class Daemon:
                         n = ns.cache.tree.nodes.get(node)
                         if n is None or (n.parent is not None and n.full.lock_ref <= 0):
                             out.append((ns.name, f"lease {lease} names node {node}, which is not locked"))
+        if self.metrics is not None:
+            for name, _ in out:
+                self.metrics.invariant_violations.labels(name).inc()
         return out
 
     # -- shutdown ----------------------------------------------------------------------

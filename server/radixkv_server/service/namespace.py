@@ -6,6 +6,7 @@ on the loop (`_on_copy_done`), which is the only place the core hears of them.
 
 import asyncio
 import logging
+import time
 
 from radixkv.layout import KvLayout
 
@@ -19,7 +20,7 @@ log = logging.getLogger("radixkv.namespace")
 
 class Namespace:
     def __init__(self, name: str, layout: KvLayout, model: str, config: CacheConfig,
-                 host_pool: HostPool, device, backend: str, copy_workers: int):
+                 host_pool: HostPool, device, backend: str, copy_workers: int, metrics=None):
         self.name = name
         self.layout = layout
         self.model = model
@@ -31,6 +32,8 @@ class Namespace:
         self.session = None  # the attached engine's Session, if any
         self.cache = HierarchicalCache(config, self, num_device_pages=device.num_pages,
                                        host_pages=host_pool.num_pages)
+        self._metrics = metrics
+        self._started: dict[int, tuple[str, float]] = {}  # transfer -> (direction, start time)
         self._copied: dict[int, asyncio.Event] = {}
         self._evictions: dict[int, asyncio.Future] = {}
         self._loop = asyncio.get_running_loop()
@@ -43,12 +46,18 @@ class Namespace:
     # -- the core's Copier -----------------------------------------------------------
 
     def load(self, transfer: int, host_pages: bytes, device_pages: bytes) -> None:
+        self._started[transfer] = ("load", time.perf_counter())
         self.engine.load(transfer, host_pages, device_pages)
 
     def backup(self, transfer: int, device_pages: bytes, host_pages: bytes) -> None:
+        kind = self.cache.transfers[transfer].kind.value if transfer in self.cache.transfers else "backup"
+        self._started[transfer] = (kind, time.perf_counter())
         self.engine.backup(transfer, device_pages, host_pages)
 
     def _on_copy_done(self, transfer: int, error: str | None) -> None:
+        direction, start = self._started.pop(transfer, ("load", time.perf_counter()))
+        if self._metrics is not None and error is None:
+            self._metrics.copy_duration.labels(self.name, direction).observe(time.perf_counter() - start)
         outcome = self.cache.on_copy_done(transfer, error)
         if error is not None:
             log_event(log, "copy.failed", logging.WARNING, namespace=self.name,

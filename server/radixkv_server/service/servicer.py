@@ -7,6 +7,7 @@ else is a bug, logged with its traceback and answered INTERNAL.
 import asyncio
 import functools
 import logging
+import time
 
 import grpc
 from radixkv.v1 import radixkv_pb2 as pb
@@ -26,21 +27,34 @@ log = logging.getLogger("radixkv.rpc")
 
 
 def rpc(method):
-    """Map caller errors to statuses; log and hide anything unexpected."""
+    """Map caller errors to statuses; log and hide anything unexpected; count and time
+    every call by method and status code."""
+    name = method.__name__
 
     @functools.wraps(method)
     async def handler(self, request, context):
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
         try:
             return await method(self, request, context)
         except (CacheError, ServiceError) as e:
             code, message = status_of(e)
-            log_event(log, "rpc.refused", logging.DEBUG, method=method.__name__, code=code.name, message=message)
+            log_event(log, "rpc.refused", logging.DEBUG, method=name, code=code.name, message=message)
             await context.abort(code, message)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception as e:
-            log.exception("internal error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(e).__name__}")
+            code = grpc.StatusCode.INTERNAL
+            log.exception("internal error in %s", name)
+            await context.abort(code, f"internal error in {name}: {type(e).__name__}")
+        finally:
+            metrics = self.daemon.metrics
+            if metrics is not None:
+                metrics.rpc_requests.labels(name, code.name).inc()
+                metrics.rpc_duration.labels(name).observe(time.perf_counter() - start)
 
     return handler
 

@@ -1,0 +1,185 @@
+"""Prometheus metrics on their own HTTP port.
+
+Two kinds: events observed as they happen (RPCs, copy durations, invariant violations:
+plain prometheus-client metrics, which are thread-safe), and the cache's state and
+counters, read at scrape time. The scrape runs on the HTTP server's thread while the
+event loop owns the cache, so the state is read by a snapshot coroutine scheduled on
+the loop: always consistent, never racing a mutation. Labels stay low-cardinality:
+namespace, tier, reason, method, code; never tokens, pages or sessions.
+"""
+
+import asyncio
+import logging
+
+from prometheus_client import (
+    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Histogram,
+    disable_created_metrics, start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .core.transfers import TransferKind
+from .logs import log_event
+
+log = logging.getLogger("radixkv.metrics")
+
+COPY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5)
+RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1, 5)
+
+
+class Metrics:
+    def __init__(self):
+        disable_created_metrics()  # *_created series double the output and say little here
+        self.registry = CollectorRegistry(auto_describe=True)
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(collector)
+        r = self.registry
+        self.rpc_requests = Counter("radixkv_rpc_requests", "RPCs answered, by method and status code",
+                                    ["method", "code"], registry=r)
+        self.rpc_duration = Histogram("radixkv_rpc_duration_seconds", "RPC handling time, by method",
+                                      ["method"], buckets=RPC_BUCKETS, registry=r)
+        self.copy_duration = Histogram(
+            "radixkv_copy_duration_seconds",
+            "Page copy time from start to completion (load: host->device, backup and write_back: device->host)",
+            ["namespace", "direction"], buckets=COPY_BUCKETS, registry=r)
+        self.invariant_violations = Counter("radixkv_invariant_violations", "Invariant violations found",
+                                            ["namespace"], registry=r)
+        self._server = None
+
+    def watch(self, daemon, loop: asyncio.AbstractEventLoop) -> None:
+        """Export the daemon's state, read on `loop` at each scrape."""
+        self.registry.register(_StateCollector(daemon, loop))
+
+    def serve(self, host: str, port: int) -> None:
+        if port:
+            self._server, _ = start_http_server(port, host, registry=self.registry)
+            log_event(log, "metrics.listening", address=f"http://{host}:{port}/metrics")
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def snapshot(daemon) -> dict:
+    """The state the collector exports, read in one go (call on the event loop)."""
+    out = {"sessions": len(daemon.sessions), "namespaces": {}}
+    for ns in daemon.namespaces.values():
+        cache = ns.cache
+        kinds = {k: 0 for k in TransferKind}
+        pins = 0
+        for t in cache.transfers.values():
+            kinds[t.kind] += 1
+            if t.kind is TransferKind.LOAD:
+                pins += len(t.nodes) + len(t.shared)
+        out["namespaces"][ns.name] = {
+            "counters": cache.counters.as_dict(),
+            "loaded_bytes": ns.engine.load_bytes,
+            "backed_up_bytes": ns.engine.backup_bytes,
+            "page_bytes": ns.layout.page_bytes,
+            "host_used": cache.host.num_used,
+            "host_capacity": cache.host.capacity,
+            "device_pages": cache.device.num_pages,
+            "device_held": cache.device.num_held,
+            "device_protected": cache.protected_pages,
+            "device_evictable": cache.evictable_pages,
+            "transfers": {k.value: v for k, v in kinds.items()},
+            "pins": pins,
+            "nodes": len(cache.tree.nodes) - len(cache.tree.roots),
+            "duplicates": len(cache.duplicates),
+            "attached": ns.session is not None,
+        }
+    return out
+
+
+class _StateCollector(Collector):
+    def __init__(self, daemon, loop):
+        self._daemon = daemon
+        self._loop = loop
+
+    def _snapshot(self) -> dict | None:
+        async def read():
+            return snapshot(self._daemon)
+
+        try:
+            return asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout=5)
+        except Exception:  # loop stopping or stuck: export nothing rather than stale data
+            return None
+
+    def collect(self):
+        snap = self._snapshot()
+        if snap is None:
+            return
+        yield GaugeMetricFamily("radixkv_sessions", "Engine sessions attached", value=snap["sessions"])
+        yield GaugeMetricFamily("radixkv_namespaces", "Namespaces held", value=len(snap["namespaces"]))
+        families = {
+            "hits": CounterMetricFamily("radixkv_hit_tokens", "Prompt tokens matched in the cache, by tier",
+                                        labels=["namespace", "tier"]),
+            "miss": CounterMetricFamily("radixkv_miss_tokens", "Prompt tokens matched on no tier",
+                                        labels=["namespace"]),
+            "req": CounterMetricFamily("radixkv_matched_prompts", "Prompts matched", labels=["namespace"]),
+            "ins": CounterMetricFamily("radixkv_inserted_tokens", "Tokens newly inserted", labels=["namespace"]),
+            "lt": CounterMetricFamily("radixkv_load_back_tokens", "Tokens loaded host->device",
+                                      labels=["namespace"]),
+            "lb": CounterMetricFamily("radixkv_load_back_bytes", "Bytes copied host->device",
+                                      labels=["namespace"]),
+            "lf": CounterMetricFamily("radixkv_load_back_failed_tokens", "Tokens whose load-back failed",
+                                      labels=["namespace"]),
+            "bt": CounterMetricFamily("radixkv_backup_tokens", "Tokens copied device->host "
+                                      "(write-through backups and write-backs)", labels=["namespace"]),
+            "bb": CounterMetricFamily("radixkv_backup_bytes", "Bytes copied device->host", labels=["namespace"]),
+            "ev": CounterMetricFamily("radixkv_evicted_tokens", "Tokens evicted, by tier and reason",
+                                      labels=["namespace", "tier", "reason"]),
+            "dw": CounterMetricFamily("radixkv_dropped_write_back_tokens",
+                                      "Tokens dropped at device eviction for want of host room",
+                                      labels=["namespace"]),
+            "dr": CounterMetricFamily("radixkv_duplicate_reclaimed_tokens",
+                                      "Host copies of device+host duplicates freed under host pressure",
+                                      labels=["namespace"]),
+            "hu": GaugeMetricFamily("radixkv_host_pool_used_bytes", "Host pool bytes in use", labels=["namespace"]),
+            "hc": GaugeMetricFamily("radixkv_host_pool_capacity_bytes", "Host pool size", labels=["namespace"]),
+            "dh": GaugeMetricFamily("radixkv_device_pages_held", "Engine device pages held by the cache",
+                                    labels=["namespace", "state"]),
+            "dp": GaugeMetricFamily("radixkv_device_pages", "Engine device pages registered", labels=["namespace"]),
+            "tf": GaugeMetricFamily("radixkv_transfers_in_flight", "Copies in flight, by kind",
+                                    labels=["namespace", "kind"]),
+            "pin": GaugeMetricFamily("radixkv_load_back_pins", "Pins held by unacknowledged load-backs",
+                                     labels=["namespace"]),
+            "nodes": GaugeMetricFamily("radixkv_tree_nodes", "Radix tree nodes", labels=["namespace"]),
+            "dup": GaugeMetricFamily("radixkv_tracked_duplicates", "Settled device+host duplicates",
+                                     labels=["namespace"]),
+        }
+        f = families
+        for name, s in snap["namespaces"].items():
+            c = s["counters"]
+            f["hits"].add_metric([name, "device"], c["device_hit_tokens"])
+            f["hits"].add_metric([name, "host"], c["host_hit_tokens"])
+            f["hits"].add_metric([name, "storage"], c.get("storage_hit_tokens", 0))
+            f["miss"].add_metric([name], c["match_prompt_tokens"] - c["device_hit_tokens"] - c["host_hit_tokens"])
+            f["req"].add_metric([name], c["match_requests"])
+            f["ins"].add_metric([name], c["inserted_tokens"])
+            f["lt"].add_metric([name], c["loaded_tokens"])
+            f["lb"].add_metric([name], s["loaded_bytes"])
+            f["lf"].add_metric([name], c["failed_load_tokens"])
+            f["bt"].add_metric([name], c["backed_up_tokens"] + c["written_back_tokens"])
+            f["bb"].add_metric([name], s["backed_up_bytes"])
+            f["ev"].add_metric([name, "device", "host_copy"], c["device_evicted_tokens"] - c["written_back_tokens"])
+            f["ev"].add_metric([name, "device", "write_back"], c["written_back_tokens"])
+            f["ev"].add_metric([name, "device", "dropped"], c["dropped_write_back_tokens"])
+            f["ev"].add_metric([name, "host", "duplicate"], c["reclaimed_duplicate_tokens"])
+            f["ev"].add_metric([name, "host", "capacity"], c["host_evicted_tokens"])
+            f["dw"].add_metric([name], c["dropped_write_back_tokens"])
+            f["dr"].add_metric([name], c["reclaimed_duplicate_tokens"])
+            f["hu"].add_metric([name], s["host_used"] * s["page_bytes"])
+            f["hc"].add_metric([name], s["host_capacity"] * s["page_bytes"])
+            f["dh"].add_metric([name, "protected"], s["device_protected"])
+            f["dh"].add_metric([name, "evictable"], s["device_evictable"])
+            f["dh"].add_metric([name, "failed_load"], s["device_held"] - s["device_evictable"] - s["device_protected"])
+            f["dp"].add_metric([name], s["device_pages"])
+            for kind, n in s["transfers"].items():
+                f["tf"].add_metric([name, kind], n)
+            f["pin"].add_metric([name], s["pins"])
+            f["nodes"].add_metric([name], s["nodes"])
+            f["dup"].add_metric([name], s["duplicates"])
+        yield from families.values()
