@@ -25,7 +25,8 @@ class MemoryCopier:
     def __init__(self):
         self.device: dict[int, bytes] = {}
         self.host: dict[int, bytes] = {}
-        self.pending: dict[int, tuple[str, list[int], list[int]]] = {}
+        self.storage: dict[bytes, bytes] = {}
+        self.pending: dict[int, tuple[str, list, list]] = {}
 
     def load(self, transfer, host_pages, device_pages):
         self.pending[transfer] = ("load", list(unpack(host_pages)), list(unpack(device_pages)))
@@ -33,11 +34,27 @@ class MemoryCopier:
     def backup(self, transfer, device_pages, host_pages):
         self.pending[transfer] = ("backup", list(unpack(device_pages)), list(unpack(host_pages)))
 
+    def store(self, transfer, host_pages, keys):
+        self.pending[transfer] = ("store", list(unpack(host_pages)), list(keys))
+
+    def fetch(self, transfer, keys, host_pages):
+        self.pending[transfer] = ("fetch", list(keys), list(unpack(host_pages)))
+
     def complete(self, cache: HierarchicalCache, transfer: int, fail: bool = False):
         kind, src, dst = self.pending.pop(transfer)
-        source, target = (self.host, self.device) if kind == "load" else (self.device, self.host)
+        if kind == "fetch":
+            n = 0
+            while not fail and n < len(src) and src[n] in self.storage:
+                self.host[dst[n]] = self.storage[src[n]]
+                n += 1
+            return cache.on_fetch_done(transfer, n, "injected failure" if fail else None)
+        source, target = {"load": (self.host, self.device), "backup": (self.device, self.host),
+                          "store": (self.host, self.storage)}[kind]
         for s, d in zip(src, dst):
-            target[d] = GARBAGE if fail else source.get(s, GARBAGE)
+            if not fail:
+                target[d] = source.get(s, GARBAGE)
+            elif kind != "store":
+                target[d] = GARBAGE
         return cache.on_copy_done(transfer, "injected failure" if fail else None)
 
     def complete_all(self, cache: HierarchicalCache):
@@ -49,11 +66,11 @@ class MemoryCopier:
 
 
 def make_cache(policy="write_through", page_size=2, device_pages=64, host_pages=64,
-               eviction="lru", threshold=2):
+               eviction="lru", threshold=2, storage="off"):
     copier = MemoryCopier()
     cache = HierarchicalCache(
         CacheConfig(page_size=page_size, write_policy=policy, eviction_policy=eviction,
-                    write_through_threshold=threshold),
+                    write_through_threshold=threshold, storage=storage, storage_salt=b"test-salt"),
         copier, num_device_pages=device_pages, host_pages=host_pages)
     return cache, copier
 

@@ -33,11 +33,13 @@ def prompt_bytes(symbols) -> bytes:
 class CoreMachine(RuleBasedStateMachine):
     policy = "write_through"
     eviction = "lru"
+    storage = "off"
 
     def __init__(self):
         super().__init__()
         self.cache, self.copier = make_cache(self.policy, page_size=PAGE, device_pages=DEVICE_PAGES,
-                                             host_pages=HOST_PAGES, eviction=self.eviction)
+                                             host_pages=HOST_PAGES, eviction=self.eviction,
+                                             storage=self.storage)
         self.eng = Engine(self.cache, self.copier)
         self.loads: dict[int, tuple[bytes, bytes, bytes]] = {}  # transfer -> (prompt, extra, prefix pages)
         self.leases: list[tuple[int, bytes, bytes, int]] = []    # (node, prompt, extra, tokens)
@@ -108,6 +110,18 @@ class CoreMachine(RuleBasedStateMachine):
             if lb.transfer:
                 self.loads[lb.transfer] = (prompt[: lb.device_tokens * 4], node.extra_key, lb.device_pages)
 
+    @rule(symbols=prompts, extra=extra_keys, limit=st.integers(1, 6))
+    def prefetch(self, symbols, extra, limit):
+        """Ask storage how much of the prompt it holds past the cache, and fetch it."""
+        if self.storage == "off":
+            return
+        prompt = prompt_bytes(symbols)
+        _, keys = self.cache.storage_probe(prompt, extra)
+        held = 0
+        while held < len(keys) and keys[held] in self.copier.storage:
+            held += 1
+        self.cache.start_prefetch(prompt, extra, min(held, limit))
+
     # -- the data path and the engine's acks -----------------------------------------
 
     @precondition(lambda self: self.copier.pending)
@@ -115,7 +129,7 @@ class CoreMachine(RuleBasedStateMachine):
     def complete_copy(self, pick, fail):
         pending = sorted(self.copier.pending)
         outcome = self.copier.complete(self.cache, pending[pick % len(pending)], fail=fail == 0)
-        self.eng.give(outcome.freed_pages)
+        self.eng.give(getattr(outcome, "freed_pages", b""))
 
     @precondition(lambda self: self.loads)
     @rule(pick=st.integers(0, 1000))
@@ -169,7 +183,7 @@ class CoreMachine(RuleBasedStateMachine):
         # then the whole device pool can be evicted back to the engine.
         while self.copier.pending or self.loads:
             for outcome in self.copier.complete_all(self.cache).values():
-                self.eng.give(outcome.freed_pages)
+                self.eng.give(getattr(outcome, "freed_pages", b""))
             for tid in sorted(self.loads):
                 self.ack(sorted(self.loads).index(tid))
         for node, *_ in self.leases:
@@ -177,9 +191,10 @@ class CoreMachine(RuleBasedStateMachine):
         while self.cache.device.num_held:
             r = self.cache.evict_device(DEVICE_PAGES)
             self.eng.give(r.freed_pages)
-            for outcome in self.copier.complete_all(self.cache).values():
-                self.eng.give(outcome.freed_pages)
-            assert r.freed_pages or r.pending, "device pages stuck in the cache"
+            completed = self.copier.complete_all(self.cache)  # write-backs, and stores freeing host room
+            for outcome in completed.values():
+                self.eng.give(getattr(outcome, "freed_pages", b""))
+            assert r.freed_pages or completed, "device pages stuck in the cache"
         assert sorted(self.eng.free) == list(range(DEVICE_PAGES))
         assert self.cache.check_invariants() == []
 
@@ -188,8 +203,9 @@ SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def machine(policy, eviction="lru"):
-    cls = type(f"CoreMachine_{policy}_{eviction}", (CoreMachine,), {"policy": policy, "eviction": eviction})
+def machine(policy, eviction="lru", storage="off"):
+    cls = type(f"CoreMachine_{policy}_{eviction}_{storage}", (CoreMachine,),
+               {"policy": policy, "eviction": eviction, "storage": storage})
     return cls.TestCase
 
 
@@ -197,18 +213,23 @@ TestWriteThrough = machine("write_through")
 TestWriteThroughSelective = machine("write_through_selective")
 TestWriteBack = machine("write_back")
 TestWriteBackLFU = machine("write_back", "lfu")
-for case in (TestWriteThrough, TestWriteThroughSelective, TestWriteBack, TestWriteBackLFU):
+TestWriteThroughStorageBack = machine("write_through", storage="write_back")
+TestWriteBackStorageThrough = machine("write_back", storage="write_through")
+for case in (TestWriteThrough, TestWriteThroughSelective, TestWriteBack, TestWriteBackLFU,
+             TestWriteThroughStorageBack, TestWriteBackStorageThrough):
     case.settings = SETTINGS
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
-def test_machine_runs_long_sequences(policy, seed):
+@pytest.mark.parametrize("policy,storage", [
+    ("write_through", "off"), ("write_through_selective", "off"), ("write_back", "off"),
+    ("write_through", "write_back"), ("write_back", "write_through")])
+def test_machine_runs_long_sequences(policy, storage, seed):
     """Long seeded walks per policy, beyond what the shrinking examples cover."""
     rnd = random.Random(seed)
-    m = type("M", (CoreMachine,), {"policy": policy})()
+    m = type("M", (CoreMachine,), {"policy": policy, "storage": storage})()
     for _ in range(2000):
-        op = rnd.randrange(10)
+        op = rnd.randrange(11)
         syms = [rnd.randrange(4) for _ in range(rnd.randint(1, 6))]
         extra = rnd.choice([b"", b"lora"])
         if op == 0:
@@ -227,6 +248,8 @@ def test_machine_runs_long_sequences(policy, seed):
             m.release(rnd.randrange(1000))
         elif op == 9:
             m.staged_load(rnd.randrange(1000))
+        elif op == 10:
+            m.prefetch(syms, extra, rnd.randint(1, 6))
         elif op == 8:
             m.overlapping_loads(syms[:2], [[rnd.randrange(4)] * rnd.randint(1, 3) for _ in range(2)], extra)
         m.sound()

@@ -1,7 +1,8 @@
 """The interface the core calls to move bytes. The data path implements it.
 
 The core decides what to copy and when; an implementation copies and later reports
-completion with `HierarchicalCache.on_copy_done(transfer, error)`. It must never call
+completion with `HierarchicalCache.on_copy_done(transfer, error)` (fetches: with
+`on_fetch_done`). It must never call
 back from inside `load` or `backup` (the core is mid-operation there): report on a
 later turn of the event loop, or from a test.
 """
@@ -15,3 +16,11 @@ class Copier(Protocol):
 
     def backup(self, transfer: int, device_pages: bytes, host_pages: bytes) -> None:
         """Start copying device pages to host pages (device -> host), page i to page i."""
+
+    def store(self, transfer: int, host_pages: bytes, keys: list[bytes]) -> None:
+        """Start writing host pages to the storage tier under `keys` (page i as key i).
+        Report with `on_copy_done`."""
+
+    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+        """Start reading pages stored under `keys` into host pages; stop at the first
+        key missing or unreadable. Report with `on_fetch_done(transfer, pages_read)`."""

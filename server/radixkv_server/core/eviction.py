@@ -5,11 +5,11 @@ from .errors import CacheError, UnknownTransfer
 from .node import Node
 from .pages import count
 from .results import CopyOutcome, EvictResult
-from .state import CacheState
+from .storage_tier import StorageTier
 from .transfers import TransferKind
 
 
-class Evictions(CacheState):
+class Evictions(StorageTier):
     # -- backups ---------------------------------------------------------------------
 
     def _start_backups(self, node: Node) -> None:
@@ -119,8 +119,9 @@ class Evictions(CacheState):
         """Free at least `num_pages` host pages if possible; returns how many were freed.
 
         First reclaims host copies of settled duplicates (the device copy stays), in every
-        write policy; then removes host-only leaves from the cache. Copies in flight,
-        pins and locks protect a node. Mutates the tree.
+        write policy; then removes host-only leaves from the cache, after writing them to
+        storage where that tier is on and lacks them (those pages free up when the write
+        completes). Copies in flight, pins and locks protect a node. Mutates the tree.
         """
         freed = 0
         busy = []
@@ -136,13 +137,18 @@ class Evictions(CacheState):
             self.counters.reclaimed_duplicate_tokens += self._tokens(node)
         for node in busy:
             self._refresh(node)
+        to_store = []
         while freed < num_pages:
             node = self.host_leaves.pop()
             if node is None:
                 break
-            freed += self._pages(node)
-            self.counters.host_evicted_tokens += self._tokens(node)
-            self._remove_node(node)
+            freed += self._pages(node)  # now, or once its storage write completes
+            if self.storage_on and not node.full.stored:
+                to_store.append(node)
+            else:
+                self.counters.host_evicted_tokens += self._tokens(node)
+                self._remove_node(node)
+        self._start_store(to_store, evicting_host=True)
         return freed
 
     # -- completion ------------------------------------------------------------------
@@ -167,6 +173,8 @@ class Evictions(CacheState):
             else:
                 self.counters.backed_up_tokens += tokens
             self._refresh(node)
+        if error is None:
+            self._store_written_through(t.nodes)
         return CopyOutcome(b"".join(freed))
 
     def on_copy_done(self, transfer: int, error: str | None = None) -> CopyOutcome:
@@ -186,10 +194,12 @@ class Evictions(CacheState):
             if error is not None:
                 self._fail_load(t, f"copy failed: {error}")
             return CopyOutcome(b"")
+        if t.kind is TransferKind.STORE:
+            self._finish_store(transfer, error)
+            return CopyOutcome(b"")
+        if t.kind is TransferKind.FETCH:
+            raise UnknownTransfer(f"transfer {transfer} is a fetch: report it with on_fetch_done")
         return self._finish_device_to_host(transfer, error)
-
-    def _fail_load(self, t, reason: str) -> None:  # implemented by LoadBacks
-        raise NotImplementedError
 
 
 __all__ = ["Evictions", "count"]

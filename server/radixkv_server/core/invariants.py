@@ -64,7 +64,7 @@ def check_invariants(cache) -> list[str]:
             err(f"node {nid}: negative lock count (lock_ref {s.lock_ref}, host_lock {s.host_lock})")
         if node.parent.parent is not None and node.parent.full.lock_ref < s.lock_ref:
             err(f"node {nid}: lock_ref {s.lock_ref} exceeds its parent's {node.parent.full.lock_ref}")
-        expected_host_lock = (s.backup is not None) + len(s.pins)
+        expected_host_lock = (s.backup is not None) + len(s.pins) + (s.store is not None)
         if s.host_lock != expected_host_lock:
             err(f"node {nid}: host_lock {s.host_lock}, but {expected_host_lock} copies use its host pages")
         if s.backup is not None:
@@ -75,6 +75,14 @@ def check_invariants(cache) -> list[str]:
                 err(f"node {nid}: backup in flight without both copies")
         if s.evicting and s.backup is None:
             err(f"node {nid}: evicting without a write-back in flight")
+        if s.store is not None:
+            t = cache.transfers.get(s.store)
+            if t is None or t.kind is not TransferKind.STORE or node not in t.nodes:
+                err(f"node {nid}: store names transfer {s.store}, which does not store it")
+            if not s.host_valid:
+                err(f"node {nid}: storing a host copy that is not valid")
+        if s.evicting_host and s.store is None:
+            err(f"node {nid}: leaving the host without a store in flight")
         for tid in s.pins:
             t = cache.transfers.get(tid)
             if t is None:
@@ -101,6 +109,7 @@ def check_invariants(cache) -> list[str]:
             err(f"{name} evictable leaves: missing {sorted(want - have)}, stale {sorted(have - want)}")
 
     parked: set[int] = set()
+    reserved = 0
     for tid, t in cache.transfers.items():
         if t.kind is TransferKind.LOAD:
             for n in (*t.shared, *t.nodes):
@@ -116,6 +125,16 @@ def check_invariants(cache) -> list[str]:
                 if p in device_seen or p in parked:
                     err(f"device page {p} parked by transfer {tid} is held elsewhere too")
                 parked.add(p)
+        elif t.kind is TransferKind.STORE:
+            for n in t.nodes:
+                if n.full.store != tid:
+                    err(f"transfer {tid}: stores node {n.id}, whose store is {n.full.store}")
+        elif t.kind is TransferKind.FETCH:
+            reserved += count(t.host_pages)
+            for p in unpack(t.host_pages):
+                if p in host_seen:
+                    err(f"host page {p} reserved by fetch {tid} is held by node {host_seen[p]}")
+                host_seen[p] = -tid
         else:
             for n in t.nodes:
                 if n.full.backup != tid:
@@ -141,7 +160,10 @@ def check_invariants(cache) -> list[str]:
     if set(free) & set(host_seen):
         err(f"host pages both free and used: {sorted(set(free) & set(host_seen))[:10]}")
     if host.num_free + len(host_seen) != host.capacity:
-        err(f"host pages: free {host.num_free} + used {len(host_seen)} != capacity {host.capacity}")
+        err(f"host pages: free {host.num_free} + held {len(host_seen)} (reserved {reserved}) "
+            f"!= capacity {host.capacity}")
+    if reserved != cache.host_reserved:
+        err(f"host pages reserved by fetches: counted {cache.host_reserved}, actual {reserved}")
     return errors
 
 
@@ -155,13 +177,13 @@ def state_digest(cache) -> str:
         s = n.full
         h.update(repr((nid, n.parent.id if n.parent else 0, n.key, n.extra_key, s.device_pages,
                        s.host_pages, s.backup, s.evicting, s.lock_ref, s.host_lock, sorted(s.pins),
-                       n.hit_count, n.device_children)).encode())
+                       s.store, s.stored, s.evicting_host, n.hit_count, n.device_children)).encode())
     for tid in sorted(cache.transfers):
         t = cache.transfers[tid]
         h.update(repr((tid, t.kind.value, [n.id for n in t.nodes], [n.id for n in t.shared],
                        t.copied, t.error, t.parked, t.depends_on, t.dependents)).encode())
     h.update(repr((sorted(cache.host.free_pages()), sorted(cache.device.held_pages()),
-                   cache.device.num_taken, cache.device.num_returned, cache.evictable_pages,
+                   cache.device.num_taken, cache.device.num_returned, cache.evictable_pages, cache.host_reserved,
                    cache.protected_pages, sorted(cache.duplicates.ids()),
                    sorted(cache.device_leaves.ids()), sorted(cache.host_leaves.ids()))).encode())
     return h.hexdigest()

@@ -29,6 +29,9 @@ class ComponentState:
       copy may not be freed.
     - `pins`: ids of load-back transfers reading this node's host pages (a set: several
       may overlap). A pinned node is not a settled duplicate.
+    - `store`: id of the host->storage transfer reading `host_pages`; `stored`: the
+      storage tier holds this node's pages; `evicting_host`: the host copy leaves once
+      `store` completes (host eviction with storage write-back).
     """
 
     device_pages: bytes | None = None
@@ -38,6 +41,9 @@ class ComponentState:
     lock_ref: int = 0
     host_lock: int = 0
     pins: set[int] = field(default_factory=set)
+    store: int | None = None
+    stored: bool = False
+    evicting_host: bool = False
 
     @property
     def on_device(self) -> bool:
@@ -55,7 +61,7 @@ class Node:
 
     __slots__ = (
         "id", "parent", "key", "children", "extra_key", "full",
-        "hit_count", "last_access", "device_children",
+        "hit_count", "last_access", "device_children", "chain",
     )
 
     def __init__(self, node_id: int, parent: "Node | None", key: bytes, extra_key: bytes):
@@ -68,6 +74,7 @@ class Node:
         self.hit_count = 0
         self.last_access = 0
         self.device_children = 0  # children whose FULL component is on device
+        self.chain: bytes | None = None  # storage key of the last page, computed on demand
 
     @property
     def is_root(self) -> bool:

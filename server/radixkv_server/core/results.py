@@ -74,6 +74,15 @@ class CopyOutcome:
     freed_pages: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    """A prefetch finished: `pages_read` pages arrived from storage, of which
+    `added_tokens` worth became new host copies in the cache."""
+
+    pages_read: int
+    added_tokens: int
+
+
 @dataclass
 class CacheCounters:
     """Monotonic counts since the cache was created (tokens unless named pages)."""
@@ -93,6 +102,11 @@ class CacheCounters:
     dropped_write_back_tokens: int = 0
     reclaimed_duplicate_tokens: int = 0
     host_evicted_tokens: int = 0
+    storage_hit_tokens: int = 0
+    stored_tokens: int = 0
+    store_failed_tokens: int = 0
+    store_dropped_tokens: int = 0
+    prefetched_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -33,6 +33,7 @@ class CacheState:
         self.counters = CacheCounters()
         self.evictable_pages = 0  # device pages in unlocked nodes
         self.protected_pages = 0  # device pages in locked nodes
+        self.host_reserved = 0    # host pages reserved by fetches in flight
         self._copier = copier
         self._clock = 0
         self._transfer_ids = itertools.count(1)
@@ -157,8 +158,7 @@ class CacheState:
         copy `node` now copy both halves."""
         top = self.tree.split(node, pages)
         tids = set(node.full.pins)
-        if node.full.backup is not None:
-            tids.add(node.full.backup)
+        tids.update(t for t in (node.full.backup, node.full.store) if t is not None)
         for tid in tids:
             t = self.transfers[tid]
             nodes = t.nodes if node in t.nodes else t.shared
@@ -172,8 +172,8 @@ class CacheState:
     def _new_transfer(self, kind: TransferKind, nodes: list[Node], tid: int = 0, **fields) -> Transfer:
         """Record a transfer of `nodes`' current device and host pages (`tid` if reserved)."""
         tid = tid or self._reserve_transfer_id()
-        dev = b"".join(n.full.device_pages for n in nodes)
-        host = b"".join(n.full.host_pages for n in nodes)
+        dev = b"".join(n.full.device_pages or b"" for n in nodes)
+        host = b"".join(n.full.host_pages or b"" for n in nodes)
         t = Transfer(tid, kind, nodes, dev, host, **fields)
         self.transfers[tid] = t
         return t

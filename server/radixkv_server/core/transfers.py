@@ -10,6 +10,8 @@ class TransferKind(enum.Enum):
     LOAD = "load"              # host -> device (load-back); finished by the engine's ACK
     BACKUP = "backup"          # device -> host (write-through); settles on completion
     WRITE_BACK = "write_back"  # device -> host before the device pages are freed (eviction)
+    STORE = "store"            # host -> storage
+    FETCH = "fetch"            # storage -> host (prefetch into reserved host pages)
 
 
 @dataclass(eq=False)
@@ -19,6 +21,10 @@ class Transfer:
     `nodes` are the nodes whose pages it copies, top-down. A node split while the copy
     runs adds its new upper half here, so completion settles both halves.
     `device_pages` / `host_pages` are the packed page lists handed to the data path.
+
+    Stores and fetches: `keys` are the pages' storage keys. A fetch has no nodes yet:
+    its `host_pages` are reserved, and the pages of `tokens` from `start_page` on become
+    host-only nodes when it completes.
 
     Load-backs only:
     - `anchor`: deepest loaded node; its path stays locked until the ACK.
@@ -44,6 +50,10 @@ class Transfer:
     error: str | None = None
     parked: bytes = b""
     owner: object = None
+    keys: list[bytes] = field(default_factory=list)
+    tokens: bytes = b""
+    extra_key: bytes = b""
+    start_page: int = 0
 
     @property
     def num_pages(self) -> int:

@@ -102,6 +102,9 @@ class RadixTree:
         t.lock_ref = s.lock_ref
         t.host_lock = s.host_lock
         t.pins = set(s.pins)
+        t.store = s.store
+        t.stored = s.stored
+        t.evicting_host = s.evicting_host
         top.hit_count = node.hit_count
         top.last_access = node.last_access
         return top

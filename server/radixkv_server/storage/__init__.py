@@ -9,7 +9,7 @@ worker threads): `FileStorage` (a directory, the embedded default) and `RedisSto
 
 from .base import MAX_KEY_BYTES, StorageBackend, StorageStats, StorageUnavailable, open_storage
 from .file import FileStorage
-from .keys import KEY_BYTES, namespace_salt, page_keys
+from ..core.page_keys import KEY_BYTES, namespace_salt, page_keys
 from .record import CorruptPage, decode, encode
 
 __all__ = [

@@ -1,0 +1,134 @@
+"""The storage tier as the core sees it: what gets stored when, keys, prefetch."""
+
+import pytest
+from radixkv_server.core.pages import pack, unpack
+from radixkv_server.core.page_keys import page_keys
+
+from harness import Engine, make_cache, tokens
+
+
+def clean(cache):
+    assert cache.check_invariants() == []
+
+
+def drain(cache, copier, eng):
+    for outcome in copier.complete_all(cache).values():
+        eng.give(getattr(outcome, "freed_pages", b""))
+
+
+def test_storage_write_through_stores_once_the_host_copy_is_valid():
+    cache, copier = make_cache("write_through", storage="write_through")
+    eng = Engine(cache, copier)
+    prompt = tokens(1, 2, 3, 4)
+    eng.insert(prompt)
+    drain(cache, copier, eng)  # backup, then (on its completion) the store
+    drain(cache, copier, eng)
+    keys = page_keys(b"test-salt", prompt, 2)
+    assert set(keys) <= set(copier.storage)
+    assert cache.counters.stored_tokens == 4
+    clean(cache)
+
+
+def test_storage_write_back_stores_on_host_eviction_then_frees_the_host_copy():
+    cache, copier = make_cache("write_through", storage="write_back", host_pages=2)
+    eng = Engine(cache, copier)
+    eng.insert(tokens(1, 2, 3, 4))
+    drain(cache, copier, eng)
+    assert not copier.storage
+    eng.give(cache.evict_device(2).freed_pages)  # host-only now
+    assert cache.evict_host(2) == 2             # planned: a store starts
+    assert cache.host.num_free == 0
+    clean(cache)
+    drain(cache, copier, eng)
+    assert cache.host.num_free == 2 and len(copier.storage) == 2
+    assert cache.match(tokens(1, 2, 3, 4)).host_tokens == 0
+    clean(cache)
+
+
+def test_failed_store_on_host_eviction_still_frees_the_host():
+    cache, copier = make_cache("write_through", storage="write_back", host_pages=2)
+    eng = Engine(cache, copier)
+    eng.insert(tokens(1, 2, 3, 4))
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.evict_host(2)
+    (tid,) = copier.pending
+    copier.complete(cache, tid, fail=True)
+    assert cache.host.num_free == 2
+    assert cache.counters.store_dropped_tokens == 4
+    clean(cache)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_prefetch_then_load_back_restores_the_stored_bytes(policy):
+    """A prefix stored, then dropped from device and host, comes back from storage."""
+    cache, copier = make_cache(policy, storage="write_through")
+    eng = Engine(cache, copier)
+    prompt = tokens(*range(12))
+    eng.insert(prompt)
+    drain(cache, copier, eng)
+    while cache.device.num_held:  # write_back: the store happens after the write-back
+        eng.give(cache.evict_device(10).freed_pages)
+        drain(cache, copier, eng)
+    drain(cache, copier, eng)
+    cache.evict_host(100)
+    drain(cache, copier, eng)
+    assert cache.match(prompt).host_tokens == 0
+    cached, keys = cache.storage_probe(prompt + tokens(99))
+    assert cached == 0 and len(keys) == 6 and all(k in copier.storage for k in keys)
+    tid = cache.start_prefetch(prompt, b"", len(keys))
+    clean(cache)
+    outcome = copier.complete(cache, tid)
+    assert outcome.added_tokens == 12
+    m = cache.match(prompt)
+    assert (m.device_tokens, m.host_tokens) == (0, 12)
+    lb = cache.load_back(m.host_node, pack(eng.alloc(6)))
+    copier.complete(cache, lb.transfer)
+    cache.finish_load_back(lb.transfer)
+    assert eng.verify(prompt, b"", lb.device_pages) == []
+    assert len(cache.duplicates) >= 1  # prefetched host copies are settled duplicates after the ACK
+    clean(cache)
+
+
+def test_prefetch_gives_a_device_only_node_its_host_copy():
+    """SGLang's seed case: host KV from storage meets a device copy that was never backed
+    up locally; the node must be tracked as a settled duplicate."""
+    cache, copier = make_cache("write_back", storage="write_through")
+    eng = Engine(cache, copier)
+    prompt = tokens(1, 2, 3, 4)
+    eng.insert(prompt)
+    copier.storage.update({k: b"|" + prompt[: (i + 1) * 8] for i, k in enumerate(page_keys(b"test-salt", prompt, 2))})
+    tid = cache.start_prefetch(prompt, b"", 2)
+    assert tid == 0  # fully cached already: nothing to fetch
+    # Drop the host side only: the node is device-only; fetch its pages from storage.
+    node = cache.node(cache.match(prompt).host_node)
+    assert node.full.host_pages is None
+    added = cache._insert_host(prompt, 0, cache.host.alloc(2), b"")
+    assert added == 2 and node in cache.duplicates and node.full.stored
+    clean(cache)
+
+
+def test_prefetch_is_dropped_when_its_prefix_left_the_cache():
+    cache, copier = make_cache("write_through", storage="write_through")
+    eng = Engine(cache, copier)
+    eng.insert(tokens(1, 2))
+    drain(cache, copier, eng)
+    drain(cache, copier, eng)
+    longer = tokens(1, 2, 3, 4)
+    copier.storage[page_keys(b"test-salt", longer, 2)[1]] = b"|" + longer
+    tid = cache.start_prefetch(longer, b"", 1)
+    assert tid
+    while cache.device.num_held:
+        eng.give(cache.evict_device(10).freed_pages)
+    cache.evict_host(100)
+    drain(cache, copier, eng)
+    assert cache.match(longer).host_tokens == 0
+    clean(cache)
+    assert cache.host.num_free == cache.host.capacity
+
+
+def test_unaligned_storage_probe_and_extra_key_salt_the_keys():
+    cache, copier = make_cache(storage="write_through")
+    _, plain = cache.storage_probe(tokens(1, 2, 3))
+    _, lora = cache.storage_probe(tokens(1, 2, 3), b"lora")
+    assert len(plain) == 1 and plain != lora
