@@ -49,6 +49,13 @@ class DaemonConfig:
     write_through_threshold: int = _opt(2, "hits before write_through_selective backs a node up")
     eviction_policy: str = _opt("lru", "eviction order", choices=("lru", "lfu", "fifo"))
     copy_workers: int = _opt(2, "threads copying pages per namespace")
+    storage: str = _opt("", "L3 storage: file:///dir, a path, redis://host:port/db or unix:///redis.sock "
+                        "(empty: off)")
+    storage_policy: str = _opt("write_back", "when pages go to storage: on host eviction (write_back) or "
+                               "as soon as they reach host (write_through)",
+                               choices=("write_back", "write_through"))
+    storage_workers: int = _opt(2, "threads doing storage I/O per namespace")
+    storage_queue_pages: int = _opt(4096, "pages queued for storage writes before new ones are refused")
     max_sessions: int = _opt(64, "most sessions at once")
     max_namespaces: int = _opt(64, "most namespaces at once")
     max_prompts_per_match: int = _opt(4096, "most prompts in one Match")
@@ -61,7 +68,8 @@ class DaemonConfig:
     def __post_init__(self):
         if not self.listen:
             raise ValueError("listen: give at least one address")
-        for name in ("page_size", "write_through_threshold", "copy_workers", "max_sessions",
+        for name in ("page_size", "write_through_threshold", "copy_workers", "storage_workers",
+                     "storage_queue_pages", "max_sessions",
                      "max_namespaces", "max_prompts_per_match", "max_concurrent_rpcs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

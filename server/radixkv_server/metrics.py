@@ -44,7 +44,18 @@ class Metrics:
             ["namespace", "direction"], buckets=COPY_BUCKETS, registry=r)
         self.invariant_violations = Counter("radixkv_invariant_violations", "Invariant violations found",
                                             ["namespace"], registry=r)
+        self.storage_duration = Histogram(
+            "radixkv_storage_operation_duration_seconds", "Storage tier calls (batched), by operation",
+            ["operation"], buckets=COPY_BUCKETS, registry=r)
+        self.storage_errors = Counter("radixkv_storage_errors", "Storage tier calls that failed, by operation",
+                                      ["operation"], registry=r)
         self._server = None
+
+    def observe_storage(self, operation: str, seconds: float, ok: bool) -> None:
+        """Called from storage worker threads (prometheus-client metrics are thread-safe)."""
+        self.storage_duration.labels(operation).observe(seconds)
+        if not ok:
+            self.storage_errors.labels(operation).inc()
 
     def watch(self, daemon, loop: asyncio.AbstractEventLoop) -> None:
         """Export the daemon's state, read on `loop` at each scrape."""
@@ -64,7 +75,12 @@ class Metrics:
 
 def snapshot(daemon) -> dict:
     """The state the collector exports, read in one go (call on the event loop)."""
-    out = {"sessions": len(daemon.sessions), "namespaces": {}}
+    out = {"sessions": len(daemon.sessions), "namespaces": {}, "storage": None}
+    if daemon.storage is not None:
+        out["storage"] = {
+            "stats": daemon.storage.stats.snapshot(),
+            "up": all(ns.storage.healthy for ns in daemon.namespaces.values() if ns.storage is not None),
+        }
     for ns in daemon.namespaces.values():
         cache = ns.cache
         kinds = {k: 0 for k in TransferKind}
@@ -97,6 +113,11 @@ class _StateCollector(Collector):
     def __init__(self, daemon, loop):
         self._daemon = daemon
         self._loop = loop
+
+    def describe(self):
+        # Without describe(), registering this collector (on the event loop) would call
+        # collect(), which waits for a snapshot coroutine on that same loop: a 5 s stall.
+        return []
 
     def _snapshot(self) -> dict | None:
         async def read():
@@ -149,6 +170,12 @@ class _StateCollector(Collector):
             "nodes": GaugeMetricFamily("radixkv_tree_nodes", "Radix tree nodes", labels=["namespace"]),
             "dup": GaugeMetricFamily("radixkv_tracked_duplicates", "Settled device+host duplicates",
                                      labels=["namespace"]),
+            "st": CounterMetricFamily("radixkv_stored_tokens", "Tokens written to the storage tier",
+                                      labels=["namespace"]),
+            "sf": CounterMetricFamily("radixkv_store_failed_tokens", "Tokens whose storage write failed",
+                                      labels=["namespace"]),
+            "pf": CounterMetricFamily("radixkv_prefetched_tokens", "Tokens fetched from storage into host",
+                                      labels=["namespace"]),
         }
         f = families
         for name, s in snap["namespaces"].items():
@@ -182,4 +209,25 @@ class _StateCollector(Collector):
             f["pin"].add_metric([name], s["pins"])
             f["nodes"].add_metric([name], s["nodes"])
             f["dup"].add_metric([name], s["duplicates"])
+        for name, s in snap["namespaces"].items():
+            c = s["counters"]
+            f["st"].add_metric([name], c["stored_tokens"])
+            f["sf"].add_metric([name], c["store_failed_tokens"])
+            f["pf"].add_metric([name], c["prefetched_tokens"])
         yield from families.values()
+        if snap["storage"] is not None:
+            st = snap["storage"]["stats"]
+            up = GaugeMetricFamily("radixkv_storage_up", "1 while the storage tier answers, else 0")
+            up.add_metric([], 1 if snap["storage"]["up"] else 0)
+            pages = CounterMetricFamily("radixkv_storage_pages", "Storage pages by operation and result",
+                                        labels=["operation", "result"])
+            pages.add_metric(["get", "hit"], st.gets - st.misses - st.corrupt)
+            pages.add_metric(["get", "miss"], st.misses)
+            pages.add_metric(["get", "corrupt"], st.corrupt)
+            pages.add_metric(["put", "stored"], st.puts)
+            pages.add_metric(["put", "already_present"], st.put_skipped)
+            nbytes = CounterMetricFamily("radixkv_storage_bytes", "Storage payload bytes by direction",
+                                         labels=["direction"])
+            nbytes.add_metric(["read"], st.get_bytes)
+            nbytes.add_metric(["write"], st.put_bytes)
+            yield from (up, pages, nbytes)

@@ -23,11 +23,46 @@ from .config import DEFAULT_SOCKET, DaemonConfig
 from .logs import log_event
 from .metrics import Metrics
 from .service.daemon import Daemon
+from .storage import open_storage
 from .service.servicer import RadixKVServicer
 
 log = logging.getLogger("radixkv.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RadixKV"].full_name
+
+
+class _HealthServicer(health.aio.HealthServicer):
+    """grpc's health servicer, except that Watch streams end once shutdown has begun,
+    after telling the watcher NOT_SERVING. Otherwise a single watcher (grpc client-side
+    health checking, a proxy) would hold server.stop() for the whole grace period."""
+
+    def __init__(self):
+        super().__init__()
+        self._shutting_down = asyncio.Event()
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+        self._shutting_down.set()
+
+    async def Watch(self, request, context):
+        sent = []
+
+        class Writer:  # the base Watch only writes to its context
+            @staticmethod
+            async def write(reply):
+                sent.append(reply.status)
+                await context.write(reply)
+
+        watch = asyncio.ensure_future(super().Watch(request, Writer()))
+        stop = asyncio.ensure_future(self._shutting_down.wait())
+        try:
+            await asyncio.wait({watch, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            stop.cancel()
+            await asyncio.gather(watch, stop, return_exceptions=True)
+        if not sent or sent[-1] != health_pb2.HealthCheckResponse.NOT_SERVING:
+            await context.write(health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING))
 
 
 class StartupError(Exception):
@@ -95,7 +130,14 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     metrics = Metrics()
-    daemon = Daemon(config, metrics)
+    storage = None
+    if config.storage:
+        try:
+            storage = open_storage(config.storage)
+        except ValueError as e:
+            raise StartupError(f"--storage {config.storage!r}: {e}") from None
+        log_event(log, "storage.opened", store=storage.name, policy=config.storage_policy)
+    daemon = Daemon(config, metrics, storage)
     metrics.watch(daemon, loop)
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", config.max_message_size),
@@ -104,7 +146,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -127,8 +169,12 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     await health_servicer.enter_graceful_shutdown()
     daemon.stop_accepting()
     await daemon.drain()
+    log_event(log, "daemon.drained")
     await server.stop(config.shutdown_grace)
+    log_event(log, "grpc.stopped")
     await daemon.close()
+    if storage is not None:
+        storage.close()
     metrics.close()
     for path in sockets:
         try:

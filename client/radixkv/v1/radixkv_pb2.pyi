@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -93,17 +94,19 @@ class Prompt(_message.Message):
     def __init__(self, tokens: _Optional[bytes] = ..., extra_key: _Optional[bytes] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("session", "prompts", "lease")
+    __slots__ = ("session", "prompts", "lease", "include_storage")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STORAGE_FIELD_NUMBER: _ClassVar[int]
     session: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     lease: bool
-    def __init__(self, session: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., lease: _Optional[bool] = ...) -> None: ...
+    include_storage: bool
+    def __init__(self, session: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., lease: _Optional[bool] = ..., include_storage: _Optional[bool] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("device_pages", "device_tokens", "host_tokens", "device_node", "host_node", "depends_on", "lease")
+    __slots__ = ("device_pages", "device_tokens", "host_tokens", "device_node", "host_node", "depends_on", "lease", "storage_tokens")
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +114,7 @@ class MatchResult(_message.Message):
     HOST_NODE_FIELD_NUMBER: _ClassVar[int]
     DEPENDS_ON_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     device_pages: bytes
     device_tokens: int
     host_tokens: int
@@ -118,7 +122,8 @@ class MatchResult(_message.Message):
     host_node: int
     depends_on: _containers.RepeatedScalarFieldContainer[int]
     lease: int
-    def __init__(self, device_pages: _Optional[bytes] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., device_node: _Optional[int] = ..., host_node: _Optional[int] = ..., depends_on: _Optional[_Iterable[int]] = ..., lease: _Optional[int] = ...) -> None: ...
+    storage_tokens: int
+    def __init__(self, device_pages: _Optional[bytes] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., device_node: _Optional[int] = ..., host_node: _Optional[int] = ..., depends_on: _Optional[_Iterable[int]] = ..., lease: _Optional[int] = ..., storage_tokens: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results",)
@@ -233,6 +238,46 @@ class EvictResponse(_message.Message):
     freed_pages: bytes
     written_back_pages: int
     def __init__(self, freed_pages: _Optional[bytes] = ..., written_back_pages: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("session", "tokens", "extra_key", "policy", "timeout_ms")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    tokens: bytes
+    extra_key: bytes
+    policy: str
+    timeout_ms: int
+    def __init__(self, session: _Optional[str] = ..., tokens: _Optional[bytes] = ..., extra_key: _Optional[bytes] = ..., policy: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PrefetchProgress(_message.Message):
+    __slots__ = ("state", "transfer", "storage_tokens", "fetched_tokens", "host_tokens_added")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[PrefetchProgress.State]
+        STARTED: _ClassVar[PrefetchProgress.State]
+        DONE: _ClassVar[PrefetchProgress.State]
+        NOTHING: _ClassVar[PrefetchProgress.State]
+        WAITING_ENDED: _ClassVar[PrefetchProgress.State]
+    STATE_UNSPECIFIED: PrefetchProgress.State
+    STARTED: PrefetchProgress.State
+    DONE: PrefetchProgress.State
+    NOTHING: PrefetchProgress.State
+    WAITING_ENDED: PrefetchProgress.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_ADDED_FIELD_NUMBER: _ClassVar[int]
+    state: PrefetchProgress.State
+    transfer: int
+    storage_tokens: int
+    fetched_tokens: int
+    host_tokens_added: int
+    def __init__(self, state: _Optional[_Union[PrefetchProgress.State, str]] = ..., transfer: _Optional[int] = ..., storage_tokens: _Optional[int] = ..., fetched_tokens: _Optional[int] = ..., host_tokens_added: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("namespace",)

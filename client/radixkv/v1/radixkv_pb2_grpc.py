@@ -74,6 +74,11 @@ class RadixKVStub:
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.EvictRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.EvictResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_stream(
+                '/radixkv.v1.RadixKV/Prefetch',
+                request_serializer=radixkv_dot_v1_dot_radixkv__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.PrefetchProgress.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/radixkv.v1.RadixKV/Stats',
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.StatsRequest.SerializeToString,
@@ -159,6 +164,15 @@ class RadixKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Pull the part of a prompt only the storage tier holds into host memory. Streams
+        progress: a first message once the fetch started, a last one when it ended (or
+        the policy stopped waiting). Afterwards Match reports those tokens as host hits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Operators: counters and pool usage per namespace.
         """
@@ -229,6 +243,11 @@ def add_RadixKVServicer_to_server(servicer, server):
                     servicer.Evict,
                     request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.EvictRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_radixkv__pb2.EvictResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.PrefetchRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.PrefetchProgress.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -467,6 +486,33 @@ class RadixKV:
             '/radixkv.v1.RadixKV/Evict',
             radixkv_dot_v1_dot_radixkv__pb2.EvictRequest.SerializeToString,
             radixkv_dot_v1_dot_radixkv__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/radixkv.v1.RadixKV/Prefetch',
+            radixkv_dot_v1_dot_radixkv__pb2.PrefetchRequest.SerializeToString,
+            radixkv_dot_v1_dot_radixkv__pb2.PrefetchProgress.FromString,
             options,
             channel_credentials,
             insecure,

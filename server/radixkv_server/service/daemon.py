@@ -16,6 +16,7 @@ from radixkv.layout import KvLayout
 
 from ..config import DaemonConfig
 from ..core import CacheConfig, LoadBackResult, NotReady
+from ..core.page_keys import namespace_salt
 from ..core.pages import count
 from ..datapath import DeviceOpenError, HostPool, open_device_buffers
 from ..logs import log_event
@@ -27,6 +28,13 @@ log = logging.getLogger("radixkv.daemon")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 BACKENDS = ("shm", "cuda")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def layout_fingerprint(layout: KvLayout) -> str:
+    """Everything about a layout that changes a page's bytes (part of storage keys)."""
+    return (f"{layout.kv_format}:{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}:"
+            f"{layout.dtype}:p{layout.page_size}")
 
 
 @dataclass(frozen=True)
@@ -52,9 +60,10 @@ class Registered:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig, metrics=None):
+    def __init__(self, config: DaemonConfig, metrics=None, storage=None):
         self.config = config
         self.metrics = metrics
+        self.storage = storage  # StorageBackend shared by every namespace, or None
         self.instance = uuid.uuid4().hex[:12]
         self.started = time.monotonic()
         self.namespaces: dict[str, Namespace] = {}
@@ -97,10 +106,13 @@ class Daemon:
             if len(self.sessions) >= self.config.max_sessions:
                 raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions")
             try:
+                model = reg.model or reg.namespace
                 cache_config = CacheConfig(
                     page_size=reg.layout.page_size, write_policy=policy,
                     write_through_threshold=self.config.write_through_threshold,
-                    eviction_policy=self.config.eviction_policy)
+                    eviction_policy=self.config.eviction_policy,
+                    storage=self.config.storage_policy if self.storage is not None else "off",
+                    storage_salt=namespace_salt(model, layout_fingerprint(reg.layout)))
             except ValueError as e:
                 raise invalid(str(e)) from None
             host_pages = self._host_pages(reg) if ns is None else 0
@@ -110,8 +122,9 @@ class Daemon:
                 if ns is None:
                     pool = await asyncio.get_running_loop().run_in_executor(
                         None, HostPool, reg.layout, host_pages)
-                    ns = Namespace(reg.namespace, reg.layout, reg.model or reg.namespace, cache_config,
-                                   pool, device, reg.backend, self.config.copy_workers, self.metrics)
+                    ns = Namespace(reg.namespace, reg.layout, model, cache_config, pool, device, reg.backend,
+                                   self.config.copy_workers, self.metrics, self.storage,
+                                   self.config.storage_workers, self.config.storage_queue_pages)
                     self.namespaces[reg.namespace] = ns
                     warm = False
                 else:
@@ -193,15 +206,19 @@ class Daemon:
 
     # -- engine operations -------------------------------------------------------------
 
-    def match(self, session: Session, prompts: list[tuple[bytes, bytes]], lease: bool):
-        """Match every prompt; with `lease`, lock each matched path. Returns
-        (MatchResult, lease id or 0) per prompt. Validates all prompts first."""
+    async def match(self, session: Session, prompts: list[tuple[bytes, bytes]], lease: bool,
+                    include_storage: bool = False):
+        """Match every prompt; with `lease`, lock each matched path; with
+        `include_storage`, also count the tokens past the cache that storage holds.
+        Returns (MatchResult, lease id, storage tokens) per prompt. Validates all
+        prompts first; the storage probe comes after the (atomic) match."""
         if len(prompts) > self.config.max_prompts_per_match:
             raise exhausted(f"{len(prompts)} prompts in one Match; the limit is {self.config.max_prompts_per_match}")
         for i, (tokens, _) in enumerate(prompts):
             if len(tokens) % 4:
                 raise invalid(f"prompt {i}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
-        cache = session.namespace.cache
+        ns = session.namespace
+        cache = ns.cache
         out = []
         for tokens, extra_key in prompts:
             result = cache.match(tokens, extra_key)
@@ -210,7 +227,41 @@ class Daemon:
                 cache.lock(result.host_node)
                 lease_id = self.sessions.new_lease(session, result.host_node)
             out.append((result, lease_id))
-        return out
+        stored = [0] * len(prompts)
+        if include_storage and ns.storage is not None:
+            probes = [cache.storage_probe(tokens, extra_key)[1] for tokens, extra_key in prompts]
+            pages = await ns.storage.probe(probes)
+            stored = [n * ns.layout.page_size for n in pages]
+            cache.counters.storage_hit_tokens += sum(stored)
+        return [(r, lease_id, n) for (r, lease_id), n in zip(out, stored)]
+
+    async def prefetch(self, session: Session, tokens: bytes, extra_key: bytes, policy: str,
+                       timeout: float | None):
+        """Fetch what storage holds of `tokens` past the cache into host memory. Yields
+        progress: (state, transfer, storage tokens, FetchOutcome or None)."""
+        ns = session.namespace
+        if len(tokens) % 4:
+            raise invalid(f"token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
+        if policy not in PREFETCH_POLICIES:
+            raise invalid(f"prefetch policy {policy!r}: use one of {list(PREFETCH_POLICIES)}")
+        if ns.storage is None:
+            raise precondition("no storage tier is configured (start the daemon with --storage)")
+        (pages,) = await ns.storage.probe([ns.cache.storage_probe(tokens, extra_key)[1]])
+        self.check_open(session)
+        transfer = ns.cache.start_prefetch(tokens, extra_key, pages, owner=session.id) if pages else 0
+        if not transfer:
+            yield "nothing", 0, 0, None
+            return
+        done = ns.fetch_done(transfer)  # before the first yield: the fetch may finish meanwhile
+        yield "started", transfer, pages * ns.layout.page_size, None
+        if policy == "best_effort":
+            return
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(done), timeout if policy == "timeout" else None)
+        except asyncio.TimeoutError:
+            yield "waiting_ended", transfer, pages * ns.layout.page_size, None
+            return
+        yield "done", transfer, pages * ns.layout.page_size, outcome
 
     async def insert(self, session: Session, tokens: bytes, pages: bytes, extra_key: bytes,
                      chunked: bool, release_lease: int, lease: bool):

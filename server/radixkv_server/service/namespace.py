@@ -13,6 +13,7 @@ from radixkv.layout import KvLayout
 from ..core import CacheConfig, HierarchicalCache
 from ..core.pages import count
 from ..datapath import CopyEngine, HostPool
+from ..datapath.storage_mover import StorageMover
 from ..logs import log_event
 
 log = logging.getLogger("radixkv.namespace")
@@ -20,7 +21,8 @@ log = logging.getLogger("radixkv.namespace")
 
 class Namespace:
     def __init__(self, name: str, layout: KvLayout, model: str, config: CacheConfig,
-                 host_pool: HostPool, device, backend: str, copy_workers: int, metrics=None):
+                 host_pool: HostPool, device, backend: str, copy_workers: int, metrics=None,
+                 storage_backend=None, storage_workers: int = 2, storage_queue_pages: int = 4096):
         self.name = name
         self.layout = layout
         self.model = model
@@ -36,8 +38,15 @@ class Namespace:
         self._started: dict[int, tuple[str, float]] = {}  # transfer -> (direction, start time)
         self._copied: dict[int, asyncio.Event] = {}
         self._evictions: dict[int, asyncio.Future] = {}
+        self._fetches: dict[int, asyncio.Future] = {}
         self._loop = asyncio.get_running_loop()
         self.engine = self._new_engine()
+        self.storage = None
+        if storage_backend is not None:
+            self.storage = StorageMover(
+                self._loop, storage_backend, host_pool, self._on_copy_done, self._on_fetch_done,
+                workers=storage_workers, max_pending_pages=storage_queue_pages, namespace=name,
+                observe=metrics.observe_storage if metrics is not None else None)
 
     def _new_engine(self) -> CopyEngine:
         return CopyEngine(self._loop, self.device, self.host_pool, self._on_copy_done,
@@ -54,10 +63,42 @@ class Namespace:
         self._started[transfer] = (kind, time.perf_counter())
         self.engine.backup(transfer, device_pages, host_pages)
 
-    def _on_copy_done(self, transfer: int, error: str | None) -> None:
-        direction, start = self._started.pop(transfer, ("load", time.perf_counter()))
-        if self._metrics is not None and error is None:
+    def store(self, transfer: int, host_pages: bytes, keys: list[bytes]) -> None:
+        self._started[transfer] = ("store", time.perf_counter())
+        self.storage.store(transfer, host_pages, keys)
+
+    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+        self._started[transfer] = ("fetch", time.perf_counter())
+        self.storage.fetch(transfer, keys, host_pages)
+
+    def _observe_copy(self, transfer: int, error: str | None) -> None:
+        direction, start = self._started.pop(transfer, (None, 0.0))
+        if self._metrics is not None and error is None and direction is not None:
             self._metrics.copy_duration.labels(self.name, direction).observe(time.perf_counter() - start)
+
+    def _on_fetch_done(self, transfer: int, pages_read: int, error: str | None) -> None:
+        self._observe_copy(transfer, error)
+        outcome = self.cache.on_fetch_done(transfer, pages_read, error)
+        fut = self._fetches.pop(transfer, None)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
+        event = self._copied.pop(transfer, None)
+        if event is not None:
+            event.set()
+
+    def fetch_done(self, transfer: int) -> asyncio.Future:
+        """A future resolving to the fetch's FetchOutcome (None if it is not in flight)."""
+        fut = self._fetches.get(transfer)
+        if fut is None:
+            fut = self._loop.create_future()
+            if transfer in self.cache.transfers:
+                self._fetches[transfer] = fut
+            else:
+                fut.set_result(None)
+        return fut
+
+    def _on_copy_done(self, transfer: int, error: str | None) -> None:
+        self._observe_copy(transfer, error)
         outcome = self.cache.on_copy_done(transfer, error)
         if error is not None:
             log_event(log, "copy.failed", logging.WARNING, namespace=self.name,
@@ -135,5 +176,7 @@ class Namespace:
         and the host pool (unpinning it). Idempotent."""
         await self.drain()
         self.engine.close()
+        if self.storage is not None:
+            self.storage.close()
         self.device.close()
         self.host_pool.close()

@@ -99,12 +99,14 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     @rpc
     async def Match(self, request, context):
         session = self.daemon.session(request.session)
-        matched = self.daemon.match(session, [(p.tokens, p.extra_key) for p in request.prompts], request.lease)
+        matched = await self.daemon.match(session, [(p.tokens, p.extra_key) for p in request.prompts],
+                                          request.lease, request.include_storage)
         return pb.MatchResponse(results=[
             pb.MatchResult(
                 device_pages=r.device_pages, device_tokens=r.device_tokens, host_tokens=r.host_tokens,
-                device_node=r.device_node, host_node=r.host_node, depends_on=r.depends_on, lease=lease)
-            for r, lease in matched
+                device_node=r.device_node, host_node=r.host_node, depends_on=r.depends_on, lease=lease,
+                storage_tokens=stored)
+            for r, lease, stored in matched
         ])
 
     @rpc
@@ -135,6 +137,23 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         session = self.daemon.session(request.session)
         pages, written_back = await self.daemon.evict(session, request.num_pages)
         return pb.EvictResponse(freed_pages=pages, written_back_pages=written_back)
+
+    async def Prefetch(self, request, context):
+        """Stream prefetch progress (see the proto); errors abort the stream with a status."""
+        states = {"nothing": pb.PrefetchProgress.NOTHING, "started": pb.PrefetchProgress.STARTED,
+                  "done": pb.PrefetchProgress.DONE, "waiting_ended": pb.PrefetchProgress.WAITING_ENDED}
+        try:
+            session = self.daemon.session(request.session)
+            timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+            async for state, transfer, storage_tokens, outcome in self.daemon.prefetch(
+                    session, request.tokens, request.extra_key, request.policy or "best_effort", timeout):
+                await context.write(pb.PrefetchProgress(
+                    state=states[state], transfer=transfer, storage_tokens=storage_tokens,
+                    fetched_tokens=outcome.pages_read * session.namespace.layout.page_size if outcome else 0,
+                    host_tokens_added=outcome.added_tokens if outcome else 0))
+        except (CacheError, ServiceError) as e:
+            code, message = status_of(e)
+            await context.abort(code, message)
 
     @rpc
     async def Stats(self, request, context):

@@ -1,0 +1,138 @@
+"""StorageMover: the core's store and fetch copies, between the host pool and an L3
+backend, on worker threads of their own (slow storage never delays device copies).
+
+Writes are asynchronous and bounded: past `max_pending_pages` pages queued, a new store
+fails at once ("queue full") instead of growing memory; the core then treats the node
+as not stored. Errors become strings reported on the loop, and the first error of an
+outage and the recovery after it are logged once each.
+"""
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ..core.pages import count, unpack
+from ..logs import log_event
+from ..storage import StorageBackend, StorageUnavailable
+
+log = logging.getLogger("radixkv.storage")
+
+
+class StorageMover:
+    def __init__(self, loop: asyncio.AbstractEventLoop, backend: StorageBackend, host_pool,
+                 on_stored, on_fetched, *, workers: int = 2, max_pending_pages: int = 4096,
+                 namespace: str = "", observe=None):
+        self._loop = loop
+        self._backend = backend
+        self._host = host_pool
+        self._on_stored = on_stored      # (transfer, error | None), on the loop
+        self._on_fetched = on_fetched    # (transfer, pages_read, error | None), on the loop
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixkv-storage")
+        self._max_pending = max_pending_pages
+        self._observe = observe          # (operation, seconds, ok) from worker threads
+        self.namespace = namespace
+        self.pending_pages = 0
+        self.healthy = True
+        self._closed = False
+
+    # -- the core's Copier half ---------------------------------------------------------
+
+    def store(self, transfer: int, host_pages: bytes, keys: list[bytes]) -> None:
+        n = count(host_pages)
+        if self._closed or self.pending_pages + n > self._max_pending:
+            reason = "storage is closed" if self._closed else (
+                f"storage write queue full ({self.pending_pages} pages pending)")
+            self._loop.call_soon(self._stored, transfer, 0, reason)  # nothing was queued
+            return
+        self.pending_pages += n
+        self._pool.submit(self._store, transfer, bytes(host_pages), list(keys))
+
+    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+        if self._closed:
+            self._loop.call_soon(self._fetched, transfer, 0, "storage is closed")
+            return
+        self._pool.submit(self._fetch, transfer, list(keys), bytes(host_pages))
+
+    async def probe(self, key_lists: list[list[bytes]]) -> list[int]:
+        """How many leading keys of each list storage holds; zeros while it is down."""
+        if not any(key_lists):
+            return [0] * len(key_lists)
+        try:
+            return await self._loop.run_in_executor(self._pool, self._probe, key_lists)
+        except StorageUnavailable as e:
+            self._health(str(e))
+            return [0] * len(key_lists)
+
+    # -- worker threads ----------------------------------------------------------------
+
+    def _timed(self, operation: str, fn, *args):
+        start = time.perf_counter()
+        ok = False
+        try:
+            result = fn(*args)
+            ok = True
+            return result
+        finally:
+            if self._observe is not None:
+                self._observe(operation, time.perf_counter() - start, ok)
+
+    def _probe(self, key_lists):
+        return [self._timed("exists", self._backend.exists_prefix, keys) if keys else 0 for keys in key_lists]
+
+    def _store(self, transfer: int, host_pages: bytes, keys: list[bytes]) -> None:
+        error = None
+        try:
+            items = [(k, self._host.read_page(p)) for k, p in zip(keys, unpack(host_pages))]
+            self._timed("put", self._backend.put, items)
+        except Exception as e:  # StorageUnavailable, or a bug: reported, never raised here
+            error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
+        self._to_loop(self._stored, transfer, count(host_pages), error)
+
+    def _fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+        read, error = 0, None
+        try:
+            payloads = self._timed("get", self._backend.get, keys)
+            page_bytes = self._host.layout.page_bytes
+            for page, payload in zip(unpack(host_pages), payloads):
+                if payload is None or len(payload) != page_bytes:
+                    break  # missing, corrupt, or written by another layout: a miss
+                self._host.write_page(page, payload)
+                read += 1
+        except Exception as e:
+            error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
+        self._to_loop(self._fetched, transfer, read, error)
+
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    # -- on the loop -------------------------------------------------------------------
+
+    def _stored(self, transfer: int, queued_pages: int, error: str | None) -> None:
+        self.pending_pages -= queued_pages
+        self._health(error)
+        self._on_stored(transfer, error)
+
+    def _fetched(self, transfer: int, read: int, error: str | None) -> None:
+        self._health(error)
+        self._on_fetched(transfer, read, error)
+
+    def _health(self, error: str | None) -> None:
+        if error and "queue full" in error:
+            return
+        if error and self.healthy:
+            self.healthy = False
+            log_event(log, "storage.unavailable", logging.WARNING, namespace=self.namespace, error=error,
+                      note="serving from device and host; retrying with each new storage operation")
+        elif error is None and not self.healthy:
+            self.healthy = True
+            log_event(log, "storage.recovered", namespace=self.namespace)
+
+    def close(self) -> None:
+        """Finish queued work and stop the threads. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
