@@ -3,6 +3,7 @@
 import logging
 import sys
 
+import torch
 import uvloop
 
 from .config import load_config
@@ -19,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixkv-server: {e}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
+    # Copy threads supply the parallelism; torch's intra-op threads on top of them
+    # oversubscribe the cores and make scattered page copies collapse.
+    torch.set_num_threads(1)
     log_event(log, "config", **{k: (",".join(v) if isinstance(v, tuple) else v)
                                 for k, v in config.describe().items()})
     try:

@@ -36,6 +36,7 @@ class HostAllocator:
             return b""
         taken = self._free[-n:]
         del self._free[-n:]
+        taken.reverse()  # ascending on a fresh pool: runs of pages copy as one slice
         return taken.tobytes()
 
     def free(self, pages: bytes) -> None:

@@ -6,6 +6,7 @@ must wait for copies waits first, then re-checks its session and retries on the 
 """
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -121,7 +122,8 @@ class Daemon:
             try:
                 if ns is None:
                     pool = await asyncio.get_running_loop().run_in_executor(
-                        None, HostPool, reg.layout, host_pages)
+                        None, functools.partial(HostPool, reg.layout, host_pages,
+                                                device=reg.device if reg.backend == "cuda" else None))
                     ns = Namespace(reg.namespace, reg.layout, model, cache_config, pool, device, reg.backend,
                                    self.config.copy_workers, self.metrics, self.storage,
                                    self.config.storage_workers, self.config.storage_queue_pages)

@@ -1,0 +1,17 @@
+"""The data path: moves KV bytes between the engine's device buffers and the host pool.
+
+`HostPool` owns the daemon's host pages; `open_device_buffers` opens the engine's
+buffers (`shm` or `cuda` backend); `CopyEngine` is the core's `Copier`, running copies
+on worker threads and reporting completions on the event loop.
+"""
+
+from .copy_engine import CopyEngine
+from .device import (
+    BACKENDS, BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, open_device_buffers,
+)
+from .host_pool import HostPool
+
+__all__ = [
+    "BACKENDS", "BufferSpec", "CopyEngine", "CopyError", "CopyJob", "DeviceBuffers",
+    "DeviceOpenError", "HostPool", "open_device_buffers",
+]

@@ -1,0 +1,176 @@
+"""DeviceBuffers: the engine's KV buffers as the daemon sees them, and the copy contract.
+
+A backend opens the engine's buffers (CUDA IPC or POSIX shared memory) from the
+`BufferSpec`s the engine sent at Register, and copies whole pages between them and
+the daemon's `HostPool`: device page `device_pages[i]` (every buffer) <-> host page
+`host_pages[i]` (one contiguous run, see `radixkv.layout`).
+
+Threads: `submit_load`, `submit_store` and `CopyJob.wait` run on the copy engine's
+worker threads, several at once; backends keep no per-call state outside the job.
+`close` runs once no copy is in flight (the copy engine drains first).
+"""
+
+import abc
+from array import array
+from typing import Callable, NamedTuple
+
+from radixkv.layout import KvLayout
+
+from ..core.pages import unpack
+
+BACKENDS = ("shm", "cuda")
+
+
+class BufferSpec(NamedTuple):
+    """Where one engine buffer lives: `handle` names the memory (a shm segment name in
+    utf-8, or an encoded CUDA IPC handle), the buffer starts `offset` bytes into it and
+    spans `size` bytes. Field-for-field equal to the client's `radixkv.kvbuffers.BufferSpec`."""
+
+    handle: bytes
+    offset: int
+    size: int
+
+
+class DeviceOpenError(Exception):
+    """The engine's buffers cannot be opened as described; the message says what to fix."""
+
+
+class CopyError(Exception):
+    """A copy could not be started or did not complete; the message says which and why."""
+
+
+class CopyJob:
+    """One submitted copy. `events` holds one CUDA IPC event handle per layer for a
+    load-back on CUDA (the engine may run layer i once event i has fired); it is empty
+    for stores and on shared memory. `wait()` blocks until every byte is in place and
+    raises CopyError if the copy failed. Call `wait()` once, from the worker thread."""
+
+    __slots__ = ("events", "_wait")
+
+    def __init__(self, events: list[bytes] | None = None, wait: Callable[[], None] | None = None):
+        self.events = events if events is not None else []
+        self._wait = wait
+
+    @property
+    def pending(self) -> bool:
+        """Whether `wait` has anything to wait for (False: the bytes are in place)."""
+        return self._wait is not None
+
+    def wait(self) -> None:
+        if self._wait is not None:
+            self._wait()
+
+
+class DeviceBuffers(abc.ABC):
+    """The engine's `layout.num_buffers` KV buffers of `num_pages` pages each."""
+
+    layout: KvLayout
+    num_pages: int
+
+    @abc.abstractmethod
+    def submit_load(self, host_pool, host_pages: bytes, device_pages: bytes) -> CopyJob:
+        """Start copying host page `host_pages[i]` to device page `device_pages[i]`, all
+        buffers. Raises CopyError (nothing copied) on bad page lists or a closed backend."""
+
+    @abc.abstractmethod
+    def submit_store(self, device_pages: bytes, host_pool, host_pages: bytes) -> CopyJob:
+        """Start copying device page `device_pages[i]` (all buffers) to host page
+        `host_pages[i]`. The engine must have finished writing those pages. Raises CopyError."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the mapping of the engine's memory (never frees the engine's memory).
+        Idempotent. No copy may be in flight."""
+
+    def check_pages(self, host_pool, host_pages: bytes, device_pages: bytes) -> tuple[array, array]:
+        """Unpacked (host, device) page indices; CopyError when the lists do not pair up,
+        an index is out of range, or the host pool's layout differs from ours."""
+        if host_pool.layout.page_bytes != self.layout.page_bytes:
+            raise CopyError(
+                f"host pool pages are {host_pool.layout.page_bytes} bytes, device pages "
+                f"{self.layout.page_bytes} bytes: the pool was made for another layout"
+            )
+        if len(host_pages) % 4 or len(device_pages) % 4 or len(host_pages) != len(device_pages):
+            raise CopyError(
+                f"page lists do not pair up: {len(host_pages)} bytes of host pages, "
+                f"{len(device_pages)} bytes of device pages (packed int32, equal counts)"
+            )
+        host, dev = unpack(host_pages), unpack(device_pages)
+        _check_range(host, host_pool.num_pages, "host")
+        _check_range(dev, self.num_pages, "device")
+        return host, dev
+
+
+def _check_range(pages: array, limit: int, what: str) -> None:
+    if pages and (min(pages) < 0 or max(pages) >= limit):
+        bad = min(pages) if min(pages) < 0 else max(pages)
+        raise CopyError(f"{what} page {bad} out of range 0..{limit - 1}")
+
+
+def page_runs(host: array, dev: array) -> list[tuple[int, int, int]]:
+    """Split paired page lists into runs (h0, d0, n): host pages h0..h0+n-1 pair with
+    device pages d0..d0+n-1. A run descending in both lists is returned ascending."""
+    runs = []
+    i, n = 0, len(host)
+    while i < n:
+        j = i + 1
+        step = 0
+        if j < n and host[j] - host[i] == dev[j] - dev[i] and abs(host[j] - host[i]) == 1:
+            step = host[j] - host[i]
+            while j < n and host[j] - host[j - 1] == step and dev[j] - dev[j - 1] == step:
+                j += 1
+        if step < 0:
+            runs.append((host[j - 1], dev[j - 1], j - i))
+        else:
+            runs.append((host[i], dev[i], j - i))
+        i = j
+    return runs
+
+
+def element_width(*sizes: int) -> int:
+    """Widest element (8, 4, 2 or 1 bytes) dividing every size and offset given: copies
+    move that many bytes per element, which makes torch's copy kernels much faster."""
+    for w in (8, 4, 2):
+        if all(s % w == 0 for s in sizes):
+            return w
+    return 1
+
+
+def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
+                        buffers: list[BufferSpec], device: int = 0) -> DeviceBuffers:
+    """Open the engine's buffers: one BufferSpec per buffer, layer-major (layer 0 K,
+    layer 0 V, ...). `device` is the engine's CUDA device (ignored for "shm").
+    Raises DeviceOpenError naming what is wrong: unknown backend, wrong buffer count,
+    a segment or handle that cannot be opened, a region too small."""
+    if backend not in BACKENDS:
+        raise DeviceOpenError(f"unknown device backend {backend!r}; choose one of {list(BACKENDS)}")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        raise DeviceOpenError(f"num_pages must be an int >= 1, got {num_pages!r}")
+    if len(buffers) != layout.num_buffers:
+        raise DeviceOpenError(
+            f"{len(buffers)} buffers given, layout needs {layout.num_buffers} "
+            f"({layout.num_layers} layers x {layout.buffers_per_layer} for {layout.kv_format!r}, "
+            "layer-major: layer 0 K, layer 0 V, layer 1 K, ...)"
+        )
+    specs = [BufferSpec(bytes(b[0]), int(b[1]), int(b[2])) for b in buffers]
+    for i, s in enumerate(specs):
+        if s.offset < 0 or s.size < 0:
+            raise DeviceOpenError(f"buffer {i} ({buffer_name(layout, i)}): negative offset or size {s}")
+    if backend == "shm":
+        from .shm import ShmDeviceBuffers
+        return ShmDeviceBuffers(layout, num_pages, specs)
+    from .cuda import CudaDeviceBuffers
+    return CudaDeviceBuffers(layout, num_pages, specs, device)
+
+
+def buffer_name(layout: KvLayout, index: int) -> str:
+    """Human name of buffer `index`: "layer 3 K", "layer 3 V", "layer 3 KV" (mla)."""
+    layer, j = divmod(index, layout.buffers_per_layer)
+    part = "KV" if layout.buffers_per_layer == 1 else "KV"[j]
+    return f"layer {layer} {part}"
+
+
+__all__ = [
+    "BACKENDS", "BufferSpec", "CopyError", "CopyJob", "DeviceBuffers", "DeviceOpenError",
+    "buffer_name", "element_width", "open_device_buffers", "page_runs",
+]

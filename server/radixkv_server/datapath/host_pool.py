@@ -1,0 +1,113 @@
+"""HostPool: the daemon's host-memory KV pages (the L2 tier's bytes).
+
+One allocation, a uint8 tensor [num_pages, page_bytes] in the page-first layout of
+`radixkv.layout`: host page p is `tensor[p]`, the chunks of every buffer back to back.
+Which pages are free is the core's business (`core.host_allocator`); this class only
+owns the memory. Pinned (cudaHostRegister) when CUDA is present and `pin` allows, so
+device copies run at full PCIe speed and CUDA kernels can read it directly.
+"""
+
+import logging
+
+import torch
+
+from radixkv.layout import KvLayout
+
+log = logging.getLogger(__name__)
+
+PIN_MODES = ("auto", "always", "never")
+
+
+class HostPool:
+    """`num_pages` host pages for `layout`. `pin`: "auto" pins when CUDA is available,
+    "always" pins or raises RuntimeError, "never" does not. `device` is the CUDA device
+    whose context registers the memory (the engine's device; default the current one).
+    Raises ValueError on a bad size or pin mode."""
+
+    def __init__(self, layout: KvLayout, num_pages: int, pin: str = "auto", device: int | None = None):
+        if pin not in PIN_MODES:
+            raise ValueError(f"pin must be one of {PIN_MODES}, got {pin!r}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise ValueError(f"host pool num_pages must be an int >= 0, got {num_pages!r}")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.tensor: torch.Tensor | None = torch.empty((num_pages, layout.page_bytes), dtype=torch.uint8)
+        self.pinned = False
+        self._pinned_ptr = 0
+        self._device = device
+        if pin != "never" and self.nbytes > 0:
+            self._pin(required=pin == "always")
+
+    @staticmethod
+    def pages_for_bytes(layout: KvLayout, nbytes: int) -> int:
+        """Whole host pages that fit in `nbytes` bytes (a size given in bytes, e.g. `--host-bytes`)."""
+        if nbytes < 0:
+            raise ValueError(f"host pool size must be >= 0 bytes, got {nbytes}")
+        return nbytes // layout.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.layout.page_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self.tensor is None
+
+    def _pin(self, required: bool) -> None:
+        from . import cuda
+        if not cuda.cuda_available():
+            if required:
+                raise RuntimeError("host pool pin='always' but CUDA is not available")
+            return
+        ptr = self.tensor.data_ptr()
+        cuda.pin_host(ptr, self.nbytes, self._device)
+        self._pinned_ptr = ptr
+        self.pinned = True
+        log.info("host pool: pinned %.2f GiB (%d pages)", self.nbytes / 2**30, self.num_pages)
+
+    def close(self) -> None:
+        """Unregister the pinned memory and drop the allocation. Idempotent. Close the
+        copy engine and device buffers that use this pool first (CUDA kernels address
+        the pinned memory directly)."""
+        if self.tensor is None:
+            return
+        if self.pinned:
+            from . import cuda
+            cuda.unpin_host(self._pinned_ptr, self._device)
+            self.pinned = False
+        self.tensor = None
+
+    # -- test and tooling helpers ----------------------------------------------------
+
+    def read_page(self, page: int) -> bytes:
+        """A copy of host page `page` (page_bytes bytes)."""
+        return tensor_bytes(self._row(page))
+
+    def write_page(self, page: int, data: bytes) -> None:
+        """Overwrite host page `page` with exactly page_bytes bytes."""
+        if len(data) != self.layout.page_bytes:
+            raise ValueError(f"write_page: got {len(data)} bytes, a page is {self.layout.page_bytes}")
+        self._row(page).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def _row(self, page: int) -> torch.Tensor:
+        if self.tensor is None:
+            raise ValueError("host pool is closed")
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"host page {page} out of range 0..{self.num_pages - 1}")
+        return self.tensor[page]
+
+    def __repr__(self) -> str:
+        return f"HostPool(pages={self.num_pages}, page_bytes={self.layout.page_bytes}, pinned={self.pinned})"
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a CPU tensor (numpy is not needed)."""
+    t = t.contiguous().view(torch.uint8).reshape(-1)
+    if t.numel() == 0:
+        return b""
+    buf = bytearray(t.numel())
+    torch.frombuffer(buf, dtype=torch.uint8).copy_(t)
+    return bytes(buf)
+
+
+__all__ = ["HostPool", "PIN_MODES", "tensor_bytes"]

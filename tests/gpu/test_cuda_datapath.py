@@ -1,0 +1,219 @@
+"""The CUDA data path across two processes, as in production.
+
+An engine process allocates CUDA KV tensors, fills each (buffer, page) chunk with a
+recognizable pattern and exports them (`CudaKvBuffers.export`). This process plays the
+daemon: it opens them with `CudaDeviceBuffers`, stores pages into a pinned `HostPool`,
+loads them back to other pages, and the engine checks the bytes after waiting on the
+per-layer IPC events of the load. Also prints copy bandwidth next to one contiguous
+pinned cudaMemcpyAsync of the same bytes (no timing asserts).
+
+RADIXKV_TEST_DEVICE picks the GPU (default 0); RADIXKV_BENCH_OUT, if set, names a file
+the bandwidth lines are appended to.
+"""
+
+import multiprocessing as mp
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from radixkv import KvLayout
+from radixkv.kvbuffers import CudaKvBuffers, torch_dtype
+from radixkv_server.core.pages import pack
+from radixkv_server.datapath import CopyError, HostPool, open_device_buffers
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = int(os.environ.get("RADIXKV_TEST_DEVICE", "0"))
+SMALL_MHA = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
+SMALL_MLA = dict(num_layers=2, num_kv_heads=1, head_dim=72, dtype="float16", page_size=2, kv_format="mla")
+BIG = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)  # 2 MiB pages
+
+
+def pattern(lay: KvLayout, b: int, pages: torch.Tensor) -> torch.Tensor:
+    """uint8 [len(pages), chunk_bytes]: the bytes of buffer b at each device page."""
+    c = torch.arange(lay.chunk_bytes, device=pages.device)
+    return ((c[None, :] * 3 + b * 37 + pages[:, None] * 11 + 1) % 251).to(torch.uint8)
+
+
+def host_pattern(lay: KvLayout, pages: torch.Tensor) -> torch.Tensor:
+    """uint8 [len(pages), page_bytes]: host pages holding those device pages."""
+    return torch.cat([pattern(lay, b, pages) for b in range(lay.num_buffers)], dim=1)
+
+
+def engine_main(conn, layout_kwargs: dict, num_pages: int, device: int, one_storage: bool) -> None:
+    """The engine process: owns the KV tensors, exports them, answers checks.
+    `one_storage`: every buffer is a view of one allocation (one IPC handle)."""
+    lay = KvLayout(**layout_kwargs)
+    torch.cuda.set_device(device)
+    tensors = []
+    every = torch.arange(num_pages, device=device)
+    shape = (num_pages * lay.page_size, lay.num_kv_heads, lay.head_dim)
+    whole = torch.empty((lay.num_buffers, *shape), dtype=torch_dtype(lay), device=device) if one_storage else None
+    for b in range(lay.num_buffers):
+        t = whole[b] if one_storage else torch.empty(shape, dtype=torch_dtype(lay), device=device)
+        t.view(torch.uint8).view(num_pages, lay.chunk_bytes).copy_(pattern(lay, b, every))
+        tensors.append(t)
+    torch.cuda.synchronize(device)
+    conn.send(CudaKvBuffers.export(lay, tensors, device))
+    stream = torch.cuda.Stream(device)
+    while True:
+        msg = conn.recv()
+        if msg[0] == "exit":
+            break
+        _, handles, dst, src = msg  # ("expect", events, device pages, pages they came from)
+        with torch.cuda.stream(stream):
+            CudaKvBuffers.wait_events(handles, stream)
+            d = torch.tensor(dst, device=device)
+            s = torch.tensor(src, device=device)
+            bad = 0
+            for b, t in enumerate(tensors):
+                got = t.view(torch.uint8).view(num_pages, lay.chunk_bytes).index_select(0, d)
+                bad += int((got != pattern(lay, b, s)).any(dim=1).sum())
+        stream.synchronize()
+        conn.send(bad)
+
+
+class Engine:
+    def __init__(self, layout_kwargs: dict, num_pages: int, one_storage: bool = False):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_main, args=(child, layout_kwargs, num_pages, DEVICE, one_storage),
+                                daemon=True)
+        self.proc.start()
+        if not self.conn.poll(300):
+            raise TimeoutError("engine process did not export its buffers")
+        self.specs = self.conn.recv()
+
+    def expect(self, handles, dst, src) -> int:
+        self.conn.send(("expect", handles, list(dst), list(src)))
+        return self.conn.recv()
+
+    def close(self):
+        try:
+            self.conn.send(("exit",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(60)
+
+
+@pytest.fixture
+def engine_factory():
+    engines = []
+
+    def make(layout_kwargs, num_pages, one_storage=False):
+        engines.append(Engine(layout_kwargs, num_pages, one_storage))
+        return engines[-1]
+    yield make
+    for e in engines:
+        e.close()
+
+
+@pytest.mark.parametrize("kwargs", [SMALL_MHA, SMALL_MLA], ids=["mha", "mla"])
+@pytest.mark.parametrize("pin", ["auto", "never"], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("one_storage", [False, True], ids=["tensors", "one_storage"])
+def test_store_and_load_back_bytes(engine_factory, kwargs, pin, one_storage):
+    lay, num_pages = KvLayout(**kwargs), 64
+    eng = engine_factory(kwargs, num_pages, one_storage)
+    assert len({s.handle for s in eng.specs}) == (1 if one_storage else lay.num_buffers)
+    dev = open_device_buffers("cuda", lay, num_pages, eng.specs, DEVICE)
+    pool = HostPool(lay, 128, pin=pin, device=DEVICE)
+    try:
+        assert pool.pinned is (pin == "auto")
+        rng = random.Random(0)
+        devs = list(range(8, 24)) + rng.sample(range(24, 64), 10)
+        hosts = list(range(40, 56)) + rng.sample(range(60, 128), 10)
+        job = dev.submit_store(pack(devs), pool, pack(hosts))
+        assert job.events == []
+        job.wait()
+        expected = host_pattern(lay, torch.tensor(devs))
+        assert torch.equal(pool.tensor[torch.tensor(hosts)], expected)
+
+        targets = list(range(len(hosts)))  # load into device pages 0..25
+        job = dev.submit_load(pool, pack(hosts), pack(targets))
+        assert len(job.events) == lay.num_layers and len(set(job.events)) == lay.num_layers
+        assert eng.expect(job.events, targets, devs) == 0  # engine waits on the events only
+        job.wait()
+        with pytest.raises(CopyError, match="out of range"):
+            dev.submit_load(pool, pack([0]), pack([num_pages]))
+    finally:
+        dev.close()
+        dev.close()
+        pool.close()
+
+
+def test_event_handles_are_recycled(engine_factory):
+    from radixkv_server.datapath.cuda import EVENT_RING
+    lay = KvLayout(**SMALL_MHA)
+    eng = engine_factory(SMALL_MHA, 16)
+    dev = open_device_buffers("cuda", lay, 16, eng.specs, DEVICE)
+    pool = HostPool(lay, 16, device=DEVICE)
+    try:
+        seen = set()
+        for i in range(EVENT_RING + 1):
+            job = dev.submit_load(pool, pack([i % 16]), pack([i % 16]))
+            job.wait()
+            seen.add(tuple(job.events))
+        assert len(seen) == EVENT_RING
+    finally:
+        dev.close()
+        pool.close()
+
+
+def _seconds(fn, reps=5):
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def test_bandwidth_vs_contiguous_memcpy(engine_factory, capsys):
+    lay, num_pages, n = KvLayout(**BIG), 1024, 512  # 2 GiB engine KV, 1 GiB batches
+    eng = engine_factory(BIG, num_pages)
+    dev = open_device_buffers("cuda", lay, num_pages, eng.specs, DEVICE)
+    pool = HostPool(lay, n, device=DEVICE)
+    nbytes = n * lay.page_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    rng = random.Random(0)
+    patterns = {
+        "runs": (list(range(n)), list(range(n, 2 * n))),
+        "random": (rng.sample(range(n), n), rng.sample(range(num_pages), n)),
+    }
+    lines = []
+    try:
+        def h2d():
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(DEVICE)
+
+        def d2h():
+            src.copy_(dst, non_blocking=True)
+            torch.cuda.synchronize(DEVICE)
+        lines.append(f"contiguous pinned memcpy {nbytes >> 20} MiB: H2D {nbytes / _seconds(h2d) / 1e9:.1f} GB/s, "
+                     f"D2H {nbytes / _seconds(d2h) / 1e9:.1f} GB/s")
+        for name, (hosts, devs) in patterns.items():
+            hp, dp = pack(hosts), pack(devs)
+            store = _seconds(lambda: dev.submit_store(dp, pool, hp).wait())
+            load = _seconds(lambda: dev.submit_load(pool, hp, dp).wait())
+            start = time.perf_counter()
+            job = dev.submit_load(pool, hp, dp)
+            enqueue = time.perf_counter() - start
+            job.wait()
+            lines.append(f"radixkv {name}: {n} pages x {lay.page_bytes >> 20} MiB: load {nbytes / load / 1e9:.1f} GB/s, "
+                         f"store {nbytes / store / 1e9:.1f} GB/s, load enqueue {enqueue * 1e3:.2f} ms")
+        # Stored from devs and loaded back to devs: the engine's pages are intact.
+        assert eng.expect(job.events, devs, devs) == 0
+    finally:
+        dev.close()
+        pool.close()
+    out = os.environ.get("RADIXKV_BENCH_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write("\n".join(lines) + "\n")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
