@@ -1,9 +1,16 @@
 """radixkv: what engines import to talk to the radixkv daemon.
 
-`KvLayout` describes the engine's paged KV cache; `radixkv.kvbuffers` exports the
-engine's KV buffers to the daemon (shared memory on CPU, CUDA IPC on GPU).
+- `Client` (blocking) and `AsyncClient` (asyncio): sessions, Match / Insert / LoadBack /
+  wait (acks) / Evict, operator calls. Failures raise `radixkv.errors.RadixKVError`.
+- `KvLayout` describes the engine's paged KV cache; `radixkv.kvbuffers` exports the
+  engine's KV buffers to the daemon (shared memory on CPU, CUDA IPC on GPU).
+- `radixkv.sim`: an engine simulator that verifies every byte it reads back.
+- `radixkv.v1`: the generated gRPC code.
 """
 
+from .aio import AsyncClient
+from .client import Client
 from .layout import KvLayout
+from .types import Prompt
 
-__all__ = ["KvLayout"]
+__all__ = ["AsyncClient", "Client", "KvLayout", "Prompt"]

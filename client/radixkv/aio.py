@@ -1,0 +1,260 @@
+"""AsyncClient: the asyncio twin of `radixkv.client.Client`, on grpc.aio.
+
+Same methods, same results, same errors, awaited. Create and use it inside one running
+event loop; the ack stream is a task on that loop, and its state is owned by the loop
+(no locks). See `Client` for the contract of each method.
+"""
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
+
+from . import messages as msg
+from .acks import DEFAULT_OUTCOME_CACHE
+from .client import DEFAULT_TARGET, SERVICE
+from .errors import DeadlineExceeded, FailedPrecondition, RadixKVError, Unavailable, from_rpc_error
+from .layout import KvLayout
+from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
+                    Registration, Violation)
+
+_CLOSE = object()
+
+
+class AsyncAckStream:
+    """The session's ack stream on the event loop (see `radixkv.acks.AckStream`)."""
+
+    def __init__(self, stub, session: str, *, outcome_cache: int = DEFAULT_OUTCOME_CACHE,
+                 close_timeout: float = 30.0):
+        self._stub = stub
+        self._session = session
+        self._cap = max(1, outcome_cache)
+        self._close_timeout = close_timeout
+        self._outcomes: OrderedDict[int, LoadOutcome] = OrderedDict()
+        self._pending: dict[int, asyncio.Future] = {}  # acked, not answered yet
+        self._broken: str | None = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._call = None
+        self._reader: asyncio.Task | None = None
+
+    async def wait(self, ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
+        """Ack every id not acked yet and wait for all answers (see `AckStream.wait`)."""
+        wanted = msg.transfer_ids(ids)
+        for t in wanted:
+            if t not in self._outcomes and t not in self._pending:
+                self._send(t)
+        futures = {t: self._pending[t] for t in wanted if t in self._pending}
+        result = {t: self._outcomes[t] for t in wanted if t not in futures}
+        if futures:
+            _, not_done = await asyncio.wait(futures.values(), timeout=timeout)
+            if not_done:
+                late = sorted(t for t, f in futures.items() if not f.done())
+                raise DeadlineExceeded(f"load-backs {late} not answered within {timeout}s")
+            result.update((t, f.result()) for t, f in futures.items())
+        return {t: result[t] for t in wanted}
+
+    async def close(self, reason: str = "the client closed") -> None:
+        """End the stream, wait for the daemon's side to end, fail what stayed unanswered."""
+        if self._broken is None:
+            self._broken = reason
+        if self._reader is not None:
+            self._queue.put_nowait(_CLOSE)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reader), self._close_timeout)
+            except asyncio.TimeoutError:
+                self._call.cancel()
+                await asyncio.gather(self._reader, return_exceptions=True)
+        self._fail_pending(self._broken)
+
+    def _send(self, t: int) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[t] = fut
+        if self._broken is not None:
+            self._resolve(LoadOutcome.failure(t, f"not acknowledged: {self._broken}"))
+            return
+        if self._call is None:
+            self._call = self._stub.Acks(self._requests())
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._queue.put_nowait(t)
+
+    async def _requests(self):
+        while (item := await self._queue.get()) is not _CLOSE:
+            yield pb.AckRequest(session=self._session, transfer=item)
+
+    async def _read(self) -> None:
+        reason = "the daemon ended the ack stream (session closed)"
+        try:
+            async for resp in self._call:
+                self._resolve(LoadOutcome.from_pb(resp))
+        except grpc.RpcError as e:
+            reason = f"ack stream broke: {from_rpc_error(e)}"
+        except asyncio.CancelledError:
+            reason = "ack stream cancelled"
+        except Exception as e:  # a reader that dies must still fail the waiters
+            reason = f"ack stream reader failed: {e!r}"
+        if self._broken is None:
+            self._broken = reason
+        self._queue.put_nowait(_CLOSE)
+        self._fail_pending(self._broken)
+
+    def _fail_pending(self, reason: str) -> None:
+        for t in list(self._pending):
+            self._resolve(LoadOutcome.failure(t, f"no answer from the daemon: {reason}"))
+
+    def _resolve(self, outcome: LoadOutcome) -> None:
+        t = outcome.transfer
+        fut = self._pending.pop(t, None)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
+        self._outcomes[t] = outcome
+        self._outcomes.move_to_end(t)
+        while len(self._outcomes) > self._cap:
+            self._outcomes.popitem(last=False)
+
+
+class AsyncClient:
+    """A grpc.aio channel to one daemon and, after `register`, one session on it."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 30.0,
+                 max_message_bytes: int = msg.DEFAULT_MAX_MESSAGE_BYTES,
+                 options: Sequence[tuple[str, object]] = (),
+                 outcome_cache: int = DEFAULT_OUTCOME_CACHE):
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=msg.channel_options(max_message_bytes, options))
+        self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._outcome_cache = outcome_cache
+        self._registration: Registration | None = None
+        self._acks: AsyncAckStream | None = None
+        self._closed = False
+
+    async def wait_ready(self, timeout: float = 10.0, service: str = SERVICE) -> None:
+        """Poll health until SERVING; raises Unavailable after `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last = "no answer"
+        while (left := deadline - loop.time()) > 0:
+            try:
+                resp = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                                timeout=min(left, 1.0), wait_for_ready=True)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as e:
+                last = str(from_rpc_error(e))
+            await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
+        raise Unavailable(f"daemon at {self.target} not serving after {timeout}s ({last})")
+
+    @property
+    def registration(self) -> Registration | None:
+        return self._registration
+
+    @property
+    def session(self) -> str:
+        if self._closed:
+            raise FailedPrecondition("the client is closed")
+        if self._registration is None:
+            raise FailedPrecondition("not registered: call register() first")
+        return self._registration.session
+
+    async def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
+                       backend: str = "shm", device: int = 0, write_policy: str = "",
+                       host_pool_pages: int = 0, replace_existing: bool = False, engine: str = "",
+                       model: str = "") -> Registration:
+        if self._closed:
+            raise FailedPrecondition("the client is closed")
+        if self._registration is not None:
+            raise FailedPrecondition(f"already registered (session {self._registration.session})")
+        req = msg.register_request(
+            namespace, layout, buffers, num_device_pages, backend=backend, device=device,
+            write_policy=write_policy, host_pool_pages=host_pool_pages,
+            replace_existing=replace_existing, engine=engine, model=model)
+        reg = Registration.from_pb(await self._call(self._stub.Register, req))
+        self._registration = reg
+        self._acks = AsyncAckStream(self._stub, reg.session, outcome_cache=self._outcome_cache)
+        return reg
+
+    async def close(self) -> None:
+        """End the session (Close, then the ack stream; see `Client.close`) and the
+        channel. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._registration is not None:
+                try:
+                    await self._stub.Close(pb.CloseRequest(session=self._registration.session), timeout=self.timeout)
+                except grpc.RpcError:
+                    pass  # the daemon is gone, or already closed the session
+            if self._acks is not None:
+                await self._acks.close()
+        finally:
+            await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def match(self, prompts: Iterable, lease: bool = False) -> list[MatchResult]:
+        resp = await self._call(self._stub.Match, msg.match_request(self.session, prompts, lease))
+        return [MatchResult.from_pb(r) for r in resp.results]
+
+    async def insert(self, tokens, device_pages, *, extra_key: bytes = b"", chunked: bool = False,
+                     release_lease: int = 0, lease: bool = False) -> InsertResult:
+        req = msg.insert_request(self.session, tokens, device_pages, extra_key=extra_key,
+                                 chunked=chunked, release_lease=release_lease, lease=lease)
+        return InsertResult.from_pb(await self._call(self._stub.Insert, req))
+
+    async def load_back(self, node: int, device_pages) -> LoadBackResult:
+        req = msg.load_back_request(self.session, node, device_pages)
+        return LoadBackResult.from_pb(await self._call(self._stub.LoadBack, req))
+
+    async def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
+        if self._closed:
+            raise FailedPrecondition("the client is closed")
+        if self._acks is None:
+            raise FailedPrecondition("not registered: call register() first")
+        return await self._acks.wait(transfer_ids, timeout)
+
+    async def release(self, leases: Iterable[int]) -> None:
+        req = msg.release_request(self.session, leases)
+        if req.leases:
+            await self._call(self._stub.Release, req)
+
+    async def evict(self, num_pages: int) -> EvictResult:
+        resp = await self._call(self._stub.Evict, msg.evict_request(self.session, num_pages))
+        return EvictResult.from_pb(resp)
+
+    async def stats(self, namespace: str = "") -> pb.StatsResponse:
+        return await self._call(self._stub.Stats, pb.StatsRequest(namespace=namespace))
+
+    async def inspect(self, namespace: str, max_nodes: int = 0) -> pb.InspectResponse:
+        return await self._call(self._stub.Inspect, pb.InspectRequest(namespace=namespace, max_nodes=max_nodes))
+
+    async def check_invariants(self, namespace: str = "") -> list[Violation]:
+        resp = await self._call(self._stub.CheckInvariants, pb.CheckInvariantsRequest(namespace=namespace))
+        return [Violation(v.namespace, v.message) for v in resp.violations]
+
+    async def echo(self, payload: bytes = b"") -> bytes:
+        return (await self._call(self._stub.Echo, pb.EchoRequest(payload=payload))).payload
+
+    async def _call(self, method, request):
+        if self._closed:
+            raise FailedPrecondition("the client is closed")
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        except grpc.aio.UsageError as e:
+            raise RadixKVError(str(e)) from None
+
+
+__all__ = ["AsyncAckStream", "AsyncClient"]

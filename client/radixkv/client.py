@@ -1,0 +1,222 @@
+"""Client: the blocking client engines use to talk to the radixkv daemon.
+
+    with Client("unix:///run/radixkv/radixkv.sock") as kv:
+        kv.wait_ready(10)
+        kv.register("llama3-8b/tp0", layout, buffers.specs(), num_device_pages)
+        [m] = kv.match([tokens], lease=True)
+        ...
+
+Every RPC raises a `radixkv.errors.RadixKVError` subclass on failure (`Unavailable`
+when the daemon cannot be reached). Load-backs are acknowledged on the session's ack
+stream by `wait`, which never reports a load as successful unless the daemon said so.
+"""
+
+import time
+from collections.abc import Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
+
+from . import messages as msg
+from .acks import DEFAULT_OUTCOME_CACHE, AckStream
+from .errors import FailedPrecondition, RadixKVError, Unavailable, from_rpc_error
+from .layout import KvLayout
+from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
+                    Registration, Violation)
+
+SERVICE = "radixkv.v1.RadixKV"
+DEFAULT_TARGET = "unix:///run/radixkv/radixkv.sock"
+
+
+class Client:
+    """A channel to one daemon and, after `register`, one session on it.
+
+    `timeout` is the deadline of each RPC in seconds (None: none). Not meant to be
+    shared by several engines; `wait` may be called from any thread.
+    """
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 30.0,
+                 max_message_bytes: int = msg.DEFAULT_MAX_MESSAGE_BYTES,
+                 options: Sequence[tuple[str, object]] = (),
+                 outcome_cache: int = DEFAULT_OUTCOME_CACHE):
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=msg.channel_options(max_message_bytes, options))
+        self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._outcome_cache = outcome_cache
+        self._registration: Registration | None = None
+        self._acks: AckStream | None = None
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float = 10.0, service: str = SERVICE) -> None:
+        """Poll the daemon's health service until it reports SERVING.
+
+        Raises Unavailable if it is not serving within `timeout` seconds (DeadlineExceeded
+        never escapes: an unready daemon is an unavailable one)."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"daemon at {self.target} not serving after {timeout}s ({last})")
+            try:
+                resp = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                          timeout=min(left, 1.0), wait_for_ready=True)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as e:
+                last = str(from_rpc_error(e))
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    @property
+    def registration(self) -> Registration | None:
+        """The session `register` returned, or None before."""
+        return self._registration
+
+    @property
+    def session(self) -> str:
+        """The session id. Raises FailedPrecondition before `register` or after `close`."""
+        if self._closed:
+            raise FailedPrecondition("the client is closed")
+        if self._registration is None:
+            raise FailedPrecondition("not registered: call register() first")
+        return self._registration.session
+
+    def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
+                 backend: str = "shm", device: int = 0, write_policy: str = "",
+                 host_pool_pages: int = 0, replace_existing: bool = False, engine: str = "",
+                 model: str = "") -> Registration:
+        """Attach to `namespace` with the engine's device `buffers` ((handle, offset, size)
+        each, layer-major; `ShmKvBuffers.specs()` or `CudaKvBuffers.export(...)`). The
+        buffers must stay alive until `close` returns. One session per client: raises
+        FailedPrecondition when already registered."""
+        if self._closed:
+            raise FailedPrecondition("the client is closed")
+        if self._registration is not None:
+            raise FailedPrecondition(f"already registered (session {self._registration.session})")
+        req = msg.register_request(
+            namespace, layout, buffers, num_device_pages, backend=backend, device=device,
+            write_policy=write_policy, host_pool_pages=host_pool_pages,
+            replace_existing=replace_existing, engine=engine, model=model)
+        reg = Registration.from_pb(self._call(self._stub.Register, req))
+        self._registration = reg
+        self._acks = AckStream(self._stub, reg.session, outcome_cache=self._outcome_cache)
+        return reg
+
+    def close(self) -> None:
+        """End the session and the channel. Idempotent; never raises for a daemon that
+        is already gone.
+
+        Close comes first: the daemon answers it only after the session's copies
+        finished, its load-backs were finished and its leases released, so once this
+        returns the daemon no longer writes the engine's buffers. Then the ack stream
+        ends (acks still waiting resolve, as failed loads if unanswered), then the channel.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._registration is not None:
+                try:
+                    self._stub.Close(pb.CloseRequest(session=self._registration.session), timeout=self.timeout)
+                except grpc.RpcError:
+                    pass  # the daemon is gone, or already closed the session
+            if self._acks is not None:
+                self._acks.close()
+        finally:
+            self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- engine operations -------------------------------------------------------------
+
+    def match(self, prompts: Iterable, lease: bool = False) -> list[MatchResult]:
+        """Longest cached prefix of each prompt (token lists, packed bytes or `Prompt`s),
+        in order. With `lease`, each matched path is protected until `release`."""
+        resp = self._call(self._stub.Match, msg.match_request(self.session, prompts, lease))
+        return [MatchResult.from_pb(r) for r in resp.results]
+
+    def insert(self, tokens, device_pages, *, extra_key: bytes = b"", chunked: bool = False,
+               release_lease: int = 0, lease: bool = False) -> InsertResult:
+        """Hand finished KV to the cache: `device_pages[i]` holds page i of `tokens`
+        (whole pages). Free the returned redundant pages; the others are the cache's
+        until `evict` returns them. `release_lease` releases a match lease afterwards."""
+        req = msg.insert_request(self.session, tokens, device_pages, extra_key=extra_key,
+                                 chunked=chunked, release_lease=release_lease, lease=lease)
+        return InsertResult.from_pb(self._call(self._stub.Insert, req))
+
+    def load_back(self, node: int, device_pages) -> LoadBackResult:
+        """Copy the host-only part of `node`'s path (a match's `host_node`) into
+        `device_pages`. Wait for `transfer` and `depends_on` before reading."""
+        req = msg.load_back_request(self.session, node, device_pages)
+        return LoadBackResult.from_pb(self._call(self._stub.LoadBack, req))
+
+    def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
+        """Acknowledge the load-backs and wait until each finished: {id: outcome}.
+
+        Any id of this session may be given (a match's or load-back's `depends_on` too);
+        0 is skipped. Waiting again returns the same outcome. A lost daemon or stream
+        gives failed outcomes, never `ok`. Raises DeadlineExceeded after `timeout`."""
+        return self._ack_stream().wait(transfer_ids, timeout)
+
+    def release(self, leases: Iterable[int]) -> None:
+        """Release leases taken by `match(lease=True)` or `insert(lease=True)` (0s are skipped)."""
+        req = msg.release_request(self.session, leases)
+        if req.leases:
+            self._call(self._stub.Release, req)
+
+    def evict(self, num_pages: int) -> EvictResult:
+        """Free up to `num_pages` device pages; the freed pages are the engine's again."""
+        return EvictResult.from_pb(self._call(self._stub.Evict, msg.evict_request(self.session, num_pages)))
+
+    # -- operators ---------------------------------------------------------------------
+
+    def stats(self, namespace: str = "") -> pb.StatsResponse:
+        """Counters and pool usage ("" : every namespace), as the daemon's message."""
+        return self._call(self._stub.Stats, pb.StatsRequest(namespace=namespace))
+
+    def inspect(self, namespace: str, max_nodes: int = 0) -> pb.InspectResponse:
+        """A summary of a namespace's tree with its first nodes, as the daemon's message."""
+        return self._call(self._stub.Inspect, pb.InspectRequest(namespace=namespace, max_nodes=max_nodes))
+
+    def check_invariants(self, namespace: str = "") -> list[Violation]:
+        """Every violated invariant ("" : every namespace); empty when sound."""
+        resp = self._call(self._stub.CheckInvariants, pb.CheckInvariantsRequest(namespace=namespace))
+        return [Violation(v.namespace, v.message) for v in resp.violations]
+
+    def echo(self, payload: bytes = b"") -> bytes:
+        """The payload back: one RPC's floor cost."""
+        return self._call(self._stub.Echo, pb.EchoRequest(payload=payload)).payload
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _ack_stream(self) -> AckStream:
+        if self._closed:
+            raise FailedPrecondition("the client is closed")
+        if self._acks is None:
+            raise FailedPrecondition("not registered: call register() first")
+        return self._acks
+
+    def _call(self, method, request):
+        if self._closed:
+            raise FailedPrecondition("the client is closed")
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        except ValueError as e:  # grpc raises ValueError on a closed channel
+            raise RadixKVError(str(e)) from None
+
+
+__all__ = ["Client", "DEFAULT_TARGET", "SERVICE"]

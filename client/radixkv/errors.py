@@ -1,0 +1,128 @@
+"""Typed client errors: one class per gRPC status the daemon answers with.
+
+The daemon reports every caller error as a gRPC status code with a message (see the
+proto's wire conventions). `from_rpc_error` turns a `grpc.RpcError` (sync or aio) into
+the matching `RadixKVError` subclass, so engines catch `radixkv.errors.NotFound`
+instead of comparing status codes. `Unavailable` means the daemon could not be reached
+(not running, wrong socket, or shutting down).
+"""
+
+import grpc
+
+
+class RadixKVError(Exception):
+    """Base class: a call the daemon (or the client, before sending) refused.
+
+    `code` is the `grpc.StatusCode`, `message` the daemon's explanation.
+    """
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+class InvalidArgument(RadixKVError):
+    """Malformed input: misaligned tokens, wrong page counts, out-of-range pages."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(RadixKVError):
+    """Unknown node, lease or transfer (often evicted or finished since)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(RadixKVError):
+    """The current state forbids the call (e.g. the client is not registered)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unauthenticated(RadixKVError):
+    """No session, or a session the daemon does not know (closed, or daemon restarted)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(RadixKVError):
+    """The object (lease, transfer) belongs to another session."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhausted(RadixKVError):
+    """A limit was hit (sessions, pool sizes, message size)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(RadixKVError):
+    """The daemon is unreachable or shutting down."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(RadixKVError):
+    """The call (or a client-side wait) ran past its deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(RadixKVError):
+    """The call was cancelled (usually because the client closed)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class Internal(RadixKVError):
+    """A daemon bug: the daemon failed in a way no caller input explains."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE: dict[grpc.StatusCode, type[RadixKVError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, Unauthenticated, PermissionDenied,
+                ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled, Internal)
+}
+
+
+def error_for(code: grpc.StatusCode, message: str) -> RadixKVError:
+    """The exception for a status code; codes without a class give a `RadixKVError`
+    carrying that code."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return RadixKVError(message, code)
+    return cls(message)
+
+
+def code_from_int(value: int) -> grpc.StatusCode:
+    """The `grpc.StatusCode` whose numeric value is `value` (UNKNOWN when none is)."""
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+def from_rpc_error(err: grpc.RpcError) -> RadixKVError:
+    """Map a failed call (`grpc.RpcError` or `grpc.aio.AioRpcError`) to its typed error."""
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else None
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    return error_for(code, details or str(err))
+
+
+__all__ = [
+    "Cancelled", "DeadlineExceeded", "FailedPrecondition", "Internal", "InvalidArgument",
+    "NotFound", "PermissionDenied", "RadixKVError", "ResourceExhausted", "Unauthenticated",
+    "Unavailable", "code_from_int", "error_for", "from_rpc_error",
+]

@@ -1,0 +1,107 @@
+"""Request messages built from Python values, shared by the sync and asyncio clients.
+
+Each builder validates what the client can check on its own (types, non-negative
+counts) and raises `InvalidArgument` before anything is sent; the daemon checks the rest.
+"""
+
+import os
+from collections.abc import Iterable, Sequence
+
+from radixkv.v1 import radixkv_pb2 as pb
+
+from .errors import InvalidArgument
+from .layout import KvLayout
+from .types import Prompt, as_packed
+
+# Channel options both clients use. Reconnect backoff is kept short so a client that
+# starts before the daemon (wait_ready) connects soon after the socket appears.
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+
+def channel_options(max_message_bytes: int, extra: Sequence[tuple[str, object]] = ()) -> list:
+    """gRPC channel options: message size limits, short reconnect backoff, then `extra`."""
+    if max_message_bytes <= 0:
+        raise InvalidArgument(f"max_message_bytes must be > 0, got {max_message_bytes}")
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        *extra,
+    ]
+
+
+def layout_pb(layout: KvLayout) -> pb.KvLayout:
+    if not isinstance(layout, KvLayout):
+        raise InvalidArgument(f"layout must be a radixkv.KvLayout, got {type(layout).__name__}")
+    return pb.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim, dtype=layout.dtype, page_size=layout.page_size,
+                       kv_format=layout.kv_format)
+
+
+def buffer_pb(spec) -> pb.DeviceBuffer:
+    """A `DeviceBuffer` from a message or a `(handle, offset, size)` tuple; a str handle
+    (a shared-memory segment name) is sent as UTF-8."""
+    if isinstance(spec, pb.DeviceBuffer):
+        return spec
+    try:
+        handle, offset, size = spec
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"a buffer is (handle, offset, size), got {spec!r}") from None
+    if isinstance(handle, str):
+        handle = os.fsencode(handle)
+    if not isinstance(handle, (bytes, bytearray)) or offset < 0 or size < 0:
+        raise InvalidArgument(f"bad buffer spec {spec!r}")
+    return pb.DeviceBuffer(handle=bytes(handle), offset=offset, size=size)
+
+
+def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
+                     backend: str, device: int, write_policy: str, host_pool_pages: int,
+                     replace_existing: bool, engine: str, model: str) -> pb.RegisterRequest:
+    if num_device_pages < 0 or host_pool_pages < 0:
+        raise InvalidArgument("num_device_pages and host_pool_pages must be >= 0")
+    return pb.RegisterRequest(
+        namespace=namespace, layout=layout_pb(layout), backend=backend, device=device,
+        buffers=[buffer_pb(b) for b in buffers], num_device_pages=num_device_pages,
+        write_policy=write_policy, host_pool_pages=host_pool_pages,
+        replace_existing=replace_existing, engine=engine, model=model)
+
+
+def match_request(session: str, prompts: Iterable, lease: bool) -> pb.MatchRequest:
+    items = [Prompt.of(p) for p in prompts]
+    return pb.MatchRequest(session=session, lease=lease,
+                           prompts=[pb.Prompt(tokens=p.tokens, extra_key=p.extra_key) for p in items])
+
+
+def insert_request(session: str, tokens, device_pages, *, extra_key: bytes, chunked: bool,
+                   release_lease: int, lease: bool) -> pb.InsertRequest:
+    return pb.InsertRequest(session=session, tokens=as_packed(tokens),
+                            device_pages=as_packed(device_pages), extra_key=bytes(extra_key),
+                            chunked=chunked, release_lease=release_lease, lease=lease)
+
+
+def load_back_request(session: str, node: int, device_pages) -> pb.LoadBackRequest:
+    return pb.LoadBackRequest(session=session, node=node, device_pages=as_packed(device_pages))
+
+
+def release_request(session: str, leases: Iterable[int]) -> pb.ReleaseRequest:
+    return pb.ReleaseRequest(session=session, leases=[int(x) for x in leases if x])
+
+
+def evict_request(session: str, num_pages: int) -> pb.EvictRequest:
+    if num_pages < 0:
+        raise InvalidArgument(f"num_pages must be >= 0, got {num_pages}")
+    return pb.EvictRequest(session=session, num_pages=num_pages)
+
+
+def transfer_ids(ids: Iterable[int]) -> list[int]:
+    """Distinct transfer ids in first-seen order, without 0 ("nothing loaded")."""
+    out: dict[int, None] = {}
+    for t in ids:
+        t = int(t)
+        if t < 0:
+            raise InvalidArgument(f"transfer ids are >= 0, got {t}")
+        if t:
+            out[t] = None
+    return list(out)

@@ -1,0 +1,204 @@
+"""Client-side values: packed int32 helpers and the frozen results of each RPC.
+
+Tokens and page indices travel as packed little-endian int32 bytes. Results expose page
+lists as `array('i')` (one `frombytes`, no per-element Python work); callers that want
+to send them back pass the array as is (`as_packed` takes bytes, arrays and int lists).
+"""
+
+import sys
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from radixkv.v1 import radixkv_pb2 as pb
+
+from .errors import code_from_int
+
+if sys.byteorder != "little":  # array('i') is native-endian; the wire is little-endian.
+    raise ImportError("radixkv assumes a little-endian host")
+
+INT32 = 4
+
+
+def pack(values: Iterable[int]) -> bytes:
+    """Pack ints as little-endian int32 bytes. Raises OverflowError/TypeError on bad values."""
+    return array("i", values).tobytes()
+
+
+def unpack(buf: bytes) -> array:
+    """Packed int32 bytes -> array('i'). Raises ValueError if len(buf) is not a multiple of 4."""
+    out = array("i")
+    out.frombytes(buf)
+    return out
+
+
+def as_packed(values) -> bytes:
+    """Wire form of a token or page list: bytes-like objects pass through (already
+    packed), `array('i')` and anything with `tolist()` (torch tensors) or an iterable of
+    ints is packed."""
+    if isinstance(values, bytes):
+        return values
+    if isinstance(values, (bytearray, memoryview)):
+        return bytes(values)
+    if isinstance(values, array):
+        if values.typecode == "i":
+            return values.tobytes()
+        return pack(values)
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    return pack(values)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt for `match`: packed tokens and an optional `extra_key` (LoRA id, cache
+    salt) that separates otherwise equal prefixes."""
+
+    tokens: bytes
+    extra_key: bytes = b""
+
+    @classmethod
+    def of(cls, value) -> "Prompt":
+        """A `Prompt` as is, or a token list / packed bytes without extra key."""
+        if isinstance(value, Prompt):
+            return value
+        return cls(as_packed(value))
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A session: pass nothing back, the client keeps it. `warm` says the namespace's
+    host tier survived a previous engine; `daemon_instance` changes when the daemon restarts."""
+
+    session: str
+    daemon_instance: str
+    host_pool_pages: int
+    write_policy: str
+    warm: bool
+    dropped_device_tokens: int
+
+    @classmethod
+    def from_pb(cls, m: pb.RegisterResponse) -> "Registration":
+        return cls(m.session, m.daemon_instance, m.host_pool_pages, m.write_policy, m.warm,
+                   m.dropped_device_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """Longest cached prefix of one prompt.
+
+    `device_pages` hold the first `device_tokens` tokens on the device; wait for every
+    transfer in `depends_on` before reading them. The next `host_tokens` tokens are on
+    host only: allocate `host_tokens // page_size` pages and `load_back(host_node, pages)`.
+    `lease` (0 if none) protects the path from eviction until released.
+    """
+
+    device_pages: array
+    device_tokens: int
+    host_tokens: int
+    device_node: int
+    host_node: int
+    depends_on: tuple[int, ...]
+    lease: int
+
+    @classmethod
+    def from_pb(cls, m: pb.MatchResult) -> "MatchResult":
+        return cls(unpack(m.device_pages), m.device_tokens, m.host_tokens, m.device_node,
+                   m.host_node, tuple(m.depends_on), m.lease)
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """`cached_tokens` were cached before this insert. `redundant_pages` are the
+    caller's again (free them); every other page given now belongs to the cache until
+    an `evict` returns it. `lease` is set when the insert asked for one."""
+
+    cached_tokens: int
+    redundant_pages: array
+    node: int
+    lease: int
+
+    @classmethod
+    def from_pb(cls, m: pb.InsertResponse) -> "InsertResult":
+        return cls(m.cached_tokens, unpack(m.redundant_pages), m.node, m.lease)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBackResult:
+    """`device_pages` cover the first `device_tokens` tokens (the whole device prefix
+    after this load). `transfer` (0: nothing loaded) copies `loaded_tokens` of them;
+    wait for it and for `depends_on` before reading. `unused_pages` stay the caller's.
+    `layer_events` (cuda backend) are IPC event handles, one per layer."""
+
+    transfer: int
+    device_pages: array
+    device_tokens: int
+    loaded_tokens: int
+    depends_on: tuple[int, ...]
+    unused_pages: array
+    layer_events: tuple[bytes, ...]
+
+    @classmethod
+    def from_pb(cls, m: pb.LoadBackResponse) -> "LoadBackResult":
+        return cls(m.transfer, unpack(m.device_pages), m.device_tokens, m.loaded_tokens,
+                   tuple(m.depends_on), unpack(m.unused_pages), tuple(m.layer_events))
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    """`freed_pages` are the caller's again; `written_back_pages` of them were copied to
+    host first."""
+
+    freed_pages: array
+    written_back_pages: int
+
+    @classmethod
+    def from_pb(cls, m: pb.EvictResponse) -> "EvictResult":
+        return cls(unpack(m.freed_pages), m.written_back_pages)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    """How a load-back ended. `ok` only when the daemon confirmed the bytes arrived.
+
+    Otherwise `reason` says why (the copy failed, the ack was refused, the daemon or the
+    ack stream was lost) and the tokens must be recomputed; `failed_pages` are device
+    pages the daemon handed back with a failed load (the caller's again; empty when the
+    daemon did not answer).
+    """
+
+    transfer: int
+    ok: bool
+    reason: str
+    failed_pages: array
+
+    @classmethod
+    def success(cls, transfer: int) -> "LoadOutcome":
+        return cls(transfer, True, "", array("i"))
+
+    @classmethod
+    def failure(cls, transfer: int, reason: str, failed_pages: bytes = b"") -> "LoadOutcome":
+        return cls(transfer, False, reason, unpack(failed_pages))
+
+    @classmethod
+    def from_pb(cls, m: pb.AckResponse) -> "LoadOutcome":
+        if m.code != 0:
+            name = code_from_int(m.code).name
+            return cls.failure(m.transfer, f"ack refused ({name}): {m.message}", m.failed_pages)
+        if m.load_failed:
+            return cls.failure(m.transfer, m.message or "load failed", m.failed_pages)
+        return cls.success(m.transfer)
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant reported by `check_invariants`."""
+
+    namespace: str
+    message: str
+
+
+__all__ = [
+    "EvictResult", "InsertResult", "LoadBackResult", "LoadOutcome", "MatchResult", "Prompt",
+    "Registration", "Violation", "as_packed", "pack", "unpack",
+]
