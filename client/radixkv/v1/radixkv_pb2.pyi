@@ -383,7 +383,7 @@ class NodeInfo(_message.Message):
     def __init__(self, id: _Optional[int] = ..., parent: _Optional[int] = ..., depth: _Optional[int] = ..., tokens: _Optional[int] = ..., on_device: _Optional[bool] = ..., on_host: _Optional[bool] = ..., lock_ref: _Optional[int] = ..., host_lock: _Optional[int] = ..., pins: _Optional[_Iterable[int]] = ..., backup: _Optional[int] = ..., evicting: _Optional[bool] = ..., hit_count: _Optional[int] = ..., extra_key: _Optional[bytes] = ...) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("total_nodes", "max_depth", "device_nodes", "host_nodes", "duplicate_nodes", "nodes", "truncated")
+    __slots__ = ("total_nodes", "max_depth", "device_nodes", "host_nodes", "duplicate_nodes", "nodes", "truncated", "digest")
     TOTAL_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +391,7 @@ class InspectResponse(_message.Message):
     DUPLICATE_NODES_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     total_nodes: int
     max_depth: int
     device_nodes: int
@@ -398,7 +399,8 @@ class InspectResponse(_message.Message):
     duplicate_nodes: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     truncated: bool
-    def __init__(self, total_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., device_nodes: _Optional[int] = ..., host_nodes: _Optional[int] = ..., duplicate_nodes: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    digest: str
+    def __init__(self, total_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., device_nodes: _Optional[int] = ..., host_nodes: _Optional[int] = ..., duplicate_nodes: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ("namespace",)

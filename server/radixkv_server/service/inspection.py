@@ -4,6 +4,7 @@ from collections import deque
 
 from radixkv.v1 import radixkv_pb2 as pb
 
+from ..core.invariants import state_digest
 from .convert import layout_pb
 from .namespace import Namespace
 
@@ -51,4 +52,5 @@ def inspect_namespace(ns: Namespace, max_nodes: int) -> pb.InspectResponse:
                 evicting=s.evicting, hit_count=node.hit_count, extra_key=node.extra_key))
         else:
             out.truncated = True
+    out.digest = state_digest(cache)
     return out
