@@ -21,7 +21,7 @@ from .client import DEFAULT_TARGET, SERVICE
 from .errors import DeadlineExceeded, FailedPrecondition, RadixKVError, Unavailable, from_rpc_error
 from .layout import KvLayout
 from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
-                    Registration, Violation)
+                    PrefetchProgress, Registration, Violation)
 
 _CLOSE = object()
 
@@ -203,9 +203,19 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def match(self, prompts: Iterable, lease: bool = False) -> list[MatchResult]:
-        resp = await self._call(self._stub.Match, msg.match_request(self.session, prompts, lease))
+    async def match(self, prompts: Iterable, lease: bool = False, include_storage: bool = False) -> list[MatchResult]:
+        resp = await self._call(self._stub.Match, msg.match_request(self.session, prompts, lease, include_storage))
         return [MatchResult.from_pb(r) for r in resp.results]
+
+    async def prefetch(self, tokens, *, extra_key: bytes = b"", policy: str = "best_effort",
+                       timeout: float | None = None) -> list[PrefetchProgress]:
+        """See `Client.prefetch`."""
+        request = msg.prefetch_request(self.session, tokens, extra_key=extra_key, policy=policy, timeout=timeout)
+        deadline = None if self.timeout is None else self.timeout + (timeout or 0)
+        try:
+            return [PrefetchProgress.from_pb(p) async for p in self._stub.Prefetch(request, timeout=deadline)]
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
 
     async def insert(self, tokens, device_pages, *, extra_key: bytes = b"", chunked: bool = False,
                      release_lease: int = 0, lease: bool = False) -> InsertResult:

@@ -25,7 +25,7 @@ from .acks import DEFAULT_OUTCOME_CACHE, AckStream
 from .errors import FailedPrecondition, RadixKVError, Unavailable, from_rpc_error
 from .layout import KvLayout
 from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
-                    Registration, Violation)
+                    PrefetchProgress, Registration, Violation)
 
 SERVICE = "radixkv.v1.RadixKV"
 DEFAULT_TARGET = "unix:///run/radixkv/radixkv.sock"
@@ -141,11 +141,24 @@ class Client:
 
     # -- engine operations -------------------------------------------------------------
 
-    def match(self, prompts: Iterable, lease: bool = False) -> list[MatchResult]:
+    def match(self, prompts: Iterable, lease: bool = False, include_storage: bool = False) -> list[MatchResult]:
         """Longest cached prefix of each prompt (token lists, packed bytes or `Prompt`s),
-        in order. With `lease`, each matched path is protected until `release`."""
-        resp = self._call(self._stub.Match, msg.match_request(self.session, prompts, lease))
+        in order. With `lease`, each matched path is protected until `release`; with
+        `include_storage`, `storage_tokens` says how much more the storage tier holds."""
+        resp = self._call(self._stub.Match, msg.match_request(self.session, prompts, lease, include_storage))
         return [MatchResult.from_pb(r) for r in resp.results]
+
+    def prefetch(self, tokens, *, extra_key: bytes = b"", policy: str = "best_effort",
+                 timeout: float | None = None) -> list[PrefetchProgress]:
+        """Pull what only the storage tier holds of `tokens` into host memory. Returns
+        the progress reports: "started" then, unless best_effort, "done" (or
+        "waiting_ended" for the timeout policy); "nothing" when there is nothing to fetch."""
+        request = msg.prefetch_request(self.session, tokens, extra_key=extra_key, policy=policy, timeout=timeout)
+        deadline = None if self.timeout is None else self.timeout + (timeout or 0)
+        try:
+            return [PrefetchProgress.from_pb(p) for p in self._stub.Prefetch(request, timeout=deadline)]
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
 
     def insert(self, tokens, device_pages, *, extra_key: bytes = b"", chunked: bool = False,
                release_lease: int = 0, lease: bool = False) -> InsertResult:

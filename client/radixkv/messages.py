@@ -68,10 +68,23 @@ def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_de
         replace_existing=replace_existing, engine=engine, model=model)
 
 
-def match_request(session: str, prompts: Iterable, lease: bool) -> pb.MatchRequest:
+def match_request(session: str, prompts: Iterable, lease: bool, include_storage: bool = False) -> pb.MatchRequest:
     items = [Prompt.of(p) for p in prompts]
-    return pb.MatchRequest(session=session, lease=lease,
+    return pb.MatchRequest(session=session, lease=lease, include_storage=include_storage,
                            prompts=[pb.Prompt(tokens=p.tokens, extra_key=p.extra_key) for p in items])
+
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+def prefetch_request(session: str, tokens, *, extra_key: bytes, policy: str,
+                     timeout: float | None) -> pb.PrefetchRequest:
+    if policy not in PREFETCH_POLICIES:
+        raise InvalidArgument(f"prefetch policy {policy!r}: use one of {list(PREFETCH_POLICIES)}")
+    if policy == "timeout" and not timeout:
+        raise InvalidArgument("the timeout policy needs a timeout in seconds")
+    return pb.PrefetchRequest(session=session, tokens=as_packed(tokens), extra_key=bytes(extra_key),
+                              policy=policy, timeout_ms=int((timeout or 0) * 1000))
 
 
 def insert_request(session: str, tokens, device_pages, *, extra_key: bytes, chunked: bool,

@@ -91,6 +91,8 @@ class MatchResult:
     transfer in `depends_on` before reading them. The next `host_tokens` tokens are on
     host only: allocate `host_tokens // page_size` pages and `load_back(host_node, pages)`.
     `lease` (0 if none) protects the path from eviction until released.
+    `storage_tokens` (asked for with include_storage) follow on the storage tier only:
+    `prefetch` brings them to host.
     """
 
     device_pages: array
@@ -100,11 +102,29 @@ class MatchResult:
     host_node: int
     depends_on: tuple[int, ...]
     lease: int
+    storage_tokens: int = 0
 
     @classmethod
     def from_pb(cls, m: pb.MatchResult) -> "MatchResult":
         return cls(unpack(m.device_pages), m.device_tokens, m.host_tokens, m.device_node,
-                   m.host_node, tuple(m.depends_on), m.lease)
+                   m.host_node, tuple(m.depends_on), m.lease, m.storage_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchProgress:
+    """One progress report of a prefetch. `state` is "started", "done", "nothing" or
+    "waiting_ended" (the timeout policy stopped waiting; the fetch goes on)."""
+
+    state: str
+    transfer: int
+    storage_tokens: int
+    fetched_tokens: int
+    host_tokens_added: int
+
+    @classmethod
+    def from_pb(cls, m: pb.PrefetchProgress) -> "PrefetchProgress":
+        state = pb.PrefetchProgress.State.Name(m.state).lower()
+        return cls(state, m.transfer, m.storage_tokens, m.fetched_tokens, m.host_tokens_added)
 
 
 @dataclass(frozen=True, slots=True)
