@@ -1,0 +1,131 @@
+"""The storage tier end to end: real daemons, a real page directory or redis-server,
+byte-exact round trips through prefetch and load-back."""
+
+import os
+import time
+
+from radixkv_server.core.page_keys import namespace_salt, page_keys
+from radixkv_server.service.daemon import layout_fingerprint
+from radixkv_server.storage import FileStorage
+
+from storage_engine import LAYOUT, PS, StorageEngine, prompt
+
+DEADLINE_S = 20.0
+
+
+def poll(check, what: str):
+    deadline = time.monotonic() + DEADLINE_S
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+    return result
+
+
+def wait_stored(engine: StorageEngine, tokens: int) -> None:
+    poll(lambda: engine.counters()["stored_tokens"] >= tokens, f"{tokens} tokens stored")
+
+
+def fetch_and_load(engine: StorageEngine, tokens: list[int]):
+    [m] = engine.client.match([tokens], include_storage=True)
+    progress = engine.client.prefetch(tokens, policy="wait_complete")
+    loaded, mismatches = engine.load(tokens)
+    return m, progress, loaded, mismatches
+
+
+def test_warm_restart_serves_prefixes_inserted_before(daemon_factory, tmp_path):
+    flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
+    first = daemon_factory(*flags)
+    engine = StorageEngine(first.target)
+    for i in range(4):
+        engine.prefill(prompt(i))
+    wait_stored(engine, 4 * 8 * PS)
+    engine.close()
+    assert first.stop() == 0
+
+    second = daemon_factory(*flags)
+    engine = StorageEngine(second.target)
+    try:
+        for i in range(4):
+            m, progress, loaded, mismatches = fetch_and_load(engine, prompt(i))
+            assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, 8 * PS)
+            assert [p.state for p in progress] == ["started", "done"]
+            assert progress[-1].host_tokens_added == 8 * PS
+            assert loaded == 8 * PS and mismatches == (0, 0)
+        assert engine.client.check_invariants() == []
+    finally:
+        engine.close()
+
+
+def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, redis_url):
+    flags = ("--storage", redis_url, "--storage-policy", "write_through")
+    a, b = daemon_factory(*flags), daemon_factory(*flags)
+    writer, reader = StorageEngine(a.target), StorageEngine(b.target)
+    try:
+        writer.prefill(prompt(7))
+        wait_stored(writer, 8 * PS)
+        m, progress, loaded, mismatches = fetch_and_load(reader, prompt(7))
+        assert m.storage_tokens == 8 * PS and progress[-1].state == "done"
+        assert loaded == 8 * PS and mismatches == (0, 0)
+        # Another model under the same namespace name shares nothing.
+        other = StorageEngine(b.target, namespace="other/tp0", model="another-model")
+        try:
+            [m] = other.client.match([prompt(7)], include_storage=True)
+            assert m.storage_tokens == 0
+        finally:
+            other.close()
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory, private_redis):
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
+    engine = StorageEngine(d.target)
+    try:
+        engine.prefill(prompt(1))
+        wait_stored(engine, 8 * PS)
+        private_redis.stop()
+        engine.prefill(prompt(2))  # device and host keep working
+        poll(lambda: engine.counters()["store_failed_tokens"] >= 8 * PS, "the failed store")
+        [m] = engine.client.match([prompt(2)], include_storage=True)
+        assert m.device_tokens == 8 * PS and m.storage_tokens == 0
+        assert engine.client.evict(16).freed_pages  # host copies exist: evicting is free
+        loaded, mismatches = engine.load(prompt(2))
+        assert loaded == 8 * PS and mismatches == (0, 0)
+        private_redis.start()
+        engine.prefill(prompt(3))
+        wait_stored(engine, 2 * 8 * PS)
+        assert engine.client.check_invariants() == []
+    finally:
+        engine.close()
+    log = d.log()
+    assert "storage.unavailable" in log and "storage.recovered" in log
+    assert "Traceback" not in log
+
+
+def test_a_corrupted_page_file_reads_as_a_miss(daemon_factory, tmp_path):
+    flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
+    first = daemon_factory(*flags)
+    engine = StorageEngine(first.target)
+    engine.prefill(prompt(5))
+    wait_stored(engine, 8 * PS)
+    engine.close()
+    assert first.stop() == 0
+
+    salt = namespace_salt("model/tp0", layout_fingerprint(LAYOUT))
+    keys = page_keys(salt, bytes(b"".join(t.to_bytes(4, "little") for t in prompt(5))), PS)
+    path = FileStorage(str(tmp_path / "pages")).path_for(keys[3])
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 5)
+        f.write(b"\xff\xfe\xfd\xfc\xfb")
+
+    second = daemon_factory(*flags)
+    engine = StorageEngine(second.target)
+    try:
+        m, progress, loaded, mismatches = fetch_and_load(engine, prompt(5))
+        assert progress[-1].fetched_tokens == 3 * PS  # stopped at the damaged page
+        assert loaded == 3 * PS and mismatches == (0, 0)
+        assert engine.client.check_invariants() == []
+    finally:
+        engine.close()
