@@ -8,7 +8,7 @@ from radixkv_server.core.page_keys import namespace_salt, page_keys
 from radixkv_server.service.daemon import layout_fingerprint
 from radixkv_server.storage import FileStorage
 
-from storage_engine import LAYOUT, PS, StorageEngine, prompt
+from pattern_engine import LAYOUT, PS, PatternEngine, prompt
 
 DEADLINE_S = 20.0
 
@@ -22,11 +22,11 @@ def poll(check, what: str):
     return result
 
 
-def wait_stored(engine: StorageEngine, tokens: int) -> None:
+def wait_stored(engine: PatternEngine, tokens: int) -> None:
     poll(lambda: engine.counters()["stored_tokens"] >= tokens, f"{tokens} tokens stored")
 
 
-def fetch_and_load(engine: StorageEngine, tokens: list[int]):
+def fetch_and_load(engine: PatternEngine, tokens: list[int]):
     [m] = engine.client.match([tokens], include_storage=True)
     progress = engine.client.prefetch(tokens, policy="wait_complete")
     loaded, mismatches = engine.load(tokens)
@@ -36,7 +36,7 @@ def fetch_and_load(engine: StorageEngine, tokens: list[int]):
 def test_warm_restart_serves_prefixes_inserted_before(daemon_factory, tmp_path):
     flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
     first = daemon_factory(*flags)
-    engine = StorageEngine(first.target)
+    engine = PatternEngine(first.target)
     for i in range(4):
         engine.prefill(prompt(i))
     wait_stored(engine, 4 * 8 * PS)
@@ -44,7 +44,7 @@ def test_warm_restart_serves_prefixes_inserted_before(daemon_factory, tmp_path):
     assert first.stop() == 0
 
     second = daemon_factory(*flags)
-    engine = StorageEngine(second.target)
+    engine = PatternEngine(second.target)
     try:
         for i in range(4):
             m, progress, loaded, mismatches = fetch_and_load(engine, prompt(i))
@@ -60,7 +60,7 @@ def test_warm_restart_serves_prefixes_inserted_before(daemon_factory, tmp_path):
 def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, redis_url):
     flags = ("--storage", redis_url, "--storage-policy", "write_through")
     a, b = daemon_factory(*flags), daemon_factory(*flags)
-    writer, reader = StorageEngine(a.target), StorageEngine(b.target)
+    writer, reader = PatternEngine(a.target), PatternEngine(b.target)
     try:
         writer.prefill(prompt(7))
         wait_stored(writer, 8 * PS)
@@ -68,7 +68,7 @@ def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, re
         assert m.storage_tokens == 8 * PS and progress[-1].state == "done"
         assert loaded == 8 * PS and mismatches == (0, 0)
         # Another model under the same namespace name shares nothing.
-        other = StorageEngine(b.target, namespace="other/tp0", model="another-model")
+        other = PatternEngine(b.target, namespace="other/tp0", model="another-model")
         try:
             [m] = other.client.match([prompt(7)], include_storage=True)
             assert m.storage_tokens == 0
@@ -81,7 +81,7 @@ def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, re
 
 def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory, private_redis):
     d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
-    engine = StorageEngine(d.target)
+    engine = PatternEngine(d.target)
     try:
         engine.prefill(prompt(1))
         wait_stored(engine, 8 * PS)
@@ -107,7 +107,7 @@ def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory,
 def test_a_corrupted_page_file_reads_as_a_miss(daemon_factory, tmp_path):
     flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
     first = daemon_factory(*flags)
-    engine = StorageEngine(first.target)
+    engine = PatternEngine(first.target)
     engine.prefill(prompt(5))
     wait_stored(engine, 8 * PS)
     engine.close()
@@ -121,7 +121,7 @@ def test_a_corrupted_page_file_reads_as_a_miss(daemon_factory, tmp_path):
         f.write(b"\xff\xfe\xfd\xfc\xfb")
 
     second = daemon_factory(*flags)
-    engine = StorageEngine(second.target)
+    engine = PatternEngine(second.target)
     try:
         m, progress, loaded, mismatches = fetch_and_load(engine, prompt(5))
         assert progress[-1].fetched_tokens == 3 * PS  # stopped at the damaged page

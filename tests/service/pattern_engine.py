@@ -1,4 +1,4 @@
-"""A minimal engine for the storage tests: shared-memory KV buffers filled with the
+"""A minimal engine for service tests: shared-memory KV buffers filled with the
 simulator's deterministic pattern, a client session, and byte checks on load-back."""
 
 from radixkv.client import Client
@@ -15,7 +15,7 @@ def prompt(i: int, pages: int = 8) -> list[int]:
     return [1000 * i + t for t in range(pages * PS)]
 
 
-class StorageEngine:
+class PatternEngine:
     def __init__(self, target: str, namespace: str = "model/tp0", num_pages: int = 128, **register):
         self.buffers = ShmKvBuffers.create(LAYOUT, num_pages)
         self.kv = KvPattern(LAYOUT, [self.buffers.buffer(i) for i in range(LAYOUT.num_buffers)], num_pages)

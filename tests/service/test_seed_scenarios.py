@@ -1,0 +1,124 @@
+"""The seed's scenarios over gRPC: overlapping load-backs from two anchors over one
+shared node, acknowledged in either order, and an engine killed with load-backs in
+flight. Afterwards: no pin or lock left, duplicates tracked, invariants clean."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from radixkv.sim.kv import page_keys
+from radixkv.types import pack
+
+from pattern_engine import PS, PatternEngine
+
+SHARED = list(range(100, 100 + 4 * PS))
+A = SHARED + list(range(500, 500 + 2 * PS))
+B = SHARED + list(range(900, 900 + 2 * PS))
+
+
+def poll(check, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+    return result
+
+
+def host_only_tree(engine: PatternEngine) -> None:
+    """Insert A and B (sharing SHARED), back them up, evict them from the device."""
+    engine.prefill(A)
+    engine.prefill(B)
+    poll(lambda: engine.client.stats().namespaces[0].transfers_in_flight == 0, "backups")
+    while engine.client.stats().namespaces[0].device_pages_held:
+        engine.free.extend(engine.client.evict(64).freed_pages)
+    [m] = engine.client.match([A])
+    assert (m.device_tokens, m.host_tokens) == (0, len(A))
+
+
+def nodes(engine):
+    return {n.id: n for n in engine.client.inspect("model/tp0").nodes}
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_overlapping_load_backs_acked_in_either_order(daemon, policy, reverse):
+    engine = PatternEngine(daemon, write_policy=policy)
+    try:
+        host_only_tree(engine)
+        [ma, mb] = engine.client.match([A, B])
+        la = engine.client.load_back(ma.host_node, engine.alloc(ma.host_tokens // PS))
+        lb = engine.client.load_back(mb.host_node, engine.alloc(mb.host_tokens // PS))
+        engine.free.extend(lb.unused_pages)
+        assert la.loaded_tokens == len(A) and lb.loaded_tokens == 2 * PS
+        shared = next(n for n in nodes(engine).values() if n.depth == 1)
+        # B's load relies on A's for the shared node when A's copy was still running
+        # (the usual case on a GPU; shared-memory copies here may already be done).
+        overlapping = lb.depends_on == (la.transfer,)
+        assert set(shared.pins) == ({la.transfer, lb.transfer} if overlapping else {la.transfer})
+
+        first, second = (lb, la) if reverse else (la, lb)
+        assert engine.client.wait([first.transfer])[first.transfer].ok
+        left = nodes(engine)[shared.id]
+        assert set(left.pins) == set(shared.pins) - {first.transfer}  # each ACK removes only its own
+        assert engine.client.wait([second.transfer])[second.transfer].ok
+
+        after = nodes(engine)
+        assert all(not n.pins and n.host_lock == 0 for n in after.values())
+        assert engine.client.stats().namespaces[0].tracked_duplicates >= 3
+        for tokens, result in ((A, la), (B, lb)):
+            keys = page_keys(pack(tokens), PS)
+            assert engine.kv.mismatches(list(result.device_pages), keys) == (0, 0)
+        assert engine.client.check_invariants() == []
+    finally:
+        engine.close()
+
+
+ENGINE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {here!r})
+    from pattern_engine import PatternEngine, PS
+    engine = PatternEngine({target!r}, write_policy={policy!r})
+    A, B = {a!r}, {b!r}
+    [ma, mb] = engine.client.match([A, B], lease=True)
+    engine.client.load_back(ma.host_node, engine.alloc(ma.host_tokens // PS))
+    engine.client.load_back(mb.host_node, engine.alloc(mb.host_tokens // PS))
+    engine.client.wait([])  # opens the ack stream, acks nothing
+    print("loading", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_engine_killed_with_load_backs_in_flight_leaves_nothing_behind(daemon, policy):
+    setup = PatternEngine(daemon, write_policy=policy)
+    try:
+        host_only_tree(setup)
+        setup.client.close()  # the namespace is free for the next engine
+        here = os.path.dirname(__file__)
+        code = ENGINE.format(here=here, target=daemon, policy=policy, a=A, b=B)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "loading"
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        observer = PatternEngine(daemon, write_policy=policy, replace_existing=True)
+        try:
+            # The dead engine's session closes when its ack stream breaks: its loads
+            # finish and its leases go; the host tier stays.
+            poll(lambda: all(not n.pins and n.lock_ref == 0 for n in nodes(observer).values()),
+                 "the dead session's pins and leases to go")
+            assert observer.client.check_invariants() == []
+            [m] = observer.client.match([A])
+            assert m.device_tokens + m.host_tokens == len(A)
+            loaded, mismatches = observer.load(A)
+            assert loaded == len(A) and mismatches == (0, 0)
+        finally:
+            observer.close()
+    finally:
+        setup.buffers.close()
