@@ -36,12 +36,36 @@ def test_storage_write_back_stores_on_host_eviction_then_frees_the_host_copy():
     drain(cache, copier, eng)
     assert not copier.storage
     eng.give(cache.evict_device(2).freed_pages)  # host-only now
-    assert cache.evict_host(2) == 2             # planned: a store starts
+    assert cache.evict_host(2) == 0             # nothing free yet: a store starts
     assert cache.host.num_free == 0
     clean(cache)
     drain(cache, copier, eng)
     assert cache.host.num_free == 2 and len(copier.storage) == 2
     assert cache.match(tokens(1, 2, 3, 4)).host_tokens == 0
+    clean(cache)
+
+
+def test_host_eviction_frees_stored_leaves_at_once_while_others_are_written():
+    """Storage write-back: leaves storage already holds leave the host immediately, so an
+    allocation under pressure does not wait for the writes of the others."""
+    cache, copier = make_cache("write_through", storage="write_back", host_pages=4)
+    eng = Engine(cache, copier)
+    old, new = tokens(1, 2, 3, 4), tokens(5, 6, 7, 8)
+    eng.insert(old)
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.evict_host(2)
+    drain(cache, copier, eng)  # old is stored and gone from the host
+    assert cache.storage_probe(old)[0] == 0
+    tid = cache.start_prefetch(old, b"", 2)  # back on host, stored: cheap to evict
+    copier.complete(cache, tid)
+    eng.insert(new)
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.match(old)  # old is the most recently used, yet the stored one goes first
+    assert cache.evict_host(2) == 2
+    assert cache.match(old).host_tokens == 0 and cache.match(new).host_tokens == 4
+    assert len(copier.pending) == 1  # and the unstored one is being written meanwhile
     clean(cache)
 
 

@@ -10,6 +10,10 @@ from .transfers import TransferKind
 
 
 class Evictions(StorageTier):
+    # Host eviction with storage on: how many not-yet-stored leaves it may pass over
+    # while looking for stored ones, before settling for the writes it started.
+    STORE_SEARCH_LIMIT = 64
+
     # -- backups ---------------------------------------------------------------------
 
     def _start_backups(self, node: Node) -> None:
@@ -119,9 +123,11 @@ class Evictions(StorageTier):
         """Free at least `num_pages` host pages if possible; returns how many were freed.
 
         First reclaims host copies of settled duplicates (the device copy stays), in every
-        write policy; then removes host-only leaves from the cache, after writing them to
-        storage where that tier is on and lacks them (those pages free up when the write
-        completes). Copies in flight, pins and locks protect a node. Mutates the tree.
+        write policy; then removes host-only leaves from the cache. Where the storage
+        tier is on, a leaf it lacks is written there first and leaves when the write
+        completes: up to `num_pages` of such writes start, while the search goes on for
+        leaves storage already holds, which free their pages at once. Copies in flight,
+        pins and locks protect a node. Mutates the tree.
         """
         freed = 0
         busy = []
@@ -137,17 +143,24 @@ class Evictions(StorageTier):
             self.counters.reclaimed_duplicate_tokens += self._tokens(node)
         for node in busy:
             self._refresh(node)
-        to_store = []
-        while freed < num_pages:
+        to_store, passed = [], []
+        storing = 0
+        while freed < num_pages and len(passed) < self.STORE_SEARCH_LIMIT:
             node = self.host_leaves.pop()
             if node is None:
                 break
-            freed += self._pages(node)  # now, or once its storage write completes
             if self.storage_on and not node.full.stored:
-                to_store.append(node)
-            else:
-                self.counters.host_evicted_tokens += self._tokens(node)
-                self._remove_node(node)
+                if storing < num_pages - freed:
+                    to_store.append(node)
+                    storing += self._pages(node)
+                else:
+                    passed.append(node)  # enough writes started: look for stored leaves
+                continue
+            freed += self._pages(node)
+            self.counters.host_evicted_tokens += self._tokens(node)
+            self._remove_node(node)
+        for node in passed:
+            self._refresh(node)
         self._start_store(to_store, evicting_host=True)
         return freed
 
