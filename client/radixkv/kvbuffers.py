@@ -210,6 +210,14 @@ class CudaKvBuffers:
         return out
 
     @staticmethod
+    def forget_events() -> None:
+        """Drop the cache of opened events. Call when registering with a daemon (a new
+        daemon, or a re-registration, has a new event ring): a cached event opened from
+        an earlier daemon's handle must not stand in for a new event whose handle bytes
+        happen to be equal."""
+        _OPENED_EVENTS.clear()
+
+    @staticmethod
     def wait_events(handles: list[bytes], stream: "torch.cuda.Stream") -> list["torch.cuda.Event"]:
         """Make `stream` wait for every event of a load-back (all layers); returns the
         events so an engine that overlaps layers can instead wait on `events[layer]`

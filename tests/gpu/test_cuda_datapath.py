@@ -138,6 +138,8 @@ def test_store_and_load_back_bytes(engine_factory, kwargs, pin, one_storage):
         job.wait()
         with pytest.raises(CopyError, match="out of range"):
             dev.submit_load(pool, pack([0]), pack([num_pages]))
+        empty = dev.submit_load(pool, b"", b"")  # nothing to copy: no events, nothing to wait for
+        assert empty.events == [] and not empty.pending
     finally:
         dev.close()
         dev.close()

@@ -1,6 +1,7 @@
 """radixkv-sim: run a seeded workload against a daemon and verify every byte.
 
     radixkv-sim --target unix:///tmp/x/radixkv.sock --workload multiturn --requests 300
+    radixkv-sim --backend cuda --device 0 ...   # KV buffers as CUDA tensors on cuda:0
 
 Prints progress, then a summary whose last line is "<N> byte mismatches". Exits 0 when
 the run was clean, 1 on any defect (mismatch, accounting error, invariant violation,
@@ -16,8 +17,8 @@ import torch
 
 from ..client import DEFAULT_TARGET, Client
 from ..errors import RadixKVError
-from ..kvbuffers import ShmKvBuffers
 from ..layout import DTYPE_SIZES, KV_FORMATS, KvLayout
+from .buffers import SIM_BACKENDS, SimBuffers
 from .engine import Engine
 from .report import Report
 from .workload import WORKLOADS, MultiTurn, SharedPrefix, Workload
@@ -45,6 +46,8 @@ class SimConfig:
     page_size: int = 16
     dtype: str = "float16"
     kv_format: str = "mha"
+    backend: str = "shm"     # "cuda": KV buffers are CUDA tensors on `device`, shared by IPC
+    device: int = 0
     seed: int = 0
     write_policy: str = ""   # "": the daemon's default
     replace_existing: bool = False
@@ -75,6 +78,9 @@ def parse_args(argv=None) -> SimConfig:
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPE_SIZES))
     p.add_argument("--kv-format", default=d.kv_format, choices=sorted(KV_FORMATS))
+    p.add_argument("--backend", default=d.backend, choices=SIM_BACKENDS,
+                   help="where the engine's KV buffers live: shared memory, or CUDA tensors (IPC)")
+    p.add_argument("--device", type=int, default=d.device, help="CUDA device of the KV buffers (--backend cuda)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--write-policy", default=d.write_policy,
                    help="write_through, write_through_selective or write_back (default: the daemon's)")
@@ -114,27 +120,29 @@ def _fit(limit: int, first: int, *ranges: tuple[int, int]):
 
 def run(c: SimConfig, out=sys.stdout) -> Report:
     """Register, run the workload, check the daemon's view; the session is closed and
-    the shared memory released before returning. Sets torch's thread count for the whole
-    process when `c.torch_threads` is non-zero. Raises RadixKVError when the daemon
-    refuses or cannot be reached (the partial report, or None when nothing ran, is on the
-    exception as `.report`)."""
+    the device buffers (shared memory or CUDA tensors) released before returning. Sets
+    torch's thread count for the whole process when `c.torch_threads` is non-zero.
+    Raises RadixKVError when the daemon refuses or cannot be reached (the partial
+    report, or None when nothing ran, is on the exception as `.report`), ValueError on
+    a bad layout, workload or backend (`--backend cuda` without a GPU)."""
     layout = KvLayout(c.layers, c.heads, c.head_dim, c.dtype, c.page_size, c.kv_format)
     workload = make_workload(c)
     if c.torch_threads:
         torch.set_num_threads(c.torch_threads)
-    buffers = ShmKvBuffers.create(layout, c.device_pages)
+    buffers = SimBuffers.create(layout, c.device_pages, c.backend, c.device)
     engine = None
     try:
         with Client(c.target) as client:
             client.wait_ready(c.ready_timeout)
-            reg = client.register(c.namespace, layout, buffers.specs(), c.device_pages,
+            reg = client.register(c.namespace, layout, buffers.specs, c.device_pages,
+                                  backend=c.backend, device=buffers.device,
                                   write_policy=c.write_policy, host_pool_pages=c.host_pages,
                                   replace_existing=c.replace_existing, engine=f"radixkv-sim pid {os.getpid()}")
             print(f"[sim] {c.namespace}: session {reg.session[:8]}, write policy {reg.write_policy}, "
-                  f"{c.device_pages} device pages, {reg.host_pool_pages} host pages, {c.workload} x {c.requests}",
-                  file=out, flush=True)
-            engine = Engine(client, layout, [buffers.buffer(i) for i in range(layout.num_buffers)],
-                            c.device_pages, max_batch=c.batch)
+                  f"{c.device_pages} device pages ({buffers}), {reg.host_pool_pages} host pages, "
+                  f"{c.workload} x {c.requests}", file=out, flush=True)
+            engine = Engine(client, layout, buffers.tensors, c.device_pages, max_batch=c.batch,
+                            stream=buffers.stream)
             engine.run(workload, progress=lambda r: print(r.progress(c.requests), file=out, flush=True),
                        progress_every=c.progress_every)
             engine.check_daemon(c.namespace)
@@ -143,7 +151,7 @@ def run(c: SimConfig, out=sys.stdout) -> Report:
         e.report = engine.report if engine is not None else None
         raise
     finally:
-        engine = None  # drop the engine's views of the buffers so the mapping can go
+        engine = None  # drop the engine's views of the buffers so the memory can go
         buffers.close()
 
 

@@ -11,14 +11,21 @@ Each step takes a batch of arrived requests and:
      releases its lease and waits for the next step.
 A failed load is recomputed, never read. Defects are counted in the `Report`, never
 asserted.
+
+On CUDA buffers the engine does its KV work on one stream: after each LoadBack it makes
+that stream wait on the transfer's per-layer IPC events (as a real engine does before
+running layer i), and it synchronizes its writes before Insert, since the daemon's
+copies do not wait for the engine's stream.
 """
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..kvbuffers import CudaKvBuffers
 from ..layout import KvLayout
 from ..types import MatchResult, Prompt
 from .kv import KvPattern, page_keys
@@ -41,16 +48,21 @@ class _Plan:
 
 class Engine:
     """Owns the device page pool of one registered client (`client.register` done by
-    the caller with the same `buffers`)."""
+    the caller with the same `buffers`). `stream`: the CUDA stream for the engine's KV
+    work when the buffers are CUDA tensors (default: their device's current stream)."""
 
     def __init__(self, client, layout: KvLayout, buffers: Sequence[torch.Tensor], num_pages: int, *,
-                 max_batch: int = 8, wait_timeout: float = 120.0):
+                 max_batch: int = 8, wait_timeout: float = 120.0, stream=None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.client = client
+        self.layout = layout
         self.page_size = layout.page_size
         self.pool = PagePool(num_pages)
         self.kv = KvPattern(layout, buffers, num_pages)
+        if self.kv.device.type == "cuda" and stream is None:
+            stream = torch.cuda.current_stream(self.kv.device)
+        self.stream = stream
         self.max_batch = max_batch
         self.wait_timeout = wait_timeout
         self.report = Report()
@@ -91,6 +103,10 @@ class Engine:
 
     def step(self, batch: list[Request], workload: Workload, now: float) -> int:
         """One scheduler step over `batch`; returns how many requests finished."""
+        with self._on_stream():
+            return self._step(batch, workload, now)
+
+    def _step(self, batch: list[Request], workload: Workload, now: float) -> int:
         self.report.steps += 1
         matches = self.client.match([Prompt(r.prompt, r.extra_key) for r in batch], lease=True)
         if len(matches) != len(batch):
@@ -131,6 +147,7 @@ class Engine:
         self.pool.to_cache([p for p in pages if p not in unused], "LoadBack used pages")
         plan.prefix_pages = self._prefix(r, lb.device_pages, lb.device_tokens, "LoadBack")
         plan.deps.update(lb.depends_on)
+        self._wait_layers(lb)
         if lb.transfer:
             self.report.load_backs += 1
             plan.deps.add(lb.transfer)
@@ -151,6 +168,7 @@ class Engine:
             rep.deferred += 1
             return False
         self.kv.write(new, keys[len(prefix):])
+        self.kv.synchronize()  # the daemon may copy these pages as soon as it has them
         rep.requests += 1
         rep.prompt_tokens += r.prompt_tokens
         if not failed:
@@ -172,6 +190,25 @@ class Engine:
         return True
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _on_stream(self):
+        """The engine's stream as the current one (CUDA), else nothing."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _wait_layers(self, lb) -> None:
+        """Order the engine's stream after a load-back's per-layer IPC events (CUDA). A
+        transfer whose copy already finished comes without events; the shm backend never
+        sends any."""
+        events = lb.layer_events
+        if not events:
+            return
+        if self.stream is None:
+            self._protocol_error(f"LoadBack: {len(events)} CUDA events for an engine without CUDA buffers")
+            return
+        if len(events) != self.layout.num_layers:
+            self._protocol_error(f"LoadBack: {len(events)} layer events for {self.layout.num_layers} layers")
+        CudaKvBuffers.wait_events(list(events), self.stream)
+        self.report.layer_event_waits += len(events)
 
     def _prefix(self, r: Request, pages, tokens: int, what: str) -> list[int]:
         """The device prefix as a page list; [] (recompute) if the daemon's answer is

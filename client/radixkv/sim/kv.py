@@ -6,6 +6,9 @@ the whole prefix up to the end of that page (a partial trailing page hashes the 
 it has). The chunk of buffer b for that page is filled with the int64 words
 `seed(key_i, b) + 0, 1, 2, ...`. Any page holding another prefix's KV, another
 buffer's (layer's) chunk, or bytes shifted within the page compares unequal.
+
+Buffers may live on the CPU (shared memory) or on a CUDA device: expected bytes are
+generated on the buffers' device and compared there, on the current stream.
 """
 
 import hashlib
@@ -40,18 +43,24 @@ class KvPattern:
     """Writes and verifies pattern KV in the engine's device buffers.
 
     `buffers` are the device buffers in layout order (layer-major), each a contiguous
-    tensor of at least `num_pages * layout.chunk_bytes` bytes; page p of buffer b is the
-    chunk at byte offset p * chunk_bytes.
+    tensor of at least `num_pages * layout.chunk_bytes` bytes, all on one device (CPU or
+    one CUDA device); page p of buffer b is the chunk at byte offset p * chunk_bytes.
+    On CUDA, `write` and `mismatches` run on the current stream: `mismatches` waits for
+    its own result, `write` returns once enqueued (`synchronize` waits for it).
     """
 
     def __init__(self, layout: KvLayout, buffers: Sequence[torch.Tensor], num_pages: int):
         if len(buffers) != layout.num_buffers:
             raise ValueError(f"layout has {layout.num_buffers} buffers, got {len(buffers)}")
+        devices = {t.device for t in buffers}
+        if len(devices) != 1:
+            raise ValueError(f"buffers must share one device, got {sorted(map(str, devices))}")
         self.layout = layout
         self.num_pages = num_pages
+        self.device: torch.device = devices.pop()
         chunk = layout.chunk_bytes
         self._pages = [self._page_view(t, num_pages, chunk) for t in buffers]
-        self._words = torch.arange((chunk + 7) // 8, dtype=torch.int64)
+        self._words = torch.arange((chunk + 7) // 8, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def _page_view(t: torch.Tensor, num_pages: int, chunk: int) -> torch.Tensor:
@@ -64,7 +73,7 @@ class KvPattern:
 
     def expected(self, keys: Sequence[int], buffer: int) -> torch.Tensor:
         """[len(keys), chunk_bytes] uint8: the bytes buffer `buffer` holds for those pages."""
-        seeds = torch.tensor([_seed(k, buffer) for k in keys], dtype=torch.int64)
+        seeds = torch.tensor([_seed(k, buffer) for k in keys], dtype=torch.int64, device=self.device)
         words = seeds.view(-1, 1) + self._words.view(1, -1)
         return words.view(torch.uint8)[:, : self.layout.chunk_bytes]
 
@@ -74,21 +83,30 @@ class KvPattern:
             raise ValueError(f"{len(pages)} pages for {len(keys)} keys")
         if not pages:
             return
-        idx = torch.tensor(list(pages), dtype=torch.int64)
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
         for b, view in enumerate(self._pages):
             view[idx] = self.expected(keys, b)
 
-    def mismatches(self, pages: Sequence[int], keys: Sequence[int]) -> tuple[int, int]:
+    def synchronize(self) -> None:
+        """Wait until every `write` issued so far (on the current stream) is in device
+        memory; nothing to wait for on the CPU. Call before handing written pages to the
+        daemon (Insert): its copies do not wait for the engine's stream."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def mismatches(self, pages: Sequence[int], keys: Sequence[int],
+                   buffers: Sequence[int] | None = None) -> tuple[int, int]:
         """(bytes that differ, (page, buffer) chunks that differ) between device `pages`
-        and the pattern of `keys`; (0, 0) when every byte is right."""
+        and the pattern of `keys`, over `buffers` (default: all); (0, 0) when every byte
+        is right."""
         if len(pages) != len(keys):
             raise ValueError(f"{len(pages)} pages for {len(keys)} keys")
         if not pages:
             return 0, 0
-        idx = torch.tensor(list(pages), dtype=torch.int64)
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
         bad_bytes = bad_chunks = 0
-        for b, view in enumerate(self._pages):
-            diff = view[idx] != self.expected(keys, b)
+        for b in range(len(self._pages)) if buffers is None else buffers:
+            diff = self._pages[b][idx] != self.expected(keys, b)
             bad_bytes += int(diff.sum())
             bad_chunks += int(diff.any(dim=1).sum())
         return bad_bytes, bad_chunks

@@ -16,6 +16,7 @@ class Report:
     inserted_tokens: int = 0
     cached_before_insert_tokens: int = 0
     load_backs: int = 0
+    layer_event_waits: int = 0  # CUDA: per-layer IPC events the engine's stream waited on
     failed_loads: int = 0
     evict_calls: int = 0
     evicted_pages: int = 0

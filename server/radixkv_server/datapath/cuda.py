@@ -144,6 +144,8 @@ class CudaDeviceBuffers(DeviceBuffers):
         host, dev = self.check_pages(host_pool, host_pages, device_pages)
         if host_pool.tensor is None:
             raise CopyError("host pool is closed")
+        if not host:
+            return CopyJob()  # nothing to copy (and torch.frombuffer refuses empty buffers)
         stream = self._store_stream if to_host else self._load_stream
         events, handles = ([], []) if to_host else self._take_slot()
         try:
@@ -161,7 +163,7 @@ class CudaDeviceBuffers(DeviceBuffers):
                 done.record(stream)
         except RuntimeError as e:
             raise CopyError(f"CUDA copy could not be enqueued: {e}") from e
-        return CopyJob(list(handles), lambda: _synchronize(done))
+        return CopyJob(list(handles), lambda: _synchronize(done, self.device))
 
     def _load(self, h3, views, hidx, didx, events, stream) -> None:
         bpl = self.layout.buffers_per_layer
@@ -260,9 +262,14 @@ def _wide(torch, width: int):
     return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
 
 
-def _synchronize(event) -> None:
+def _synchronize(event, device: int) -> None:
+    """Wait for `event` on the calling (wait) thread. The device guard matters: a CUDA
+    runtime call on a thread with no current device would use (and create) a context on
+    device 0, and the daemon must hold a context only on the engine's device."""
+    torch = _torch()
     try:
-        event.synchronize()
+        with torch.cuda.device(device):
+            event.synchronize()
     except RuntimeError as e:
         raise CopyError(f"CUDA copy failed: {e}") from e
 

@@ -4,7 +4,9 @@ One allocation, a uint8 tensor [num_pages, page_bytes] in the page-first layout 
 `radixkv.layout`: host page p is `tensor[p]`, the chunks of every buffer back to back.
 Which pages are free is the core's business (`core.host_allocator`); this class only
 owns the memory. Pinned (cudaHostRegister) when CUDA is present and `pin` allows, so
-device copies run at full PCIe speed and CUDA kernels can read it directly.
+device copies run at full PCIe speed and CUDA kernels can read it directly. On a
+machine with several NUMA nodes the pinned pool is placed on the engine GPU's node
+(`numa.near`: the pages are faulted in by the pinning thread, moved to that node's CPUs).
 """
 
 import logging
@@ -12,6 +14,8 @@ import logging
 import torch
 
 from radixkv.layout import KvLayout
+
+from . import numa
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +25,8 @@ PIN_MODES = ("auto", "always", "never")
 class HostPool:
     """`num_pages` host pages for `layout`. `pin`: "auto" pins when CUDA is available,
     "always" pins or raises RuntimeError, "never" does not. `device` is the CUDA device
-    whose context registers the memory (the engine's device; default the current one).
+    whose context registers the memory (the engine's device; default the current one);
+    when given, a pinned pool is allocated on that GPU's NUMA node where there are several.
     Raises ValueError on a bad size or pin mode."""
 
     def __init__(self, layout: KvLayout, num_pages: int, pin: str = "auto", device: int | None = None):
@@ -31,12 +36,17 @@ class HostPool:
             raise ValueError(f"host pool num_pages must be an int >= 0, got {num_pages!r}")
         self.layout = layout
         self.num_pages = num_pages
-        self.tensor: torch.Tensor | None = torch.empty((num_pages, layout.page_bytes), dtype=torch.uint8)
         self.pinned = False
+        self.numa_node: int | None = None  # where the pool was placed, when chosen
         self._pinned_ptr = 0
         self._device = device
-        if pin != "never" and self.nbytes > 0:
-            self._pin(required=pin == "always")
+        pin_it = pin != "never" and self.nbytes > 0
+        node = self._gpu_node() if pin_it else None
+        with numa.near(node) as moved:  # first touch (the pinning) happens on `node`
+            self.numa_node = node if moved else None
+            self.tensor: torch.Tensor | None = torch.empty((num_pages, layout.page_bytes), dtype=torch.uint8)
+            if pin_it:
+                self._pin(required=pin == "always")
 
     @staticmethod
     def pages_for_bytes(layout: KvLayout, nbytes: int) -> int:
@@ -53,6 +63,14 @@ class HostPool:
     def closed(self) -> bool:
         return self.tensor is None
 
+    def _gpu_node(self) -> int | None:
+        """The engine GPU's NUMA node when there is a choice to make (CUDA, a device, and
+        several nodes); None otherwise."""
+        from . import cuda
+        if self._device is None or not cuda.cuda_available():
+            return None
+        return numa.gpu_node(self._device)
+
     def _pin(self, required: bool) -> None:
         from . import cuda
         if not cuda.cuda_available():
@@ -63,7 +81,8 @@ class HostPool:
         cuda.pin_host(ptr, self.nbytes, self._device)
         self._pinned_ptr = ptr
         self.pinned = True
-        log.info("host pool: pinned %.2f GiB (%d pages)", self.nbytes / 2**30, self.num_pages)
+        where = "" if self.numa_node is None else f" on NUMA node {self.numa_node}"
+        log.info("host pool: pinned %.2f GiB (%d pages)%s", self.nbytes / 2**30, self.num_pages, where)
 
     def close(self) -> None:
         """Unregister the pinned memory and drop the allocation. Idempotent. Close the
@@ -75,6 +94,7 @@ class HostPool:
             from . import cuda
             cuda.unpin_host(self._pinned_ptr, self._device)
             self.pinned = False
+            log.info("host pool: unpinned %.2f GiB", self.nbytes / 2**30)
         self.tensor = None
 
     # -- test and tooling helpers ----------------------------------------------------
