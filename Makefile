@@ -42,10 +42,16 @@ test: $(STAMP) system-deps proto-check
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-bench: $(STAMP)
+$(VENV)/.bench-installed: $(STAMP)
+	@echo "installing the bench extra (matplotlib, py-spy) into $(VENV)"
+	@$(BIN)/pip install -q -e ".[bench]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/python -c "import matplotlib"
+	@touch $@
+
+bench: $(VENV)/.bench-installed system-deps
 	$(BIN)/python -m bench --quick
 
-bench-full: $(STAMP)
+bench-full: $(VENV)/.bench-installed system-deps
 	$(BIN)/python -m bench --full
 
 soak: $(STAMP)

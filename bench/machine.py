@@ -1,0 +1,54 @@
+"""What machine the figures came from."""
+
+import datetime
+import os
+import platform
+import sys
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> str:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return "absent"
+
+
+def describe() -> list[tuple[str, str]]:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    import torch
+    return [
+        ("date", datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")),
+        ("CPU", _cpu_model()),
+        ("cores", f"{os.cpu_count()} ({usable} usable), torch threads {torch.get_num_threads()}"),
+        ("memory", _memory_gib()),
+        ("OS", f"{platform.system()} {platform.release()}"),
+        ("Python", sys.version.split()[0]),
+        ("torch", _version("torch")),
+        ("grpcio", _version("grpc")),
+        ("protobuf", _version("google.protobuf")),
+        ("numpy", _version("numpy")),
+        ("uvloop", _version("uvloop")),
+        ("redis-py", _version("redis")),
+    ]
