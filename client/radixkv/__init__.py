@@ -1,7 +1,9 @@
 """radixkv: what engines import to talk to the radixkv daemon.
 
 - `Client` (blocking) and `AsyncClient` (asyncio): sessions, Match / Insert / LoadBack /
-  wait (acks) / Evict, operator calls. Failures raise `radixkv.errors.RadixKVError`.
+  wait (acks) / Evict, operator calls. Failures raise `radixkv.errors.RadixKVError`;
+  a lost session (daemon restart) is re-registered with `Backoff` and raises
+  `radixkv.errors.SessionLost` once. `Tls` and a token secure TCP connections.
 - `KvLayout` describes the engine's paged KV cache; `radixkv.kvbuffers` exports the
   engine's KV buffers to the daemon (shared memory on CPU, CUDA IPC on GPU).
 - `radixkv.sim`: an engine simulator that verifies every byte it reads back.
@@ -9,8 +11,10 @@
 """
 
 from .aio import AsyncClient
+from .channel import Tls
 from .client import Client
 from .layout import KvLayout
+from .reconnect import Backoff
 from .types import Prompt
 
-__all__ = ["AsyncClient", "Client", "KvLayout", "Prompt"]
+__all__ = ["AsyncClient", "Backoff", "Client", "KvLayout", "Prompt", "Tls"]

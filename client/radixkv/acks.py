@@ -1,20 +1,23 @@
 """The session's ack stream for the blocking client, driven by a background thread.
 
-One long-lived `Acks` stream per session, opened on the first ack. `wait` queues an ack
-for every id not acked yet and blocks until the daemon answers each; answers are kept,
-so waiting again on an id returns the same `LoadOutcome`. The daemon answers an ack
-only after that copy (and the copies it depends on) completed.
+One long-lived `Acks` stream per session, opened right after Register (`open`), so the
+daemon notices a dead engine by its stream. `wait` queues an ack for every id not acked
+yet and blocks until the daemon answers each; answers are kept, so waiting again on an
+id returns the same `LoadOutcome`. The daemon answers an ack only after that copy (and
+the copies it depends on) completed.
 
 Failure is never reported as success: if the stream breaks (daemon gone, session
 closed) or the client closes, every unanswered ack resolves as a failed load with a
-reason, and later acks resolve the same way at once.
+reason, and later acks resolve the same way at once. Only ids this session's load-backs
+returned (`issue`) are sent: after a daemon restart the new daemon numbers transfers
+from 1 again, and an old id must not acknowledge a new daemon's transfer.
 """
 
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -33,14 +36,16 @@ class AckStream:
     """Acks of one session. Thread-safe: any thread may `wait`; `close` once at the end."""
 
     def __init__(self, stub, session: str, *, outcome_cache: int = DEFAULT_OUTCOME_CACHE,
-                 close_timeout: float = 30.0):
+                 close_timeout: float = 30.0, on_broken: Callable[[str], None] | None = None):
         self._stub = stub
         self._session = session
         self._cap = max(1, outcome_cache)
         self._close_timeout = close_timeout
+        self._on_broken = on_broken  # called (reader thread) when the daemon ends the stream
         # `_cond` guards every field below; the reader thread and waiters share them.
         self._cond = threading.Condition()
         self._outcomes: OrderedDict[int, LoadOutcome] = OrderedDict()
+        self._issued: OrderedDict[int, None] = OrderedDict()  # returned by LoadBack, not answered
         self._sent: set[int] = set()  # acked, not answered yet
         self._waiters: list[dict[int, LoadOutcome | None]] = []
         self._broken: str | None = None  # why no more answers will come
@@ -49,6 +54,22 @@ class AckStream:
         self._reader: threading.Thread | None = None
 
     # -- public ------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open the stream now (it names the session, acknowledging nothing)."""
+        with self._cond:
+            if self._call is None and self._broken is None:
+                self._start()
+
+    def issue(self, transfer: int) -> None:
+        """Record a transfer id this session's LoadBack returned (0 is ignored)."""
+        if not transfer:
+            return
+        with self._cond:
+            self._outcomes.pop(transfer, None)  # an id refused before it was issued to us
+            self._issued[transfer] = None
+            while len(self._issued) > self._cap:
+                self._issued.popitem(last=False)
 
     def wait(self, ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         """Ack every id not acked yet and wait for all answers.
@@ -66,7 +87,12 @@ class AckStream:
                 return result  # type: ignore[return-value]
             self._waiters.append(result)
             try:
-                self._send(t for t in missing if t not in self._sent)
+                for t in missing:
+                    if t not in self._sent and t not in self._issued:
+                        self._resolve(LoadOutcome.failure(
+                            t, f"transfer {t} was not started by this session (a lost session's, "
+                            "or never returned by load_back): recompute its tokens"))
+                self._send(t for t in missing if t not in self._sent and t in self._issued)
                 while any(o is None for o in result.values()):
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
@@ -95,6 +121,19 @@ class AckStream:
         with self._cond:
             self._fail_sent(self._broken or reason)
 
+    def abandon(self, reason: str) -> None:
+        """The session is gone: fail every unanswered ack now and drop the stream
+        without waiting for the daemon. Idempotent."""
+        with self._cond:
+            if self._broken is None:
+                self._broken = reason
+            call = self._call
+            if call is not None:
+                self._queue.put(_CLOSE)
+            self._fail_sent(self._broken)
+        if call is not None:
+            call.cancel()
+
     # -- internals (callers hold `_cond` where noted) -----------------------------------
 
     def _send(self, ids: Iterable[int]) -> None:
@@ -115,6 +154,7 @@ class AckStream:
         self._reader.start()
 
     def _requests(self):
+        yield pb.AckRequest(session=self._session, transfer=0)  # opens the stream
         while True:
             item = self._queue.get()
             if item is _CLOSE:
@@ -132,10 +172,13 @@ class AckStream:
         except Exception as e:  # a reader that dies must still fail the waiters
             reason = f"ack stream reader failed: {e!r}"
         with self._cond:
-            if self._broken is None:
+            by_daemon = self._broken is None
+            if by_daemon:
                 self._broken = reason
             self._queue.put(_CLOSE)  # the stream is over; stop the request generator
             self._fail_sent(self._broken)
+        if by_daemon and self._on_broken is not None:
+            self._on_broken(reason)
 
     def _fail_sent(self, reason: str) -> None:
         """Resolve every unanswered ack as a failed load (holding `_cond`)."""
@@ -146,6 +189,7 @@ class AckStream:
         """Record an answer and wake waiters (holding `_cond`)."""
         t = outcome.transfer
         self._sent.discard(t)
+        self._issued.pop(t, None)
         self._outcomes[t] = outcome
         self._outcomes.move_to_end(t)
         while len(self._outcomes) > self._cap:

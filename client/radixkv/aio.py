@@ -6,8 +6,9 @@ event loop; the ack stream is a task on that loop, and its state is owned by the
 """
 
 import asyncio
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,9 +18,12 @@ from radixkv.v1 import radixkv_pb2_grpc
 
 from . import messages as msg
 from .acks import DEFAULT_OUTCOME_CACHE
-from .client import DEFAULT_TARGET, SERVICE
-from .errors import DeadlineExceeded, FailedPrecondition, RadixKVError, Unavailable, from_rpc_error
+from .channel import Tls, open_aio_channel
+from .client import DEFAULT_TARGET, PROBE_TIMEOUT, SERVICE, lost_message
+from .errors import (DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
+                     Unavailable, from_rpc_error)
 from .layout import KvLayout
+from .reconnect import Backoff, Recovery
 from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
                     PrefetchProgress, Registration, Violation)
 
@@ -30,24 +34,54 @@ class AsyncAckStream:
     """The session's ack stream on the event loop (see `radixkv.acks.AckStream`)."""
 
     def __init__(self, stub, session: str, *, outcome_cache: int = DEFAULT_OUTCOME_CACHE,
-                 close_timeout: float = 30.0):
+                 close_timeout: float = 30.0, on_broken: Callable[[str], None] | None = None):
         self._stub = stub
         self._session = session
         self._cap = max(1, outcome_cache)
         self._close_timeout = close_timeout
+        self._on_broken = on_broken
         self._outcomes: OrderedDict[int, LoadOutcome] = OrderedDict()
+        self._issued: OrderedDict[int, None] = OrderedDict()  # returned by LoadBack, not answered
         self._pending: dict[int, asyncio.Future] = {}  # acked, not answered yet
         self._broken: str | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
         self._call = None
         self._reader: asyncio.Task | None = None
 
+    def open(self) -> None:
+        """Open the stream now (it names the session, acknowledging nothing)."""
+        if self._call is None and self._broken is None:
+            self._start()
+
+    def issue(self, transfer: int) -> None:
+        """Record a transfer id this session's LoadBack returned (0 is ignored)."""
+        if transfer:
+            self._outcomes.pop(transfer, None)  # an id refused before it was issued to us
+            self._issued[transfer] = None
+            while len(self._issued) > self._cap:
+                self._issued.popitem(last=False)
+
+    def abandon(self, reason: str) -> None:
+        """The session is gone: fail every unanswered ack and drop the stream now."""
+        if self._broken is None:
+            self._broken = reason
+        if self._call is not None:
+            self._queue.put_nowait(_CLOSE)
+            self._call.cancel()
+        self._fail_pending(self._broken)
+
     async def wait(self, ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         """Ack every id not acked yet and wait for all answers (see `AckStream.wait`)."""
         wanted = msg.transfer_ids(ids)
         for t in wanted:
-            if t not in self._outcomes and t not in self._pending:
+            if t in self._outcomes or t in self._pending:
+                continue
+            if t in self._issued:
                 self._send(t)
+            else:
+                self._resolve(LoadOutcome.failure(
+                    t, f"transfer {t} was not started by this session (a lost session's, "
+                    "or never returned by load_back): recompute its tokens"))
         futures = {t: self._pending[t] for t in wanted if t in self._pending}
         result = {t: self._outcomes[t] for t in wanted if t not in futures}
         if futures:
@@ -78,11 +112,15 @@ class AsyncAckStream:
             self._resolve(LoadOutcome.failure(t, f"not acknowledged: {self._broken}"))
             return
         if self._call is None:
-            self._call = self._stub.Acks(self._requests())
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            self._start()
         self._queue.put_nowait(t)
 
+    def _start(self) -> None:
+        self._call = self._stub.Acks(self._requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
     async def _requests(self):
+        yield pb.AckRequest(session=self._session, transfer=0)  # opens the stream
         while (item := await self._queue.get()) is not _CLOSE:
             yield pb.AckRequest(session=self._session, transfer=item)
 
@@ -97,10 +135,13 @@ class AsyncAckStream:
             reason = "ack stream cancelled"
         except Exception as e:  # a reader that dies must still fail the waiters
             reason = f"ack stream reader failed: {e!r}"
-        if self._broken is None:
+        by_daemon = self._broken is None
+        if by_daemon:
             self._broken = reason
         self._queue.put_nowait(_CLOSE)
         self._fail_pending(self._broken)
+        if by_daemon and self._on_broken is not None:
+            self._on_broken(reason)
 
     def _fail_pending(self, reason: str) -> None:
         for t in list(self._pending):
@@ -108,6 +149,7 @@ class AsyncAckStream:
 
     def _resolve(self, outcome: LoadOutcome) -> None:
         t = outcome.transfer
+        self._issued.pop(t, None)
         fut = self._pending.pop(t, None)
         if fut is not None and not fut.done():
             fut.set_result(outcome)
@@ -123,16 +165,22 @@ class AsyncClient:
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 30.0,
                  max_message_bytes: int = msg.DEFAULT_MAX_MESSAGE_BYTES,
                  options: Sequence[tuple[str, object]] = (),
-                 outcome_cache: int = DEFAULT_OUTCOME_CACHE):
+                 outcome_cache: int = DEFAULT_OUTCOME_CACHE,
+                 tls: Tls | None = None, token: str | None = None,
+                 reconnect: Backoff | None = Backoff(),
+                 on_session_lost: Callable[[SessionLost], None] | None = None):
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=msg.channel_options(max_message_bytes, options))
+        self._channel = open_aio_channel(target, msg.channel_options(max_message_bytes, options), tls, token)
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._outcome_cache = outcome_cache
         self._registration: Registration | None = None
+        self._register_request: pb.RegisterRequest | None = None
         self._acks: AsyncAckStream | None = None
         self._closed = False
+        self._recovery = Recovery(reconnect) if reconnect is not None else None
+        self._on_session_lost = on_session_lost
 
     async def wait_ready(self, timeout: float = 10.0, service: str = SERVICE) -> None:
         """Poll health until SERVING; raises Unavailable after `timeout` seconds."""
@@ -176,9 +224,29 @@ class AsyncClient:
             write_policy=write_policy, host_pool_pages=host_pool_pages,
             replace_existing=replace_existing, engine=engine, model=model)
         reg = Registration.from_pb(await self._call(self._stub.Register, req))
-        self._registration = reg
-        self._acks = AsyncAckStream(self._stub, reg.session, outcome_cache=self._outcome_cache)
+        self._attach(reg)
+        self._register_request = req
         return reg
+
+    async def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
+        """See `Client.reconnect`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self._recovery is None or self._register_request is None:
+            raise FailedPrecondition("reconnect needs a registered client with a reconnect backoff")
+        if not self._recovery.lost:
+            await self._check_session(Unavailable("checking the session"))
+            if not self._recovery.lost:
+                return None
+        while True:
+            await asyncio.sleep(min(self._recovery.wait_time(time.monotonic()), max(0.0, deadline - loop.time())))
+            try:
+                await self._recover()
+            except SessionLost as e:
+                return e
+            except RadixKVError:
+                if loop.time() >= deadline:
+                    raise Unavailable(f"no session after {timeout}s: {self._recovery.reason}") from None
 
     async def close(self) -> None:
         """End the session (Close, then the ack stream; see `Client.close`) and the
@@ -225,7 +293,10 @@ class AsyncClient:
 
     async def load_back(self, node: int, device_pages) -> LoadBackResult:
         req = msg.load_back_request(self.session, node, device_pages)
-        return LoadBackResult.from_pb(await self._call(self._stub.LoadBack, req))
+        result = LoadBackResult.from_pb(await self._call(self._stub.LoadBack, req))
+        if self._acks is not None:
+            self._acks.issue(result.transfer)
+        return result
 
     async def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         if self._closed:
@@ -259,12 +330,67 @@ class AsyncClient:
     async def _call(self, method, request):
         if self._closed:
             raise FailedPrecondition("the client is closed")
+        if self._recovery is not None and self._recovery.lost:
+            await self._recover()  # raises: SessionLost once registered again, else Unavailable
         try:
             return await method(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            err = from_rpc_error(e)
         except grpc.aio.UsageError as e:
             raise RadixKVError(str(e)) from None
+        if isinstance(err, (Unavailable, Unauthenticated)) and method is not self._stub.Register:
+            await self._check_session(err)
+            if self._recovery is not None and self._recovery.lost:
+                await self._recover()
+        raise err
+
+    # -- a lost session (see Client) -----------------------------------------------------
+
+    def _attach(self, reg: Registration) -> None:
+        self._registration = reg
+        self._acks = AsyncAckStream(self._stub, reg.session, outcome_cache=self._outcome_cache,
+                                    on_broken=self._stream_broken)
+        self._acks.open()
+
+    def _stream_broken(self, reason: str) -> None:
+        if self._recovery is not None and not self._closed:
+            self._recovery.lose(reason, time.monotonic())
+
+    async def _check_session(self, err: RadixKVError) -> None:
+        if self._recovery is None or self._registration is None or self._recovery.lost:
+            return
+        try:
+            await self._stub.Match(pb.MatchRequest(session=self._registration.session), timeout=PROBE_TIMEOUT)
+            return
+        except grpc.RpcError as e:
+            probe = from_rpc_error(e)
+        if isinstance(probe, (Unavailable, Unauthenticated)):
+            self._recovery.lose(f"{err.code.name}: {err.message}", time.monotonic())
+
+    async def _recover(self) -> None:
+        rec, reg = self._recovery, self._registration
+        now = time.monotonic()
+        if self._acks is not None:
+            self._acks.abandon(f"the session was lost ({rec.reason})")
+        if not rec.due(now):
+            raise Unavailable(f"session lost ({rec.reason}); next reconnect attempt in "
+                              f"{rec.wait_time(now):.2f}s")
+        try:
+            new = Registration.from_pb(await self._stub.Register(self._register_request, timeout=self.timeout))
+        except grpc.RpcError as e:
+            rec.failed(time.monotonic())
+            err = from_rpc_error(e)
+            if isinstance(err, Unavailable):
+                raise Unavailable(f"session lost ({rec.reason}); reconnect attempt {rec.attempts} failed: "
+                                  f"{err.message}") from None
+            raise err from None
+        cls, message = lost_message(reg, new, rec.reason)
+        rec.recovered()
+        self._attach(new)
+        lost = cls(message, new, reg.daemon_instance, new.daemon_instance)
+        if self._on_session_lost is not None:
+            self._on_session_lost(lost)
+        raise lost
 
 
 __all__ = ["AsyncAckStream", "AsyncClient"]

@@ -4,7 +4,9 @@ The daemon reports every caller error as a gRPC status code with a message (see 
 proto's wire conventions). `from_rpc_error` turns a `grpc.RpcError` (sync or aio) into
 the matching `RadixKVError` subclass, so engines catch `radixkv.errors.NotFound`
 instead of comparing status codes. `Unavailable` means the daemon could not be reached
-(not running, wrong socket, or shutting down).
+(not running, wrong socket, or shutting down). `SessionLost` (and `DaemonRestarted`)
+come from the client itself: the session is gone and was replaced by a new one, so the
+engine must drop its view of cached device pages.
 """
 
 import grpc
@@ -88,6 +90,30 @@ class Internal(RadixKVError):
     code = grpc.StatusCode.INTERNAL
 
 
+class SessionLost(RadixKVError):
+    """The session is gone and the client registered a new one: every device page the
+    engine handed to the cache is the engine's again (the daemon holds none of them),
+    so the engine must drop its view of cached device pages before going on.
+
+    Raised by the call that found out (its own outcome is unknown: treat its pages as
+    not cached either); load-backs not yet answered have failed. `registration` is the
+    new session. Not an `Unavailable`: retrying the call without dropping the view
+    would be wrong.
+    """
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, message: str, registration=None, old_instance: str = "", new_instance: str = ""):
+        super().__init__(message)
+        self.registration = registration
+        self.old_instance = old_instance
+        self.new_instance = new_instance
+
+
+class DaemonRestarted(SessionLost):
+    """The daemon restarted (a new `daemon_instance`): its host tier is gone too."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[RadixKVError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, Unauthenticated, PermissionDenied,
@@ -122,7 +148,7 @@ def from_rpc_error(err: grpc.RpcError) -> RadixKVError:
 
 
 __all__ = [
-    "Cancelled", "DeadlineExceeded", "FailedPrecondition", "Internal", "InvalidArgument",
-    "NotFound", "PermissionDenied", "RadixKVError", "ResourceExhausted", "Unauthenticated",
-    "Unavailable", "code_from_int", "error_for", "from_rpc_error",
+    "Cancelled", "DaemonRestarted", "DeadlineExceeded", "FailedPrecondition", "Internal",
+    "InvalidArgument", "NotFound", "PermissionDenied", "RadixKVError", "ResourceExhausted",
+    "SessionLost", "Unauthenticated", "Unavailable", "code_from_int", "error_for", "from_rpc_error",
 ]

@@ -62,6 +62,21 @@ class DaemonConfig:
     max_message_size: int = _opt(64 * 1024**2, "largest gRPC message, bytes", size=True)
     max_concurrent_rpcs: int = _opt(1024, "RPCs in progress before new ones get RESOURCE_EXHAUSTED")
     shutdown_grace: float = _opt(10.0, "seconds in-flight RPCs get on shutdown")
+    lease_timeout: float = _opt(0.0, "seconds a lease may be held before the daemon releases it "
+                                "(a stuck engine); 0: never")
+    ack_timeout: float = _opt(0.0, "seconds a load-back may stay unacknowledged before the daemon "
+                              "finishes it as a session close would; 0: never")
+    max_acks_in_flight: int = _opt(4096, "acks one stream may have unanswered before the daemon stops "
+                                   "reading it (gRPC flow control then holds the engine)")
+    tls_cert: str = _opt("", "PEM certificate chain for TCP listeners (with --tls-key: TLS on TCP; "
+                         "unix sockets stay plain, guarded by file permissions)")
+    tls_key: str = _opt("", "PEM private key of --tls-cert")
+    tls_client_ca: str = _opt("", "PEM CA bundle: require TCP clients to present a certificate it "
+                              "signed (mutual TLS)")
+    auth_token: str = _opt("", "shared token: every RPC but health checks must carry "
+                           "'authorization: Bearer <token>' (prefer --auth-token-file)")
+    auth_token_file: str = _opt("", "file holding the shared token (first line)")
+    fault_copy_delay: float = _opt(0.0, "testing only: seconds each page copy waits before it starts")
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "log lines as key=value text or JSON", choices=("text", "json"))
 
@@ -69,10 +84,19 @@ class DaemonConfig:
         if not self.listen:
             raise ValueError("listen: give at least one address")
         for name in ("page_size", "write_through_threshold", "copy_workers", "storage_workers",
-                     "storage_queue_pages", "max_sessions",
-                     "max_namespaces", "max_prompts_per_match", "max_concurrent_rpcs"):
+                     "storage_queue_pages", "max_sessions", "max_namespaces",
+                     "max_prompts_per_match", "max_concurrent_rpcs", "max_acks_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("shutdown_grace", "lease_timeout", "ack_timeout", "fault_copy_delay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.auth_token and self.auth_token_file:
+            raise ValueError("give auth_token or auth_token_file, not both")
         if self.host_pool_size < 0 or self.max_host_pool_size < 0:
             raise ValueError("host pool sizes must be >= 0")
         if not 0 <= self.metrics_port < 65536:
@@ -87,7 +111,11 @@ class DaemonConfig:
         return self.max_host_pool_size or self.host_pool_size
 
     def describe(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field, for the start-up log; the token itself is never shown."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if out["auth_token"]:
+            out["auth_token"] = "<set>"
+        return out
 
 
 def _convert(f: dataclasses.Field, text: str):

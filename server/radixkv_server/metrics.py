@@ -44,6 +44,9 @@ class Metrics:
             ["namespace", "direction"], buckets=COPY_BUCKETS, registry=r)
         self.invariant_violations = Counter("radixkv_invariant_violations", "Invariant violations found",
                                             ["namespace"], registry=r)
+        self.expirations = Counter("radixkv_expirations", "Leases and load-backs the daemon released "
+                                   "after lease_timeout / ack_timeout (a slow or stuck engine)",
+                                   ["namespace", "kind"], registry=r)
         self.storage_duration = Histogram(
             "radixkv_storage_operation_duration_seconds", "Storage tier calls (batched), by operation",
             ["operation"], buckets=COPY_BUCKETS, registry=r)
@@ -183,7 +186,9 @@ class _StateCollector(Collector):
             f["hits"].add_metric([name, "device"], c["device_hit_tokens"])
             f["hits"].add_metric([name, "host"], c["host_hit_tokens"])
             f["hits"].add_metric([name, "storage"], c.get("storage_hit_tokens", 0))
-            f["miss"].add_metric([name], c["match_prompt_tokens"] - c["device_hit_tokens"] - c["host_hit_tokens"])
+            # Tokens storage holds past the cache are hits too (counted when Match asks).
+            f["miss"].add_metric([name], c["match_prompt_tokens"] - c["device_hit_tokens"] - c["host_hit_tokens"]
+                                 - c.get("storage_hit_tokens", 0))
             f["req"].add_metric([name], c["match_requests"])
             f["ins"].add_metric([name], c["inserted_tokens"])
             f["lt"].add_metric([name], c["loaded_tokens"])

@@ -22,6 +22,7 @@ from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 from .config import DEFAULT_SOCKET, DaemonConfig
 from .logs import log_event
 from .metrics import Metrics
+from .service.auth import AuthError, TokenAuth, load_token, server_credentials
 from .service.daemon import Daemon
 from .storage import open_storage
 from .service.servicer import RadixKVServicer
@@ -109,12 +110,20 @@ def _resolve_listen(config: DaemonConfig) -> list[str]:
     return addresses
 
 
-def _bind(server: grpc.aio.Server, address: str) -> str | None:
+def _bind(server: grpc.aio.Server, address: str, tls: grpc.ServerCredentials | None = None) -> str | None:
+    """Listen on `address`; TCP uses `tls` when given (unix sockets are guarded by their
+    file mode instead). Returns the socket path for a unix address."""
     path = _unix_path(address)
     if path is not None:
         _prepare_socket(path)
     try:
-        port = server.add_insecure_port(address)
+        if path is None and tls is not None:
+            port = server.add_secure_port(address, tls)
+        else:
+            if path is None:
+                log_event(log, "listen.plaintext_tcp", logging.WARNING, address=address,
+                          hint="anyone who can reach it can call; set --tls-cert/--tls-key (and --auth-token-file)")
+            port = server.add_insecure_port(address)
     except RuntimeError as e:
         raise StartupError(f"cannot listen on {address}: {e}") from None
     if path is None and port == 0:
@@ -137,6 +146,11 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         except ValueError as e:
             raise StartupError(f"--storage {config.storage!r}: {e}") from None
         log_event(log, "storage.opened", store=storage.name, policy=config.storage_policy)
+    try:
+        token = load_token(config.auth_token, config.auth_token_file)
+        tls = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    except AuthError as e:
+        raise StartupError(str(e)) from None
     daemon = Daemon(config, metrics, storage)
     metrics.watch(daemon, loop)
     server = grpc.aio.server(
@@ -144,6 +158,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
                  ("grpc.max_send_message_length", config.max_message_size),
                  ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        interceptors=[TokenAuth(token)] if token else None,
     )
     pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon), server)
     health_servicer = _HealthServicer()
@@ -151,8 +166,10 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
-    sockets = [p for p in (_bind(server, a) for a in _resolve_listen(config)) if p]
+    addresses = _resolve_listen(config)  # once: a fallback is logged once
+    sockets = [p for p in (_bind(server, a, tls) for a in addresses) if p]
     await server.start()
+    daemon.start()
     for path in sockets:
         os.chmod(path, 0o660)
     try:
@@ -162,7 +179,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(_resolve_listen(config)))
+    log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(addresses))
 
     await stop.wait()
     log_event(log, "daemon.stopping", sessions=len(daemon.sessions))

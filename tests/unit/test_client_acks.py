@@ -36,8 +36,13 @@ class ScriptedDaemon(radixkv_pb2_grpc.RadixKVServicer):
         self.closed.set()
         return pb.CloseResponse()
 
+    def LoadBack(self, request, context):
+        return pb.LoadBackResponse(transfer=request.node)  # the test picks the transfer id
+
     def Acks(self, request_iterator, context):
         for req in request_iterator:
+            if req.transfer == 0:  # the client opens the stream with it at register
+                continue
             self.acked.append(req.transfer)
             if req.session != "s1":
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad session")
@@ -64,9 +69,16 @@ def scripted(tmp_path):
     server.stop(0)
 
 
+TRANSFERS = (1, 2, 5, FAIL, SILENT, BREAK)
+
+
 def registered(target) -> Client:
+    """A client whose session started load-backs with the ids TRANSFERS (a client acks
+    only ids its own load-backs returned)."""
     c = Client(target, timeout=5)
     c.register("ns", LAYOUT, [("seg", 0, 64)], 4)
+    for t in TRANSFERS:
+        c.load_back(t, [])
     return c
 
 
@@ -110,6 +122,19 @@ def test_wait_times_out_then_close_fails_the_unanswered(scripted):
         c.wait([1])
 
 
+def test_ids_not_started_by_this_session_are_refused_locally(scripted):
+    """After a daemon restart the new daemon numbers transfers from 1 again: an id the
+    session's own load-backs did not return must never be acknowledged (it could name
+    another load), so it fails at once without reaching the daemon."""
+    target, daemon = scripted
+    with registered(target) as c:
+        out = c.wait([99, 1], timeout=5)
+        assert not out[99].ok and "not started by this session" in out[99].reason
+        assert out[1].ok and daemon.acked == [1]
+        c.load_back(99, [])  # now it is ours: acknowledged normally
+        assert c.wait([99], timeout=5)[99].ok and daemon.acked == [1, 99]
+
+
 def test_unreachable_daemon(tmp_path):
     c = Client(f"unix://{tmp_path}/nobody.sock", timeout=1)
     with pytest.raises(errors.Unavailable):
@@ -127,6 +152,8 @@ def test_async_client_acks(scripted):
     async def main():
         async with AsyncClient(target, timeout=5) as c:
             await c.register("ns", LAYOUT, [("seg", 0, 64)], 4)
+            for t in TRANSFERS:
+                await c.load_back(t, [])
             out = await c.wait([1, FAIL], timeout=5)
             assert out[1].ok and not out[FAIL].ok
             assert (await c.wait([1]))[1] is out[1]

@@ -143,14 +143,17 @@ class RadixKVServicer:
     def Acks(self, request_iterator, context):
         """Acknowledge load-backs. Each ack is answered once the copy has completed and the
         transfer is finished; the answer says whether the bytes arrived. One stream per
-        session; when it ends, the session is closed.
+        session; when it ends, the session is closed. With the daemon's ack_timeout set, a
+        load-back left unacknowledged that long is finished by the daemon (as a close would)
+        and a later ack of it answers NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Release leases taken by Match or Insert.
+        """Release leases taken by Match or Insert. With the daemon's lease_timeout set, a lease
+        held longer is released by the daemon; releasing it then answers NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -50,13 +50,14 @@ class CopyEngine:
     propagated. Call every method on the loop's thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, device_buffers: DeviceBuffers, host_pool, on_done,
-                 workers: int = 2):
+                 workers: int = 2, delay: float = 0.0):
         if workers < 1:
             raise ValueError(f"copy engine needs >= 1 worker, got {workers}")
         self._loop = loop
         self._device = device_buffers
         self._host = host_pool
         self._on_done = on_done
+        self._delay = delay  # fault injection (tests): each copy waits this long first
         self._submitters = {d: ThreadPoolExecutor(workers, thread_name_prefix=f"radixkv-{d}") for d in _DIRS}
         self._waiters = {d: ThreadPoolExecutor(1, thread_name_prefix=f"radixkv-{d}-wait") for d in _DIRS}
         self._flights: dict[int, _Flight] = {}
@@ -92,6 +93,8 @@ class CopyEngine:
 
     def _submit(self, flight: _Flight) -> None:
         start = time.perf_counter()
+        if self._delay:
+            time.sleep(self._delay)
         try:
             if flight.to_host:
                 job = self._device.submit_store(flight.device_pages, self._host, flight.host_pages)

@@ -4,6 +4,14 @@ One reader (this handler's coroutine), one task per ack (waiting for its copy, t
 finishing the transfer on the core), one writer draining a queue of answers. When the
 stream ends (engine half-close, cancellation, daemon shutdown) the session is closed
 in the background, which finishes its remaining load-backs and releases its leases.
+
+Clients open the stream right after Register with a message naming the session and
+transfer 0 (acknowledges nothing), so an engine that dies is noticed at once: its
+connection drops, the stream is cancelled and the session closed.
+
+Memory stays bounded: at most `max_acks_in_flight` acks per stream are unanswered
+(waiting for copies, or answers not yet written); past that the reader stops reading
+and gRPC flow control holds the engine back.
 """
 
 import asyncio
@@ -27,6 +35,7 @@ class AckStream:
         self.session = None
         self.replies: asyncio.Queue = asyncio.Queue()
         self.acks: set[asyncio.Task] = set()
+        self.slots = asyncio.Semaphore(daemon.config.max_acks_in_flight)
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._write())
@@ -34,6 +43,9 @@ class AckStream:
         reason = "ack stream ended"
         try:
             while True:
+                if not await self._room(stopping):
+                    reason = "daemon shutting down"
+                    break
                 read = asyncio.create_task(self.context.read())
                 done, _ = await asyncio.wait({read, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if read not in done:
@@ -59,6 +71,19 @@ class AckStream:
             if self.session is not None:
                 self.daemon.close_in_background(self.session, reason)
 
+    async def _room(self, stopping: asyncio.Task) -> bool:
+        """Take a slot for the next ack (waiting while the stream is full); False when
+        the daemon began shutting down meanwhile."""
+        if not self.slots.locked():
+            await self.slots.acquire()
+            return True
+        acquire = asyncio.ensure_future(self.slots.acquire())
+        await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if acquire.done():
+            return True
+        acquire.cancel()
+        return False
+
     async def _accept(self, request) -> bool:
         """Start handling one ack. False when the stream was aborted."""
         if self.session is None:
@@ -72,10 +97,13 @@ class AckStream:
                 return False
             session.has_ack_stream = True
             self.session = session
-        elif request.session and request.session != self.session.id:
+        if request.session and request.session != self.session.id:
             self.replies.put_nowait(pb.AckResponse(
                 transfer=request.transfer, code=grpc.StatusCode.PERMISSION_DENIED.value[0],
                 message=f"this ack stream belongs to session {self.session.id}"))
+            return True
+        if not request.transfer:  # opens the stream; acknowledges nothing
+            self.slots.release()
             return True
         task = asyncio.create_task(self._ack(request.transfer))
         self.acks.add(task)
@@ -104,3 +132,4 @@ class AckStream:
     async def _write(self) -> None:
         while (reply := await self.replies.get()) is not None:
             await self.context.write(reply)
+            self.slots.release()

@@ -17,11 +17,13 @@ from radixkv.layout import KvLayout
 
 from ..config import DaemonConfig
 from ..core import CacheConfig, LoadBackResult, NotReady
+from ..core.errors import UnknownTransfer
 from ..core.page_keys import namespace_salt
 from ..core.pages import count
 from ..datapath import DeviceOpenError, HostPool, open_device_buffers
 from ..logs import log_event
 from .errors import exhausted, invalid, not_found, precondition, unavailable
+from .expiry import Expiry
 from .namespace import Namespace
 from .sessions import Session, SessionRegistry
 
@@ -73,6 +75,17 @@ class Daemon:
         self.stopping = asyncio.Event()
         self._register_lock = asyncio.Lock()  # registrations await I/O; one at a time
         self._background: set[asyncio.Task] = set()
+        self.expiry = Expiry(self)
+
+    def start(self) -> None:
+        """Start background duties (expiring what a stuck engine holds). Call on the loop."""
+        self.expiry.start()
+
+    def run_in_background(self, coro) -> None:
+        """Run `coro` as a task that `close` waits for."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- registration ------------------------------------------------------------------
 
@@ -126,7 +139,8 @@ class Daemon:
                                                 device=reg.device if reg.backend == "cuda" else None))
                     ns = Namespace(reg.namespace, reg.layout, model, cache_config, pool, device, reg.backend,
                                    self.config.copy_workers, self.metrics, self.storage,
-                                   self.config.storage_workers, self.config.storage_queue_pages)
+                                   self.config.storage_workers, self.config.storage_queue_pages,
+                                   copy_delay=self.config.fault_copy_delay)
                     self.namespaces[reg.namespace] = ns
                     warm = False
                 else:
@@ -190,10 +204,12 @@ class Daemon:
         ns = session.namespace
         try:
             for tid in ns.cache.pending_loads(session.id):
-                await self._finish(ns, tid, None)
+                await self.finish(ns, tid, None, missing_ok=True)
             for node in session.leases.values():
                 ns.cache.unlock(node)
             session.leases.clear()
+            session.lease_times.clear()
+            session.unacked.clear()
         finally:
             if ns.session is session:
                 ns.session = None
@@ -202,9 +218,7 @@ class Daemon:
         log_event(log, "session.closed", namespace=ns.name, session=session.id[:8], reason=reason)
 
     def close_in_background(self, session: Session, reason: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.close_session(session, reason))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.run_in_background(self.close_session(session, reason))
 
     # -- engine operations -------------------------------------------------------------
 
@@ -270,7 +284,7 @@ class Daemon:
         ns = session.namespace
         while True:
             if release_lease and release_lease not in session.leases:
-                raise not_found(f"lease {release_lease} is not held by this session")
+                raise not_found(_lease_unknown(session, release_lease))
             try:
                 result = ns.cache.insert(tokens, pages, extra_key, chunked)
                 break
@@ -278,7 +292,7 @@ class Daemon:
                 await ns.wait_copied(e.transfers)
                 self.check_open(session)
         if release_lease:
-            ns.cache.unlock(session.leases.pop(release_lease))
+            ns.cache.unlock(session.pop_lease(release_lease))
         lease_id = 0
         if lease:
             ns.cache.lock(result.node)
@@ -288,27 +302,45 @@ class Daemon:
     async def load_back(self, session: Session, node: int, pages: bytes) -> tuple[LoadBackResult, list[bytes]]:
         ns = session.namespace
         result = ns.cache.load_back(node, pages, owner=session.id)
+        if result.transfer:
+            session.unacked[result.transfer] = time.monotonic()
         events: list[bytes] = []
         if result.transfer and ns.backend == "cuda":
             events = await ns.engine.submitted(result.transfer)
         return result, events
 
     async def ack(self, session: Session, transfer: int):
-        return await self._finish(session.namespace, transfer, session.id)
+        """Finish a load-back of this session once its copy completed."""
+        session.unacked.pop(transfer, None)
+        try:
+            return await self.finish(session.namespace, transfer, session.id)
+        except UnknownTransfer:
+            why = session.expired.get(("load_back", transfer))
+            if why is not None:
+                raise not_found(f"transfer {transfer} {why}") from None
+            raise
 
-    async def _finish(self, ns: Namespace, transfer: int, owner):
+    async def finish(self, ns: Namespace, transfer: int, owner, missing_ok: bool = False):
+        """Finish a load-back once its copies completed. With `missing_ok` (closing a
+        session, expiring a load), one that an ack finished meanwhile is no error."""
         while True:
             try:
                 return ns.cache.finish_load_back(transfer, owner=owner)
             except NotReady as e:
                 await ns.wait_copied(e.transfers)
+            except UnknownTransfer:
+                if not missing_ok:
+                    raise
+                return None
 
     def release(self, session: Session, leases: list[int]) -> None:
         unknown = [lease for lease in leases if lease not in session.leases]
-        if unknown or len(set(leases)) != len(leases):
-            raise not_found(f"leases {unknown or leases} are not held by this session (or listed twice)")
+        if unknown:
+            raise not_found("; ".join(_lease_unknown(session, lease) for lease in unknown))
+        if len(set(leases)) != len(leases):
+            raise invalid(f"leases {sorted(x for x in set(leases) if leases.count(x) > 1)} are listed twice")
         for lease in leases:
-            session.namespace.cache.unlock(session.leases.pop(lease))
+            session.namespace.cache.unlock(session.pop_lease(lease))
 
     async def evict(self, session: Session, num_pages: int) -> tuple[bytes, int]:
         return await session.namespace.evict(num_pages)
@@ -353,6 +385,7 @@ class Daemon:
         """Close every session, then every namespace (device handles, pinned pool).
         Idempotent."""
         self.stop_accepting()
+        await self.expiry.stop()
         for session in self.sessions.all():
             await self.close_session(session, "daemon shutting down")
         if self._background:
@@ -363,6 +396,13 @@ class Daemon:
 
     def uptime(self) -> float:
         return time.monotonic() - self.started
+
+
+def _lease_unknown(session: Session, lease: int) -> str:
+    why = session.expired.get(("lease", lease))
+    if why is not None:
+        return f"lease {lease} {why}"
+    return f"lease {lease} is not held by this session (released, or never taken)"
 
 
 __all__ = ["Daemon", "Registration", "Registered", "count"]

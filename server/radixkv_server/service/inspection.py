@@ -16,6 +16,8 @@ def namespace_stats(ns: Namespace) -> pb.NamespaceStats:
     for name in ("bytes_loaded", "bytes_stored"):
         if hasattr(engine, name):
             counters[name] = int(getattr(engine, name))
+    counters["leases_expired"] = ns.expirations["lease"]
+    counters["load_backs_expired"] = ns.expirations["load_back"]
     return pb.NamespaceStats(
         namespace=ns.name, layout=layout_pb(ns.layout),
         write_policy=ns.config.write_policy.value, eviction_policy=ns.config.eviction_policy,

@@ -22,7 +22,8 @@ log = logging.getLogger("radixkv.namespace")
 class Namespace:
     def __init__(self, name: str, layout: KvLayout, model: str, config: CacheConfig,
                  host_pool: HostPool, device, backend: str, copy_workers: int, metrics=None,
-                 storage_backend=None, storage_workers: int = 2, storage_queue_pages: int = 4096):
+                 storage_backend=None, storage_workers: int = 2, storage_queue_pages: int = 4096,
+                 copy_delay: float = 0.0):
         self.name = name
         self.layout = layout
         self.model = model
@@ -31,7 +32,9 @@ class Namespace:
         self.device = device
         self.backend = backend  # "shm" or "cuda"
         self.copy_workers = copy_workers
+        self.copy_delay = copy_delay  # fault injection for tests (DaemonConfig.fault_copy_delay)
         self.session = None  # the attached engine's Session, if any
+        self.expirations = {"lease": 0, "load_back": 0}  # released by the daemon's timeouts
         self.cache = HierarchicalCache(config, self, num_device_pages=device.num_pages,
                                        host_pages=host_pool.num_pages)
         self._metrics = metrics
@@ -50,7 +53,7 @@ class Namespace:
 
     def _new_engine(self) -> CopyEngine:
         return CopyEngine(self._loop, self.device, self.host_pool, self._on_copy_done,
-                          workers=self.copy_workers)
+                          workers=self.copy_workers, delay=self.copy_delay)
 
     # -- the core's Copier -----------------------------------------------------------
 

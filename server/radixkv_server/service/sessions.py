@@ -16,6 +16,9 @@ from .errors import unauthenticated
 from .namespace import Namespace
 
 
+REMEMBER_EXPIRED = 4096  # expired leases and load-backs remembered per session, for clear errors
+
+
 @dataclass(eq=False)
 class Session:
     id: str
@@ -26,6 +29,40 @@ class Session:
     closing: bool = False
     has_ack_stream: bool = False
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    # For the timeouts, oldest first (insertion order is time order): when each lease was
+    # taken, and when each load-back not yet acknowledged was answered.
+    lease_times: dict[int, float] = field(default_factory=dict)
+    unacked: dict[int, float] = field(default_factory=dict)
+    expired: OrderedDict = field(default_factory=OrderedDict)  # (kind, id) -> why
+
+    def pop_lease(self, lease: int) -> int:
+        """Forget a lease (released by the engine or expired); returns its node id."""
+        self.lease_times.pop(lease, None)
+        return self.leases.pop(lease)
+
+    def overdue_leases(self, now: float, timeout: float) -> list[int]:
+        out = []
+        for lease, taken in list(self.lease_times.items()):
+            if lease not in self.leases:
+                del self.lease_times[lease]
+            elif now - taken < timeout:
+                break
+            else:
+                out.append(lease)
+        return out
+
+    def overdue_loads(self, now: float, timeout: float) -> list[int]:
+        out = []
+        for transfer, answered in self.unacked.items():
+            if now - answered < timeout:
+                break
+            out.append(transfer)
+        return out
+
+    def remember_expired(self, kind: str, ident: int, why: str) -> None:
+        self.expired[(kind, ident)] = why
+        while len(self.expired) > REMEMBER_EXPIRED:
+            self.expired.popitem(last=False)
 
 
 class SessionRegistry:
@@ -65,6 +102,7 @@ class SessionRegistry:
     def new_lease(self, session: Session, node_id: int) -> int:
         lease = next(self._lease_ids)
         session.leases[lease] = node_id
+        session.lease_times[lease] = time.monotonic()
         return lease
 
     def forget(self, session: Session, reason: str) -> None:

@@ -1,0 +1,140 @@
+"""The daemon killed and restarted: clients find out, get a new session, and say so.
+
+What an engine relies on: while the daemon is down calls fail fast with Unavailable
+(a miss, never a hang); load-backs that were pending fail, never succeed; once a new
+daemon answers, exactly one call raises DaemonRestarted (and the on_session_lost
+callback runs) so the engine drops its view of cached device pages; old transfer ids
+never acknowledge a new daemon's transfers; then calls work again.
+"""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from radixkv import errors
+from radixkv.aio import AsyncClient
+from radixkv.client import Client
+from radixkv.kvbuffers import ShmKvBuffers
+from radixkv.reconnect import Backoff
+from radixkv.sim.kv import KvPattern, page_keys
+
+from faultkit import LAYOUT, NUM_PAGES, tokens
+
+FAST = Backoff(initial=0.05, maximum=0.2)
+
+
+def cache_on_host(c: Client, kv: KvPattern, prompt: bytes) -> int:
+    """Insert `prompt` (4 pages) and evict it to host; its host node."""
+    kv.write([0, 1, 2, 3], page_keys(prompt, 4))
+    c.insert(prompt, [0, 1, 2, 3])
+    assert len(c.evict(4).freed_pages) == 4
+    [m] = c.match([prompt])
+    assert m.host_tokens == 16
+    return m.host_node
+
+
+def test_blocking_client_survives_a_daemon_kill(daemon_factory):
+    d = daemon_factory("--fault-copy-delay", "1.0")
+    buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+    kv = KvPattern(LAYOUT, [buffers.buffer(i) for i in range(LAYOUT.num_buffers)], NUM_PAGES)
+    lost: list[errors.SessionLost] = []
+    c = Client(d.target, timeout=5, reconnect=FAST, on_session_lost=lost.append)
+    try:
+        first = c.register("restart/tp0", LAYOUT, buffers.specs(), NUM_PAGES, write_policy="write_back",
+                           host_pool_pages=64)
+        prompt = tokens(0, 4)
+        node = cache_on_host(c, kv, prompt)
+        lb = c.load_back(node, [8, 9, 10, 11])  # copying for a second
+        outcome = {}
+        waiter = threading.Thread(target=lambda: outcome.update(c.wait([lb.transfer], timeout=30)))
+        waiter.start()
+        d.kill()
+        waiter.join(10)
+        assert not outcome[lb.transfer].ok and outcome[lb.transfer].reason  # failed, never success
+
+        for _ in range(3):  # down: each call fails fast
+            started = time.monotonic()
+            with pytest.raises(errors.Unavailable):
+                c.match([prompt])
+            assert time.monotonic() - started < 2.5
+        assert lost == []
+
+        d.start()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                c.match([prompt])
+                pytest.fail("a call succeeded on the new daemon before DaemonRestarted was raised")
+            except errors.DaemonRestarted as e:
+                restarted = e
+                break
+            except errors.Unavailable:
+                assert time.monotonic() < deadline, "no reconnect within 20s"
+                time.sleep(0.05)
+        assert lost == [restarted] and restarted.old_instance == first.daemon_instance
+        assert restarted.new_instance != first.daemon_instance
+        assert c.registration.session != first.session and c.registration == restarted.registration
+        assert not c.wait([lb.transfer])[lb.transfer].ok  # an old id: refused without asking the daemon
+        [m] = c.match([prompt])  # works again; the host tier died with the daemon
+        assert (m.device_tokens, m.host_tokens) == (0, 0)
+        node = cache_on_host(c, kv, prompt)
+        assert c.reconnect(timeout=5) is None  # the session is alive
+        lb2 = c.load_back(node, [8, 9, 10, 11])
+        assert c.wait([lb2.transfer], timeout=10)[lb2.transfer].ok
+        assert kv.mismatches(lb2.device_pages, page_keys(prompt, 4)) == (0, 0)
+        assert c.check_invariants() == []
+    finally:
+        c.close()
+        buffers.close()
+
+
+def test_graceful_restart_and_reconnect(daemon_factory):
+    """SIGTERM ends the sessions: the client notices from its ack stream and
+    `reconnect` waits (with backoff) for the successor."""
+    d = daemon_factory()
+    buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+    c = Client(d.target, timeout=5, reconnect=FAST)
+    try:
+        first = c.register("graceful/tp0", LAYOUT, buffers.specs(), NUM_PAGES, host_pool_pages=64)
+        assert d.stop() == 0
+        threading.Timer(0.5, d.start).start()
+        lost = c.reconnect(timeout=30)
+        assert isinstance(lost, errors.DaemonRestarted) and lost.old_instance == first.daemon_instance
+        assert c.match([tokens(0, 1)])[0].device_tokens == 0
+    finally:
+        c.close()
+        buffers.close()
+
+
+def test_async_client_survives_a_daemon_kill(daemon_factory):
+    d = daemon_factory()
+
+    async def main():
+        buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+        kv = KvPattern(LAYOUT, [buffers.buffer(i) for i in range(LAYOUT.num_buffers)], NUM_PAGES)
+        try:
+            async with AsyncClient(d.target, timeout=5, reconnect=FAST) as c:
+                first = await c.register("aio-restart/tp0", LAYOUT, buffers.specs(), NUM_PAGES,
+                                         write_policy="write_back", host_pool_pages=64)
+                prompt = tokens(0, 4)
+                kv.write([0, 1, 2, 3], page_keys(prompt, 4))
+                await c.insert(prompt, [0, 1, 2, 3])
+                await c.evict(4)
+                [m] = await c.match([prompt])
+                lb = await c.load_back(m.host_node, [4, 5, 6, 7])
+                d.kill()
+                assert not (await c.wait([lb.transfer], timeout=10))[lb.transfer].ok
+                with pytest.raises(errors.Unavailable):
+                    await c.match([prompt])
+                await asyncio.get_running_loop().run_in_executor(None, d.start)
+                lost = await c.reconnect(timeout=20)
+                assert isinstance(lost, errors.DaemonRestarted) and lost.old_instance == first.daemon_instance
+                assert not (await c.wait([lb.transfer]))[lb.transfer].ok
+                [m] = await c.match([prompt])
+                assert m.host_tokens == 0
+        finally:
+            buffers.close()
+
+    asyncio.run(main())

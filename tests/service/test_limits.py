@@ -1,0 +1,117 @@
+"""Limits and back-pressure: each limit answers with a clear error when hit, overload is
+refused with RESOURCE_EXHAUSTED, and the daemon's memory does not grow with the load.
+(Message size, prompts per Match and the host pool limit are rows of test_bad_input.)"""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from radixkv.v1 import radixkv_pb2 as pb
+from tests.soak.daemon import poll, rss_of
+
+from faultkit import RawSession, status, stub_for
+
+
+def test_session_and_namespace_limits(daemon_factory):
+    d = daemon_factory("--max-sessions", "2", "--max-namespaces", "3")
+    channel, stub = stub_for(d.target)
+    sessions = [RawSession(stub, "lim/a"), RawSession(stub, "lim/b")]
+    try:
+        code, message = status(lambda: stub.Register(sessions[0].request(namespace="lim/c")))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert message == "session limit reached (2); raise --max-sessions"
+        sessions[1].close()
+        sessions.append(RawSession(stub, "lim/c"))  # a closed session frees its slot
+        sessions[2].close()
+        code, message = status(lambda: stub.Register(sessions[0].request(namespace="lim/d")))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert message == "namespace limit reached (3); raise --max-namespaces"
+        sessions.append(RawSession(stub, "lim/b"))  # an existing namespace may be re-attached
+    finally:
+        for s in sessions:
+            s.close()
+        channel.close()
+
+
+def test_concurrent_rpc_limit(daemon_factory):
+    """Each engine holds one long-lived Acks stream: with 3 engines attached and a limit of
+    3 RPCs in progress, any further call is refused until one of them leaves."""
+    d = daemon_factory("--max-concurrent-rpcs", "3")
+    channel, stub = stub_for(d.target)
+    engines = [RawSession(stub, f"rpcs/e{i}") for i in range(3)]
+    try:
+        code, message = poll(lambda: (r := status(lambda: stub.Echo(pb.EchoRequest(payload=b"x"))))[0]
+                             != grpc.StatusCode.OK and r, timeout=10, what="the limit to be reached")
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit exceeded" in message
+        leaving = engines.pop()
+        leaving.acks.close()  # its stream ends (and its session with it)
+        leaving.buffers.close()
+        poll(lambda: status(lambda: stub.Echo(pb.EchoRequest(payload=b"x")))[0] == grpc.StatusCode.OK,
+             timeout=10, what="calls to be served again")
+    finally:
+        for e in engines:
+            e.acks.close()
+            e.buffers.close()
+        channel.close()
+
+
+def test_overload_is_refused_without_memory_growth(daemon_factory):
+    d = daemon_factory("--max-concurrent-rpcs", "4")
+    channel, stub = stub_for(d.target)
+    payload = b"\xab" * (256 << 10)
+    counts = {grpc.StatusCode.OK: 0, grpc.StatusCode.RESOURCE_EXHAUSTED: 0}
+    lock = threading.Lock()
+
+    def hammer(until: float):
+        while time.monotonic() < until:
+            code, _ = status(lambda: stub.Echo(pb.EchoRequest(payload=payload), timeout=10))
+            with lock:
+                counts[code] = counts.get(code, 0) + 1
+
+    def round_of(seconds: float):
+        until = time.monotonic() + seconds
+        threads = [threading.Thread(target=hammer, args=(until,)) for _ in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    round_of(1.0)  # warm-up: allocator pools, grpc buffers
+    before = rss_of(d.proc.pid)
+    round_of(2.5)
+    after = rss_of(d.proc.pid)
+    channel.close()
+    assert set(counts) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, counts
+    assert counts[grpc.StatusCode.OK] > 0 and counts[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0
+    assert after - before < 32 << 20, f"RSS grew {(after - before) >> 20} MiB under overload ({counts})"
+
+
+def test_ack_stream_back_pressure_loses_nothing(daemon_factory):
+    """An engine that sends acks but does not read the answers: with 8 acks in flight at
+    most, the daemon stops reading its stream (flow control holds the engine) instead of
+    queueing answers; once the engine reads, every ack is answered, the session intact."""
+    d = daemon_factory("--max-acks-in-flight", "8")
+    channel, stub = stub_for(d.target)
+    s = RawSession(stub, "bp/tp0", read_acks=False)
+    try:
+        n = 20000  # ~1 MB of answers: more than the flow-control windows hold
+        for t in range(1, n + 1):
+            s.acks.send(10_000 + t)
+        assert stub.Stats(pb.StatsRequest()).sessions == 1  # the daemon serves other calls meanwhile
+        s.acks.start_reading()
+        replies = [s.acks.reply(timeout=60) for _ in range(n)]
+        assert all(r.code == grpc.StatusCode.NOT_FOUND.value[0] for r in replies)
+        assert sorted(r.transfer for r in replies) == list(range(10_001, 10_001 + n))
+        assert stub.Stats(pb.StatsRequest()).sessions == 1
+    finally:
+        s.close()
+        channel.close()
+
+
+@pytest.mark.parametrize("flag", ["--max-acks-in-flight", "--max-sessions"])
+def test_limits_must_be_positive(flag):
+    from radixkv_server.config import load_config
+    with pytest.raises(ValueError, match=">= 1"):
+        load_config([flag, "0"], {})

@@ -1,0 +1,9 @@
+"""Fault injection for radixkv: the soak run (`python -m tests.soak`, `make soak`) and the
+kit the fault tests in tests/service share with it.
+
+- `daemon.DaemonProcess`: a real daemon in a subprocess on a temporary unix socket that
+  can be SIGKILLed and restarted on the same socket, with its resident memory.
+- `engine.ChaosEngine`: a simulated engine that survives daemon restarts and verifies
+  every byte it is told is valid.
+- `runner`: several engine processes, daemon and engine kills, RSS samples, a report.
+"""

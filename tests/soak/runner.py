@@ -1,0 +1,330 @@
+"""The soak run: mixed load and faults for a bounded time, every byte verified.
+
+Two daemons on loopback unix sockets. The "crashy" one is SIGKILLed (now and then
+SIGTERMed) and restarted at random points; the "steady" one is never killed, so its
+resident memory over the whole run shows whether anything grows. Each daemon serves
+`engines_per_daemon` ChaosEngine processes (write_through, write_through_selective,
+write_back in turn) that are themselves SIGKILLed and restarted at random points and
+now and then act stuck (the daemons run with lease and ack timeouts). Every
+`sample_every` seconds: each daemon's RSS and CheckInvariants. At the end: engines
+stop, invariants once more, both daemons must shut down cleanly (exit 0) and never
+have logged a traceback.
+
+The run is clean when: zero byte mismatches, zero invariant violations, no engine
+protocol or page-accounting error, no engine crash, bytes were verified and loads made
+on both daemons, the faults happened, and (runs of 2 minutes or more) the steady
+daemon's RSS after warm-up grew less than max(16 MiB, 10%).
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from radixkv.client import Client
+from radixkv.errors import RadixKVError
+
+from .daemon import DaemonProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICIES = ("write_through", "write_through_selective", "write_back")
+DAEMON_FLAGS = ("--lease-timeout", "5", "--ack-timeout", "5", "--copy-workers", "1")
+MiB = 1 << 20
+
+
+@dataclass
+class SoakConfig:
+    seconds: float = 600.0
+    seed: int = 0
+    engines_per_daemon: int = 2
+    steady: bool = True              # also run the never-killed daemon (RSS flatness)
+    daemon_fault_every: float = 40.0  # mean seconds between faults of the crashy daemon
+    engine_kill_every: float = 25.0   # mean seconds between engine SIGKILLs
+    sample_every: float = 5.0
+    stall: float = 0.01              # per-step chance of a stuck-engine misstep
+    warmup: float = 60.0
+    verbose: bool = True
+
+    def scaled(self) -> "SoakConfig":
+        """Short runs get proportionally frequent faults (several even in 20 s)."""
+        c = SoakConfig(**asdict(self))
+        c.daemon_fault_every = min(c.daemon_fault_every, c.seconds / 5)
+        c.engine_kill_every = min(c.engine_kill_every, c.seconds / 4)
+        c.sample_every = min(c.sample_every, max(1.0, c.seconds / 10))
+        c.warmup = min(c.warmup, c.seconds / 4)
+        return c
+
+
+@dataclass
+class EngineSlot:
+    name: str
+    daemon: str
+    namespace: str
+    policy: str
+    proc: subprocess.Popen | None = None
+    incarnation: int = 0
+    stats_files: list = field(default_factory=list)
+    crashes: list = field(default_factory=list)
+
+
+class Soak:
+    def __init__(self, config: SoakConfig):
+        self.cfg = config.scaled()
+        self.rng = random.Random(self.cfg.seed)
+        self.dir = tempfile.mkdtemp(prefix="rkv-soak-")
+        self.stop_file = os.path.join(self.dir, "stop")
+        # Copies on the crashy daemon take a little longer, so kills often catch some in flight.
+        self.daemons: dict[str, DaemonProcess] = {
+            "crashy": DaemonProcess(*DAEMON_FLAGS, "--fault-copy-delay", "0.005")}
+        if self.cfg.steady:
+            self.daemons["steady"] = DaemonProcess(*DAEMON_FLAGS)
+        self.engines: list[EngineSlot] = []
+        self.faults = {"daemon_sigkill": 0, "daemon_sigterm": 0, "engine_sigkill": 0}
+        self.samples: list[dict] = []
+        self.violations: list[str] = []
+        self.problems: list[str] = []
+        self.started = 0.0
+        self.counters: dict = {}
+
+    # -- processes ---------------------------------------------------------------------
+
+    def spawn(self, slot: EngineSlot) -> None:
+        slot.incarnation += 1
+        stats = os.path.join(self.dir, f"{slot.name}-{slot.incarnation}.json")
+        slot.stats_files.append(stats)
+        log = open(os.path.join(self.dir, f"{slot.name}-{slot.incarnation}.log"), "wb")
+        slot.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.soak.engine", "--target", self.daemons[slot.daemon].target,
+             "--namespace", slot.namespace, "--policy", slot.policy, "--stall", str(self.cfg.stall),
+             "--seed", str(self.rng.randrange(1 << 30)), "--stats", stats, "--stop", self.stop_file,
+             "--max-seconds", str(self.cfg.seconds + 120)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def check_engines(self) -> None:
+        for slot in self.engines:
+            if slot.proc is not None and slot.proc.poll() not in (None, 0, -signal.SIGKILL):
+                slot.crashes.append(self.tail(f"{slot.name}-{slot.incarnation}.log"))
+                self.problems.append(f"engine {slot.name} exited with {slot.proc.returncode}")
+                self.spawn(slot)
+
+    def tail(self, name: str, n: int = 3000) -> str:
+        try:
+            return Path(self.dir, name).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    # -- faults ------------------------------------------------------------------------
+
+    def daemon_fault(self) -> None:
+        d = self.daemons["crashy"]
+        if self.rng.random() < 0.25:
+            self.faults["daemon_sigterm"] += 1
+            code = d.stop()
+            if code != 0:
+                self.problems.append(f"crashy daemon exited with {code} on SIGTERM")
+        else:
+            self.faults["daemon_sigkill"] += 1
+            d.kill()
+        time.sleep(self.rng.uniform(0.0, 1.5))  # the daemon is down for a while (not a sync)
+        d.start()
+
+    def engine_fault(self) -> None:
+        slot = self.rng.choice(self.engines)
+        if slot.proc is not None and slot.proc.poll() is None:
+            slot.proc.kill()
+            slot.proc.wait()
+            self.faults["engine_sigkill"] += 1
+        self.spawn(slot)
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def sample(self) -> None:
+        row = {"t": round(time.monotonic() - self.started, 1)}
+        for name, d in self.daemons.items():
+            row[f"{name}_rss_mib"] = round(d.rss_bytes() / MiB, 1)
+            row[f"{name}_starts"] = d.starts
+            if d.alive:
+                self.violations += self.check(d)
+        self.samples.append(row)
+        if self.cfg.verbose:
+            print(f"[soak] t={row['t']:>6}s " + " ".join(f"{k}={v}" for k, v in row.items() if k != "t")
+                  + f" faults={sum(self.faults.values())} violations={len(self.violations)}", flush=True)
+
+    @staticmethod
+    def daemon_counters(d: DaemonProcess) -> dict:
+        """What the daemon itself counted (since its last start), summed over namespaces."""
+        keys = ("loaded_tokens", "failed_load_tokens", "leases_expired", "load_backs_expired")
+        try:
+            with Client(d.target, timeout=10, reconnect=None) as c:
+                namespaces = c.stats().namespaces
+        except RadixKVError as e:
+            return {"error": str(e)}
+        return {k: sum(ns.counters.get(k, 0) for ns in namespaces) for k in keys}
+
+    def check(self, d: DaemonProcess) -> list[str]:
+        try:
+            with Client(d.target, timeout=10, reconnect=None) as c:
+                return [f"{v.namespace}: {v.message}" for v in c.check_invariants()]
+        except RadixKVError:
+            return []  # went down meanwhile
+
+    # -- the run -----------------------------------------------------------------------
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        for d in self.daemons.values():
+            d.start()
+        for name in self.daemons:
+            for i in range(cfg.engines_per_daemon):
+                policy = POLICIES[len(self.engines) % len(POLICIES)]  # every policy, across daemons
+                slot = EngineSlot(f"{name}-e{i}", name, f"soak-{name}/e{i}", policy)
+                self.engines.append(slot)
+                self.spawn(slot)
+        self.started = time.monotonic()
+        end = self.started + cfg.seconds
+        next_daemon = self.started + self.rng.expovariate(1 / cfg.daemon_fault_every)
+        next_engine = self.started + self.rng.expovariate(1 / cfg.engine_kill_every)
+        next_sample = self.started
+        while (now := time.monotonic()) < end:
+            if now >= next_sample:
+                self.sample()
+                next_sample += cfg.sample_every
+            if now >= next_daemon:
+                self.daemon_fault()
+                next_daemon = time.monotonic() + self.rng.expovariate(1 / cfg.daemon_fault_every)
+            if now >= next_engine:
+                self.engine_fault()
+                next_engine = time.monotonic() + self.rng.expovariate(1 / cfg.engine_kill_every)
+            self.check_engines()
+            time.sleep(max(0.0, min(0.1, end - time.monotonic())))  # the schedule's tick
+        return self.finish()
+
+    def finish(self) -> dict:
+        Path(self.stop_file).touch()
+        if not self.daemons["crashy"].alive:
+            self.daemons["crashy"].start()
+        for slot in self.engines:
+            try:
+                code = slot.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                slot.proc.kill()
+                code = "hung"
+            if code != 0:
+                self.problems.append(f"engine {slot.name} ended with {code}: "
+                                     f"{self.tail(f'{slot.name}-{slot.incarnation}.log', 800)}")
+        self.sample()
+        self.counters = {name: self.daemon_counters(d) for name, d in self.daemons.items()}
+        exits = {}
+        for name, d in self.daemons.items():
+            exits[name] = d.stop()
+            log = d.log(0)
+            if exits[name] != 0:
+                self.problems.append(f"{name} daemon exited with {exits[name]} on SIGTERM")
+            if "Traceback" in log or "level=error" in log:
+                self.problems.append(f"{name} daemon logged an error: {log[log.find('Traceback') - 500:][:3000]}")
+        return self.report(exits)
+
+    def report(self, exits: dict) -> dict:
+        totals, per_daemon = {}, {}
+        for slot in self.engines:
+            for path in slot.stats_files:
+                try:
+                    counts = json.loads(Path(path).read_text())
+                except (OSError, ValueError):
+                    continue  # killed before its first write
+                counts.pop("last_error", None)
+                messages = counts.pop("pool_messages", [])
+                if messages:
+                    self.problems.append(f"{slot.name}: page accounting: {messages}")
+                for k, v in counts.items():
+                    totals[k] = totals.get(k, 0) + v
+                    per_daemon.setdefault(slot.daemon, {}).setdefault(k, 0)
+                    per_daemon[slot.daemon][k] += v
+        out = {
+            "config": asdict(self.cfg), "seconds": round(time.monotonic() - self.started, 1),
+            "faults": self.faults, "totals": totals, "per_daemon": per_daemon,
+            "daemon_starts": {n: d.starts for n, d in self.daemons.items()}, "daemon_exit_codes": exits,
+            "daemon_counters": self.counters,
+            "invariant_violations": self.violations[:20], "num_violations": len(self.violations),
+            "problems": self.problems[:20], "rss": self.rss_verdict(), "samples": self.samples,
+        }
+        out["ok"] = self.verdict(out)
+        return out
+
+    def rss_verdict(self) -> dict:
+        name = "steady" if self.cfg.steady else "crashy"
+        points = [(s["t"], s[f"{name}_rss_mib"]) for s in self.samples if s.get(f"{name}_rss_mib")]
+        after = [r for t, r in points if t >= self.cfg.warmup]
+        if len(after) < 6:
+            return {"daemon": name, "checked": False, "reason": "too few samples after warm-up"}
+        k = max(3, len(after) // 5)
+        early, late = statistics.median(after[:k]), statistics.median(after[-k:])
+        limit = max(16.0, early * 0.10)
+        return {"daemon": name, "checked": self.cfg.seconds >= 120, "after_warmup_mib": early,
+                "end_mib": late, "growth_mib": round(late - early, 1), "limit_mib": round(limit, 1),
+                "peak_mib": max(r for _, r in points), "flat": late - early < limit}
+
+    def verdict(self, out: dict) -> bool:
+        t, faults = out["totals"], self.faults
+        checks = {
+            "no byte mismatches": t.get("byte_mismatches", 0) == 0,
+            "no invariant violations": not self.violations,
+            "no protocol or accounting errors": t.get("protocol_errors", 0) == 0 and t.get("pool_errors", 0) == 0,
+            "no problems": not self.problems,
+            "bytes verified on every daemon": all(d.get("bytes_verified", 0) > 0 for d in out["per_daemon"].values())
+            and len(out["per_daemon"]) == len(self.daemons),
+            "loads verified": t.get("host_loaded_pages", 0) > 0,
+            "faults injected": faults["daemon_sigkill"] + faults["daemon_sigterm"] > 0 and faults["engine_sigkill"] > 0,
+            "engines saw the restarts": t.get("daemon_restarts", 0) > 0,
+            "rss flat after warm-up": not out["rss"].get("checked") or out["rss"]["flat"],
+        }
+        out["checks"] = checks
+        return all(checks.values())
+
+    def cleanup(self) -> None:
+        for slot in self.engines:
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.proc.kill()
+                slot.proc.wait()
+        for d in self.daemons.values():
+            d.cleanup()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run(config: SoakConfig) -> dict:
+    soak = Soak(config)
+    try:
+        return soak.run()
+    finally:
+        soak.cleanup()
+
+
+def summary(out: dict) -> list[str]:
+    t = out["totals"]
+    lines = [
+        f"soak: {out['seconds']}s, seed {out['config']['seed']}, "
+        f"{len(out['daemon_starts'])} daemons, {out['config']['engines_per_daemon']} engines each",
+        f"operations: {t.get('steps', 0)} steps, {t.get('requests', 0)} requests, "
+        f"{t.get('load_backs', 0)} load-backs ({t.get('failed_loads', 0)} reported failed)",
+        f"faults: {out['faults']} (daemon starts {out['daemon_starts']}); engines saw "
+        f"{t.get('session_losses', 0)} lost sessions ({t.get('daemon_restarts', 0)} daemon restarts), "
+        f"{t.get('unavailable', 0)} unavailable calls, {t.get('stalls', 0)} stuck-engine missteps",
+        f"verified: {t.get('prefix_pages_verified', 0)} pages, {t.get('bytes_verified', 0)} bytes "
+        f"({t.get('device_hit_pages', 0)} device-hit pages, {t.get('host_loaded_pages', 0)} loaded from host)",
+        f"daemon counters at the end (since each one's last start): {out['daemon_counters']}",
+        f"invariant violations: {out['num_violations']}",
+        f"rss: {out['rss']}",
+    ]
+    lines += [f"check failed: {k}" for k, v in out.get("checks", {}).items() if not v]
+    lines += [f"problem: {p}" for p in out["problems"]]
+    lines.append(f"{t.get('byte_mismatches', 0)} byte mismatches")
+    return lines
