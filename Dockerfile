@@ -1,0 +1,69 @@
+# syntax=docker/dockerfile:1
+# radixkv daemon image: multi-stage (the builder makes a virtualenv with radixkv
+# installed, the runtime stage copies it), non-root, socket directory as a volume.
+#
+# CPU hosts (shared-memory backend; the default):
+#   docker build -t radixkv:0.1.0 .
+# CUDA hosts: a CUDA runtime base image and the matching torch build, e.g.
+#   docker build -t radixkv:0.1.0-cu126 \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
+# Any base with python3 >= 3.11 works as is; one without python (the CUDA images)
+# gets the distribution's python3 and venv packages from apt in both stages.
+#
+# Run (engine and daemon share /run/radixkv, and the IPC namespace, so /dev/shm, for
+# the shm backend; add --gpus for CUDA):
+#   docker run -d --name radixkv --ipc=shareable --shm-size=8g -v radixkv-run:/run/radixkv \
+#     -p 127.0.0.1:9464:9464 radixkv:0.1.0 --host-pool-size 16GiB
+#   docker run --ipc=container:radixkv -v radixkv-run:/run/radixkv --user 10001 <engine image>
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+FROM ${BASE_IMAGE} AS builder
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_SPEC="torch>=2.4,<2.14"
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# hadolint ignore=DL3008
+RUN if ! python3 -c 'import sys, ensurepip; assert sys.version_info >= (3, 11)' 2>/dev/null; then \
+      apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+RUN python3 -m venv /opt/radixkv
+ENV PATH=/opt/radixkv/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first, from the index matching the base image (CPU or a CUDA version).
+# hadolint ignore=DL3013
+RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server/ server/
+COPY client/ client/
+# hadolint ignore=DL3013
+RUN pip install . && python -c "import radixkv_server, radixkv, grpc, torch"
+
+FROM ${BASE_IMAGE} AS runtime
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# hadolint ignore=DL3008
+RUN if ! python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then \
+      apt-get update && apt-get install -y --no-install-recommends python3 \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && groupadd --system --gid 10001 radixkv \
+    && useradd --system --uid 10001 --gid radixkv --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin radixkv \
+    && install -d -o radixkv -g radixkv -m 0750 /run/radixkv
+COPY --from=builder /opt/radixkv /opt/radixkv
+ENV PATH=/opt/radixkv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    RADIXKV_LISTEN=unix:///run/radixkv/radixkv.sock \
+    RADIXKV_METRICS_HOST=0.0.0.0 \
+    RADIXKV_METRICS_PORT=9464 \
+    RADIXKV_LOG_FORMAT=json
+USER 10001:10001
+# The gRPC socket lives here: share it with the engine's container.
+VOLUME ["/run/radixkv"]
+# Prometheus /metrics. gRPC stays on the unix socket (no TCP port is opened by default).
+EXPOSE 9464
+# Readiness over the unix socket (gRPC health service "radixkv.v1.RadixKV").
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 CMD ["radixkv-health", "--quiet"]
+# SIGTERM: health NOT_SERVING, copies drained, RPCs given --shutdown-grace, exit 0.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["radixkv-server"]

@@ -1,0 +1,58 @@
+"""`radixkv-health` / `python -m radixkv_server.healthcheck`: ask a running daemon's gRPC
+health service whether it is ready; exit 0 when SERVING, 1 otherwise (not serving,
+unreachable, timed out). For container HEALTHCHECKs and Kubernetes exec probes: it
+talks over the unix socket, so the gRPC API need not listen on the network.
+
+The address defaults to the daemon's own: the first unix address in RADIXKV_LISTEN,
+else the default socket. `--service ""` checks liveness instead of readiness.
+Imports grpc only (no torch): a probe runs every few seconds.
+"""
+
+import argparse
+import os
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .config import DEFAULT_SOCKET
+
+READINESS = "radixkv.v1.RadixKV"
+
+
+def default_address(environ=os.environ) -> str:
+    listen = [a.strip() for a in environ.get("RADIXKV_LISTEN", "").split(",") if a.strip()]
+    unix = [a for a in listen if a.startswith("unix:")]
+    return (unix or listen or [DEFAULT_SOCKET])[0]
+
+
+def check(address: str, service: str = READINESS, timeout: float = 3.0) -> str:
+    """The service's status name (SERVING, NOT_SERVING, ...). Raises grpc.RpcError when
+    the daemon cannot be reached or does not answer within `timeout` seconds."""
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixkv-health", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--address", default=default_address(),
+                        help="daemon gRPC address (default: first unix address of RADIXKV_LISTEN, "
+                             f"else {DEFAULT_SOCKET})")
+    parser.add_argument("--service", default=READINESS,
+                        help=f'health service name: "{READINESS}" = ready (default), "" = alive')
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    parser.add_argument("--quiet", action="store_true", help="print nothing")
+    args = parser.parse_args(argv)
+    try:
+        status = check(args.address, args.service, args.timeout)
+    except grpc.RpcError as e:
+        status = f"UNREACHABLE ({e.code().name}: {e.details()})"
+    if not args.quiet:
+        print(f"{args.address} {args.service or '(liveness)'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Fixtures of the operability tests: the real daemon as a subprocess, driven by the real tools.
+
+`daemon` starts `python -m radixkv_server` on a temporary unix socket and a free TCP
+metrics port, waits (bounded) for gRPC readiness, and at teardown stops it with SIGTERM
+and requires exit code 0. `daemon_factory(*flags)` starts differently configured ones.
+"""
+
+import os
+
+import pytest
+
+from opsdaemon import BIN, Daemon, stop_all
+
+
+@pytest.fixture
+def daemon_factory():
+    """start(*flags) -> a ready Daemon, checked by `stop_all` at teardown."""
+    started: list[Daemon] = []
+
+    def start(*flags: str) -> Daemon:
+        d = Daemon(*flags)
+        started.append(d)
+        return d.start()
+
+    yield start
+    stop_all(started)
+
+
+@pytest.fixture(scope="module")
+def module_daemon() -> Daemon:
+    """One daemon on defaults shared by a module's tests (which must not depend on each
+    other's state), checked like `daemon` at the module's end."""
+    d = Daemon()
+    try:
+        yield d.start()
+    finally:
+        stop_all([d])
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> Daemon:
+    """A fresh daemon on defaults (text logs at info), stopped with SIGTERM (exit 0) afterwards."""
+    return daemon_factory()
+
+
+@pytest.fixture
+def tool_env() -> dict:
+    """The environment with the venv's bin (grpcurl, hadolint) first on PATH."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}

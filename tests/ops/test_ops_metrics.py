@@ -1,0 +1,214 @@
+"""/metrics as operators consume it: linted by promtool, scraped by a real Prometheus
+and queried with PromQL, and named correctly by the Grafana dashboard."""
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from radixkv.v1 import radixkv_pb2 as pb
+
+from opsdaemon import REPO, free_port, run_tool, wait_for
+from rawengine import RawEngine
+
+DASHBOARD = REPO / "deploy" / "grafana" / "radixkv-dashboard.json"
+SCRAPE_TIMEOUT_S = 30.0
+
+
+def exported_names(text: str) -> set[str]:
+    """Every series name a scrape can hold: each family's name and its type's suffixes
+    (counter _total, histogram _bucket/_sum/_count), whether or not it has samples yet."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "summary": ("_sum", "_count"), "gauge": ("",), "info": ("_info",)}
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+        names.update(s.name for s in family.samples)
+    return names
+
+
+def small_workload(daemon, namespace: str, cycles: int = 3, tokens: int = 32) -> int:
+    """Insert, evict, load back and ack `cycles` times; plus one refused call (so an
+    RPC code other than OK is exported). Returns the tokens loaded back."""
+    engine = RawEngine(daemon.target, namespace)
+    try:
+        loaded = sum(engine.cycle(tokens) for _ in range(cycles))
+        with pytest.raises(grpc.RpcError) as refused:
+            engine.stub.Match(pb.MatchRequest(session="not-a-session"), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        engine.close()
+    finally:
+        engine.release_memory()
+    return loaded
+
+
+def test_promtool_accepts_a_scrape_after_a_workload(daemon_factory, tmp_path):
+    daemon = daemon_factory("--storage", str(tmp_path))  # every family, the storage ones too
+    loaded = small_workload(daemon, "ops/promtool")
+    assert loaded == 3 * 32
+    text = daemon.scrape()
+    for family in ("radixkv_load_back_tokens_total", "radixkv_copy_duration_seconds_bucket", "radixkv_storage_up",
+                   'radixkv_rpc_requests_total{code="UNAUTHENTICATED",method="Match"}'):
+        assert family in text
+    done = run_tool(["promtool", "check", "metrics"], input=text, check=False)
+    assert done.returncode == 0, f"promtool check metrics:\n{done.stdout}{done.stderr}"
+    assert not (done.stdout + done.stderr).strip(), done.stdout + done.stderr
+    # The same check rejects an exposition that breaks the conventions it enforces.
+    bad = "# TYPE radixkv_bad counter\nradixkv_bad 1\n"
+    assert run_tool(["promtool", "check", "metrics"], input=bad, check=False).returncode != 0
+
+
+class Prometheus:
+    """A real Prometheus server scraping one target every second, on temporary storage."""
+
+    def __init__(self, target: str):
+        self.dir = tempfile.mkdtemp(prefix="rkv-prom-")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = Path(self.dir, "prometheus.yml")
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: radixkv\n    static_configs:\n"
+            f"      - targets: ['{target}']\n")
+        self.log = open(Path(self.dir, "prometheus.log"), "wb")
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={self.dir}/data",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=self.dir)
+        wait_for(self._ready, SCRAPE_TIMEOUT_S, "prometheus /-/ready")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"prometheus exited {self.proc.returncode}:\n{Path(self.dir, 'prometheus.log').read_text()}",
+                        pytrace=False)
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    def query(self, promql: str) -> dict:
+        """The instant query's JSON answer (status success or error)."""
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:  # 400/422: a bad query; the body says why
+            return json.load(e)
+
+    def value(self, promql: str) -> float | None:
+        """The single sample's value, or None while the query returns no sample."""
+        answer = self.query(promql)
+        assert answer["status"] == "success", answer
+        result = answer["data"]["result"]
+        assert len(result) <= 1, result
+        return float(result[0]["value"][1]) if result else None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def prometheus_for():
+    """start(daemon) -> a Prometheus scraping that daemon; stopped at teardown."""
+    started = []
+
+    def start(daemon) -> Prometheus:
+        p = Prometheus(f"127.0.0.1:{daemon.metrics_port}")
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = []
+
+    def walk(panels):
+        for p in panels:
+            exprs.extend(t["expr"] for t in p.get("targets", []) if t.get("expr"))
+            walk(p.get("panels", []))
+
+    walk(dash["panels"])
+    for var in dash["templating"]["list"]:
+        if var.get("type") == "query":
+            q = var["query"]
+            exprs.append(q["query"] if isinstance(q, dict) else q)
+    return exprs
+
+
+def as_promql(expr: str) -> str:
+    """A dashboard expression as Grafana would send it: variables replaced."""
+    expr = expr.replace("$__rate_interval", "4s").replace("$__range", "1m")
+    expr = re.sub(r"\$\{?(instance|namespace)\}?", ".*", expr)
+    m = re.fullmatch(r"label_values\((.*), *(\w+)\)", expr)  # a Grafana function, not PromQL
+    if m:
+        expr = f"count by ({m.group(2)}) ({m.group(1)})"
+    return expr
+
+
+def test_prometheus_scrapes_the_load_back_tokens_the_workload_moved(daemon, prometheus_for):
+    prom = prometheus_for(daemon)  # its first scrape comes ~5 s after start (discovery's pace)
+    engine = RawEngine(daemon.target, "ops/prom")
+    try:
+        loaded = [engine.cycle(n) for n in (16, 32, 48)]
+        engine.close()
+    finally:
+        engine.release_memory()
+    assert loaded == [16, 32, 48]
+    query = 'radixkv_load_back_tokens_total{namespace="ops/prom"}'
+    wait_for(lambda: prom.value(query) == 96.0, SCRAPE_TIMEOUT_S, f"{query} == 96 in Prometheus")
+    assert prom.value('up{job="radixkv"}') == 1.0
+    assert prom.value('radixkv_hit_tokens_total{namespace="ops/prom",tier="host"}') == 96.0
+    assert prom.value('radixkv_rpc_requests_total{method="LoadBack",code="OK"}') == 3.0
+    # Every dashboard expression is valid PromQL against this server.
+    for expr in dashboard_exprs():
+        answer = prom.query(as_promql(expr))
+        assert answer["status"] == "success", f"{expr}\n-> {answer}"
+
+
+def test_dashboard_uses_only_exported_metric_names(daemon_factory, tmp_path):
+    daemon = daemon_factory("--storage", str(tmp_path))  # so the storage families exist too
+    small_workload(daemon, "ops/dash", cycles=1)
+    exported = exported_names(daemon.scrape())
+    used = {name for expr in dashboard_exprs() for name in re.findall(r"\bradixkv_[A-Za-z0-9_:]+", expr)}
+    assert used, "the dashboard queries no radixkv metric"
+    assert not used - exported, f"dashboard names metrics the daemon does not export: {sorted(used - exported)}"
+    # The panels the operators' runbook refers to are there.
+    titles = {p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]}
+    for title in ("Hit rate by tier", "Load-back throughput", "Copy latency p50 / p99", "Evictions by reason",
+                  "Host pool usage", "Transfers in flight", "RPC latency by method", "Invariant violations",
+                  "Expired leases and load-backs", "Storage tier (L3)"):
+        assert title in titles
+
+
+def test_dashboard_panels_are_well_formed():
+    dash = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for p in dash["panels"]:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"] and len({t["refId"] for t in p["targets"]}) == len(p["targets"]), p["title"]
+        grid = p["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, p["title"]
