@@ -94,8 +94,8 @@ def snapshot(daemon) -> dict:
                 pins += len(t.nodes) + len(t.shared)
         out["namespaces"][ns.name] = {
             "counters": cache.counters.as_dict(),
-            "loaded_bytes": ns.engine.load_bytes,
-            "backed_up_bytes": ns.engine.backup_bytes,
+            "loaded_bytes": ns.loaded_bytes,
+            "backed_up_bytes": ns.backed_up_bytes,
             "page_bytes": ns.layout.page_bytes,
             "host_used": cache.host.num_used,
             "host_capacity": cache.host.capacity,

@@ -55,8 +55,7 @@ class AckStream:
                 request = read.result()
                 if request is grpc.aio.EOF:
                     break
-                if not await self._accept(request):
-                    return
+                self._accept(request)
             if self.acks:
                 await asyncio.gather(*self.acks)
             await self.replies.put(None)
@@ -84,31 +83,27 @@ class AckStream:
         acquire.cancel()
         return False
 
-    async def _accept(self, request) -> bool:
-        """Start handling one ack. False when the stream was aborted."""
+    def _accept(self, request) -> None:
+        """Start handling one ack. Raises ServiceError (ending the stream with that
+        status) when the first message names no usable session."""
         if self.session is None:
-            try:
-                session = self.daemon.session(request.session)
-                if session.has_ack_stream:
-                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"session {session.id} already has an ack stream")
-            except ServiceError as e:
-                await self.context.abort(e.code, str(e))
-                return False
+            session = self.daemon.session(request.session)
+            if session.has_ack_stream:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"session {session.id} already has an ack stream")
             session.has_ack_stream = True
             self.session = session
         if request.session and request.session != self.session.id:
             self.replies.put_nowait(pb.AckResponse(
                 transfer=request.transfer, code=grpc.StatusCode.PERMISSION_DENIED.value[0],
                 message=f"this ack stream belongs to session {self.session.id}"))
-            return True
+            return
         if not request.transfer:  # opens the stream; acknowledges nothing
             self.slots.release()
-            return True
+            return
         task = asyncio.create_task(self._ack(request.transfer))
         self.acks.add(task)
         task.add_done_callback(self.acks.discard)
-        return True
 
     async def _ack(self, transfer: int) -> None:
         try:

@@ -8,20 +8,15 @@ must wait for copies waits first, then re-checks its session and retries on the 
 import asyncio
 import functools
 import logging
-import re
 import time
 import uuid
-from dataclasses import dataclass
-
-from radixkv.layout import KvLayout
 
 from ..config import DaemonConfig
-from ..core import CacheConfig, LoadBackResult, NotReady
+from ..core import LoadBackResult, NotReady
 from ..core.errors import UnknownTransfer
-from ..core.page_keys import namespace_salt
-from ..core.pages import count
-from ..datapath import DeviceOpenError, HostPool, open_device_buffers
+from ..datapath import HostPool
 from ..logs import log_event
+from . import registration
 from .errors import exhausted, invalid, not_found, precondition, unavailable
 from .expiry import Expiry
 from .namespace import Namespace
@@ -29,37 +24,7 @@ from .sessions import Session, SessionRegistry
 
 log = logging.getLogger("radixkv.daemon")
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
-BACKENDS = ("shm", "cuda")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-
-
-def layout_fingerprint(layout: KvLayout) -> str:
-    """Everything about a layout that changes a page's bytes (part of storage keys)."""
-    return (f"{layout.kv_format}:{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}:"
-            f"{layout.dtype}:p{layout.page_size}")
-
-
-@dataclass(frozen=True)
-class Registration:
-    namespace: str
-    layout: KvLayout
-    backend: str
-    device: int
-    buffers: list
-    num_device_pages: int
-    write_policy: str = ""
-    host_pool_pages: int = 0
-    replace_existing: bool = False
-    engine: str = ""
-    model: str = ""
-
-
-@dataclass(frozen=True)
-class Registered:
-    session: Session
-    warm: bool
-    dropped_device_tokens: int
 
 
 class Daemon:
@@ -89,26 +54,17 @@ class Daemon:
 
     # -- registration ------------------------------------------------------------------
 
-    async def register(self, reg: Registration) -> Registered:
+    async def register(self, reg: registration.Registration) -> registration.Registered:
         """Attach an engine. Validates everything, then opens its device buffers and
         creates (or re-attaches) the namespace. Errors change nothing."""
         if not self.accepting:
             raise unavailable("the daemon is shutting down; register with its successor")
-        if not _NAME.match(reg.namespace):
-            raise invalid(f"namespace {reg.namespace!r}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -, "
-                          "starting with a letter or digit")
-        if reg.backend not in BACKENDS:
-            raise invalid(f"backend {reg.backend!r}: use one of {list(BACKENDS)}")
-        if reg.num_device_pages < 1:
-            raise invalid("num_device_pages must be >= 1")
-        if len(reg.buffers) != reg.layout.num_buffers:
-            raise invalid(f"layout needs {reg.layout.num_buffers} device buffers "
-                          f"({reg.layout.num_layers} layers x {reg.layout.buffers_per_layer}), got {len(reg.buffers)}")
+        registration.validate(reg)
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
             policy = reg.write_policy or (ns.config.write_policy.value if ns else self.config.write_policy)
             if ns is not None:
-                self._check_compatible(ns, reg, policy)
+                registration.check_compatible(ns, reg, policy)
                 if ns.session is not None:
                     if not reg.replace_existing:
                         raise precondition(
@@ -119,25 +75,16 @@ class Daemon:
                 raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
             if len(self.sessions) >= self.config.max_sessions:
                 raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions")
-            try:
-                model = reg.model or reg.namespace
-                cache_config = CacheConfig(
-                    page_size=reg.layout.page_size, write_policy=policy,
-                    write_through_threshold=self.config.write_through_threshold,
-                    eviction_policy=self.config.eviction_policy,
-                    storage=self.config.storage_policy if self.storage is not None else "off",
-                    storage_salt=namespace_salt(model, layout_fingerprint(reg.layout)))
-            except ValueError as e:
-                raise invalid(str(e)) from None
-            host_pages = self._host_pages(reg) if ns is None else 0
-            device = await self._open_device(reg)
+            cache_config = registration.cache_config(self.config, reg, policy, self.storage is not None)
+            host_pages = registration.host_pages(self.config, reg) if ns is None else 0
+            device = await registration.open_device(reg)
             dropped = 0
             try:
                 if ns is None:
                     pool = await asyncio.get_running_loop().run_in_executor(
                         None, functools.partial(HostPool, reg.layout, host_pages,
                                                 device=reg.device if reg.backend == "cuda" else None))
-                    ns = Namespace(reg.namespace, reg.layout, model, cache_config, pool, device, reg.backend,
+                    ns = Namespace(reg.namespace, reg.layout, reg.model_name, cache_config, pool, device, reg.backend,
                                    self.config.copy_workers, self.metrics, self.storage,
                                    self.config.storage_workers, self.config.storage_queue_pages,
                                    copy_delay=self.config.fault_copy_delay)
@@ -154,35 +101,7 @@ class Daemon:
         log_event(log, "session.registered", namespace=ns.name, session=session.id[:8],
                   engine=reg.engine, backend=reg.backend, device_pages=reg.num_device_pages,
                   host_pages=ns.host_pool.num_pages, warm=warm, dropped_tokens=dropped)
-        return Registered(session, warm, dropped)
-
-    def _check_compatible(self, ns: Namespace, reg: Registration, policy: str) -> None:
-        if ns.layout != reg.layout:
-            raise precondition(f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
-                               "use a new namespace name for this one")
-        if policy != ns.config.write_policy.value:
-            raise precondition(f"namespace {ns.name} uses write policy {ns.config.write_policy.value}, "
-                               f"not {policy}")
-
-    def _host_pages(self, reg: Registration) -> int:
-        page_bytes = reg.layout.page_bytes
-        limit = self.config.host_pool_limit // page_bytes
-        if reg.host_pool_pages:
-            if reg.host_pool_pages > limit:
-                raise exhausted(
-                    f"host pool of {reg.host_pool_pages} pages ({reg.host_pool_pages * page_bytes} bytes) "
-                    f"exceeds the per-namespace limit of {limit} pages ({self.config.host_pool_limit} bytes)")
-            return reg.host_pool_pages
-        return self.config.host_pool_size // page_bytes
-
-    async def _open_device(self, reg: Registration):
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(
-                None, open_device_buffers, reg.backend, reg.layout, reg.num_device_pages,
-                reg.buffers, reg.device)
-        except DeviceOpenError as e:
-            raise invalid(f"cannot open the engine's device buffers: {e}") from None
+        return registration.Registered(session, warm, dropped)
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -210,6 +129,7 @@ class Daemon:
             session.leases.clear()
             session.lease_times.clear()
             session.unacked.clear()
+            await ns.detach()
         finally:
             if ns.session is session:
                 ns.session = None
@@ -405,4 +325,4 @@ def _lease_unknown(session: Session, lease: int) -> str:
     return f"lease {lease} is not held by this session (released, or never taken)"
 
 
-__all__ = ["Daemon", "Registration", "Registered", "count"]
+__all__ = ["Daemon"]

@@ -12,10 +12,8 @@ from .namespace import Namespace
 def namespace_stats(ns: Namespace) -> pb.NamespaceStats:
     cache = ns.cache
     counters = cache.counters.as_dict()
-    engine = ns.engine
-    for name in ("bytes_loaded", "bytes_stored"):
-        if hasattr(engine, name):
-            counters[name] = int(getattr(engine, name))
+    counters["loaded_bytes"] = ns.loaded_bytes
+    counters["backed_up_bytes"] = ns.backed_up_bytes
     counters["leases_expired"] = ns.expirations["lease"]
     counters["load_backs_expired"] = ns.expirations["load_back"]
     return pb.NamespaceStats(

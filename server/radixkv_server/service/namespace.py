@@ -43,6 +43,7 @@ class Namespace:
         self._evictions: dict[int, asyncio.Future] = {}
         self._fetches: dict[int, asyncio.Future] = {}
         self._loop = asyncio.get_running_loop()
+        self._past_bytes = {"load": 0, "backup": 0}  # of copy engines already retired
         self.engine = self._new_engine()
         self.storage = None
         if storage_backend is not None:
@@ -59,7 +60,7 @@ class Namespace:
 
     def load(self, transfer: int, host_pages: bytes, device_pages: bytes) -> None:
         self._started[transfer] = ("load", time.perf_counter())
-        self.engine.load(transfer, host_pages, device_pages)
+        self.engine.load(transfer, host_pages, device_pages)  # only sessions load: attached
 
     def backup(self, transfer: int, device_pages: bytes, host_pages: bytes) -> None:
         kind = self.cache.transfers[transfer].kind.value if transfer in self.cache.transfers else "backup"
@@ -164,22 +165,52 @@ class Namespace:
         device residency (host copies stay), start a new copy engine. Returns tokens
         dropped from the cache."""
         await self.drain()
-        old_engine, old_device = self.engine, self.device
         dropped = self.cache.drop_device(device.num_pages)
-        old_engine.close()
-        old_device.close()
+        self._release_device()
         self.device = device
         self.backend = backend
         self.engine = self._new_engine()
         log_event(log, "namespace.reattached", namespace=self.name, dropped_tokens=dropped)
         return dropped
 
+    async def detach(self) -> int:
+        """The engine's session ended: wait for copies, forget its device pages (host and
+        storage copies stay) and close its buffers, so a dead engine's memory (a CUDA
+        IPC mapping keeps it allocated) is not held until the next registration.
+        Returns tokens dropped from the cache. Idempotent."""
+        await self.drain()
+        if self.device is None:
+            return 0
+        dropped = self.cache.drop_device(0)
+        self._release_device()
+        log_event(log, "namespace.detached", namespace=self.name, dropped_tokens=dropped)
+        return dropped
+
+    def _release_device(self) -> None:
+        if self.engine is not None:
+            self._past_bytes["load"] += self.engine.load_bytes
+            self._past_bytes["backup"] += self.engine.backup_bytes
+            self.engine.close()
+            self.engine = None
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes copied host->device since the namespace was created."""
+        return self._past_bytes["load"] + (self.engine.load_bytes if self.engine else 0)
+
+    @property
+    def backed_up_bytes(self) -> int:
+        """Bytes copied device->host since the namespace was created."""
+        return self._past_bytes["backup"] + (self.engine.backup_bytes if self.engine else 0)
+
     async def close(self) -> None:
         """Drain copies, stop the copy threads, close the device buffers (IPC handles)
         and the host pool (unpinning it). Idempotent."""
         await self.drain()
-        self.engine.close()
+        self._release_device()
         if self.storage is not None:
             self.storage.close()
-        self.device.close()
         self.host_pool.close()

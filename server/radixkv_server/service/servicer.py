@@ -19,7 +19,8 @@ from ..logs import log_event
 from .. import __version__
 from .acks import AckStream
 from .convert import layout_from_pb
-from .daemon import Daemon, Registration
+from .daemon import Daemon
+from .registration import Registration
 from .errors import ServiceError, invalid, status_of
 from .inspection import inspect_namespace, namespace_stats
 
@@ -138,22 +139,19 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         pages, written_back = await self.daemon.evict(session, request.num_pages)
         return pb.EvictResponse(freed_pages=pages, written_back_pages=written_back)
 
+    @rpc
     async def Prefetch(self, request, context):
         """Stream prefetch progress (see the proto); errors abort the stream with a status."""
         states = {"nothing": pb.PrefetchProgress.NOTHING, "started": pb.PrefetchProgress.STARTED,
                   "done": pb.PrefetchProgress.DONE, "waiting_ended": pb.PrefetchProgress.WAITING_ENDED}
-        try:
-            session = self.daemon.session(request.session)
-            timeout = request.timeout_ms / 1000 if request.timeout_ms else None
-            async for state, transfer, storage_tokens, outcome in self.daemon.prefetch(
-                    session, request.tokens, request.extra_key, request.policy or "best_effort", timeout):
-                await context.write(pb.PrefetchProgress(
-                    state=states[state], transfer=transfer, storage_tokens=storage_tokens,
-                    fetched_tokens=outcome.pages_read * session.namespace.layout.page_size if outcome else 0,
-                    host_tokens_added=outcome.added_tokens if outcome else 0))
-        except (CacheError, ServiceError) as e:
-            code, message = status_of(e)
-            await context.abort(code, message)
+        session = self.daemon.session(request.session)
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+        async for state, transfer, storage_tokens, outcome in self.daemon.prefetch(
+                session, request.tokens, request.extra_key, request.policy or "best_effort", timeout):
+            await context.write(pb.PrefetchProgress(
+                state=states[state], transfer=transfer, storage_tokens=storage_tokens,
+                fetched_tokens=outcome.pages_read * session.namespace.layout.page_size if outcome else 0,
+                host_tokens_added=outcome.added_tokens if outcome else 0))
 
     @rpc
     async def Stats(self, request, context):
@@ -182,6 +180,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     async def Echo(self, request, context):
         return pb.EchoResponse(payload=request.payload)
 
+    @rpc
     async def Acks(self, request_iterator, context):
         """Read acks until the engine half-closes (or the daemon stops); answer each
         once its transfer is finished, in completion order. The session closes when

@@ -1,0 +1,111 @@
+"""What Register needs before any state changes: validation of the request, the
+namespace's cache config and host pool size, and opening the engine's device buffers."""
+
+import asyncio
+import re
+from dataclasses import dataclass
+
+from radixkv.layout import KvLayout
+
+from ..config import DaemonConfig
+from ..core import CacheConfig
+from ..core.page_keys import namespace_salt
+from ..datapath import DeviceOpenError, open_device_buffers
+from .errors import exhausted, invalid, precondition
+from .namespace import Namespace
+from .sessions import Session
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+BACKENDS = ("shm", "cuda")
+
+
+@dataclass(frozen=True)
+class Registration:
+    namespace: str
+    layout: KvLayout
+    backend: str
+    device: int
+    buffers: list
+    num_device_pages: int
+    write_policy: str = ""
+    host_pool_pages: int = 0
+    replace_existing: bool = False
+    engine: str = ""
+    model: str = ""
+
+    @property
+    def model_name(self) -> str:
+        return self.model or self.namespace
+
+
+@dataclass(frozen=True)
+class Registered:
+    session: Session
+    warm: bool
+    dropped_device_tokens: int
+
+
+def layout_fingerprint(layout: KvLayout) -> str:
+    """Everything about a layout that changes a page's bytes (part of storage keys)."""
+    return (f"{layout.kv_format}:{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}:"
+            f"{layout.dtype}:p{layout.page_size}")
+
+
+def validate(reg: Registration) -> None:
+    """INVALID_ARGUMENT for a request that can never succeed, whatever the state."""
+    if not _NAME.match(reg.namespace):
+        raise invalid(f"namespace {reg.namespace!r}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -, "
+                      "starting with a letter or digit")
+    if reg.backend not in BACKENDS:
+        raise invalid(f"backend {reg.backend!r}: use one of {list(BACKENDS)}")
+    if reg.num_device_pages < 1:
+        raise invalid("num_device_pages must be >= 1")
+    if len(reg.buffers) != reg.layout.num_buffers:
+        raise invalid(f"layout needs {reg.layout.num_buffers} device buffers "
+                      f"({reg.layout.num_layers} layers x {reg.layout.buffers_per_layer}), got {len(reg.buffers)}")
+
+
+def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
+    """FAILED_PRECONDITION when an existing namespace holds KV the engine cannot use."""
+    if ns.layout != reg.layout:
+        raise precondition(f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
+                           "use a new namespace name for this one")
+    if policy != ns.config.write_policy.value:
+        raise precondition(f"namespace {ns.name} uses write policy {ns.config.write_policy.value}, "
+                           f"not {policy}")
+
+
+def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_on: bool) -> CacheConfig:
+    try:
+        return CacheConfig(
+            page_size=reg.layout.page_size, write_policy=policy,
+            write_through_threshold=config.write_through_threshold,
+            eviction_policy=config.eviction_policy,
+            storage=config.storage_policy if storage_on else "off",
+            storage_salt=namespace_salt(reg.model_name, layout_fingerprint(reg.layout)))
+    except ValueError as e:
+        raise invalid(str(e)) from None
+
+
+def host_pages(config: DaemonConfig, reg: Registration) -> int:
+    """Host pool pages for a new namespace; RESOURCE_EXHAUSTED past the per-namespace limit."""
+    page_bytes = reg.layout.page_bytes
+    limit = config.host_pool_limit // page_bytes
+    if reg.host_pool_pages:
+        if reg.host_pool_pages > limit:
+            raise exhausted(
+                f"host pool of {reg.host_pool_pages} pages ({reg.host_pool_pages * page_bytes} bytes) "
+                f"exceeds the per-namespace limit of {limit} pages ({config.host_pool_limit} bytes)")
+        return reg.host_pool_pages
+    return config.host_pool_size // page_bytes
+
+
+async def open_device(reg: Registration):
+    """The engine's device buffers, opened off the loop; INVALID_ARGUMENT when they can't be."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.run_in_executor(
+            None, open_device_buffers, reg.backend, reg.layout, reg.num_device_pages,
+            reg.buffers, reg.device)
+    except DeviceOpenError as e:
+        raise invalid(f"cannot open the engine's device buffers: {e}") from None
