@@ -1,6 +1,7 @@
 """What machine the figures came from."""
 
 import datetime
+import importlib
 import os
 import platform
 import sys
@@ -30,7 +31,7 @@ def _memory_gib() -> str:
 
 def _version(module: str) -> str:
     try:
-        return __import__(module).__version__
+        return importlib.import_module(module).__version__
     except Exception:
         return "absent"
 
