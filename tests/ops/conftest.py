@@ -1,24 +1,26 @@
 """Fixtures of the operability tests: the real daemon as a subprocess, driven by the real tools.
 
-`daemon` starts `python -m radixkv_server` on a temporary unix socket and a free TCP
-metrics port, waits (bounded) for gRPC readiness, and at teardown stops it with SIGTERM
-and requires exit code 0. `daemon_factory(*flags)` starts differently configured ones.
+`daemon` starts `python -m radixkv_server` (tests/support/daemon.py) on a temporary unix
+socket and a free TCP metrics port, its log (stderr) and stdout kept apart, waits
+(bounded) for gRPC readiness, and at teardown stops it with SIGTERM and requires exit
+code 0 and no traceback logged. `daemon_factory(*flags)` starts differently configured ones.
 """
 
 import os
 
 import pytest
 
-from opsdaemon import BIN, Daemon, stop_all
+from opstools import BIN
+from tests.support.daemon import DaemonProcess, stop_all
 
 
 @pytest.fixture
 def daemon_factory():
-    """start(*flags) -> a ready Daemon, checked by `stop_all` at teardown."""
-    started: list[Daemon] = []
+    """start(*flags) -> a ready DaemonProcess, checked by `stop_all` at teardown."""
+    started: list[DaemonProcess] = []
 
-    def start(*flags: str) -> Daemon:
-        d = Daemon(*flags)
+    def start(*flags: str) -> DaemonProcess:
+        d = DaemonProcess(*flags, metrics=True, split_logs=True)
         started.append(d)
         return d.start()
 
@@ -27,10 +29,10 @@ def daemon_factory():
 
 
 @pytest.fixture(scope="module")
-def module_daemon() -> Daemon:
+def module_daemon() -> DaemonProcess:
     """One daemon on defaults shared by a module's tests (which must not depend on each
     other's state), checked like `daemon` at the module's end."""
-    d = Daemon()
+    d = DaemonProcess(metrics=True, split_logs=True)
     try:
         yield d.start()
     finally:
@@ -38,7 +40,7 @@ def module_daemon() -> Daemon:
 
 
 @pytest.fixture
-def daemon(daemon_factory) -> Daemon:
+def daemon(daemon_factory) -> DaemonProcess:
     """A fresh daemon on defaults (text logs at info), stopped with SIGTERM (exit 0) afterwards."""
     return daemon_factory()
 

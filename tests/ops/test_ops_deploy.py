@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from radixkv_server.config import DaemonConfig, load_config, parse_size
-from opsdaemon import BIN, REPO, run_tool
+from opstools import BIN, REPO, run_tool
 
 DEPLOY = REPO / "deploy"
 K8S_VERSION = "1.34"  # the oldest the example needs: DRA resource.k8s.io/v1, native sidecars

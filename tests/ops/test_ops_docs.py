@@ -7,8 +7,9 @@ import tempfile
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tests.support.daemon import DaemonProcess, stop_all
 
-from opsdaemon import REPO, Daemon, run_tool, stop_all
+from opstools import REPO, run_tool
 from rawengine import RawEngine
 
 DOC = REPO / "docs" / "operations.md"
@@ -28,7 +29,7 @@ def storage_daemon():
     """A daemon with a file storage tier (so the storage metrics exist too) and an
     engine attached to the documented namespace."""
     store = tempfile.TemporaryDirectory(prefix="rkv-ops-l3-")
-    d = Daemon("--storage", store.name)
+    d = DaemonProcess("--storage", store.name, metrics=True, split_logs=True)
     try:
         d.start()
         engine = RawEngine(d.target, NAMESPACE)

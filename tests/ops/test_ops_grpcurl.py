@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from opsdaemon import BIN, run_tool
+from opstools import BIN, run_tool
 from rawengine import RawEngine
 
 GRPCURL = str(BIN / "grpcurl")

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from radixkv.v1 import radixkv_pb2 as pb
+from tests.support.daemon import READINESS, health_status, wait_for
 
-from opsdaemon import READINESS, health_status, wait_for
 from rawengine import LAYOUT, PAGE_SIZE, RawEngine, fresh_tokens
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

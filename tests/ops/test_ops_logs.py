@@ -13,8 +13,8 @@ from rawengine import RawEngine
 
 # key=value, where a value is bare (no space, quote or '=') or a JSON string.
 TEXT_PAIR = re.compile(r'([a-z_][a-z0-9_.]*)=("(?:[^"\\]|\\.)*"|[^\s"=]+)')
-LIFECYCLE = ["config", "metrics.listening", "daemon.ready", "session.registered", "session.closed",
-             "daemon.stopping", "daemon.drained", "grpc.stopped", "daemon.stopped"]
+LIFECYCLE = ["config", "metrics.listening", "daemon.ready", "session.registered", "namespace.detached",
+             "session.closed", "daemon.stopping", "daemon.drained", "grpc.stopped", "daemon.stopped"]
 
 
 def assert_lifecycle(names: list[str]) -> None:

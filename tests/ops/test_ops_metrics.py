@@ -15,8 +15,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from radixkv.v1 import radixkv_pb2 as pb
+from tests.support.daemon import free_port, wait_for
 
-from opsdaemon import REPO, free_port, run_tool, wait_for
+from opstools import REPO, run_tool
 from rawengine import RawEngine
 
 DASHBOARD = REPO / "deploy" / "grafana" / "radixkv-dashboard.json"

@@ -7,8 +7,8 @@ import threading
 import time
 
 import grpc
+from tests.support.daemon import wait_for
 
-from opsdaemon import wait_for
 from rawengine import RawEngine
 
 WORKERS = 4

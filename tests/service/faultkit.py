@@ -3,7 +3,6 @@
 snapshot of the daemon's whole observable state (digests of every namespace)."""
 
 import queue
-import socket
 import threading
 
 import grpc
@@ -131,12 +130,6 @@ def snapshot(stub) -> dict:
 
 def violations(stub) -> list[str]:
     return [f"{v.namespace}: {v.message}" for v in stub.CheckInvariants(pb.CheckInvariantsRequest()).violations]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokens(start: int, pages: int) -> bytes:

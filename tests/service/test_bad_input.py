@@ -22,7 +22,7 @@ import pytest
 from radixkv.sim.kv import page_keys
 from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb
-from tests.soak.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, stop_all
 
 from faultkit import NUM_PAGES, RawAcks, RawSession, snapshot, status, stub_for, tokens, violations
 
@@ -60,10 +60,7 @@ def ctx():
     for s in (a, b):
         s.close()
     channel.close()
-    code = d.stop()
-    log = d.log(0)
-    d.cleanup()
-    assert code == 0, log
+    stop_all([d])
 
 
 @dataclass(frozen=True)
@@ -310,5 +307,5 @@ def test_stateful_rows_in_order(ctx):
 
 
 def test_no_traceback_for_caller_errors(ctx):
-    log = ctx["daemon"].log(0)
+    log = ctx["daemon"].log()
     assert "Traceback" not in log and "level=error" not in log, log[-4000:]

@@ -24,9 +24,9 @@ from radixkv.sim.kv import KvPattern, page_keys
 from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb
 from tests.soak import victim
-from tests.soak.daemon import poll
+from tests.support.daemon import free_port, wait_for
 
-from faultkit import LAYOUT, NUM_PAGES, RawSession, free_port, stub_for, tokens, violations
+from faultkit import LAYOUT, NUM_PAGES, RawSession, stub_for, tokens, violations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,8 +50,8 @@ def test_engine_killed_with_copies_in_flight(daemon_factory):
             child.kill()
         child.stdout.close()
     with Client(d.target, timeout=10) as ops:
-        ns = poll(lambda: (s := ns_stats(ops, "kill/tp0")) and not s.attached and not s.transfers_in_flight and s,
-                  timeout=15, what="the dead engine's session closed and its copies finished")
+        ns = wait_for(lambda: (s := ns_stats(ops, "kill/tp0")) and not s.attached and not s.transfers_in_flight and s,
+                      15, "the dead engine's session closed and its copies finished")
         assert ns.device_pages_protected == 0 and ns.pinned_nodes == 0  # no lease, no lock, no pin left
         assert ns.host_pages_used >= 16  # the three prefixes and the written-back LATE
         assert ops.check_invariants() == []
@@ -114,7 +114,7 @@ def test_stuck_engine_leases_and_acks_expire(daemon_factory):
             [ns] = stub.Stats(pb.StatsRequest(namespace="stuck/tp0")).namespaces
             c = ns.counters
             return c["leases_expired"] == 2 and c["load_backs_expired"] == 1 and ns.transfers_in_flight == 0 and ns
-        ns = poll(expired, timeout=10, what="both leases and the load-back expired")
+        ns = wait_for(expired, 10, "both leases and the load-back expired")
         assert ns.device_pages_protected == 0 and ns.pinned_nodes == 0
         assert violations(stub) == []
 

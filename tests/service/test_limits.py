@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from radixkv.v1 import radixkv_pb2 as pb
-from tests.soak.daemon import poll, rss_of
+from tests.support.daemon import rss_of, wait_for
 
 from faultkit import RawSession, status, stub_for
 
@@ -42,14 +42,14 @@ def test_concurrent_rpc_limit(daemon_factory):
     channel, stub = stub_for(d.target)
     engines = [RawSession(stub, f"rpcs/e{i}") for i in range(3)]
     try:
-        code, message = poll(lambda: (r := status(lambda: stub.Echo(pb.EchoRequest(payload=b"x"))))[0]
-                             != grpc.StatusCode.OK and r, timeout=10, what="the limit to be reached")
+        code, message = wait_for(lambda: (r := status(lambda: stub.Echo(pb.EchoRequest(payload=b"x"))))[0]
+                                 != grpc.StatusCode.OK and r, 10, "the limit to be reached")
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit exceeded" in message
         leaving = engines.pop()
         leaving.acks.close()  # its stream ends (and its session with it)
         leaving.buffers.close()
-        poll(lambda: status(lambda: stub.Echo(pb.EchoRequest(payload=b"x")))[0] == grpc.StatusCode.OK,
-             timeout=10, what="calls to be served again")
+        wait_for(lambda: status(lambda: stub.Echo(pb.EchoRequest(payload=b"x")))[0] == grpc.StatusCode.OK,
+                 10, "calls to be served again")
     finally:
         for e in engines:
             e.acks.close()

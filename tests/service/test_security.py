@@ -23,9 +23,9 @@ from radixkv.client import Client
 from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.sim.kv import KvPattern, page_keys
 from radixkv_server.config import load_config
-from tests.soak.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, free_port, stop_all
 
-from faultkit import LAYOUT, NUM_PAGES, free_port, tokens
+from faultkit import LAYOUT, NUM_PAGES, tokens
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -70,11 +70,7 @@ def daemons():
         return d
 
     yield start
-    for d in made:
-        code = d.stop()
-        log = d.log()
-        d.cleanup()
-        assert code in (0, None), log
+    stop_all(made)
 
 
 def test_unix_socket_and_directory_modes(daemons):
@@ -227,7 +223,7 @@ def test_shared_token(daemons, tmp_path):
         asyncio.run(aio())
     finally:
         buffers.close()
-    assert TOKEN not in d.log(0)  # the resolved config is logged without it
+    assert TOKEN not in d.log()  # the resolved config is logged without it
 
 
 def test_bad_security_config_is_refused_at_start(tmp_path):

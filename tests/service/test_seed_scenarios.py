@@ -7,33 +7,26 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 from radixkv.sim.kv import page_keys
 from radixkv.types import pack
+from tests.support.daemon import wait_for
 
 from pattern_engine import PS, PatternEngine
+
+DEADLINE_S = 20.0  # each bounded wait
 
 SHARED = list(range(100, 100 + 4 * PS))
 A = SHARED + list(range(500, 500 + 2 * PS))
 B = SHARED + list(range(900, 900 + 2 * PS))
 
 
-def poll(check, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-    return result
-
-
 def host_only_tree(engine: PatternEngine) -> None:
     """Insert A and B (sharing SHARED), back them up, evict them from the device."""
     engine.prefill(A)
     engine.prefill(B)
-    poll(lambda: engine.client.stats().namespaces[0].transfers_in_flight == 0, "backups")
+    wait_for(lambda: engine.client.stats().namespaces[0].transfers_in_flight == 0, DEADLINE_S, "backups")
     while engine.client.stats().namespaces[0].device_pages_held:
         engine.free.extend(engine.client.evict(64).freed_pages)
     [m] = engine.client.match([A])
@@ -111,8 +104,8 @@ def test_engine_killed_with_load_backs_in_flight_leaves_nothing_behind(daemon, p
         try:
             # The dead engine's session closes when its ack stream breaks: its loads
             # finish and its leases go; the host tier stays.
-            poll(lambda: all(not n.pins and n.lock_ref == 0 for n in nodes(observer).values()),
-                 "the dead session's pins and leases to go")
+            wait_for(lambda: all(not n.pins and n.lock_ref == 0 for n in nodes(observer).values()),
+                     DEADLINE_S, "the dead session's pins and leases to go")
             assert observer.client.check_invariants() == []
             [m] = observer.client.match([A])
             assert m.device_tokens + m.host_tokens == len(A)

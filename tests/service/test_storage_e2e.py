@@ -2,28 +2,19 @@
 byte-exact round trips through prefetch and load-back."""
 
 import os
-import time
 
 from radixkv_server.core.page_keys import namespace_salt, page_keys
-from radixkv_server.service.daemon import layout_fingerprint
+from radixkv_server.service.registration import layout_fingerprint
 from radixkv_server.storage import FileStorage
+from tests.support.daemon import wait_for
 
 from pattern_engine import LAYOUT, PS, PatternEngine, prompt
 
 DEADLINE_S = 20.0
 
 
-def poll(check, what: str):
-    deadline = time.monotonic() + DEADLINE_S
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-    return result
-
-
 def wait_stored(engine: PatternEngine, tokens: int) -> None:
-    poll(lambda: engine.counters()["stored_tokens"] >= tokens, f"{tokens} tokens stored")
+    wait_for(lambda: engine.counters()["stored_tokens"] >= tokens, DEADLINE_S, f"{tokens} tokens stored")
 
 
 def fetch_and_load(engine: PatternEngine, tokens: list[int]):
@@ -87,7 +78,7 @@ def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory,
         wait_stored(engine, 8 * PS)
         private_redis.stop()
         engine.prefill(prompt(2))  # device and host keep working
-        poll(lambda: engine.counters()["store_failed_tokens"] >= 8 * PS, "the failed store")
+        wait_for(lambda: engine.counters()["store_failed_tokens"] >= 8 * PS, DEADLINE_S, "the failed store")
         [m] = engine.client.match([prompt(2)], include_storage=True)
         assert m.device_tokens == 8 * PS and m.storage_tokens == 0
         assert engine.client.evict(16).freed_pages  # host copies exist: evicting is free

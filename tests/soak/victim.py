@@ -18,7 +18,7 @@ from radixkv.layout import KvLayout
 from radixkv.sim.kv import KvPattern, page_keys
 from radixkv.types import pack
 
-from .daemon import poll
+from tests.support.daemon import wait_for
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", page_size=4)
 NUM_PAGES = 64
@@ -50,7 +50,7 @@ def main(target: str, namespace: str) -> None:
         [ns] = c.stats(namespace).namespaces
         return ns.transfers_in_flight >= 3 and ns.device_pages_protected > 0
 
-    poll(in_flight, timeout=20, what="load-backs and a write-back in flight")
+    wait_for(in_flight, 20, "load-backs and a write-back in flight")
     print("READY", unacked.transfer, acked.transfer, flush=True)
     threading.Event().wait()
 
