@@ -1,5 +1,5 @@
-"""docs/operations.md is true: its commands run against a live daemon, and its metric
-table names exactly the metrics the daemon exports."""
+"""docs/operations.md and the README are true: their commands run against a live
+daemon, and the metric table names exactly the metrics the daemon exports."""
 
 import json
 import re
@@ -13,6 +13,7 @@ from opstools import REPO, run_tool
 from rawengine import RawEngine
 
 DOC = REPO / "docs" / "operations.md"
+DOCS_WITH_COMMANDS = (DOC, REPO / "README.md")
 DEFAULT_SOCKET_PATH = "/run/radixkv/radixkv.sock"
 DEFAULT_METRICS = "127.0.0.1:9464"
 NAMESPACE = "llama3-8b/tp0"  # the namespace the documented commands name
@@ -20,7 +21,8 @@ NAMESPACE = "llama3-8b/tp0"  # the namespace the documented commands name
 
 def documented_commands() -> list[str]:
     """Every line of the ```sh blocks (the runnable ones; ```text blocks are examples)."""
-    blocks = re.findall(r"^```sh\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
+    blocks = [b for doc in DOCS_WITH_COMMANDS
+              for b in re.findall(r"^```sh\n(.*?)^```", doc.read_text(), flags=re.S | re.M)]
     return [line for block in blocks for line in block.splitlines() if line.strip()]
 
 
