@@ -224,8 +224,8 @@ class AsyncClient:
             write_policy=write_policy, host_pool_pages=host_pool_pages,
             replace_existing=replace_existing, engine=engine, model=model)
         reg = Registration.from_pb(await self._call(self._stub.Register, req))
-        self._attach(reg)
         self._register_request = req
+        self._attach(reg)
         return reg
 
     async def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
@@ -347,6 +347,7 @@ class AsyncClient:
     # -- a lost session (see Client) -----------------------------------------------------
 
     def _attach(self, reg: Registration) -> None:
+        msg.forget_stale_events(self._register_request)
         self._registration = reg
         self._acks = AsyncAckStream(self._stub, reg.session, outcome_cache=self._outcome_cache,
                                     on_broken=self._stream_broken)

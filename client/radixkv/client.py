@@ -137,8 +137,8 @@ class Client:
             write_policy=write_policy, host_pool_pages=host_pool_pages,
             replace_existing=replace_existing, engine=engine, model=model)
         reg = Registration.from_pb(self._call(self._stub.Register, req))
-        self._attach(reg)
         self._register_request = req
+        self._attach(reg)
         return reg
 
     def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
@@ -297,6 +297,7 @@ class Client:
     # -- a lost session ----------------------------------------------------------------
 
     def _attach(self, reg: Registration) -> None:
+        msg.forget_stale_events(self._register_request)
         self._registration = reg
         self._acks = AckStream(self._stub, reg.session, outcome_cache=self._outcome_cache,
                                on_broken=self._stream_broken)

@@ -118,3 +118,12 @@ def transfer_ids(ids: Iterable[int]) -> list[int]:
         if t:
             out[t] = None
     return list(out)
+
+
+def forget_stale_events(request: pb.RegisterRequest | None) -> None:
+    """A (re-)registration over CUDA: drop IPC events opened from an earlier daemon's
+    handles (see `CudaKvBuffers.forget_events`). Nothing to do for shared memory."""
+    if request is not None and request.backend == "cuda":
+        from .kvbuffers import CudaKvBuffers  # torch and CUDA only where CUDA is used
+
+        CudaKvBuffers.forget_events()
