@@ -8,12 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench.figures import Figure, fmt, parse_line  # bench/ is importable: pytest pythonpath "."
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # bench/ is a top-level package of the repo, not installed
-    sys.path.insert(0, str(REPO))
-
-from bench.figures import Figure, fmt, parse_line  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 SECTIONS = {  # section -> a figure every tiny run must print
     "core": "core.match_d2@",
     "rpc": "rpc.unix.match.p50",
