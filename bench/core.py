@@ -214,7 +214,7 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
                     raise RuntimeError(f"core bench broke an invariant: {bad[:3]}")
             if profiler is not None and size == sizes[-1]:
                 queries = trees.prompts[:500]
-                profiler.in_process(f"core.match_d{depth}", lambda: [trees.cache.match(q) for q in queries])
+                profiler.in_process(f"core.match_d{depth}", lambda t=trees: [t.cache.match(q) for q in queries])
             del trees
     _figures(sec, results, sizes)
     _tables(sec, results, sizes)

@@ -32,6 +32,45 @@ DEFAULT_OUTCOME_CACHE = 1 << 16
 _CLOSE = object()
 
 
+class AckLedger:
+    """What one session knows of its load-backs: ids its LoadBack returned and not yet
+    answered, and recent answers (kept for repeated waits, `cap` of each at most).
+    Shared by the blocking and asyncio ack streams; not thread-safe by itself."""
+
+    def __init__(self, cap: int):
+        self._cap = max(1, cap)
+        self._outcomes: OrderedDict[int, LoadOutcome] = OrderedDict()
+        self._issued: OrderedDict[int, None] = OrderedDict()
+
+    def issue(self, transfer: int) -> None:
+        self._outcomes.pop(transfer, None)  # an id refused before it was issued to us
+        self._issued[transfer] = None
+        while len(self._issued) > self._cap:
+            self._issued.popitem(last=False)
+
+    def outcome(self, transfer: int) -> LoadOutcome | None:
+        return self._outcomes.get(transfer)
+
+    def issued(self, transfer: int) -> bool:
+        return transfer in self._issued
+
+    def record(self, outcome: LoadOutcome) -> None:
+        t = outcome.transfer
+        self._issued.pop(t, None)
+        self._outcomes[t] = outcome
+        self._outcomes.move_to_end(t)
+        while len(self._outcomes) > self._cap:
+            self._outcomes.popitem(last=False)
+
+    @staticmethod
+    def not_ours(transfer: int) -> LoadOutcome:
+        """Never acknowledge an id this session's load_back did not return: a restarted
+        daemon numbers transfers from 1 again, so it could name another's load."""
+        return LoadOutcome.failure(
+            transfer, f"transfer {transfer} was not started by this session (a lost session's, "
+            "or never returned by load_back): recompute its tokens")
+
+
 class AckStream:
     """Acks of one session. Thread-safe: any thread may `wait`; `close` once at the end."""
 
@@ -39,13 +78,11 @@ class AckStream:
                  close_timeout: float = 30.0, on_broken: Callable[[str], None] | None = None):
         self._stub = stub
         self._session = session
-        self._cap = max(1, outcome_cache)
         self._close_timeout = close_timeout
         self._on_broken = on_broken  # called (reader thread) when the daemon ends the stream
         # `_cond` guards every field below; the reader thread and waiters share them.
         self._cond = threading.Condition()
-        self._outcomes: OrderedDict[int, LoadOutcome] = OrderedDict()
-        self._issued: OrderedDict[int, None] = OrderedDict()  # returned by LoadBack, not answered
+        self._ledger = AckLedger(outcome_cache)
         self._sent: set[int] = set()  # acked, not answered yet
         self._waiters: list[dict[int, LoadOutcome | None]] = []
         self._broken: str | None = None  # why no more answers will come
@@ -66,10 +103,7 @@ class AckStream:
         if not transfer:
             return
         with self._cond:
-            self._outcomes.pop(transfer, None)  # an id refused before it was issued to us
-            self._issued[transfer] = None
-            while len(self._issued) > self._cap:
-                self._issued.popitem(last=False)
+            self._ledger.issue(transfer)
 
     def wait(self, ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         """Ack every id not acked yet and wait for all answers.
@@ -81,18 +115,16 @@ class AckStream:
         wanted = transfer_ids(ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            result: dict[int, LoadOutcome | None] = {t: self._outcomes.get(t) for t in wanted}
+            result: dict[int, LoadOutcome | None] = {t: self._ledger.outcome(t) for t in wanted}
             missing = [t for t, o in result.items() if o is None]
             if not missing:
                 return result  # type: ignore[return-value]
             self._waiters.append(result)
             try:
                 for t in missing:
-                    if t not in self._sent and t not in self._issued:
-                        self._resolve(LoadOutcome.failure(
-                            t, f"transfer {t} was not started by this session (a lost session's, "
-                            "or never returned by load_back): recompute its tokens"))
-                self._send(t for t in missing if t not in self._sent and t in self._issued)
+                    if t not in self._sent and not self._ledger.issued(t):
+                        self._resolve(AckLedger.not_ours(t))
+                self._send(t for t in missing if t not in self._sent and self._ledger.issued(t))
                 while any(o is None for o in result.values()):
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
@@ -189,11 +221,7 @@ class AckStream:
         """Record an answer and wake waiters (holding `_cond`)."""
         t = outcome.transfer
         self._sent.discard(t)
-        self._issued.pop(t, None)
-        self._outcomes[t] = outcome
-        self._outcomes.move_to_end(t)
-        while len(self._outcomes) > self._cap:
-            self._outcomes.popitem(last=False)
+        self._ledger.record(outcome)
         for w in self._waiters:
             if t in w and w[t] is None:
                 w[t] = outcome

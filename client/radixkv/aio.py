@@ -7,7 +7,6 @@ event loop; the ack stream is a task on that loop, and its state is owned by the
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
@@ -17,7 +16,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 
 from . import messages as msg
-from .acks import DEFAULT_OUTCOME_CACHE
+from .acks import DEFAULT_OUTCOME_CACHE, AckLedger
 from .channel import Tls, open_aio_channel
 from .client import DEFAULT_TARGET, PROBE_TIMEOUT, SERVICE, lost_message
 from .errors import (DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
@@ -37,11 +36,9 @@ class AsyncAckStream:
                  close_timeout: float = 30.0, on_broken: Callable[[str], None] | None = None):
         self._stub = stub
         self._session = session
-        self._cap = max(1, outcome_cache)
         self._close_timeout = close_timeout
         self._on_broken = on_broken
-        self._outcomes: OrderedDict[int, LoadOutcome] = OrderedDict()
-        self._issued: OrderedDict[int, None] = OrderedDict()  # returned by LoadBack, not answered
+        self._ledger = AckLedger(outcome_cache)
         self._pending: dict[int, asyncio.Future] = {}  # acked, not answered yet
         self._broken: str | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -56,10 +53,7 @@ class AsyncAckStream:
     def issue(self, transfer: int) -> None:
         """Record a transfer id this session's LoadBack returned (0 is ignored)."""
         if transfer:
-            self._outcomes.pop(transfer, None)  # an id refused before it was issued to us
-            self._issued[transfer] = None
-            while len(self._issued) > self._cap:
-                self._issued.popitem(last=False)
+            self._ledger.issue(transfer)
 
     def abandon(self, reason: str) -> None:
         """The session is gone: fail every unanswered ack and drop the stream now."""
@@ -74,16 +68,14 @@ class AsyncAckStream:
         """Ack every id not acked yet and wait for all answers (see `AckStream.wait`)."""
         wanted = msg.transfer_ids(ids)
         for t in wanted:
-            if t in self._outcomes or t in self._pending:
+            if self._ledger.outcome(t) is not None or t in self._pending:
                 continue
-            if t in self._issued:
+            if self._ledger.issued(t):
                 self._send(t)
             else:
-                self._resolve(LoadOutcome.failure(
-                    t, f"transfer {t} was not started by this session (a lost session's, "
-                    "or never returned by load_back): recompute its tokens"))
+                self._resolve(AckLedger.not_ours(t))
         futures = {t: self._pending[t] for t in wanted if t in self._pending}
-        result = {t: self._outcomes[t] for t in wanted if t not in futures}
+        result = {t: self._ledger.outcome(t) for t in wanted if t not in futures}
         if futures:
             _, not_done = await asyncio.wait(futures.values(), timeout=timeout)
             if not_done:
@@ -148,15 +140,10 @@ class AsyncAckStream:
             self._resolve(LoadOutcome.failure(t, f"no answer from the daemon: {reason}"))
 
     def _resolve(self, outcome: LoadOutcome) -> None:
-        t = outcome.transfer
-        self._issued.pop(t, None)
-        fut = self._pending.pop(t, None)
+        fut = self._pending.pop(outcome.transfer, None)
         if fut is not None and not fut.done():
             fut.set_result(outcome)
-        self._outcomes[t] = outcome
-        self._outcomes.move_to_end(t)
-        while len(self._outcomes) > self._cap:
-            self._outcomes.popitem(last=False)
+        self._ledger.record(outcome)
 
 
 class AsyncClient:

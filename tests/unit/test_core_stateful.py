@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from radixkv_server.core import NotReady
-from radixkv_server.core.pages import pack, unpack
+from radixkv_server.core.pages import pack
 
 from harness import Engine, make_cache
 

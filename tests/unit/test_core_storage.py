@@ -1,7 +1,7 @@
 """The storage tier as the core sees it: what gets stored when, keys, prefetch."""
 
 import pytest
-from radixkv_server.core.pages import pack, unpack
+from radixkv_server.core.pages import pack
 from radixkv_server.core.page_keys import page_keys
 
 from harness import Engine, make_cache, tokens

@@ -10,7 +10,6 @@ from .errors import InvalidRequest, LockError, NotReady
 from .invariants import check_invariants
 from .loadback import LoadBacks
 from .node import Node
-from .pages import count
 from .results import InsertResult, MatchResult
 
 
@@ -143,10 +142,12 @@ class HierarchicalCache(LoadBacks):
         for node, m in segments:
             mine = node.full.device_pages
             if mine is not None:
+                mine = mine[:m * 4]
                 theirs = given[off * 4:(off + m) * 4]
-                for i in range(0, m * 4, 4):
-                    if mine[i:i + 4] == theirs[i:i + 4]:
-                        same.append(mine[i:i + 4])
+                if mine == theirs:  # the usual case: the engine passes back what it matched
+                    same.append(mine)
+                else:
+                    same.extend(mine[i:i + 4] for i in range(0, m * 4, 4) if mine[i:i + 4] == theirs[i:i + 4])
             off += m
         return b"".join(same)
 
@@ -212,4 +213,4 @@ class HierarchicalCache(LoadBacks):
             raise InvalidRequest(f"{what}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
 
 
-__all__ = ["HierarchicalCache", "count"]
+__all__ = ["HierarchicalCache"]

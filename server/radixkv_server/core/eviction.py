@@ -3,7 +3,6 @@ host eviction (duplicate reclaim first, then host-only leaves)."""
 
 from .errors import CacheError, UnknownTransfer
 from .node import Node
-from .pages import count
 from .results import CopyOutcome, EvictResult
 from .storage_tier import StorageTier
 from .transfers import TransferKind
@@ -215,4 +214,4 @@ class Evictions(StorageTier):
         return self._finish_device_to_host(transfer, error)
 
 
-__all__ = ["Evictions", "count"]
+__all__ = ["Evictions"]

@@ -6,7 +6,6 @@ is a normal outcome (`alloc` returns None), never an exception: the cache then e
 
 from array import array
 
-from .pages import count
 
 
 class HostAllocator:
@@ -51,4 +50,4 @@ class HostAllocator:
         return f"HostAllocator(used={self.num_used}, free={self.num_free})"
 
 
-__all__ = ["HostAllocator", "count"]
+__all__ = ["HostAllocator"]
