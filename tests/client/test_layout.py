@@ -36,9 +36,29 @@ def test_buffer_order_is_layer_major():
         KvLayout(3, 1, 1, "uint8", 1, kv_format="mla").buffer_index(0, 1)
 
 
-@pytest.mark.parametrize("dtype,size", sorted(DTYPE_SIZES.items()))
-def test_every_dtype_has_its_itemsize(dtype, size):
-    assert KvLayout(1, 1, 1, dtype, 1).itemsize == size
+# Bytes per element as the dtypes define them, written down here, not read from the table.
+KNOWN_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int8": 1, "uint8": 1}
+
+
+def test_the_size_table_covers_the_known_dtypes():
+    assert set(DTYPE_SIZES) == set(KNOWN_SIZES)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_SIZES))
+def test_every_dtype_has_its_itemsize(dtype):
+    torch = pytest.importorskip("torch")
+    itemsize = KvLayout(1, 1, 1, dtype, 1).itemsize
+    assert itemsize == torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    assert itemsize == KNOWN_SIZES[dtype]
+
+
+def test_float32_page_bytes_as_computed_by_hand():
+    # 4 layers of K and V, 2 heads of 64 floats, 16 tokens a page:
+    # 8 buffers * 16 tokens * 2 heads * 64 dims * 4 bytes = 65536 bytes a host page.
+    lay = KvLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)
+    assert lay.page_bytes == 65536
+    assert lay.chunk_bytes == 8192
 
 
 @pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "page_size"])
