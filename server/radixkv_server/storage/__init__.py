@@ -7,7 +7,8 @@ worker threads): `FileStorage` (a directory, the embedded default) and `RedisSto
 `StorageUnavailable`; a damaged page reads as a miss.
 """
 
-from .base import MAX_KEY_BYTES, StorageBackend, StorageStats, StorageUnavailable, open_storage
+from .base import MAX_KEY_BYTES, StorageBackend, StorageStats, StorageUnavailable
+from .open import open_storage
 from .file import FileStorage
 from ..core.page_keys import KEY_BYTES, namespace_salt, page_keys
 from .record import CorruptPage, decode, encode
