@@ -33,7 +33,7 @@ ALIGN = 64  # each buffer starts on a 64-byte boundary inside the segment
 class BufferSpec(NamedTuple):
     """Where one buffer lives: `handle` names the memory (shm segment name in utf-8, or an
     encoded CUDA IPC handle), the buffer starts `offset` bytes into it and spans `size`
-    bytes. Field-for-field equal to the daemon's BufferSpec."""
+    bytes. The daemon uses this same class (it may import `radixkv`, never the reverse)."""
 
     handle: bytes
     offset: int

@@ -6,10 +6,9 @@ on worker threads and reporting completions on the event loop.
 """
 
 from .copy_engine import CopyEngine
-from .device import (
-    BACKENDS, BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, open_device_buffers,
-)
+from .device import BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError
 from .host_pool import HostPool
+from .open import BACKENDS, open_device_buffers
 
 __all__ = [
     "BACKENDS", "BufferSpec", "CopyEngine", "CopyError", "CopyJob", "DeviceBuffers",

@@ -12,23 +12,12 @@ worker threads, several at once; backends keep no per-call state outside the job
 
 import abc
 from array import array
-from typing import Callable, NamedTuple
+from typing import Callable
 
+from radixkv.kvbuffers import BufferSpec  # the engine's description, one definition
 from radixkv.layout import KvLayout
 
 from ..core.pages import unpack
-
-BACKENDS = ("shm", "cuda")
-
-
-class BufferSpec(NamedTuple):
-    """Where one engine buffer lives: `handle` names the memory (a shm segment name in
-    utf-8, or an encoded CUDA IPC handle), the buffer starts `offset` bytes into it and
-    spans `size` bytes. Field-for-field equal to the client's `radixkv.kvbuffers.BufferSpec`."""
-
-    handle: bytes
-    offset: int
-    size: int
 
 
 class DeviceOpenError(Exception):
@@ -136,33 +125,6 @@ def element_width(*sizes: int) -> int:
     return 1
 
 
-def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
-                        buffers: list[BufferSpec], device: int = 0) -> DeviceBuffers:
-    """Open the engine's buffers: one BufferSpec per buffer, layer-major (layer 0 K,
-    layer 0 V, ...). `device` is the engine's CUDA device (ignored for "shm").
-    Raises DeviceOpenError naming what is wrong: unknown backend, wrong buffer count,
-    a segment or handle that cannot be opened, a region too small."""
-    if backend not in BACKENDS:
-        raise DeviceOpenError(f"unknown device backend {backend!r}; choose one of {list(BACKENDS)}")
-    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-        raise DeviceOpenError(f"num_pages must be an int >= 1, got {num_pages!r}")
-    if len(buffers) != layout.num_buffers:
-        raise DeviceOpenError(
-            f"{len(buffers)} buffers given, layout needs {layout.num_buffers} "
-            f"({layout.num_layers} layers x {layout.buffers_per_layer} for {layout.kv_format!r}, "
-            "layer-major: layer 0 K, layer 0 V, layer 1 K, ...)"
-        )
-    specs = [BufferSpec(bytes(b[0]), int(b[1]), int(b[2])) for b in buffers]
-    for i, s in enumerate(specs):
-        if s.offset < 0 or s.size < 0:
-            raise DeviceOpenError(f"buffer {i} ({buffer_name(layout, i)}): negative offset or size {s}")
-    if backend == "shm":
-        from .shm import ShmDeviceBuffers
-        return ShmDeviceBuffers(layout, num_pages, specs)
-    from .cuda import CudaDeviceBuffers
-    return CudaDeviceBuffers(layout, num_pages, specs, device)
-
-
 def buffer_name(layout: KvLayout, index: int) -> str:
     """Human name of buffer `index`: "layer 3 K", "layer 3 V", "layer 3 KV" (mla)."""
     layer, j = divmod(index, layout.buffers_per_layer)
@@ -171,6 +133,6 @@ def buffer_name(layout: KvLayout, index: int) -> str:
 
 
 __all__ = [
-    "BACKENDS", "BufferSpec", "CopyError", "CopyJob", "DeviceBuffers", "DeviceOpenError",
-    "buffer_name", "element_width", "open_device_buffers", "page_runs",
+    "BufferSpec", "CopyError", "CopyJob", "DeviceBuffers", "DeviceOpenError",
+    "buffer_name", "element_width", "page_runs",
 ]

@@ -1,0 +1,53 @@
+"""`open_device_buffers`: the one place that knows every device backend.
+
+`BACKENDS` maps a backend name (the `backend` of a Register) to the function opening
+the engine's buffers with it. The backends import `device`, never this module.
+"""
+
+from collections.abc import Callable
+
+from radixkv.layout import KvLayout
+
+from .cuda import CudaDeviceBuffers
+from .device import BufferSpec, DeviceBuffers, DeviceOpenError, buffer_name
+from .shm import ShmDeviceBuffers
+
+Opener = Callable[[KvLayout, int, list[BufferSpec], int], DeviceBuffers]
+
+
+
+def _open_shm(layout: KvLayout, num_pages: int, specs: list[BufferSpec], device: int) -> DeviceBuffers:
+    return ShmDeviceBuffers(layout, num_pages, specs)  # no device: shared memory is host memory
+
+
+BACKENDS: dict[str, Opener] = {
+    "shm": _open_shm,
+    "cuda": CudaDeviceBuffers,  # imports on CPU-only machines; touches CUDA only when opened
+}
+
+
+def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
+                        buffers: list[BufferSpec], device: int = 0) -> DeviceBuffers:
+    """Open the engine's buffers: one BufferSpec per buffer, layer-major (layer 0 K,
+    layer 0 V, ...). `device` is the engine's CUDA device (ignored for "shm").
+    Raises DeviceOpenError naming what is wrong: unknown backend, wrong buffer count,
+    a segment or handle that cannot be opened, a region too small."""
+    opener = BACKENDS.get(backend)
+    if opener is None:
+        raise DeviceOpenError(f"unknown device backend {backend!r}; choose one of {list(BACKENDS)}")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        raise DeviceOpenError(f"num_pages must be an int >= 1, got {num_pages!r}")
+    if len(buffers) != layout.num_buffers:
+        raise DeviceOpenError(
+            f"{len(buffers)} buffers given, layout needs {layout.num_buffers} "
+            f"({layout.num_layers} layers x {layout.buffers_per_layer} for {layout.kv_format!r}, "
+            "layer-major: layer 0 K, layer 0 V, layer 1 K, ...)"
+        )
+    specs = [BufferSpec(bytes(b[0]), int(b[1]), int(b[2])) for b in buffers]
+    for i, s in enumerate(specs):
+        if s.offset < 0 or s.size < 0:
+            raise DeviceOpenError(f"buffer {i} ({buffer_name(layout, i)}): negative offset or size {s}")
+    return opener(layout, num_pages, specs, device)
+
+
+__all__ = ["BACKENDS", "open_device_buffers"]
