@@ -9,6 +9,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from .core.evictable import STRATEGIES
+from .core.policy import StoragePolicy, WritePolicy
+
 DEFAULT_SOCKET = "unix:///run/radixkv/radixkv.sock"
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -25,6 +28,11 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 4GiB, 512MiB, 1000000)")
     unit = (m.group(2) or "").lower().rstrip("b")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _values(enum_type, *, skip=()) -> tuple[str, ...]:
+    """The values of a core enum, as CLI choices (one list, owned by the core)."""
+    return tuple(m.value for m in enum_type if m not in skip)
 
 
 def _opt(default, help: str, *, size: bool = False, repeat: bool = False, choices=None):
@@ -45,15 +53,15 @@ class DaemonConfig:
     max_host_pool_size: int = _opt(0, "largest host pool a Register may ask for (0: host_pool_size)", size=True)
     page_size: int = _opt(16, "tokens per page when a Register's layout leaves it 0")
     write_policy: str = _opt("write_through", "default write policy",
-                             choices=("write_through", "write_through_selective", "write_back"))
+                             choices=_values(WritePolicy))
     write_through_threshold: int = _opt(2, "hits before write_through_selective backs a node up")
-    eviction_policy: str = _opt("lru", "eviction order", choices=("lru", "lfu", "fifo"))
+    eviction_policy: str = _opt("lru", "eviction order", choices=tuple(STRATEGIES))
     copy_workers: int = _opt(2, "threads copying pages per namespace")
     storage: str = _opt("", "L3 storage: file:///dir, a path, redis://host:port/db or unix:///redis.sock "
                         "(empty: off)")
     storage_policy: str = _opt("write_back", "when pages go to storage: on host eviction (write_back) or "
                                "as soon as they reach host (write_through)",
-                               choices=("write_back", "write_through"))
+                               choices=_values(StoragePolicy, skip=(StoragePolicy.OFF,)))
     storage_workers: int = _opt(2, "threads doing storage I/O per namespace")
     storage_queue_pages: int = _opt(4096, "pages queued for storage writes before new ones are refused")
     max_sessions: int = _opt(64, "most sessions at once")
@@ -127,25 +135,40 @@ def _convert(f: dataclasses.Field, text: str):
     return kind(text)
 
 
+def _shown(f: dataclasses.Field, default) -> str:
+    """A default as a user would write it: sizes in binary units, lists comma-separated."""
+    if isinstance(default, tuple):
+        return ", ".join(default)
+    if f.metadata.get("size") and default:
+        for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+            if default % scale == 0:
+                return f"{default // scale}{unit}"
+    if default == "":
+        return "''"
+    return str(default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixkv-server",
         description="radixkv: hierarchical KV-cache daemon for LLM inference engines. "
         "Every flag can also be set as RADIXKV_<FLAG_NAME> in the environment.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(DaemonConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kwargs = {"help": f.metadata["help"], "dest": f.name, "default": None}
+        # default=None: an unset flag falls through to the environment, then the field's
+        # default, which the help states once (written here, not by argparse).
+        kwargs = {"help": f"{f.metadata['help']} (default: {_shown(f, default)})", "dest": f.name,
+                  "default": None}
         if f.metadata.get("repeat"):
             kwargs["action"] = "append"
         else:
             kwargs["type"] = str
-            kwargs["metavar"] = f.name.upper()
         if f.metadata.get("choices"):
-            kwargs["choices"] = f.metadata["choices"]
-        kwargs["help"] += f" (default: {default if not isinstance(default, tuple) else ', '.join(default)})"
+            kwargs["choices"] = f.metadata["choices"]  # argparse shows them as {a,b,c}
+        elif not f.metadata.get("repeat"):
+            kwargs["metavar"] = f.name.upper()
         parser.add_argument(flag, **kwargs)
     return parser
 
