@@ -127,7 +127,7 @@ def test_prefetch_gives_a_device_only_node_its_host_copy():
     # Drop the host side only: the node is device-only; fetch its pages from storage.
     node = cache.node(cache.match(prompt).host_node)
     assert node.full.host_pages is None
-    added = cache._insert_host(prompt, 0, cache.host.alloc(2), b"")
+    added = cache.prefetches.insert_host(prompt, 0, cache.host.alloc(2), b"")
     assert added == 2 and node in cache.duplicates and node.full.stored
     clean(cache)
 

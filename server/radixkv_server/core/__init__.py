@@ -1,7 +1,8 @@
 """The pure cache core: radix tree, tiers, write policies, load-back pins, eviction.
 
 No grpc, protobuf, asyncio, threads or I/O. Bytes move through the `Copier` the
-caller provides; see `cache.HierarchicalCache` for the public API.
+caller provides; see `cache.HierarchicalCache` for the public API, and `state.CacheState`
+for the one state object its parts (eviction, load-back, storage, ...) receive.
 """
 
 from .cache import HierarchicalCache
@@ -11,6 +12,7 @@ from .errors import (
     UnknownTransfer,
 )
 from .policy import CacheConfig, WritePolicy
+from .residency import ResidencyListener
 from .results import (
     CacheCounters, CopyOutcome, EvictResult, FinishResult, InsertResult, LoadBackResult,
     MatchResult,
@@ -19,6 +21,6 @@ from .results import (
 __all__ = [
     "CacheConfig", "CacheCounters", "CacheError", "Copier", "CopyOutcome", "EvictResult",
     "FinishResult", "HierarchicalCache", "InsertResult", "InvalidRequest", "LoadBackResult",
-    "LockError", "MatchResult", "NotOwner", "NotReady", "PageOwnershipError", "UnknownNode",
-    "UnknownTransfer", "WritePolicy",
+    "LockError", "MatchResult", "NotOwner", "NotReady", "PageOwnershipError", "ResidencyListener",
+    "UnknownNode", "UnknownTransfer", "WritePolicy",
 ]

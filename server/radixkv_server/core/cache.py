@@ -1,20 +1,76 @@
 """HierarchicalCache: one namespace's radix tree over device and host KV pages.
 
-The public API of the core. Synchronous, single-owner (the daemon's event loop), no
-I/O: bytes move through the `Copier` given at construction. Every method either
-completes or raises a `CacheError` subclass before changing anything.
+The public API of the core: a facade over one `CacheState` and the parts that receive
+it (storage tier, host space, prefetches, device eviction, load-backs, insertions).
+Synchronous, single-owner (the daemon's event loop), no I/O: bytes move through the
+`Copier` given at construction. Every method either completes or raises a `CacheError`
+subclass before changing anything.
 """
 
+from .copier import Copier
 from .device_ledger import DeviceLedger
-from .errors import InvalidRequest, LockError, NotReady
-from .invariants import check_invariants
+from .errors import LockError, NotReady, UnknownTransfer
+from .eviction import DeviceEviction
+from .host_space import HostSpace
+from .insertion import Insertions, check_tokens
+from .invariants import check_invariants, state_digest
 from .loadback import LoadBacks
 from .node import Node
-from .results import InsertResult, MatchResult
+from .policy import CacheConfig
+from .prefetch import Prefetches
+from .residency import ResidencyListener
+from .results import CopyOutcome, EvictResult, FetchOutcome, FinishResult, InsertResult, LoadBackResult, MatchResult
+from .state import CacheState
+from .storage_tier import StorageTier
+from .transfers import TransferKind
 
 
-class HierarchicalCache(LoadBacks):
-    """Construct with `HierarchicalCache(config, copier, num_device_pages=, host_pages=)`."""
+def _state_attribute(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.state, name), doc=doc)
+
+
+class HierarchicalCache:
+    """Construct with `HierarchicalCache(config, copier, num_device_pages=, host_pages=)`;
+    `listener` (optional) hears every residency change (see residency.py)."""
+
+    def __init__(self, config: CacheConfig, copier: Copier, *, num_device_pages: int, host_pages: int,
+                 listener: ResidencyListener | None = None):
+        self.config = config
+        self.state = CacheState(config, num_device_pages=num_device_pages, host_pages=host_pages,
+                                listener=listener)
+        self.storage_tier = StorageTier(self.state, copier)
+        self.host_space = HostSpace(self.state, self.storage_tier)
+        self.prefetches = Prefetches(self.state, self.host_space, self.storage_tier, copier)
+        self.evictions = DeviceEviction(self.state, self.host_space, self.storage_tier, copier)
+        self.loads = LoadBacks(self.state, copier)
+        self.insertions = Insertions(self.state, self.evictions)
+
+    # -- the state, read through (callers outside the core use these names) --------------
+
+    tree = _state_attribute("tree", "The radix tree (read only outside the core).")
+    host = _state_attribute("host", "The host page allocator.")
+    device = _state_attribute("device", "The device page ledger (replaced by `drop_device`).")
+    transfers = _state_attribute("transfers", "Copies in flight, by transfer id.")
+    counters = _state_attribute("counters", "Monotonic counts since creation.")
+    duplicates = _state_attribute("duplicates", "Tracked settled duplicates.")
+    device_leaves = _state_attribute("device_leaves", "Evictable device leaves.")
+    host_leaves = _state_attribute("host_leaves", "Evictable host-only leaves.")
+    evictable_pages = _state_attribute("evictable_pages", "Device pages in unlocked nodes.")
+    protected_pages = _state_attribute("protected_pages", "Device pages in locked nodes.")
+    host_reserved = _state_attribute("host_reserved", "Host pages reserved by fetches in flight.")
+
+    @property
+    def residency_listener(self) -> ResidencyListener | None:
+        """Hears every residency change (None: nobody listens); settable."""
+        return self.state.listener
+
+    @residency_listener.setter
+    def residency_listener(self, listener: ResidencyListener | None) -> None:
+        self.state.listener = listener
+
+    @property
+    def storage_on(self) -> bool:
+        return self.storage_tier.on
 
     # -- match -----------------------------------------------------------------------
 
@@ -25,144 +81,124 @@ class HierarchicalCache(LoadBacks):
         marks the path accessed, and keeps on the device a node whose write-back eviction
         is in flight. Never frees or moves data.
         """
-        self._check_tokens(tokens, "Match")
-        end = len(tokens) - len(tokens) % self.tree.stride
-        self.counters.match_requests += 1
-        self.counters.match_prompt_tokens += len(tokens) // 4
-        root = self.tree.roots.get(extra_key)
+        check_tokens(tokens, "Match")
+        state = self.state
+        end = len(tokens) - len(tokens) % state.tree.stride
+        state.counters.match_requests += 1
+        state.counters.match_prompt_tokens += len(tokens) // 4
+        root = state.tree.roots.get(extra_key)
         if root is None or end == 0:
             rid = root.id if root is not None else 0
             return MatchResult(b"", 0, 0, rid, rid, ())
-        path, partial, k = self.tree.walk(root, tokens[:end] if end < len(tokens) else tokens)
+        path, partial, k = state.tree.walk(root, tokens[:end] if end < len(tokens) else tokens)
         if partial is not None:
-            path.append(self._split(partial, k))
-        now = self._tick()
-        device_pages = []
-        device_tokens = host_tokens = 0
-        device_node = root
+            path.append(state.split(partial, k))
+        return self._match_result(root, path)
+
+    def _match_result(self, root: Node, path: list[Node]) -> MatchResult:
+        """Touch the matched `path` and describe it: its device prefix, then host-only."""
+        state = self.state
+        now = state.tick()
+        device = [n for n in path if n.full.device_pages is not None]  # a prefix of the path
         for node in path:
-            node.last_access = now
-            s = node.full
-            if s.device_pages is not None:
-                s.evicting = False
-                device_pages.append(s.device_pages)
-                device_tokens += self._tokens(node)
-                device_node = node
-            else:
-                host_tokens += self._tokens(node)
-        host_node = path[-1] if path else root
-        self.counters.device_hit_tokens += device_tokens
-        self.counters.host_hit_tokens += host_tokens
-        depends_on = self._copying(path[: len(device_pages)])
+            state.touch(node, now)
+        device_tokens = sum(state.tokens(n) for n in device)
+        host_tokens = sum(state.tokens(n) for n in path) - device_tokens
+        state.counters.device_hit_tokens += device_tokens
+        state.counters.host_hit_tokens += host_tokens
+        depends_on = state.copying(device)
         return MatchResult(
-            b"".join(device_pages), device_tokens, host_tokens,
-            device_node.id, host_node.id, tuple(sorted(depends_on)),
+            b"".join(n.full.device_pages for n in device), device_tokens, host_tokens,
+            device[-1].id if device else root.id, path[-1].id if path else root.id,
+            tuple(sorted(depends_on)),
         )
 
-    # -- insert ----------------------------------------------------------------------
+    # -- insert, load back, acknowledge -------------------------------------------------
 
     def insert(self, tokens: bytes, device_pages: bytes, extra_key: bytes = b"",
                chunked: bool = False) -> InsertResult:
-        """Hand finished KV to the cache: `device_pages[i]` holds page i of `tokens`.
-
-        `tokens` must be whole pages. Where the cache already holds the page on device,
-        the caller's page is returned as redundant unless it is that very page; where
-        the cache holds it only on host, the caller's page becomes its device copy; the
-        rest becomes a new leaf. Every node on the path counts a hit (chunked inserts
-        too: `chunked` is accepted for symmetry with engines and changes nothing) and
-        the write policy starts backups.
-        Raises InvalidRequest / PageOwnershipError, or NotReady while part of the prefix
-        is still being loaded (wait for those transfers, then insert).
-        """
+        """See `Insertions.insert`. `chunked` is accepted for symmetry with engines and
+        changes nothing (chunked inserts count hits too)."""
         del chunked
-        self._check_tokens(tokens, "Insert")
-        ps = self.config.page_size
-        num_tokens = len(tokens) // 4
-        if num_tokens == 0:
-            raise InvalidRequest("Insert: no tokens given")
-        if num_tokens % ps:
-            raise InvalidRequest(
-                f"Insert: {num_tokens} tokens is not a whole number of pages (page_size {ps}); "
-                f"insert the first {num_tokens - num_tokens % ps}"
-            )
-        if len(device_pages) % 4 or len(device_pages) // 4 != num_tokens // ps:
-            raise InvalidRequest(
-                f"Insert: {num_tokens} tokens need {num_tokens // ps} device pages, got {len(device_pages) / 4:g}"
-            )
-        root = self.tree.roots.get(extra_key)
-        path, partial, k = self.tree.walk(root, tokens) if root is not None else ([], None, 0)
-        segments = [(n, self._pages(n)) for n in path]
-        if partial is not None:
-            segments.append((partial, k))
-        loading = self._copying(n for n, _ in segments)
-        if loading:
-            raise NotReady("Insert: part of this prefix is still being loaded", tuple(sorted(loading)))
-        same = self._same_pages(segments, device_pages)
-        self.device.check_new(device_pages, "Insert", allowed=same)
+        return self.insertions.insert(tokens, device_pages, extra_key)
 
-        if partial is not None:
-            segments[-1] = (self._split(partial, k), k)
-        root = self.tree.root(extra_key)
-        now = self._tick()
-        redundant = []
-        off = 0
-        for node, m in segments:
-            given = device_pages[off * 4:(off + m) * 4]
-            s = node.full
-            if s.device_pages is None:
-                self.device.take(given)
-                self._set_device(node, given)  # host-only before: now a duplicate
-            else:
-                s.evicting = False
-                if s.device_pages != given:
-                    redundant.extend(
-                        given[i:i + 4] for i in range(0, len(given), 4)
-                        if given[i:i + 4] != s.device_pages[i:i + 4]
-                    )
-            node.hit_count += 1
-            node.last_access = now
-            off += m
-        last = segments[-1][0] if segments else root
-        if off * 4 < len(device_pages):
-            leaf = self.tree.add_child(last, tokens[off * self.tree.stride:])
-            leaf.hit_count = 1
-            leaf.last_access = now
-            pages = device_pages[off * 4:]
-            self.device.take(pages)
-            self._set_device(leaf, pages)
-            last = leaf
-        self.counters.inserted_tokens += num_tokens - off * ps
-        self._start_backups(last)
-        return InsertResult(off * ps, b"".join(redundant), last.id)
+    def load_back(self, node_id: int, device_pages: bytes, owner: object = None) -> LoadBackResult:
+        """See `LoadBacks.load_back`."""
+        return self.loads.load_back(node_id, device_pages, owner)
 
-    def _same_pages(self, segments: list[tuple[Node, int]], given: bytes) -> bytes:
-        """The caller's pages that are the cache's own page at the same position."""
-        same = []
-        off = 0
-        for node, m in segments:
-            mine = node.full.device_pages
-            if mine is not None:
-                mine = mine[:m * 4]
-                theirs = given[off * 4:(off + m) * 4]
-                if mine == theirs:  # the usual case: the engine passes back what it matched
-                    same.append(mine)
-                else:
-                    same.extend(mine[i:i + 4] for i in range(0, m * 4, 4) if mine[i:i + 4] == theirs[i:i + 4])
-            off += m
-        return b"".join(same)
+    def finish_load_back(self, transfer: int, owner: object = None) -> FinishResult:
+        """See `LoadBacks.finish`."""
+        return self.loads.finish(transfer, owner)
+
+    def pending_loads(self, owner: object) -> list[int]:
+        """Load-backs of `owner` not yet acknowledged."""
+        return self.loads.pending(owner)
+
+    # -- eviction --------------------------------------------------------------------
+
+    def evict_device(self, num_pages: int) -> EvictResult:
+        """See `DeviceEviction.evict`."""
+        return self.evictions.evict(num_pages)
+
+    def evict_host(self, num_pages: int) -> int:
+        """See `HostSpace.evict`."""
+        return self.host_space.evict(num_pages)
+
+    # -- the data path reports -----------------------------------------------------------
+
+    def on_copy_done(self, transfer: int, error: str | None = None) -> CopyOutcome:
+        """The data path reports a finished copy (`error` set when it failed).
+
+        Backups settle at once: the host copy becomes valid, or is freed on error (the
+        node stays device-only). Write-backs then free their device pages, returned here;
+        a write-back whose node was touched meanwhile keeps it on the device instead.
+        Load-backs are marked copied (failed ones leave the tree now, with every load
+        that depends on them) and finish when the engine acknowledges them.
+        Raises UnknownTransfer for a copy reported twice or never started, or a fetch.
+        """
+        t = self.state.transfers.get(transfer)
+        if t is None or t.copied:
+            raise UnknownTransfer(f"copy of transfer {transfer} reported twice or never started")
+        if t.kind is TransferKind.LOAD:
+            self.loads.copied(t, error)
+            return CopyOutcome(b"")
+        if t.kind is TransferKind.STORE:
+            self.storage_tier.finish_store(transfer, error)
+            return CopyOutcome(b"")
+        if t.kind is TransferKind.FETCH:
+            raise UnknownTransfer(f"transfer {transfer} is a fetch: report it with on_fetch_done")
+        return self.evictions.finish(transfer, error)
+
+    # -- storage -----------------------------------------------------------------------
+
+    def storage_probe(self, tokens: bytes, extra_key: bytes = b"") -> tuple[int, list[bytes]]:
+        """See `StorageTier.probe`."""
+        return self.storage_tier.probe(tokens, extra_key)
+
+    def storage_keys(self, node: Node) -> list[bytes]:
+        """Storage keys of the node's pages."""
+        return self.storage_tier.keys(node)
+
+    def start_prefetch(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None) -> int:
+        """See `Prefetches.start`."""
+        return self.prefetches.start(tokens, extra_key, max_pages, owner)
+
+    def on_fetch_done(self, transfer: int, pages_read: int, error: str | None = None) -> FetchOutcome:
+        """See `Prefetches.done`."""
+        return self.prefetches.done(transfer, pages_read, error)
 
     # -- leases ----------------------------------------------------------------------
 
     def lock(self, node_id: int) -> None:
         """Protect the node's path from eviction (device and host) until `unlock`."""
-        self._lock_path(self.tree.get(node_id))
+        self.state.lock_path(self.state.tree.get(node_id))
 
     def unlock(self, node_id: int) -> None:
         """Release one `lock` of the node. Raises LockError if it holds none."""
-        node = self.tree.get(node_id)
+        node = self.state.tree.get(node_id)
         if node.parent is not None and node.full.lock_ref <= 0:
             raise LockError(f"node {node_id} is not locked")
-        self._unlock_path(node)
+        self.state.unlock_path(node)
 
     # -- engine restart --------------------------------------------------------------
 
@@ -171,46 +207,25 @@ class HierarchicalCache(LoadBacks):
         device ledger of `num_device_pages`. Host copies stay; device-only nodes leave
         with the host-only nodes below them. Returns the tokens dropped from the tree.
         Raises NotReady while copies are in flight (finish them first)."""
-        if self.transfers:
-            raise NotReady("copies are still in flight", tuple(sorted(self.transfers)))
-        dropped = 0
-        for root in self.tree.roots.values():
-            for node in list(root.children.values()):
-                dropped += self._drop_device_below(node)
-        self.device = DeviceLedger(num_device_pages)
-        return dropped
-
-    def _drop_device_below(self, node: Node) -> int:
-        dropped = 0
-        for child in list(node.children.values()):
-            dropped += self._drop_device_below(child)
-        s = node.full
-        if s.device_pages is not None:
-            self._clear_device(node)
-        if s.host_pages is None:
-            dropped += self._drop_subtree(node)
-        return dropped
-
-    def _drop_subtree(self, node: Node) -> int:
-        dropped = self._tokens(node)
-        for child in list(node.children.values()):
-            dropped += self._drop_subtree(child)
-        self._remove_node(node)
+        if self.state.transfers:
+            raise NotReady("copies are still in flight", tuple(sorted(self.state.transfers)))
+        dropped = self.state.drop_device_tier()
+        self.state.device = DeviceLedger(num_device_pages)
         return dropped
 
     # -- inspection ------------------------------------------------------------------
 
     def node(self, node_id: int) -> Node:
-        return self.tree.get(node_id)
+        """The node `node_id`; raises UnknownNode."""
+        return self.state.tree.get(node_id)
 
     def check_invariants(self) -> list[str]:
         """Every violated invariant, as one line each; empty when the state is sound."""
-        return check_invariants(self)
+        return check_invariants(self.state)
 
-    @staticmethod
-    def _check_tokens(tokens: bytes, what: str) -> None:
-        if len(tokens) % 4:
-            raise InvalidRequest(f"{what}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
+    def state_digest(self) -> str:
+        """A hash of everything a caller could observe (see invariants.state_digest)."""
+        return state_digest(self.state)
 
 
 __all__ = ["HierarchicalCache"]

@@ -103,6 +103,9 @@ class EvictableSet:
         else:
             self.discard(node)
 
+    def touched(self, node: Node) -> None:
+        """The node's key grew (it was accessed). Entries are refreshed lazily on pop."""
+
     def pop(self) -> Node | None:
         """Remove and return the member with the smallest current key, or None."""
         heap = self._heap

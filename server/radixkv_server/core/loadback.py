@@ -7,14 +7,21 @@ of different transfers may overlap in every write policy, and each ACK removes o
 its own. Loaded nodes stay locked, and their host copies host-locked, until the ACK.
 """
 
+from .copier import Copier
 from .errors import NotOwner, NotReady, UnknownTransfer
-from .eviction import Evictions
 from .node import Node
 from .results import FinishResult, LoadBackResult
+from .state import CacheState
 from .transfers import Transfer, TransferKind
 
 
-class LoadBacks(Evictions):
+class LoadBacks:
+    """Receives the cache's state and copier."""
+
+    def __init__(self, state: CacheState, copier: Copier):
+        self.state = state
+        self.copier = copier
+
     def load_back(self, node_id: int, device_pages: bytes, owner: object = None) -> LoadBackResult:
         """Load the host-only part of `node_id`'s path into the caller's `device_pages`.
 
@@ -25,62 +32,68 @@ class LoadBacks(Evictions):
         locks the loaded path until `finish_load_back`, starts the copy.
         Raises UnknownNode, InvalidRequest / PageOwnershipError before changing anything.
         """
-        node = self.tree.get(node_id)
-        self.device.check_new(device_pages, "LoadBack")
-        path = list(reversed(node.path()))
-        first = next((i for i, n in enumerate(path) if n.full.device_pages is None), len(path))
-        on_device, to_load = path[:first], path[first:]
-        budget = len(device_pages) // 4
-        loaded: list[Node] = []
-        for n in to_load:
-            if self._pages(n) > budget:
-                break
-            budget -= self._pages(n)
-            loaded.append(n)
-
-        now = self._tick()
+        state = self.state
+        node = state.tree.get(node_id)
+        state.device.check_new(device_pages, "LoadBack")
+        on_device, loaded = self._plan(node, len(device_pages) // 4)
+        now = state.tick()
         for n in on_device:
-            n.full.evicting = False  # needed again: a write-back in flight keeps it on device
-            n.last_access = now
-        depends_on = tuple(sorted(self._copying(on_device)))
+            state.touch(n, now)  # needed again: a write-back in flight keeps it on device
+        depends_on = tuple(sorted(state.copying(on_device)))
         tid, used = 0, 0
         if loaded:
-            tid = self._reserve_transfer_id()
-            # Nodes still arriving through earlier loads: this load's prefix relies on
-            # their host copies too, so it pins them as well until its own ACK.
-            shared = [n for n in on_device if self._copying((n,))]
-            for n in shared:
-                n.full.pins.add(tid)
-                n.full.host_lock += 1
-                self._refresh(n)
-            for n in loaded:
-                k = self._pages(n) * 4
-                pages = device_pages[used:used + k]
-                used += k
-                s = n.full
-                s.pins.add(tid)
-                s.host_lock += 1
-                self.device.take(pages)
-                self._set_device(n, pages)
-                n.last_access = now
-            t = self._new_transfer(TransferKind.LOAD, loaded, tid, anchor=loaded[-1], shared=shared,
-                                   depends_on=depends_on, owner=owner)
-            for d in depends_on:
-                self.transfers[d].dependents.append(tid)
-            self._lock_path(t.anchor)
-            self.counters.loaded_tokens += sum(self._tokens(n) for n in loaded)
-            self._copier.load(tid, t.host_pages, t.device_pages)
+            tid = state.reserve_transfer_id()
+            used = self._start(tid, on_device, loaded, device_pages, depends_on, owner, now)
         prefix = on_device + loaded
         return LoadBackResult(
             transfer=tid,
             device_pages=b"".join(n.full.device_pages for n in prefix),
-            device_tokens=sum(self._tokens(n) for n in prefix),
-            loaded_tokens=sum(self._tokens(n) for n in loaded),
+            device_tokens=sum(state.tokens(n) for n in prefix),
+            loaded_tokens=sum(state.tokens(n) for n in loaded),
             depends_on=depends_on,
             unused_pages=device_pages[used:],
         )
 
-    def finish_load_back(self, transfer: int, owner: object = None) -> FinishResult:
+    def _plan(self, node: Node, budget: int) -> tuple[list[Node], list[Node]]:
+        """The path's device prefix, and the host-only nodes after it that fit in
+        `budget` pages (whole nodes, from the top)."""
+        path = list(reversed(node.path()))
+        first = next((i for i, n in enumerate(path) if n.full.device_pages is None), len(path))
+        loaded: list[Node] = []
+        for n in path[first:]:
+            pages = self.state.pages(n)
+            if pages > budget:
+                break
+            budget -= pages
+            loaded.append(n)
+        return path[:first], loaded
+
+    def _start(self, tid: int, on_device: list[Node], loaded: list[Node], device_pages: bytes,
+               depends_on: tuple[int, ...], owner: object, now: int) -> int:
+        """Pin, publish, lock and start copy `tid`; returns the bytes of `device_pages` used."""
+        state = self.state
+        # Nodes still arriving through earlier loads: this load's prefix relies on their
+        # host copies too, so it pins them as well until its own ACK.
+        shared = [n for n in on_device if state.copying((n,))]
+        for n in shared:
+            state.pin(n, tid)
+        used = 0
+        for n in loaded:
+            k = state.pages(n) * 4
+            state.pin(n, tid)
+            state.set_device(n, device_pages[used:used + k])
+            state.touch(n, now)
+            used += k
+        t = state.new_transfer(TransferKind.LOAD, loaded, tid, anchor=loaded[-1], shared=shared,
+                               depends_on=depends_on, owner=owner)
+        for d in depends_on:
+            state.transfers[d].dependents.append(tid)
+        state.lock_path(t.anchor)
+        state.counters.loaded_tokens += sum(state.tokens(n) for n in loaded)
+        self.copier.load(tid, t.host_pages, t.device_pages)
+        return used
+
+    def finish(self, transfer: int, owner: object = None) -> FinishResult:
         """Acknowledge a load-back: drop its pins on the anchor's path, refresh duplicate
         tracking on every node of that path (every policy: a node first becomes a
         device+host duplicate here when its host copy came from storage), release the
@@ -91,7 +104,23 @@ class LoadBacks(Evictions):
         load-back, and NotOwner when `owner` is given and the transfer is another's.
         A failed load finishes too: its device pages come back in `failed_pages`.
         """
-        t = self.transfers.get(transfer)
+        state = self.state
+        t = self._acknowledgeable(transfer, owner)
+        del state.transfers[transfer]
+        for d in t.depends_on:
+            if d in state.transfers:
+                state.transfers[d].dependents.remove(transfer)
+        for n in t.anchor.path():
+            state.unpin(n, transfer)
+        state.unlock_path(t.anchor)
+        if t.parked:
+            state.device.give_back(t.parked)
+        return FinishResult(transfer, t.error, t.parked)
+
+    def _acknowledgeable(self, transfer: int, owner: object) -> Transfer:
+        """The load-back `transfer`, if `owner` may acknowledge it now; raises otherwise."""
+        transfers = self.state.transfers
+        t = transfers.get(transfer)
         if t is None or t.kind is not TransferKind.LOAD:
             raise UnknownTransfer(
                 f"transfer {transfer} is not a load-back in flight (never started, or already acknowledged)"
@@ -100,37 +129,35 @@ class LoadBacks(Evictions):
             raise NotOwner(f"transfer {transfer} belongs to another session")
         waiting = tuple(
             tid for tid in (transfer, *t.depends_on)
-            if tid in self.transfers and not self.transfers[tid].copied
+            if tid in transfers and not transfers[tid].copied
         )
         if waiting:
             raise NotReady(f"transfer {transfer} is still copying", waiting)
-        del self.transfers[transfer]
-        for d in t.depends_on:
-            if d in self.transfers:
-                self.transfers[d].dependents.remove(transfer)
-        for n in (*t.shared, *t.nodes):
-            n.full.host_lock -= 1
-        for n in t.anchor.path():
-            n.full.pins.discard(transfer)
-            self._refresh(n)
-        self._unlock_path(t.anchor)
-        if t.parked:
-            self.device.give_back(t.parked)
-        return FinishResult(transfer, t.error, t.parked)
+        return t
 
-    def _fail_load(self, t: Transfer, reason: str) -> None:
+    def copied(self, t: Transfer, error: str | None) -> None:
+        """The data path finished load-back `t`'s copy; a failed one leaves the tree now,
+        with every load that depends on it. The ACK (`finish`) comes separately."""
+        t.copied = True
+        if error is not None:
+            self._fail(t, f"copy failed: {error}")
+
+    def _fail(self, t: Transfer, reason: str) -> None:
         """The bytes of `t` will not arrive: take its device pages out of the tree now
         (parked until the ACK returns them), and fail every load that builds on it."""
         if t.error is not None:
             return
         t.error = reason
         for d in list(t.dependents):
-            self._fail_load(self.transfers[d], f"depends on failed transfer {t.id}")
-        parked = [self._clear_device(n) for n in reversed(t.nodes)]
+            self._fail(self.state.transfers[d], f"depends on failed transfer {t.id}")
+        parked = [self.state.clear_device(n) for n in reversed(t.nodes)]
         t.parked = b"".join(reversed(parked))
-        self.counters.failed_load_tokens += sum(self._tokens(n) for n in t.nodes)
+        self.state.counters.failed_load_tokens += sum(self.state.tokens(n) for n in t.nodes)
 
-    def pending_loads(self, owner: object) -> list[int]:
+    def pending(self, owner: object) -> list[int]:
         """Load-backs of `owner` not yet acknowledged."""
-        return [tid for tid, t in self.transfers.items()
+        return [tid for tid, t in self.state.transfers.items()
                 if t.kind is TransferKind.LOAD and t.owner == owner]
+
+
+__all__ = ["LoadBacks"]

@@ -2,8 +2,11 @@
 
 Every change to a node's residency, locks or pins goes through the methods here, which
 keep the derived bookkeeping exact: the evictable sets, the tracked duplicates, the
-evictable/protected page counts and the device page ledger. Operations (cache.py,
-loadback.py, eviction.py) never touch those structures directly.
+evictable/protected page counts, the device page ledger and the host allocator. The
+operations (eviction, load-back, storage, insertion) receive one `CacheState` and never
+touch those structures directly; nothing here calls them back.
+
+Residency changes are reported to the optional `listener` (see residency.py).
 """
 
 import itertools
@@ -14,46 +17,65 @@ from .host_allocator import HostAllocator
 from .node import Node
 from .pages import count
 from .policy import CacheConfig
+from .residency import Change, ResidencyListener, Tier
 from .results import CacheCounters
 from .transfers import Transfer, TransferKind
 from .tree import RadixTree
 
 
 class CacheState:
-    def __init__(self, config: CacheConfig, copier, *, num_device_pages: int, host_pages: int):
+    """One namespace's tree, pools, sets, transfers and counters. Not thread-safe: the
+    event loop owns it. Primitives assume the caller checked their preconditions (they
+    are the core's own steps, never reached with unchecked caller input)."""
+
+    def __init__(self, config: CacheConfig, *, num_device_pages: int, host_pages: int,
+                 listener: ResidencyListener | None = None):
         self.config = config
         self.tree = RadixTree(config.page_size)
         self.host = HostAllocator(host_pages)
         self.device = DeviceLedger(num_device_pages)
-        key = strategy(config.eviction_policy).key
-        self.device_leaves = EvictableSet(key)  # device nodes with no device child, unlocked, settled
-        self.duplicates = EvictableSet(key)     # settled duplicates (the tracked set)
-        self.host_leaves = EvictableSet(key)    # host-only childless nodes, unlocked, unpinned
+        order = strategy(config.eviction_policy).key
+        self.device_leaves = EvictableSet(order)  # device nodes, no device child, unlocked, settled
+        self.duplicates = EvictableSet(order)     # settled duplicates (the tracked set)
+        self.host_leaves = EvictableSet(order)    # host-only childless nodes, unlocked, unpinned
         self.transfers: dict[int, Transfer] = {}
         self.counters = CacheCounters()
         self.evictable_pages = 0  # device pages in unlocked nodes
         self.protected_pages = 0  # device pages in locked nodes
         self.host_reserved = 0    # host pages reserved by fetches in flight
-        self._copier = copier
+        self.listener = listener
         self._clock = 0
         self._transfer_ids = itertools.count(1)
 
     # -- small helpers -----------------------------------------------------------------
 
-    def _tick(self) -> int:
+    def tick(self) -> int:
+        """The next access time (strictly increasing)."""
         self._clock += 1
         return self._clock
 
-    def _pages(self, node: Node) -> int:
+    def pages(self, node: Node) -> int:
         return len(node.key) // self.tree.stride
 
     @staticmethod
-    def _tokens(node: Node) -> int:
+    def tokens(node: Node) -> int:
         return len(node.key) // 4
+
+    def touch(self, node: Node, now: int) -> None:
+        """The node is needed again: mark it accessed at `now`, and keep it on the device
+        if a write-back eviction is taking it (the copy still completes)."""
+        node.last_access = now
+        node.full.evicting = False
+        for members in (self.device_leaves, self.duplicates, self.host_leaves):
+            members.touched(node)
+
+    def _emit(self, tier: Tier, change: Change, node: Node) -> None:
+        if self.listener is not None:
+            self.listener.residency_changed(tier, change, node)
 
     # -- derived sets ------------------------------------------------------------------
 
-    def _refresh(self, node: Node) -> None:
+    def refresh(self, node: Node) -> None:
         """Recompute the node's membership of the evictable sets and the duplicate set."""
         if node.parent is None:
             return
@@ -77,10 +99,12 @@ class CacheState:
         self.duplicates.discard(node)
         self.host_leaves.discard(node)
 
-    # -- residency transitions -----------------------------------------------------------
+    # -- device residency --------------------------------------------------------------
 
-    def _set_device(self, node: Node, pages: bytes) -> None:
-        """Publish device pages on a node that had none. The ledger is the caller's."""
+    def set_device(self, node: Node, pages: bytes) -> None:
+        """Publish device pages (checked by the caller) on a node that had none; the
+        ledger takes them."""
+        self.device.take(pages)
         s = node.full
         s.device_pages = pages
         node.parent.device_children += 1
@@ -88,11 +112,14 @@ class CacheState:
             self.protected_pages += count(pages)
         else:
             self.evictable_pages += count(pages)
-        self._refresh(node)
-        self._refresh(node.parent)
+        self.refresh(node)
+        self.refresh(node.parent)
+        self._emit("device", "stored", node)
 
-    def _clear_device(self, node: Node) -> bytes:
-        """Take the device pages off a node (it must have no device child)."""
+    def clear_device(self, node: Node) -> bytes:
+        """Take the device pages off a node (it must have no device child) and return
+        them; they stay in the ledger (the caller gives them back or parks them)."""
+        self._emit("device", "removed", node)
         s = node.full
         pages = s.device_pages
         s.device_pages = None
@@ -102,58 +129,142 @@ class CacheState:
             self.protected_pages -= count(pages)
         else:
             self.evictable_pages -= count(pages)
-        self._refresh(node)
-        self._refresh(node.parent)
+        self.refresh(node)
+        self.refresh(node.parent)
         return pages
 
-    def _clear_host(self, node: Node) -> None:
-        """Free a node's host copy (nothing may be copying it)."""
+    def release_device(self, node: Node) -> bytes:
+        """`clear_device`, and the pages go back to the engine (off the ledger)."""
+        pages = self.clear_device(node)
+        self.device.give_back(pages)
+        return pages
+
+    # -- host residency ----------------------------------------------------------------
+
+    def claim_host(self, node: Node, pages: bytes, tid: int) -> None:
+        """Make freshly allocated host `pages` the node's host copy, filled by backup
+        `tid` (not valid, and host-locked, until `end_backup`)."""
+        s = node.full
+        s.host_pages = pages
+        s.backup = tid
+        s.host_lock += 1
+        self.refresh(node)
+
+    def end_backup(self, node: Node, ok: bool) -> None:
+        """The backup filling the node's host copy finished: the copy is valid now, or
+        (failed) freed, and the node stays device-only and no longer evicting."""
+        s = node.full
+        s.backup = None
+        s.host_lock -= 1
+        if ok:
+            self._emit("host", "stored", node)
+        else:
+            self.host.free(s.host_pages)
+            s.host_pages = None
+            s.evicting = False
+        self.refresh(node)
+
+    def attach_host(self, node: Node, pages: bytes) -> None:
+        """Pages fetched from storage become the node's (valid) host copy."""
+        s = node.full
+        s.host_pages = pages
+        s.stored = True
+        self.refresh(node)
+        self._emit("host", "stored", node)
+
+    def clear_host(self, node: Node) -> None:
+        """Free a node's valid host copy (nothing may be copying it)."""
+        self._emit("host", "removed", node)
         s = node.full
         self.host.free(s.host_pages)
         s.host_pages = None
-        self._refresh(node)
+        self.refresh(node)
 
-    def _remove_node(self, node: Node) -> None:
+    def remove_node(self, node: Node) -> None:
         """Unlink a childless node that is off the device; frees its host copy."""
         parent = node.parent
-        if node.full.host_pages is not None:
-            self.host.free(node.full.host_pages)
-            node.full.host_pages = None
+        s = node.full
+        if s.host_pages is not None:
+            if s.backup is None:
+                self._emit("host", "removed", node)
+            self.host.free(s.host_pages)
+            s.host_pages = None
         self._forget(node)
         self.tree.remove(node)
-        self._refresh(parent)
+        self.refresh(parent)
 
-    # -- locks -----------------------------------------------------------------------
+    # -- storage -----------------------------------------------------------------------
 
-    def _lock_path(self, node: Node) -> None:
+    def begin_store(self, node: Node, tid: int, evicting_host: bool) -> None:
+        """Store `tid` reads the node's host copy (host-locked until `end_store`); with
+        `evicting_host` the host copy leaves once the store completes."""
+        s = node.full
+        s.store = tid
+        s.host_lock += 1
+        s.evicting_host = evicting_host
+        self.refresh(node)
+
+    def end_store(self, node: Node, ok: bool) -> bool:
+        """The store reading the node finished (`ok`: storage holds its pages now).
+        Returns whether the node's host copy was waiting for it to leave."""
+        s = node.full
+        s.store = None
+        s.host_lock -= 1
+        if ok:
+            s.stored = True
+            self._emit("storage", "stored", node)
+        leaving = s.evicting_host
+        s.evicting_host = False
+        self.refresh(node)
+        return leaving
+
+    # -- pins and locks ----------------------------------------------------------------
+
+    def pin(self, node: Node, tid: int) -> None:
+        """Load-back `tid` reads the node's host copy: pinned and host-locked."""
+        s = node.full
+        s.pins.add(tid)
+        s.host_lock += 1
+        self.refresh(node)
+
+    def unpin(self, node: Node, tid: int) -> None:
+        """Drop `tid`'s pin (and its host lock) if it holds one; refresh either way."""
+        s = node.full
+        if tid in s.pins:
+            s.pins.discard(tid)
+            s.host_lock -= 1
+        self.refresh(node)
+
+    def lock_path(self, node: Node) -> None:
+        """Lock the node and every ancestor: no eviction from any tier until unlocked."""
         while node.parent is not None:
             s = node.full
-            if s.lock_ref == 0:
-                if s.device_pages is not None:
-                    n = count(s.device_pages)
-                    self.evictable_pages -= n
-                    self.protected_pages += n
-                s.lock_ref = 1
-                self._refresh(node)
-            else:
-                s.lock_ref += 1
+            s.lock_ref += 1
+            if s.lock_ref == 1:
+                self._move_locked_pages(s.device_pages, locked=True)
+                self.refresh(node)
             node = node.parent
 
-    def _unlock_path(self, node: Node) -> None:
+    def unlock_path(self, node: Node) -> None:
+        """Undo one `lock_path` of the node (the caller checked it holds one)."""
         while node.parent is not None:
             s = node.full
             s.lock_ref -= 1
             if s.lock_ref == 0:
-                if s.device_pages is not None:
-                    n = count(s.device_pages)
-                    self.protected_pages -= n
-                    self.evictable_pages += n
-                self._refresh(node)
+                self._move_locked_pages(s.device_pages, locked=False)
+                self.refresh(node)
             node = node.parent
 
-    # -- structure -------------------------------------------------------------------
+    def _move_locked_pages(self, pages: bytes | None, locked: bool) -> None:
+        if pages is None:
+            return
+        n = count(pages) if locked else -count(pages)
+        self.evictable_pages -= n
+        self.protected_pages += n
 
-    def _split(self, node: Node, pages: int) -> Node:
+    # -- structure and transfers ------------------------------------------------------
+
+    def split(self, node: Node, pages: int) -> Node:
         """Split `node` after `pages` pages; returns the new upper node. Transfers that
         copy `node` now copy both halves."""
         top = self.tree.split(node, pages)
@@ -163,22 +274,22 @@ class CacheState:
             t = self.transfers[tid]
             nodes = t.nodes if node in t.nodes else t.shared
             nodes.insert(nodes.index(node), top)
-        self._refresh(top)
+        self.refresh(top)
         return top
 
-    def _reserve_transfer_id(self) -> int:
+    def reserve_transfer_id(self) -> int:
         return next(self._transfer_ids)
 
-    def _new_transfer(self, kind: TransferKind, nodes: list[Node], tid: int = 0, **fields) -> Transfer:
+    def new_transfer(self, kind: TransferKind, nodes: list[Node], tid: int = 0, **fields) -> Transfer:
         """Record a transfer of `nodes`' current device and host pages (`tid` if reserved)."""
-        tid = tid or self._reserve_transfer_id()
+        tid = tid or self.reserve_transfer_id()
         dev = b"".join(n.full.device_pages or b"" for n in nodes)
         host = b"".join(n.full.host_pages or b"" for n in nodes)
         t = Transfer(tid, kind, nodes, dev, host, **fields)
         self.transfers[tid] = t
         return t
 
-    def _copying(self, nodes) -> set[int]:
+    def copying(self, nodes) -> set[int]:
         """Load-backs still copying into any of these nodes."""
         out = set()
         for node in nodes:
@@ -186,3 +297,36 @@ class CacheState:
                 if not self.transfers[tid].copied:
                     out.add(tid)
         return out
+
+    # -- the whole device tier ---------------------------------------------------------
+
+    def drop_device_tier(self) -> int:
+        """Forget every device page (the ledger is the caller's to replace). Device-only
+        nodes leave with the host-only nodes below them; host copies stay. Returns the
+        tokens dropped from the tree. No transfer may be in flight."""
+        dropped = 0
+        for root in self.tree.roots.values():
+            for node in list(root.children.values()):
+                dropped += self._drop_device_below(node)
+        return dropped
+
+    def _drop_device_below(self, node: Node) -> int:
+        dropped = 0
+        for child in list(node.children.values()):
+            dropped += self._drop_device_below(child)
+        s = node.full
+        if s.device_pages is not None:
+            self.clear_device(node)
+        if s.host_pages is None:
+            dropped += self._drop_subtree(node)
+        return dropped
+
+    def _drop_subtree(self, node: Node) -> int:
+        dropped = self.tokens(node)
+        for child in list(node.children.values()):
+            dropped += self._drop_subtree(child)
+        self.remove_node(node)
+        return dropped
+
+
+__all__ = ["CacheState"]

@@ -1,0 +1,107 @@
+"""Prefetch: storage -> host, into reserved host pages, and host-only nodes built from
+the fetched pages when they arrive."""
+
+from .copier import Copier
+from .node import Node
+from .pages import count
+from .results import FetchOutcome
+from .state import CacheState
+from .storage_tier import StorageTier
+from .host_space import HostSpace
+from .transfers import TransferKind
+
+
+class Prefetches:
+    """Receives the cache's state, host space (to reserve pages), storage tier (keys)
+    and copier."""
+
+    def __init__(self, state: CacheState, host_space: HostSpace, storage: StorageTier, copier: Copier):
+        self.state = state
+        self.host_space = host_space
+        self.storage = storage
+        self.copier = copier
+
+    def start(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None) -> int:
+        """Reserve host pages for up to `max_pages` pages of `tokens` past the cached
+        prefix and start fetching them from storage. Returns the transfer id, or 0 when
+        there is nothing to fetch or no host room. Mutates: reserves host pages."""
+        state = self.state
+        start, keys = self.storage.probe(tokens, extra_key)
+        keys = keys[:max(0, max_pages)]
+        if not keys:
+            return 0
+        host = self.host_space.alloc(len(keys))
+        if host is None:
+            return 0
+        state.host_reserved += len(keys)
+        t = state.new_transfer(TransferKind.FETCH, [], owner=owner)
+        t.host_pages, t.keys, t.extra_key, t.start_page = host, keys, extra_key, start
+        t.tokens = tokens[:(start + len(keys)) * state.tree.stride]
+        self.copier.fetch(t.id, t.keys, host)
+        return t.id
+
+    def done(self, transfer: int, pages_read: int, error: str | None = None) -> FetchOutcome:
+        """The first `pages_read` pages of a fetch arrived. They join the tree as host
+        copies (new host-only nodes, or the host copy of device-only nodes); pages
+        already cached elsewhere, or cut off from the tree by an eviction meanwhile,
+        are freed. Mutates."""
+        state = self.state
+        t = state.transfers.pop(transfer)
+        state.host_reserved -= count(t.host_pages)
+        n = max(0, min(pages_read, len(t.keys))) if error is None else 0
+        got, rest = t.host_pages[:n * 4], t.host_pages[n * 4:]
+        if rest:
+            state.host.free(rest)
+        added = 0
+        if n:
+            tokens = t.tokens[:(t.start_page + n) * state.tree.stride]
+            added = self.insert_host(tokens, t.start_page, got, t.extra_key)
+        state.counters.prefetched_tokens += added * state.config.page_size
+        return FetchOutcome(pages_read=n, added_tokens=added * state.config.page_size)
+
+    def insert_host(self, tokens: bytes, first: int, host_pages: bytes, extra_key: bytes) -> int:
+        """Attach fetched host pages (for pages `first`.. of `tokens`); returns pages
+        added. Pages the tree holds already, or whose prefix left it, are freed."""
+        state = self.state
+        tree = state.tree
+        root = tree.root(extra_key)
+        path, partial, k = tree.walk(root, tokens)
+        cached = sum(state.pages(n) for n in path) + k
+        if cached < first:  # the prefix before the fetched pages left the cache
+            state.host.free(host_pages)
+            return 0
+        if partial is not None:
+            path.append(state.split(partial, k))
+        added = self._attach_to_path(path, first, host_pages)
+        if cached < len(tokens) // tree.stride:
+            leaf = tree.add_child(path[-1] if path else root, tokens[cached * tree.stride:])
+            state.touch(leaf, state.tick())
+            state.refresh(leaf.parent)
+            state.attach_host(leaf, host_pages[(cached - first) * 4:])
+            added += state.pages(leaf)
+        return added
+
+    def _attach_to_path(self, path: list[Node], first: int, host_pages: bytes) -> int:
+        """Fetched pages for nodes already in the tree: a device-only node gains its host
+        copy; the rest (cached on host already) are freed. Returns pages attached."""
+        state = self.state
+        added = pos = 0
+        spare = []
+        for node in path:
+            m = state.pages(node)
+            lo, hi = max(first, pos), pos + m
+            if lo < hi:
+                pages = host_pages[(lo - first) * 4:(hi - first) * 4]
+                s = node.full
+                if lo == pos and s.host_pages is None and s.device_pages is not None:
+                    state.attach_host(node, pages)
+                    added += m
+                else:
+                    spare.append(pages)
+            pos = hi
+        for pages in spare:
+            state.host.free(pages)
+        return added
+
+
+__all__ = ["Prefetches"]
