@@ -1,15 +1,21 @@
-# syntax=docker/dockerfile:1
 # radixkv daemon image: multi-stage (the builder makes a virtualenv with radixkv
 # installed, the runtime stage copies it), non-root, socket directory as a volume.
+# `make image` builds it here (scripts/build-image.sh, docs/image.md): from a local
+# Debian base where no container registry is reachable, with the host's CA bundle,
+# pip index settings and CPU torch wheel staged into scripts/image-extra/. All of
+# those reach only the builder stage; the runtime stage copies /opt/radixkv alone.
 #
-# CPU hosts (shared-memory backend; the default):
+# CPU hosts (shared-memory backend; the default), from the public base:
 #   docker build -t radixkv:0.1.0 .
 # CUDA hosts: a CUDA runtime base image and the matching torch build, e.g.
 #   docker build -t radixkv:0.1.0-cu126 \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
-# Any base with python3 >= 3.11 works as is; one without python (the CUDA images)
-# gets the distribution's python3 and venv packages from apt in both stages.
+# Build args: BASE_IMAGE; TORCH_INDEX_URL and TORCH_SPEC (torch from an index), or
+# TORCH_WHEEL (a wheel file in scripts/image-extra/, e.g. the CPU wheel on disk).
+# scripts/image-extra/pip.conf, when present, configures pip in the builder (CA
+# bundle, indexes). Any base with python3 >= 3.11 works as is; one without python
+# (the CUDA images) gets the distribution's python3 and venv packages from apt.
 #
 # Run (engine and daemon share /run/radixkv, and the IPC namespace, so /dev/shm, for
 # the shm backend; add --gpus for CUDA):
@@ -21,6 +27,7 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_SPEC="torch>=2.4,<2.14"
+ARG TORCH_WHEEL=""
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # hadolint ignore=DL3008
 RUN if ! python3 -c 'import sys, ensurepip; assert sys.version_info >= (3, 11)' 2>/dev/null; then \
@@ -28,10 +35,14 @@ RUN if ! python3 -c 'import sys, ensurepip; assert sys.version_info >= (3, 11)' 
       && rm -rf /var/lib/apt/lists/*; \
     fi
 RUN python3 -m venv /opt/radixkv
-ENV PATH=/opt/radixkv/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch first, from the index matching the base image (CPU or a CUDA version).
+# Build inputs staged by scripts/build-image.sh (only a README in a plain checkout).
+COPY scripts/image-extra/ /tmp/image-extra/
+ENV PATH=/opt/radixkv/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CONFIG_FILE=/tmp/image-extra/pip.conf
+# torch first: a staged wheel, or the index matching the base image (CPU or a CUDA version).
 # hadolint ignore=DL3013
-RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
+RUN if [ -n "${TORCH_WHEEL}" ]; then pip install "/tmp/image-extra/${TORCH_WHEEL}"; \
+    else pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"; fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY server/ server/
