@@ -41,3 +41,12 @@ def chain(tree: RadixTree, *runs, extra_key: bytes = b""):
         node = tree.add_child(node, packed(run))
         out.append(node)
     return out
+
+
+def path_of(node) -> list:
+    """A residency record's path: (id, key) from `node` up to the root, deepest first."""
+    out = []
+    while node.parent is not None:
+        out.append((node.id, node.key))
+        node = node.parent
+    return out

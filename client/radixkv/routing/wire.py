@@ -1,0 +1,98 @@
+"""vLLM's KV-events wire format (vLLM 0.32, `vllm/distributed/kv_events.py`), as our own
+msgspec structs that encode byte for byte as vLLM's do and decode vLLM's batches.
+
+- A batch is a msgpack array `[ts, events, data_parallel_rank]` (`array_like=True`).
+- Each event is a msgpack map whose first key is `"type"` (the class name: `BlockStored`,
+  `BlockRemoved`, `AllBlocksCleared`), then its fields in declaration order; fields left
+  at their default are omitted (`omit_defaults=True`). vLLM switched events from arrays to
+  maps in 0.2x (vllm-project/vllm#42892); this module reads and writes maps only.
+- ZMQ framing (PUB): `(topic, seq, payload)`, `seq` an 8-byte big-endian unsigned int.
+  Replay (ROUTER): a request `(b"", seq)` from a DEALER (a REQ socket adds the empty frame
+  itself) answers `(b"", topic, seq, payload)` per buffered batch with seq >= the request,
+  then `(b"", b"", END_SEQ, b"")`, END_SEQ being -1 as 8 signed big-endian bytes.
+"""
+
+from typing import Any
+
+import msgspec
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+BlockHash = int | bytes  # vLLM's ExternalBlockHash: a 64-bit int by default, else 32 bytes
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the three events; `tag=True` writes the class name under "type"."""
+
+
+class BlockStored(KVCacheEvent):
+    """Blocks now resident on `medium`, chained: block i's parent is block i-1, block 0's
+    is `parent_block_hash` (None: the prompt's first block). `token_ids` holds
+    `block_size` ids per block."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks no longer resident on `medium` (None: on every medium vLLM knows)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """Everything the publisher announced (for this topic) is gone."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode one payload; raises msgspec.DecodeError (a ValueError) on a bad one."""
+    return _decoder.decode(payload)
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def seq_of(frame: bytes) -> int:
+    """Sequence number of an 8-byte frame; -1 for END_SEQ."""
+    if len(frame) != 8:
+        raise ValueError(f"sequence frame must be 8 bytes, got {len(frame)}")
+    if frame == END_SEQ:
+        return -1
+    return int.from_bytes(frame, "big")

@@ -1,0 +1,89 @@
+"""Residency records -> vLLM KV events, on the publisher thread (never on the event loop).
+
+A record is what the loop captured when a node's residency changed: the tier, stored or
+removed, the node's `extra_key` and its path to the root as `(node_id, key)` pairs,
+deepest first. Keys are immutable `bytes`, so a record stays valid whatever the tree does
+afterwards. One vLLM block is one radixkv page: a node of k pages gives one event with k
+block hashes (`radixkv.routing.blockhash`).
+
+The digest of a node's last page names the whole token path from the root to the node's
+end, which no split changes, so it is cached by node id (per namespace attachment: ids
+restart with a new tree) and dropped when the node leaves its last tier.
+"""
+
+from radixkv.routing.blockhash import DEFAULT_SEED, as_token_array, block_digests, external_hash
+from radixkv.routing.wire import (
+    MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, Event,
+)
+
+TIER_MEDIUM = {"device": MEDIUM_GPU, "host": MEDIUM_CPU, "storage": MEDIUM_STORAGE}
+_TIER_BIT = {MEDIUM_GPU: 1, MEDIUM_CPU: 2, MEDIUM_STORAGE: 4}
+STORED, REMOVED, CLEARED = 0, 1, 2
+CLEAR_RECORD = (CLEARED, None, b"", ())
+FULL_ATTENTION = "full_attention"  # radixkv caches FULL attention KV (group 0) only
+
+
+class EventBuilder:
+    """Turns one namespace attachment's records into events. Used by one thread only."""
+
+    def __init__(self, block_size: int, seed: str = DEFAULT_SEED, max_cached: int = 1 << 20):
+        self.block_size = block_size
+        self.seed = seed
+        self._digests: dict[int, bytes] = {}  # node id -> digest of its last page
+        self._resident: dict[int, int] = {}   # node id -> bit set of announced tiers
+        self._max_cached = max_cached
+
+    def build(self, records) -> list[Event]:
+        out: list[Event] = []
+        for kind, medium, extra_key, path in records:
+            if kind == CLEARED:
+                self._digests.clear()
+                self._resident.clear()
+                out.append(AllBlocksCleared())
+            else:
+                out.append(self._event(kind, medium, extra_key, path))
+        if len(self._digests) > self._max_cached:  # a cache only: recomputed on demand
+            self._digests.clear()
+        return out
+
+    def _event(self, kind: int, medium: str, extra_key: bytes, path) -> Event:
+        start = self._start_digest(path, extra_key)
+        node_id, key = path[0]
+        digests = block_digests(key, self.block_size, parent=start, extra_key=extra_key, seed=self.seed)
+        hashes = [external_hash(d) for d in digests]
+        bit = _TIER_BIT[medium]
+        if kind == REMOVED:
+            left = self._resident.get(node_id, 0) & ~bit
+            if left:
+                self._resident[node_id] = left
+                self._digests[node_id] = digests[-1]
+            else:
+                self._resident.pop(node_id, None)
+                self._digests.pop(node_id, None)
+            return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0)
+        self._resident[node_id] = self._resident.get(node_id, 0) | bit
+        self._digests[node_id] = digests[-1]
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None if start is None else external_hash(start),
+            token_ids=as_token_array(key).tolist(),
+            block_size=self.block_size,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            extra_keys=[(bytes(extra_key),)] * len(hashes) if extra_key else None,
+            group_idx=0,
+            kv_cache_spec_kind=FULL_ATTENTION,
+        )
+
+    def _start_digest(self, path, extra_key: bytes) -> bytes | None:
+        """Digest of the page before path[0] (None at the root), caching ancestors'."""
+        i = 1
+        while i < len(path) and path[i][0] not in self._digests:
+            i += 1
+        prev = self._digests[path[i][0]] if i < len(path) else None
+        for j in range(i - 1, 0, -1):
+            node_id, key = path[j]
+            prev = block_digests(key, self.block_size, parent=prev, extra_key=extra_key, seed=self.seed)[-1]
+            self._digests[node_id] = prev
+        return prev
