@@ -1,0 +1,60 @@
+"""The connector's settings, read from vLLM's `kv_connector_extra_config`.
+
+    --kv-transfer-config '{"kv_connector": "RadixKVConnector",
+                           "kv_connector_module_path": "radixkv.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"target": "unix:///run/radixkv/radixkv.sock",
+                                                         "namespace": "llama3-8b"}}'
+
+Keys (all optional): `target` (the daemon's address), `namespace` (one per model and KV
+layout; default "vllm/<served model name>"), `model` (identity of the weights for
+storage keys; default the namespace), `timeout_s` (deadline of each daemon call),
+`connect_timeout_s` (how long startup waits for the daemon before failing),
+`host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
+from a session that is still registered, e.g. of an engine that was killed).
+An unknown key is an error: a typo must not silently fall back to a default.
+"""
+
+from dataclasses import dataclass, fields
+
+from radixkv.client import DEFAULT_TARGET
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    target: str = DEFAULT_TARGET
+    namespace: str = ""
+    model: str = ""
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 10.0
+    host_pool_pages: int = 0
+    replace_existing: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: dict | None, served_model: str) -> "ConnectorConfig":
+        """Settings from `kv_connector_extra_config`. Raises ValueError naming an unknown
+        key or a value of the wrong type."""
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"radixkv: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {sorted(known)}")
+        values = {}
+        for key, value in extra.items():
+            kind = type(getattr(cls, key))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"radixkv: kv_connector_extra_config[{key!r}] must be "
+                                 f"{kind.__name__}, got {value!r}")
+            values[key] = value
+        config = cls(**values)
+        if not config.namespace:
+            config = cls(**{**values, "namespace": f"vllm/{served_model}"})
+        if config.timeout_s <= 0 or config.connect_timeout_s <= 0:
+            raise ValueError("radixkv: timeout_s and connect_timeout_s must be > 0")
+        return config
+
+
+__all__ = ["ConnectorConfig"]

@@ -1,0 +1,178 @@
+"""RadixKVConnector: radixkv as a vLLM (0.32) KV connector.
+
+    LLM(model, kv_transfer_config={"kv_connector": "RadixKVConnector",
+                                   "kv_connector_module_path": "radixkv.vllm",
+                                   "kv_role": "kv_both",
+                                   "kv_connector_extra_config": {"target": "unix:///..."}})
+
+vLLM makes one instance per role. The worker instance (one per TP rank) places vLLM's
+KV cache in shared memory (`get_mem_pool_context`), registers it with the daemon
+(`register_kv_caches`), loads hits into the blocks the scheduler chose before the
+forward (`start_load_kv`) and inserts newly full blocks after it (`wait_for_save`),
+reporting blocks that failed to load (`get_block_ids_with_load_errors`) so vLLM
+recomputes them. The scheduler instance answers lookups asynchronously and plans loads
+and saves (`radixkv.vllm.scheduler`). docs/vllm.md describes the mapping.
+
+Today's daemon allows one session per namespace, so the scheduler instance uses the
+session of the worker in its own process (tensor_parallel_size 1, where vLLM runs the
+worker inside the engine core); with workers in other processes it reports no hits
+until the daemon serves engine-managed namespaces (docs/vllm.md).
+"""
+
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from . import daemon
+from .config import ConnectorConfig
+from .kvmemory import ShmAllocation, describe
+from .metadata import RadixKVMetadata
+from .scheduler import SchedulerSide
+
+log = logging.getLogger("radixkv.vllm")
+
+
+class RadixKVConnector(KVConnectorBase_V1):
+    """vLLM's KVConnectorBase_V1 backed by a radixkv daemon."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config,
+                                                 vllm_config.model_config.served_model_name)
+        self.engine_id = tc.engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_rank, self.tp_size = _tp_rank(vllm_config)
+        self._adapter: daemon.DaemonAdapter | None = None
+        self._allocation: ShmAllocation | None = None
+        self._scheduler: SchedulerSide | None = None
+        self._scheduler_checked = False
+        self._load_errors: set[int] = set()
+
+    # -- worker side -------------------------------------------------------------------
+
+    def get_mem_pool_context(self):
+        """On CPU: place vLLM's one KV allocation in a shared-memory segment."""
+        if self._vllm_config.device_config.device.type != "cpu":
+            return None  # CUDA: registered by IPC handle instead (not wired yet)
+        self._allocation = ShmAllocation()
+        return self._allocation
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe vLLM's KV memory to the daemon and open the session. Raises
+        RuntimeError (vLLM fails to start) when the daemon is unreachable or refuses."""
+        seg = self._allocation.segment if self._allocation is not None else None
+        if seg is None:
+            raise RuntimeError("radixkv: vLLM's KV cache is not in shared memory; this connector "
+                               "supports vLLM's CPU build today (CUDA: docs/vllm.md)")
+        memory = describe(kv_caches, seg.tensor, seg.name.encode(), self.block_size)
+        ns = self.config.namespace if self.tp_size == 1 else f"{self.config.namespace}/tp{self.tp_rank}"
+        cfg = ConnectorConfig(**{**self.config.__dict__, "namespace": ns})
+        adapter = daemon.DaemonAdapter(cfg, engine=f"vllm pid {os.getpid()} rank {self.tp_rank}")
+        try:
+            adapter.attach(memory)
+        except BaseException:
+            adapter.close()
+            seg.unlink()
+            raise
+        self._adapter = adapter
+        daemon.publish(self.engine_id, adapter)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Load this step's hits into their blocks (synchronously, before the forward)."""
+        meta = self._meta()
+        if meta is None or self._adapter is None:
+            return
+        for spec in meta.loads:
+            got = self._adapter.load(spec.tokens, spec.block_ids, spec.local_blocks, spec.node)
+            self._adapter.release([spec.lease])
+            failed = spec.load_blocks[got:]
+            if failed:
+                self._load_errors.update(failed)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # whole blocks of every layer are saved in wait_for_save
+
+    def wait_for_save(self) -> None:
+        """Insert the blocks this step filled; they are the daemon's copy on return."""
+        meta = self._meta()
+        if meta is None or self._adapter is None:
+            return
+        for spec in meta.saves:
+            self._adapter.save(spec.tokens, spec.block_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._adapter is not None:
+            daemon.withdraw(self.engine_id)
+            self._adapter.close()
+        if self._allocation is not None and self._allocation.segment is not None:
+            self._allocation.segment.unlink()
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        side = self._side()
+        if side is None:
+            return 0, False
+        return side.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        side = self._side()
+        if side is not None:
+            side.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> RadixKVMetadata:
+        side = self._side()
+        return side.build(scheduler_output) if side is not None else RadixKVMetadata()
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves finish within the step that filled a block, so blocks free at once."""
+        side = self._side()
+        if side is not None:
+            side.finished(request)
+        return False, None
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _meta(self) -> RadixKVMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, RadixKVMetadata) else None
+
+    def _side(self) -> SchedulerSide | None:
+        """The scheduler state, once a worker of this engine registered in this process."""
+        if self._scheduler is None and not self._scheduler_checked:
+            adapter = daemon.attached(self.engine_id)
+            if adapter is None:
+                self._scheduler_checked = True
+                log.warning("radixkv: no worker of engine %s in this process (tensor parallel "
+                            "workers run apart): lookups report no hits until the daemon serves "
+                            "engine-managed namespaces", self.engine_id)
+                return None
+            self._scheduler = SchedulerSide(adapter, self.block_size, lambda: self._kv_cache_manager)
+        return self._scheduler
+
+
+def _tp_rank(vllm_config) -> tuple[int, int]:
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    try:
+        return get_tensor_model_parallel_rank(), size
+    except (AssertionError, RuntimeError):
+        return 0, size  # the scheduler process has no TP group
+
+
+__all__ = ["RadixKVConnector"]

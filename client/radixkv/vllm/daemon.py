@@ -1,0 +1,201 @@
+"""Every daemon call the vLLM connector makes, in one place.
+
+The connector needs an *engine-managed device tier*: vLLM owns its blocks and its prefix
+cache, so the daemon may touch a vLLM block only during a transfer the connector asked
+for, and must forget it afterwards (docs/vllm.md, "What the daemon must provide").
+Today's daemon has only the managed-device mode (Insert hands device pages to the tree;
+one session per namespace), so `DaemonAdapter` emulates the engine-managed contract on it:
+
+- the namespace uses the `write_back` policy, and after every Insert or LoadBack the
+  adapter calls Evict for every device page the tree holds: Evict copies new pages to
+  host (waiting for the copy) and hands every page back, so between calls the tree holds
+  no vLLM block and Match reports host hits only;
+- `load` first labels the blocks vLLM already holds (its own prefix-cache hit) with an
+  Insert, so LoadBack writes only the blocks after them, never a block vLLM shares;
+- every call sequence runs under one lock, so a Match never sees another sequence's
+  transient device pages.
+
+When the daemon grows the engine-managed mode, only this module changes. Failures never
+reach vLLM as exceptions after startup: a lookup that fails is a miss, a load that fails
+loads nothing (vLLM recomputes), a save that fails is skipped; each is logged.
+"""
+
+import logging
+import threading
+from array import array
+from dataclasses import dataclass
+
+from radixkv.client import Client
+from radixkv.errors import RadixKVError
+from radixkv.types import as_packed
+
+from .config import ConnectorConfig
+from .kvmemory import KvMemory
+
+log = logging.getLogger("radixkv.vllm")
+
+WRITE_POLICY = "write_back"  # Insert copies nothing; the Evict that follows copies, then frees
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup's answer for one prompt: the first `tokens` tokens are cached (host
+    tier), ending at `node`; `lease` (0: none) keeps them until released."""
+
+    tokens: int
+    node: int
+    lease: int
+
+
+MISS = Hit(0, 0, 0)
+
+
+class DaemonAdapter:
+    """One worker's session on the daemon, shared with the scheduler-side connector of
+    the same process (see `attached`). Thread-safe: the scheduler looks up from its own
+    thread while the worker loads and saves."""
+
+    def __init__(self, config: ConnectorConfig, engine: str):
+        self.config = config
+        self.engine = engine
+        self.memory: KvMemory | None = None
+        self._client = Client(config.target, timeout=config.timeout_s)
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def attach(self, memory: KvMemory) -> None:
+        """Register vLLM's KV memory. Raises RuntimeError with the daemon's reason when
+        the daemon is not reachable within connect_timeout_s or refuses the layout."""
+        cfg = self.config
+        try:
+            self._client.wait_ready(cfg.connect_timeout_s)
+            self._client.register(
+                cfg.namespace, memory.layout, memory.buffers, memory.num_blocks, backend="shm",
+                write_policy=WRITE_POLICY, host_pool_pages=cfg.host_pool_pages,
+                replace_existing=cfg.replace_existing, engine=self.engine, model=cfg.model)
+        except RadixKVError as e:
+            raise RuntimeError(f"radixkv: cannot register vLLM's KV cache with the daemon at "
+                               f"{cfg.target} (namespace {cfg.namespace!r}): {e}") from None
+        self.memory = memory
+        log.info("radixkv: registered %d blocks x %d layers with %s, namespace %r",
+                 memory.num_blocks, memory.layout.num_layers, cfg.target, cfg.namespace)
+
+    def close(self) -> None:
+        """End the session (the daemon then no longer touches vLLM's memory). Idempotent."""
+        with self._lock:
+            self._client.close()
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def lookup(self, prompts: list[bytes]) -> list[Hit]:
+        """One batched Match with leases: the host-tier hit of each prompt (packed
+        tokens). A daemon that cannot answer gives misses."""
+        if not prompts:
+            return []
+        try:
+            with self._lock:
+                results = self._client.match(prompts, lease=True)
+        except RadixKVError as e:
+            log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
+            return [MISS] * len(prompts)
+        hits = []
+        for r in results:
+            if r.device_tokens:  # the tree should hold no vLLM block between calls
+                self._release([r.lease])
+                hits.append(MISS)
+            else:
+                hits.append(Hit(r.host_tokens, r.host_node, r.lease))
+        return hits
+
+    def release(self, leases: list[int]) -> None:
+        """Release lookup leases (0s skipped); failures are logged (the daemon releases a
+        lost session's leases itself)."""
+        with self._lock:
+            self._release(leases)
+
+    # -- worker side -------------------------------------------------------------------
+
+    def load(self, tokens: bytes, block_ids, local_blocks: int, node: int) -> int:
+        """Copy the cached pages of `tokens` after the first `local_blocks` into the blocks
+        `block_ids[local_blocks:]`; returns how many of those pages arrived (a prefix of
+        them, 0 on any failure). Blocks before `local_blocks` are read-only here."""
+        page = self.memory.layout.page_size
+        want = len(block_ids) - local_blocks
+        with self._lock:
+            try:
+                if local_blocks:
+                    self._insert(tokens[:local_blocks * page * 4], block_ids[:local_blocks])
+                result = self._client.load_back(node, array("i", block_ids[local_blocks:]))
+                if result.transfer:
+                    outcome = self._client.wait([result.transfer])[result.transfer]
+                    if not outcome.ok:
+                        log.warning("radixkv: load of %d pages failed: %s", want, outcome.reason)
+                        return 0
+                loaded = result.loaded_tokens // page
+                if result.device_tokens != (local_blocks + loaded) * page:
+                    log.warning("radixkv: load planned against blocks vLLM does not own; ignored")
+                    return 0
+                return min(loaded, want)
+            except RadixKVError as e:
+                log.warning("radixkv: load of %d pages failed: %s", want, e)
+                return 0
+            finally:
+                self._forget_device()
+
+    def save(self, tokens: bytes, block_ids) -> bool:
+        """Insert whole pages of `tokens` from `block_ids` and wait until the daemon holds
+        its own copy; vLLM may reuse the blocks when this returns. False when the daemon
+        could not take them (logged)."""
+        with self._lock:
+            try:
+                self._insert(tokens, block_ids)
+                return True
+            except RadixKVError as e:
+                log.warning("radixkv: save of %d pages skipped: %s", len(block_ids), e)
+                return False
+            finally:
+                self._forget_device()
+
+    # -- emulation of the engine-managed tier on today's daemon ------------------------
+
+    def _insert(self, tokens: bytes, block_ids) -> None:
+        self._client.insert(as_packed(tokens), array("i", block_ids))
+
+    def _forget_device(self) -> None:
+        """Hand every device page back from the tree (copying to host what it lacks)."""
+        if self.memory is None:
+            return
+        try:
+            self._client.evict(self.memory.num_blocks)
+        except RadixKVError as e:
+            log.warning("radixkv: could not take vLLM's blocks back from the daemon: %s", e)
+
+    def _release(self, leases: list[int]) -> None:
+        leases = [x for x in leases if x]
+        if leases:
+            try:
+                self._client.release(leases)
+            except RadixKVError as e:
+                log.warning("radixkv: releasing %d leases failed: %s", len(leases), e)
+
+
+# Adapters of the workers living in this process, by vLLM engine id: the scheduler-side
+# connector of the same engine (same process when tensor_parallel_size is 1) uses it.
+_ATTACHED: dict[str, DaemonAdapter] = {}
+
+
+def publish(engine_id: str, adapter: DaemonAdapter) -> None:
+    _ATTACHED[engine_id] = adapter
+
+
+def attached(engine_id: str) -> DaemonAdapter | None:
+    """The worker adapter of engine `engine_id` in this process, if any."""
+    return _ATTACHED.get(engine_id)
+
+
+def withdraw(engine_id: str) -> None:
+    _ATTACHED.pop(engine_id, None)
+
+
+__all__ = ["DaemonAdapter", "Hit", "MISS", "attached", "publish", "withdraw"]

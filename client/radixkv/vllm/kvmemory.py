@@ -1,0 +1,152 @@
+"""vLLM's KV memory as the daemon sees it: where it lives and how its pages are laid out.
+
+vLLM 0.32 allocates a worker's whole KV cache as one flat int8 tensor
+(`vllm.v1.worker.utils.allocate_kv_cache`: `torch.zeros(size, dtype=torch.int8)`) inside
+the context the KV connector returns from `get_mem_pool_context()`, then views it per
+layer as `[num_blocks, heads, block_size, content]`. `ShmAllocation` is that context on
+CPU: the one allocation lands in a POSIX shared-memory segment (`/dev/shm/<name>`) that
+the daemon maps, so it copies vLLM's blocks in place, with no staging copy.
+
+`describe(kv_caches, base)` turns vLLM's per-layer views into what Register takes: per
+layer a buffer (segment, byte offset of block 0, size) and one page geometry shared by
+all layers. A page is one vLLM block of one layer, copied as opaque bytes, so the daemon
+does not need to know the attention backend's interior layout (CPU attention keeps K and
+V of a block together; the daemon never looks inside).
+"""
+
+import os
+import secrets
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from radixkv.kvbuffers import BufferSpec
+from radixkv.layout import KvLayout
+
+SHM_DIR = "/dev/shm"
+PREFIX = "radixkv_vllm_"
+
+
+class ShmSegment:
+    """One POSIX shared-memory segment this process created and owns (unlinks).
+
+    `tensor` is a flat int8 view of the whole segment (zero-filled), mapped MAP_SHARED so
+    the daemon's mapping sees the same bytes. The mapping lives as long as the tensor
+    and its views do; `unlink` removes the name (a daemon that mapped it keeps its map)."""
+
+    def __init__(self, size: int, name: str | None = None):
+        if size < 1:
+            raise ValueError(f"a shared-memory segment needs at least 1 byte, got {size}")
+        self.name = name or f"{PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.size = size
+        self.tensor = torch.from_file(self.path, shared=True, size=size, dtype=torch.int8)
+
+    def unlink(self) -> None:
+        """Remove the segment's name. Idempotent."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class ShmAllocation(TorchFunctionMode):
+    """Context manager: the first `torch.zeros(n, dtype=torch.int8)` on CPU inside it
+    returns a shared-memory segment's tensor instead (vLLM's KV cache allocation). Every
+    other call runs unchanged. After the block, `segment` is the segment (None when vLLM
+    allocated nothing there, e.g. a model without KV cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.segment: ShmSegment | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.zeros and self.segment is None and _is_flat_int8_cpu(args, kwargs):
+            size = args[0] if isinstance(args[0], int) else args[0][0]
+            self.segment = ShmSegment(int(size))
+            return self.segment.tensor
+        return func(*args, **kwargs)
+
+
+def _is_flat_int8_cpu(args, kwargs) -> bool:
+    if kwargs.get("dtype") is not torch.int8 or len(args) != 1:
+        return False
+    size = args[0]
+    if isinstance(size, (tuple, list, torch.Size)):
+        if len(size) != 1:
+            return False
+        size = size[0]
+    device = kwargs.get("device")
+    return isinstance(size, int) and (device is None or torch.device(device).type == "cpu")
+
+
+@dataclass(frozen=True)
+class KvMemory:
+    """What Register needs about vLLM's KV memory on one worker.
+
+    `layout`: one page = one block of one layer, as an opaque run of `page_bytes`
+    (described to today's daemon as kv_format "mla" with head_dim = bytes of a token's
+    content in `dtype` units). `buffers`: one per layer, in vLLM's layer order, each
+    starting at block 0 of that layer. `block_stride`: bytes from one block of a layer
+    to the next (equal to the page size for layer-outermost layouts, the only ones
+    today's daemon accepts). `layer_names`: vLLM's names, in buffer order."""
+
+    layout: KvLayout
+    buffers: tuple[BufferSpec, ...]
+    num_blocks: int
+    block_stride: int
+    page_bytes: int
+    layer_names: tuple[str, ...]
+
+
+def describe(kv_caches: dict[str, torch.Tensor], base: torch.Tensor, handle: bytes,
+             block_size: int) -> KvMemory:
+    """Describe vLLM's per-layer KV views (`register_kv_caches`' argument), all views of
+    `base` (the allocation, named `handle` for the daemon). Raises ValueError, naming the
+    layer, when a layer is not a view of `base`, its blocks are not dense pages, or the
+    layers disagree on shape or dtype (one full-attention group is supported)."""
+    if not kv_caches:
+        raise ValueError("vLLM registered no KV cache layers")
+    names = tuple(kv_caches)
+    first = kv_caches[names[0]]
+    base_ptr = base.data_ptr()
+    end = base_ptr + base.numel() * base.element_size()
+    buffers = []
+    for name in names:
+        t = kv_caches[name]
+        if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
+            raise ValueError(f"layer {name}: shape {tuple(t.shape)} {t.dtype} differs from layer "
+                             f"{names[0]}'s {tuple(first.shape)} {first.dtype}; radixkv supports "
+                             "one full-attention KV cache group")
+        if not base_ptr <= t.data_ptr() < end:
+            raise ValueError(f"layer {name}: its KV cache is not in the shared-memory allocation")
+        buffers.append((t.data_ptr() - base_ptr, t))
+    num_blocks, heads, tokens = first.shape[0], first.shape[1], first.shape[2]
+    if tokens != block_size:
+        raise ValueError(f"KV cache views hold {tokens} tokens per block, vLLM's block size is "
+                         f"{block_size}: kernel block splitting is not supported")
+    item = first.element_size()
+    page_bytes = first[0].numel() * item
+    block_stride = first.stride(0) * item
+    if not first[0].is_contiguous():
+        raise ValueError(f"a KV block of layer {names[0]} is not one dense run of bytes "
+                         f"(shape {tuple(first.shape)}, strides {first.stride()})")
+    dtype = str(first.dtype).removeprefix("torch.")
+    layout = KvLayout(num_layers=len(names), num_kv_heads=heads,
+                      head_dim=first.shape[3] if first.dim() == 4 else page_bytes // (heads * tokens * item),
+                      dtype=dtype, page_size=tokens, kv_format="mla")
+    specs = tuple(BufferSpec(handle, off, num_blocks * block_stride) for off, _ in buffers)
+    return KvMemory(layout, specs, num_blocks, block_stride, page_bytes, names)
+
+
+__all__ = ["KvMemory", "PREFIX", "ShmAllocation", "ShmSegment", "describe"]

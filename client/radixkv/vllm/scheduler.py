@@ -1,0 +1,181 @@
+"""The scheduler side of the connector: lookups that never block, load and save plans.
+
+vLLM asks `get_num_new_matched_tokens` for each waiting request, possibly several times.
+The first ask queues the prompt and answers None ("ask again next step"); one thread
+sends every queued prompt in one batched Match and files the answers; a later ask gets
+the hit. So the scheduler never waits on an RPC, and a step costs one Match at most.
+
+A hit holds a lease (the daemon keeps the pages) until it is loaded, or the request
+finishes, or vLLM decides not to load it: `Lookups.release` is idempotent and every exit
+path calls it.
+"""
+
+import logging
+import threading
+from array import array
+
+from .daemon import MISS, DaemonAdapter, Hit
+from .metadata import LoadSpec, RadixKVMetadata, SaveSpec
+
+log = logging.getLogger("radixkv.vllm")
+
+
+class Lookups:
+    """Asynchronous, batched Match per request id."""
+
+    def __init__(self, adapter: DaemonAdapter):
+        self._adapter = adapter
+        self._cond = threading.Condition()
+        self._queued: dict[str, bytes] = {}
+        self._hits: dict[str, Hit] = {}
+        self._dropped: set[str] = set()  # finished while its Match was in flight
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="radixkv-lookups", daemon=True)
+        self._thread.start()
+
+    def poll(self, req_id: str, tokens: bytes) -> Hit | None:
+        """The hit for `req_id`, or None while its lookup is queued or in flight (the
+        first call queues it)."""
+        with self._cond:
+            hit = self._hits.get(req_id)
+            if hit is None and req_id not in self._queued:
+                self._queued[req_id] = tokens
+                self._dropped.discard(req_id)
+                self._cond.notify()
+            return hit
+
+    def release(self, req_id: str) -> None:
+        """Forget `req_id`'s hit and release its lease (idempotent)."""
+        with self._cond:
+            hit = self._hits.pop(req_id, None)
+            if self._queued.pop(req_id, None) is None and hit is None:
+                self._dropped.add(req_id)  # in flight: release its lease on arrival
+        if hit is not None and hit.lease:
+            self._adapter.release([hit.lease])
+
+    def take(self, req_id: str) -> Hit:
+        """Forget `req_id`'s hit without releasing it: the caller now owns its lease."""
+        with self._cond:
+            return self._hits.pop(req_id, MISS)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=5)
+        with self._cond:
+            leases = [h.lease for h in self._hits.values()]
+            self._hits.clear()
+        self._adapter.release(leases)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queued and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                batch, self._queued = self._queued, {}
+            hits = self._adapter.lookup(list(batch.values()))
+            stale = []
+            with self._cond:
+                for req_id, hit in zip(batch, hits):
+                    if req_id in self._dropped:
+                        self._dropped.discard(req_id)
+                        stale.append(hit.lease)
+                    else:
+                        self._hits[req_id] = hit
+            self._adapter.release(stale)
+
+
+class SchedulerSide:
+    """State of the scheduler-side connector for one engine.
+
+    `saved[req]` counts the tokens of a request radixkv already holds (its hit, then
+    every save), so each full block is inserted once, at the end of the step that
+    filled it."""
+
+    def __init__(self, adapter: DaemonAdapter, block_size: int, kv_cache_manager_fn):
+        self.block_size = block_size
+        self._kv_manager = kv_cache_manager_fn  # () -> vLLM's KVCacheManager (bound late)
+        self.lookups = Lookups(adapter)
+        self._requests: dict = {}
+        self._computed: dict[str, int] = {}
+        self._saved: dict[str, int] = {}
+        self._loads: list[LoadSpec] = []
+
+    def matched(self, request, num_computed: int) -> tuple[int | None, bool]:
+        """get_num_new_matched_tokens: (tokens to load beyond `num_computed`, False), or
+        (None, False) while the lookup is in flight. Loads are synchronous: the worker
+        finishes them before the forward that reads them."""
+        req_id = request.request_id
+        self._requests[req_id] = request
+        hit = self.lookups.poll(req_id, _packed(request.all_token_ids, request.num_tokens))
+        if hit is None:
+            return None, False
+        bs = self.block_size
+        usable = min(hit.tokens, (request.num_tokens - 1) // bs * bs)  # one token to compute
+        self._computed[req_id] = num_computed
+        return max(0, usable - num_computed), False
+
+    def allocated(self, request, blocks, num_external: int) -> None:
+        """update_state_after_alloc: plan the load into the blocks vLLM allocated."""
+        req_id = request.request_id
+        if num_external <= 0:
+            self._saved.setdefault(req_id, 0)
+            self.lookups.release(req_id)
+            return
+        hit = self.lookups.take(req_id)
+        bs = self.block_size
+        local = self._computed.get(req_id, 0)
+        end = local + num_external
+        block_ids = tuple(blocks.get_block_ids()[0][:end // bs])
+        tokens = _packed(request.all_token_ids, end)
+        self._loads.append(LoadSpec(req_id, tokens, block_ids, local // bs, hit.node, hit.lease))
+        self._saved[req_id] = end
+
+    def build(self, scheduler_output) -> RadixKVMetadata:
+        """build_connector_meta: this step's loads, and the full blocks it computes."""
+        meta = RadixKVMetadata(loads=self._loads)
+        self._loads = []
+        steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        steps += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in steps:
+            save = self._save_spec(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def finished(self, request) -> None:
+        """request_finished (and aborts, preemption-then-finish): drop every trace."""
+        req_id = request.request_id
+        self.lookups.release(req_id)
+        for table in (self._requests, self._computed, self._saved):
+            table.pop(req_id, None)
+
+    def close(self) -> None:
+        self.lookups.close()
+
+    def _save_spec(self, req_id: str, end: int) -> SaveSpec | None:
+        request = self._requests.get(req_id)
+        manager = self._kv_manager()
+        if request is None or manager is None:
+            return None
+        bs = self.block_size
+        end = min(end, request.num_tokens) // bs * bs
+        if end <= self._saved.get(req_id, 0):
+            return None
+        block_ids = tuple(manager.get_block_ids(req_id)[0][:end // bs])
+        if len(block_ids) * bs < end:
+            return None
+        self._saved[req_id] = end
+        return SaveSpec(req_id, _packed(request.all_token_ids, end), block_ids)
+
+
+def _packed(tokens, n: int) -> bytes:
+    """The first `n` tokens as packed int32 bytes."""
+    return array("i", tokens[:n]).tobytes()
+
+
+__all__ = ["Lookups", "SchedulerSide"]
