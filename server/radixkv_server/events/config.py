@@ -1,0 +1,47 @@
+"""Settings of the event publisher. The daemon's `DaemonConfig` is meant to carry the
+`kv_events_*` fields listed in docs/events.md and build this with `from_daemon`."""
+
+from dataclasses import dataclass
+
+from radixkv.routing.blockhash import DEFAULT_SEED
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    endpoint: str = ""           # ZMQ PUB address, e.g. tcp://*:5557 ("": no ZMQ)
+    replay_endpoint: str = ""    # ZMQ ROUTER address for replay, e.g. tcp://*:5558 ("": none)
+    topic: str = "kv@{namespace}"  # per-namespace topic; {namespace} is substituted
+    queue_size: int = 10_000     # batches waiting for the publisher thread; then dropped
+    ring_size: int = 10_000      # batches kept for replay (ZMQ and WatchEvents)
+    hwm: int = 100_000           # ZMQ send high-water mark per subscriber
+    subscriber_buffer: int = 1_000  # batches one WatchEvents stream may fall behind
+    hash_seed: str = DEFAULT_SEED   # block-hash chain seed (vLLM's NONE_HASH seed)
+    data_parallel_rank: int = 0  # written into every batch, as vLLM does
+
+    def __post_init__(self):
+        for name in ("queue_size", "ring_size", "hwm", "subscriber_buffer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv_events {name} must be >= 1, got {getattr(self, name)}")
+        if self.replay_endpoint and not self.endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value and "://" not in value:
+                raise ValueError(f"kv_events {name} must be a ZMQ address such as "
+                                 f"tcp://*:5557 or ipc:///path, got {value!r}")
+
+    def topic_for(self, namespace: str) -> bytes:
+        return self.topic.replace("{namespace}", namespace).encode()
+
+    @classmethod
+    def from_daemon(cls, config) -> "EventsConfig":
+        """From a DaemonConfig with the proposed kv_events_* fields."""
+        return cls(
+            endpoint=config.kv_events_endpoint,
+            replay_endpoint=config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic,
+            queue_size=config.kv_events_queue_size,
+            ring_size=config.kv_events_replay_size,
+            hwm=config.kv_events_hwm,
+            subscriber_buffer=config.kv_events_subscriber_buffer,
+        )

@@ -1,0 +1,182 @@
+"""Published batches: the replay ring and the in-process fan-out behind `WatchEvents`.
+
+`Broadcast` numbers batches as they are published (contiguous from 0), keeps the last
+`ring_size` for replay, and hands each one to every `Subscription`. A subscription's buffer
+is bounded: one that falls `capacity` batches behind is cut off and raises
+`SubscriberLagged` (with the first sequence number it missed) instead of slowing the
+publisher; its reader may resubscribe from that number while the ring still holds it, or
+start over from a fresh snapshot. No asyncio here; `AsyncSubscription` adapts one
+subscription to an event loop.
+"""
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from radixkv.routing.wire import KVEventBatch
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedBatch:
+    seq: int
+    namespace: str
+    topic: bytes
+    payload: bytes          # the msgpack KVEventBatch, as sent on ZMQ
+    batch: KVEventBatch     # the same, decoded (for gRPC conversion)
+
+
+class SubscriberLagged(Exception):
+    """The subscriber missed batches from `missed_from` on (its buffer overflowed)."""
+
+    def __init__(self, missed_from: int):
+        super().__init__(f"subscriber fell behind; batches from seq {missed_from} were dropped")
+        self.missed_from = missed_from
+
+
+class ReplayUnavailable(Exception):
+    """Replay from `requested` is impossible: the ring now spans [oldest, next_seq)."""
+
+    def __init__(self, requested: int, oldest: int, next_seq: int):
+        super().__init__(f"cannot replay from seq {requested}: the replay buffer holds "
+                         f"[{oldest}, {next_seq}); resubscribe without from_seq after a snapshot")
+        self.requested, self.oldest, self.next_seq = requested, oldest, next_seq
+
+
+class Subscription:
+    """One reader's bounded queue of batches. Thread-safe; `get_nowait`/`wait` consume."""
+
+    def __init__(self, owner: "Broadcast", capacity: int):
+        self._owner = owner
+        self._items: deque[PublishedBatch] = deque()
+        self._capacity = capacity
+        self._missed_from: int | None = None
+        self.on_ready: Callable[[], None] | None = None  # called (publisher thread) on news
+
+    def _offer(self, item: PublishedBatch) -> None:
+        """Caller holds the owner's lock."""
+        if self._missed_from is not None:
+            return
+        if len(self._items) >= self._capacity:
+            self._missed_from = self._items[0].seq if self._items else item.seq
+            self._items.clear()
+            self._owner.num_lagged += 1
+        else:
+            self._items.append(item)
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def get_nowait(self) -> PublishedBatch | None:
+        """The next batch, or None if none is waiting. Raises SubscriberLagged once cut off."""
+        with self._owner._lock:
+            if self._items:
+                return self._items.popleft()
+            if self._missed_from is not None:
+                raise SubscriberLagged(self._missed_from)
+            return None
+
+    def wait(self, timeout: float | None = None) -> PublishedBatch | None:
+        """Block up to `timeout` seconds for the next batch (None on timeout)."""
+        with self._owner._ready:
+            self._owner._ready.wait_for(lambda: self._items or self._missed_from is not None, timeout)
+        return self.get_nowait()
+
+    def close(self) -> None:
+        """Stop receiving; idempotent."""
+        self._owner._unsubscribe(self)
+
+
+class Broadcast:
+    def __init__(self, ring_size: int, capacity: int):
+        if ring_size < 1 or capacity < 1:
+            raise ValueError("ring_size and capacity must be >= 1")
+        # The publisher thread appends; subscribers, gRPC streams and replays read.
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._ring: deque[PublishedBatch] = deque(maxlen=ring_size)
+        self._subs: set[Subscription] = set()
+        self._capacity = capacity
+        self.next_seq = 0
+        self.num_lagged = 0  # subscriptions cut off for falling behind
+
+    def publish(self, namespace: str, topic: bytes, payload: bytes, batch: KVEventBatch) -> PublishedBatch:
+        """Number the batch (next_seq), keep it for replay, hand it to every subscriber."""
+        with self._lock:
+            item = PublishedBatch(self.next_seq, namespace, topic, payload, batch)
+            self.next_seq += 1
+            self._ring.append(item)
+            for sub in self._subs:
+                sub._offer(item)
+            self._ready.notify_all()
+        return item
+
+    def since(self, seq: int) -> list[PublishedBatch]:
+        """Ring batches with seq >= `seq`, oldest first (may start later than `seq`)."""
+        with self._lock:
+            if not self._ring or seq <= self._ring[0].seq:
+                return list(self._ring)
+            start = seq - self._ring[0].seq
+            return [self._ring[i] for i in range(start, len(self._ring))]
+
+    def subscribe(self, from_seq: int | None = None, capacity: int | None = None) -> Subscription:
+        """A subscription to every batch from `from_seq` on (None: from the next one).
+
+        Raises ReplayUnavailable when `from_seq` is outside [oldest in ring, next_seq].
+        """
+        sub = Subscription(self, capacity or self._capacity)
+        with self._lock:
+            if from_seq is not None:
+                oldest = self._ring[0].seq if self._ring else self.next_seq
+                if not oldest <= from_seq <= self.next_seq:
+                    raise ReplayUnavailable(from_seq, oldest, self.next_seq)
+                backlog = [b for b in self._ring if b.seq >= from_seq]
+                if len(backlog) > sub._capacity:
+                    raise ReplayUnavailable(from_seq, backlog[-sub._capacity].seq, self.next_seq)
+                sub._items.extend(backlog)
+            self._subs.add(sub)
+        return sub
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.discard(sub)
+
+    @property
+    def num_subscribers(self) -> int:
+        with self._lock:
+            return len(self._subs)
+
+
+class AsyncSubscription:
+    """`async for batch in AsyncSubscription(sub)`: the subscription on an event loop.
+    Raises SubscriberLagged from the iteration when the subscription was cut off."""
+
+    def __init__(self, sub: Subscription, loop: asyncio.AbstractEventLoop | None = None):
+        self._sub = sub
+        self._loop = loop or asyncio.get_running_loop()
+        self._event = asyncio.Event()
+        sub.on_ready = self._wake
+
+    def _wake(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._event.set)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            self._sub.on_ready = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> PublishedBatch:
+        while True:
+            item = self._sub.get_nowait()
+            if item is not None:
+                return item
+            self._event.clear()
+            item = self._sub.get_nowait()  # published between the check and the clear
+            if item is not None:
+                return item
+            await self._event.wait()
+
+    def close(self) -> None:
+        self._sub.on_ready = None
+        self._sub.close()

@@ -1,0 +1,181 @@
+"""The daemon's KV-event hub, on the event loop's side.
+
+Wiring (a few lines in the service layer):
+
+    hub = EventHub(EventsConfig.from_daemon(config), call_later=loop.call_later)
+    listener = hub.attach(namespace, page_size, snapshot=state.resident_nodes)
+    state = CacheState(..., residency_listener=listener)   # the core's seam
+    ...
+    listener.clear()      # the namespace is dropped (or its tree is rebuilt: attach again)
+    hub.close()           # at shutdown, after the gRPC server has stopped
+
+The listener is called by the core as `listener(tier, change, node)` with tier "device",
+"host" or "storage" and change "stored" or "removed". It copies nothing: it records the
+node's path as `(id, key)` pairs (keys are immutable bytes) and returns in ~1 us. Records
+are flushed as one batch per namespace (one `call_later(0, flush)` per loop turn, or the
+caller's explicit `flush()`); hashing, encoding and sending happen on the publisher thread.
+
+A slow subscriber or socket never blocks the loop: the queue to the publisher thread is
+bounded, a batch it has no room for is dropped and counted (`num_dropped`), and the
+namespace is then resynchronised: its next batch starts with AllBlocksCleared followed by
+a snapshot of every resident node (`snapshot()` yields `(tier, node)` pairs; without one,
+by the events recorded since). Sequence numbers stay contiguous: they are assigned to
+batches as they are published.
+"""
+
+import time
+from collections.abc import Callable, Iterable
+
+from .builder import CLEAR_RECORD, REMOVED, STORED, TIER_MEDIUM, EventBuilder
+from .config import EventsConfig
+from .fanout import Subscription
+from .publisher import Publisher
+
+_CHANGES = {"stored": STORED, "removed": REMOVED}
+RESYNC_RETRY_S = 0.05  # how soon a dropped namespace's resync is tried again
+
+
+def _record(tier: str, change: str, node) -> tuple:
+    medium = TIER_MEDIUM.get(tier)
+    kind = _CHANGES.get(change)
+    if medium is None or kind is None:
+        raise ValueError(f"residency change must be (device|host|storage, stored|removed), "
+                         f"got ({tier!r}, {change!r})")
+    path = []
+    while node.parent is not None:
+        path.append((node.id, node.key))
+        node = node.parent
+    if not path:
+        raise ValueError("a root node has no pages and no residency")
+    return (kind, medium, node.extra_key, path)
+
+
+class NamespaceEvents:
+    """The residency listener of one namespace (one attachment: one tree)."""
+
+    __slots__ = ("namespace", "topic", "builder", "snapshot", "pending", "resync", "_hub", "closed")
+
+    def __init__(self, hub: "EventHub", namespace: str, page_size: int,
+                 snapshot: Callable[[], Iterable[tuple[str, object]]] | None):
+        self._hub = hub
+        self.namespace = namespace
+        self.topic = hub.config.topic_for(namespace)
+        self.builder = EventBuilder(page_size, hub.config.hash_seed)  # the thread's only
+        self.snapshot = snapshot
+        self.pending: list[tuple] = []
+        self.resync = False
+        self.closed = False
+
+    def __call__(self, tier: str, change: str, node) -> None:
+        """Record that `node`'s pages were stored on / removed from `tier`. Raises
+        ValueError for an unknown tier or change (a core bug, never a caller's input)."""
+        if not self.closed:
+            self._note(_record(tier, change, node))
+
+    def clear(self) -> None:
+        """Everything of this namespace is gone (AllBlocksCleared); the listener stops."""
+        if not self.closed:
+            self.pending.clear()
+            self._note(CLEAR_RECORD)
+            self.closed = True
+
+    def _note(self, record: tuple) -> None:
+        if self.resync:
+            return  # a resync is due: it will describe the state as it is then
+        if not self.pending:
+            self._hub._mark(self)
+        self.pending.append(record)
+
+    def take(self) -> list[tuple]:
+        """The records of the next batch: a resync's (AllBlocksCleared, then a snapshot
+        of every resident node when a snapshot function was given) when one is due."""
+        if not self.resync:
+            records, self.pending = self.pending, []
+            return records
+        self.pending = []
+        if self.closed or self.snapshot is None:
+            return [CLEAR_RECORD]
+        return [CLEAR_RECORD] + [_record(tier, "stored", node) for tier, node in self.snapshot()]
+
+
+class EventHub:
+    def __init__(self, config: EventsConfig, call_later: Callable | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.config = config
+        self._publisher = Publisher(config)
+        self._dirty: list[NamespaceEvents] = []
+        self._call_later = call_later
+        self._flush_due = False
+        self._clock = clock
+        # A (re)started daemon holds nothing: tell routers to forget this worker.
+        self._publisher.submit((EventBuilder(1), "", config.topic_for(""), clock(), [CLEAR_RECORD]))
+
+    def attach(self, namespace: str, page_size: int,
+               snapshot: Callable[[], Iterable[tuple[str, object]]] | None = None) -> NamespaceEvents:
+        """A listener for one namespace's tree; attach again for a new tree of the same name."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        return NamespaceEvents(self, namespace, page_size, snapshot)
+
+    def _mark(self, ns: NamespaceEvents) -> None:
+        self._dirty.append(ns)
+        if self._call_later is not None and not self._flush_due:
+            self._flush_due = True
+            self._call_later(0, self.flush)
+
+    def flush(self) -> int:
+        """Queue one batch per namespace with news; returns how many were queued. A batch
+        the queue has no room for is dropped and counted; the namespace then records
+        nothing until a resync is queued, which waits for the queue to be half empty."""
+        self._flush_due = False
+        dirty, self._dirty = self._dirty, []
+        queued = 0
+        for ns in dirty:
+            if ns.resync and not self._publisher.has_room(self.config.queue_size // 2):
+                self._dirty.append(ns)
+                continue
+            records = ns.take()
+            if not records:
+                continue
+            if self._publisher.submit((ns.builder, ns.namespace, ns.topic, self._clock(), records)):
+                ns.resync = False
+                queued += 1
+            else:
+                ns.resync = True
+                self._dirty.append(ns)
+        if self._dirty and self._call_later is not None and not self._flush_due:
+            self._flush_due = True
+            self._call_later(RESYNC_RETRY_S, self.flush)
+        return queued
+
+    @property
+    def resync_pending(self) -> bool:
+        """Some namespace lost a batch and its resync is not queued yet."""
+        return bool(self._dirty) and any(ns.resync for ns in self._dirty)
+
+    def subscribe(self, from_seq: int | None = None) -> Subscription:
+        """In-process subscription (WatchEvents): see fanout.Broadcast.subscribe."""
+        return self._publisher.broadcast.subscribe(from_seq)
+
+    @property
+    def next_seq(self) -> int:
+        return self._publisher.broadcast.next_seq
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the metrics layer (monotonic except the two gauges)."""
+        p = self._publisher
+        return {
+            "published": p.broadcast.next_seq,
+            "dropped": p.num_dropped,
+            "send_errors": p.num_send_errors,
+            "replays": p.num_replays,
+            "lagged_subscribers": p.broadcast.num_lagged,
+            "queue_depth": p.queue_depth,            # gauge
+            "subscribers": p.broadcast.num_subscribers,  # gauge
+        }
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Flush, publish what is queued (up to `timeout`), stop. Idempotent."""
+        self._call_later = None
+        self.flush()
+        self._publisher.close(timeout)

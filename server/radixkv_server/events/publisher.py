@@ -1,0 +1,156 @@
+"""The publisher thread: builds events from queued records, encodes vLLM batches, numbers
+them, keeps them for replay, sends them on ZMQ and hands them to in-process subscribers.
+
+ZMQ framing is vLLM 0.32's (`radixkv.routing.wire`): PUB multipart (topic, 8-byte
+big-endian seq, payload); a ROUTER answers `(b"", seq)` with every ring batch from seq on
+as `(b"", topic, seq, payload)`, then `(b"", b"", END_SEQ, b"")`. Like vLLM, an endpoint
+with `*`, `::`, `ipc://` or `inproc://` is bound and any other is connected to; the replay
+endpoint is always bound. A PUB socket never blocks: a subscriber past its high-water mark
+loses batches (it sees a gap in seq and replays).
+
+The thread owns the sockets and the builders; `Broadcast` (its own lock) is shared with
+the readers. The event loop only puts jobs on the bounded queue.
+"""
+
+import logging
+import queue
+import threading
+
+import zmq
+
+from radixkv.routing.wire import END_SEQ, KVEventBatch, encode_batch, seq_bytes
+
+from .config import EventsConfig
+from .fanout import Broadcast
+
+log = logging.getLogger(__name__)
+_IDLE_POLL_S = 0.005  # how often an idle thread looks at the replay socket
+
+
+def _bind_or_connect(sock: zmq.Socket, endpoint: str) -> None:
+    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+
+
+class Publisher:
+    """Job = (builder, namespace, topic, ts, records). `submit` never blocks."""
+
+    def __init__(self, config: EventsConfig):
+        self.config = config
+        self.broadcast = Broadcast(config.ring_size, config.subscriber_buffer)
+        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._ctx = zmq.Context()
+        self._pub = self._replay = None
+        try:
+            if config.endpoint:
+                self._pub = self._ctx.socket(zmq.PUB)
+                self._pub.set_hwm(config.hwm)
+                self._pub.setsockopt(zmq.LINGER, 0)
+                _bind_or_connect(self._pub, config.endpoint)
+            if config.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ValueError(f"kv events: cannot open {config.endpoint or config.replay_endpoint}: {e}") from e
+        self.num_dropped = 0          # batches the queue had no room for (loop side)
+        self.num_send_errors = 0      # batches the PUB socket refused (publisher side)
+        self.num_replays = 0          # replay requests answered
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
+        self._thread.start()
+
+    # -- loop side ---------------------------------------------------------------------
+
+    def submit(self, job) -> bool:
+        """Queue a job; False (and counted in num_dropped) when the queue is full."""
+        try:
+            self._queue.put_nowait(job)
+            return True
+        except queue.Full:
+            self.num_dropped += 1
+            return False
+
+    def has_room(self, batches: int) -> bool:
+        """At least `batches` more jobs fit in the queue now."""
+        return self._queue.qsize() + batches <= self.config.queue_size
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Publish what is queued (up to `timeout`), stop the thread, close sockets. Idempotent."""
+        if not self._stop.is_set():
+            self._stop.set()
+            try:
+                self._queue.put(None, timeout=timeout)
+            except queue.Full:
+                pass
+            self._thread.join(timeout)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._thread_alive():
+            return  # the thread still owns them; it is a daemon thread and dies with us
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+        self._ctx.term()
+
+    def _thread_alive(self) -> bool:
+        return getattr(self, "_thread", None) is not None and self._thread.is_alive()
+
+    # -- publisher thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        idle = _IDLE_POLL_S if self._replay is not None else None
+        while True:
+            if self._replay is not None:
+                self._serve_replays()
+            try:
+                job = self._queue.get(timeout=idle)
+            except queue.Empty:
+                continue
+            if job is None:
+                break
+            try:
+                self._publish(*job)
+            except Exception:  # one bad job must not stop the stream
+                log.exception("kv events: dropping a batch that failed to build")
+        if self._replay is not None:
+            self._serve_replays()
+
+    def _publish(self, builder, namespace: str, topic: bytes, ts: float, records) -> None:
+        batch = KVEventBatch(ts=ts, events=builder.build(records),
+                             data_parallel_rank=self.config.data_parallel_rank)
+        payload = encode_batch(batch)
+        item = self.broadcast.publish(namespace, topic, payload, batch)
+        if self._pub is not None:
+            try:
+                self._pub.send_multipart((topic, seq_bytes(item.seq), payload), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.num_send_errors += 1
+
+    def _serve_replays(self) -> None:
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("kv events: ignoring a malformed replay request (%d frames)", len(frames))
+                continue
+            client, _, start = frames
+            self.num_replays += 1
+            for item in self.broadcast.since(int.from_bytes(start, "big")):
+                self._send_replay((client, b"", item.topic, seq_bytes(item.seq), item.payload))
+            self._send_replay((client, b"", b"", END_SEQ, b""))
+
+    def _send_replay(self, frames) -> None:
+        try:
+            self._replay.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # the requester is gone or too slow: it will ask again
+            self.num_send_errors += 1
+

@@ -1,0 +1,117 @@
+"""The loop-side hub: residency changes of real tree nodes become ordered, numbered vLLM
+batches whose hashes a router recomputes from the prompt alone."""
+
+import pytest
+
+from radixkv.routing.blockhash import block_hashes
+from radixkv.routing.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv_server.core.tree import RadixTree
+from radixkv_server.events import EventHub, EventsConfig
+
+from .helpers import PAGE, chain, packed, wait_for
+
+
+@pytest.fixture
+def hub():
+    h = EventHub(EventsConfig(topic="kv@{namespace}"))
+    yield h
+    h.close()
+
+
+def drain(sub, n, timeout=10.0):
+    out = []
+    wait_for(lambda: out.extend(iter(sub.get_nowait, None)) or len(out) >= n, timeout, f"{n} batches")
+    return out
+
+
+def test_a_node_of_k_pages_is_one_event_with_k_hashes_of_the_prompt(hub):
+    sub = hub.subscribe(from_seq=0)
+    tree = RadixTree(PAGE)
+    listen = hub.attach("llama/tp0", PAGE)
+    a, b = chain(tree, range(12), range(50, 58))
+    listen("device", "stored", a)
+    listen("device", "stored", b)
+    listen("host", "stored", b)
+    assert hub.flush() == 1
+    restart, batch = drain(sub, 2)
+    assert restart.seq == 0 and restart.batch.events == [AllBlocksCleared()]
+    assert batch.seq == 1 and batch.topic == b"kv@llama/tp0" and batch.namespace == "llama/tp0"
+    prompt = list(range(12)) + list(range(50, 58))
+    want = block_hashes(prompt, PAGE)
+    e1, e2, e3 = batch.batch.events
+    assert isinstance(e1, BlockStored) and e1.block_hashes == want[:3] and e1.medium == "GPU"
+    assert e2.block_hashes == want[3:] and e2.parent_block_hash == want[2] and e2.token_ids == list(range(50, 58))
+    assert e3.medium == "CPU" and e3.block_hashes == want[3:]
+
+
+def test_split_nodes_keep_their_hashes_and_removal_names_the_same_blocks(hub):
+    sub = hub.subscribe(from_seq=0)
+    tree = RadixTree(PAGE)
+    listen = hub.attach("ns", PAGE)
+    (node,) = chain(tree, range(16))
+    listen("host", "stored", node)
+    hub.flush()
+    top = tree.split(node, 1)           # residency unchanged: no event
+    child = tree.add_child(top, packed(range(900, 904)))
+    listen("host", "stored", child)
+    listen("host", "removed", node)     # the lower part (pages 1..3) leaves the host
+    listen("host", "removed", top)
+    hub.flush()
+    _, first, second = drain(sub, 3)
+    full = block_hashes(list(range(16)), PAGE)
+    assert first.batch.events[0].block_hashes == full
+    stored_child, removed_lower, removed_top = second.batch.events
+    assert stored_child.parent_block_hash == full[0]
+    assert stored_child.block_hashes == block_hashes(list(range(4)) + list(range(900, 904)), PAGE)[1:]
+    assert isinstance(removed_lower, BlockRemoved) and removed_lower.block_hashes == full[1:]
+    assert removed_top.block_hashes == full[:1]
+
+
+def test_extra_key_roots_chain_separately(hub):
+    sub = hub.subscribe(from_seq=0)
+    tree = RadixTree(PAGE)
+    listen = hub.attach("ns", PAGE)
+    (plain,) = chain(tree, range(8))
+    (salted,) = chain(tree, range(8), extra_key=b"tenant-a")
+    listen("storage", "stored", plain)
+    listen("storage", "stored", salted)
+    hub.flush()
+    events = drain(sub, 2)[1].batch.events
+    assert events[0].block_hashes == block_hashes(list(range(8)), PAGE)
+    assert events[1].block_hashes == block_hashes(list(range(8)), PAGE, extra_key=b"tenant-a")
+    assert events[1].extra_keys == [(b"tenant-a",)] * 2 and events[0].medium == "STORAGE"
+
+
+def test_clear_ends_the_namespace_and_unknown_changes_are_refused(hub):
+    sub = hub.subscribe(from_seq=0)
+    tree = RadixTree(PAGE)
+    listen = hub.attach("gone", PAGE)
+    (node,) = chain(tree, range(4))
+    with pytest.raises(ValueError, match="device|host|storage"):
+        listen("gpu", "stored", node)
+    with pytest.raises(ValueError):
+        listen("device", "evicted", node)
+    listen("device", "stored", node)
+    listen.clear()                       # pending events are superseded by the clear
+    listen("device", "stored", node)     # after clear: ignored
+    hub.flush()
+    batch = drain(sub, 2)[1]
+    assert batch.batch.events == [AllBlocksCleared()] and batch.topic == b"kv@gone"
+    assert hub.flush() == 0
+
+
+def test_call_later_flushes_once_per_turn():
+    calls = []
+    h = EventHub(EventsConfig(), call_later=lambda delay, fn: calls.append((delay, fn)))
+    try:
+        tree = RadixTree(PAGE)
+        listen = h.attach("ns", PAGE)
+        a, b = chain(tree, range(4), range(4, 8))
+        listen("device", "stored", a)
+        listen("device", "stored", b)
+        assert [d for d, _ in calls] == [0]
+        assert calls[0][1]() == 1
+        listen("device", "removed", b)
+        assert len(calls) == 2
+    finally:
+        h.close()
