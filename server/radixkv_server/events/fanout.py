@@ -59,8 +59,7 @@ class Subscription:
         if self._missed_from is not None:
             return
         if len(self._items) >= self._capacity:
-            self._missed_from = self._items[0].seq if self._items else item.seq
-            self._items.clear()
+            self._missed_from = item.seq  # what it holds stays readable; then the signal
             self._owner.num_lagged += 1
         else:
             self._items.append(item)

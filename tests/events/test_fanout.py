@@ -1,0 +1,100 @@
+"""The in-process fan-out behind WatchEvents: replay from a sequence number, bounded
+buffers, a clear signal for a reader that fell behind, and the asyncio adapter."""
+
+import asyncio
+import time
+
+import pytest
+
+from radixkv.routing.wire import AllBlocksCleared, KVEventBatch
+from radixkv_server.core.tree import RadixTree
+from radixkv_server.events import (
+    AsyncSubscription, Broadcast, EventHub, EventsConfig, ReplayUnavailable, SubscriberLagged,
+)
+
+from .helpers import PAGE, chain
+
+
+def publish(b: Broadcast, n: int) -> None:
+    for _ in range(n):
+        b.publish("ns", b"kv@ns", b"payload", KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+
+
+def drain(sub) -> list[int]:
+    return [item.seq for item in iter(sub.get_nowait, None)]
+
+
+def test_replay_from_a_seq_then_live_is_contiguous():
+    b = Broadcast(ring_size=100, capacity=50)
+    publish(b, 10)
+    sub = b.subscribe(from_seq=4)
+    publish(b, 3)
+    assert drain(sub) == list(range(4, 13))
+    live = b.subscribe()
+    publish(b, 2)
+    assert drain(live) == [13, 14] and drain(sub) == [13, 14]
+
+
+def test_replay_outside_the_ring_is_refused_with_its_bounds():
+    b = Broadcast(ring_size=5, capacity=50)
+    publish(b, 12)
+    with pytest.raises(ReplayUnavailable) as err:
+        b.subscribe(from_seq=3)
+    assert (err.value.oldest, err.value.next_seq) == (7, 12)
+    with pytest.raises(ReplayUnavailable):
+        b.subscribe(from_seq=13)  # a seq from before a daemon restart
+    assert drain(b.subscribe(from_seq=12)) == []
+
+
+def test_a_reader_that_falls_behind_is_cut_off_not_waited_for():
+    b = Broadcast(ring_size=1000, capacity=8)
+    slow = b.subscribe()
+    fast = b.subscribe()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        publish(b, 1)
+        drain(fast)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.5
+    assert [slow.get_nowait().seq for _ in range(8)] == list(range(8))
+    with pytest.raises(SubscriberLagged) as err:
+        slow.get_nowait()
+    assert err.value.missed_from == 8
+    assert b.num_lagged == 1
+    resumed = b.subscribe(from_seq=err.value.missed_from, capacity=200)
+    assert drain(resumed) == list(range(err.value.missed_from, 100))
+    slow.close()
+    slow.close()  # idempotent
+    assert b.num_subscribers == 2
+
+
+def test_wait_blocks_until_a_batch_or_the_timeout():
+    b = Broadcast(ring_size=10, capacity=10)
+    sub = b.subscribe()
+    assert sub.wait(timeout=0.01) is None
+    publish(b, 1)
+    assert sub.wait(timeout=1).seq == 0
+
+
+def test_async_subscription_receives_batches_from_the_publisher_thread():
+    async def main():
+        hub = EventHub(EventsConfig())
+        try:
+            stream = AsyncSubscription(hub.subscribe(from_seq=0))
+            tree = RadixTree(PAGE)
+            listen = hub.attach("ns", PAGE)
+            got = []
+            for i in range(5):
+                (node,) = chain(tree, range(i * 10, i * 10 + PAGE))
+                listen("device", "stored", node)
+                hub.flush()
+            async for item in stream:
+                got.append(item.seq)
+                if len(got) == 6:
+                    break
+            stream.close()
+            return got
+        finally:
+            hub.close()
+
+    assert asyncio.run(asyncio.wait_for(main(), 20)) == list(range(6))
