@@ -1,6 +1,11 @@
 """StorageMover: the core's store and fetch copies, between the host pool and an L3
 backend, on worker threads of their own (slow storage never delays device copies).
 
+Pages move without staging copies: a store hands the backend views of the host pool's
+pages, a fetch has the backend read (and checksum) payloads straight into the reserved
+host pages (`StorageBackend.get_into`). The pool's memory is attached to the backend
+once, so a store that moves bytes itself (Mooncake) can register it.
+
 Writes are asynchronous and bounded: past `max_pending_pages` pages queued, a new store
 fails at once ("queue full") instead of growing memory; the core then treats the node
 as not stored. Errors become strings reported on the loop, and the first error of an
@@ -14,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..core.pages import count, unpack
 from ..logs import log_event
-from ..storage import StorageBackend, StorageUnavailable
+from ..storage import StorageBackend, StorageTimeout, StorageUnavailable
 
 log = logging.getLogger("radixkv.storage")
 
@@ -35,6 +40,23 @@ class StorageMover:
         self.pending_pages = 0
         self.healthy = True
         self._closed = False
+        self._pages = None  # numpy view of the pool, [num_pages, page_bytes], made lazily
+        self._attach()
+
+    def _attach(self) -> None:
+        tensor = getattr(self._host, "tensor", None)
+        if tensor is None or tensor.numel() == 0:
+            return
+        try:
+            self._backend.attach_memory(tensor.data_ptr(), tensor.numel())
+        except StorageUnavailable as e:  # moving bytes still works, through copies
+            log.warning("%s", e)
+
+    def _page_views(self, host_pages: bytes) -> list[memoryview]:
+        """Writable views of these host pages: what the backend reads into or writes from."""
+        if self._pages is None:
+            self._pages = self._host.tensor.numpy()
+        return [memoryview(self._pages[p]) for p in unpack(host_pages)]
 
     # -- the core's Copier half ---------------------------------------------------------
 
@@ -83,8 +105,7 @@ class StorageMover:
     def _store(self, transfer: int, host_pages: bytes, keys: list[bytes]) -> None:
         error = None
         try:
-            items = [(k, self._host.read_page(p)) for k, p in zip(keys, unpack(host_pages))]
-            self._timed("put", self._backend.put, items)
+            self._timed("put", self._backend.put, list(zip(keys, self._page_views(host_pages))))
         except Exception as e:  # StorageUnavailable, or a bug: reported, never raised here
             error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
         self._to_loop(self._stored, transfer, count(host_pages), error)
@@ -92,13 +113,14 @@ class StorageMover:
     def _fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
         read, error = 0, None
         try:
-            payloads = self._timed("get", self._backend.get, keys)
-            page_bytes = self._host.layout.page_bytes
-            for page, payload in zip(unpack(host_pages), payloads):
-                if payload is None or len(payload) != page_bytes:
-                    break  # missing, corrupt, or written by another layout: a miss
-                self._host.write_page(page, payload)
-                read += 1
+            # Missing, damaged, or of another layout: the run of pages ends there.
+            read = self._timed("get", self._backend.get_into, keys, self._page_views(host_pages))
+        except StorageTimeout as e:
+            # The store may still write these pages: they stay reserved until it returns.
+            log_event(log, "storage.fetch_timeout", logging.WARNING, namespace=self.namespace,
+                      transfer=transfer, error=str(e), note="pages stay reserved until the store answers")
+            e.settled.add_done_callback(lambda _: self._to_loop(self._fetched, transfer, 0, str(e)))
+            return
         except Exception as e:
             error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
         self._to_loop(self._fetched, transfer, read, error)

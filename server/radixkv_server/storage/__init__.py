@@ -7,15 +7,15 @@ worker threads): `FileStorage` (a directory, the embedded default) and `RedisSto
 `StorageUnavailable`; a damaged page reads as a miss.
 """
 
-from .base import MAX_KEY_BYTES, StorageBackend, StorageStats, StorageUnavailable
+from .base import MAX_KEY_BYTES, Read, StorageBackend, StorageStats, StorageTimeout, StorageUnavailable
 from .open import open_storage
 from .file import FileStorage
 from ..core.page_keys import KEY_BYTES, namespace_salt, page_keys
 from .record import CorruptPage, decode, encode
 
 __all__ = [
-    "KEY_BYTES", "MAX_KEY_BYTES", "CorruptPage", "FileStorage", "RedisStorage",
-    "StorageBackend", "StorageStats", "StorageUnavailable", "decode", "encode",
+    "KEY_BYTES", "MAX_KEY_BYTES", "CorruptPage", "FileStorage", "Read", "RedisStorage",
+    "StorageBackend", "StorageStats", "StorageTimeout", "StorageUnavailable", "decode", "encode",
     "namespace_salt", "open_storage", "page_keys",
 ]
 

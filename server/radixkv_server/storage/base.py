@@ -7,6 +7,7 @@ and tries again later), a damaged record reads as a miss, and nothing here ever 
 a raw `OSError` or redis error.
 """
 
+import enum
 import logging
 import threading
 import time
@@ -14,7 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-from .record import HEADER_BYTES, CorruptPage, decode, encode
+from .record import CorruptPage, SizeMismatch, decode, decode_into, encode, verify
 
 MAX_KEY_BYTES = 64
 log = logging.getLogger(__name__)
@@ -31,6 +32,23 @@ class StorageUnavailable(Exception):
         self.operation = operation
         reason = detail if detail is not None else f"{type(cause).__name__}: {cause}"
         super().__init__(f"storage {store} unavailable during {operation}: {reason}")
+
+
+class StorageTimeout(StorageUnavailable):
+    """A call the store did not answer within the backend's timeout. The store's own call
+    may still be running: `settled` (a concurrent.futures.Future) completes when it
+    returns, and until then it may still read or write the buffers it was given."""
+
+    def __init__(self, store: str, operation: str, seconds: float, settled):
+        super().__init__(store, operation, detail=f"no answer within {seconds:g}s")
+        self.settled = settled
+
+
+class Read(enum.Enum):
+    """What `get_into` found for one key."""
+    HIT = "hit"          # the page holds the key's verified payload
+    MISS = "miss"        # absent, or a sound record of another size
+    DAMAGED = "damaged"  # a record failed its checks; it is removed
 
 
 @dataclass(slots=True)
@@ -113,6 +131,32 @@ class StorageBackend(ABC):
             self._drop(damaged)
         return out
 
+    def get_into(self, keys: list[bytes], pages: list) -> int:
+        """Read the payloads of `keys` straight into `pages` (writable buffers, one per
+        key, each one page long); returns how many LEADING pages now hold their key's
+        verified payload. A miss, a damaged record, or a record of another size ends
+        the run; pages past it hold unspecified bytes. Damaged records are counted,
+        logged and removed as in get(). ValueError when the lists differ in length."""
+        keys = _checked_keys(keys, "get_into")
+        if len(pages) != len(keys):
+            raise ValueError(f"get_into: {len(keys)} keys but {len(pages)} pages")
+        if not keys:
+            return 0
+        reads = self._call("get", self._get_into, keys, pages)
+        damaged = [k for k, r in zip(keys, reads) if r is Read.DAMAGED]
+        leading = next((i for i, r in enumerate(reads) if r is not Read.HIT), len(reads))
+        hits = sum(1 for r in reads if r is Read.HIT)
+        self._count(gets=len(keys), misses=len(keys) - hits - len(damaged), corrupt=len(damaged),
+                    get_bytes=sum(memoryview(p).nbytes for p, r in zip(pages, reads) if r is Read.HIT))
+        if damaged:
+            self._drop(damaged)
+        return leading
+
+    def attach_memory(self, address: int, nbytes: int) -> None:
+        """Pages given to get_into() and put() will come from this memory (a host pool):
+        a backend that moves bytes without copies may register it with its store. A
+        no-op by default; attaching a range again is harmless."""
+
     def put(self, items: list[tuple[bytes, bytes]]) -> int:
         """Store (key, payload) pairs whose key is absent; returns how many were stored.
 
@@ -122,10 +166,9 @@ class StorageBackend(ABC):
         items = _checked_items(items)
         if not items:
             return 0
-        records = [(key, encode(payload)) for key, payload in items]
-        stored = self._call("put", self._put_blobs, records)
+        stored = self._call("put", self._put_pages, items)
         new = sum(1 for s in stored if s)
-        nbytes = sum(len(blob) - HEADER_BYTES for (_, blob), s in zip(records, stored) if s)
+        nbytes = sum(memoryview(payload).nbytes for (_, payload), s in zip(items, stored) if s)
         self._count(puts=new, put_bytes=nbytes, put_skipped=len(items) - new)
         return new
 
@@ -166,6 +209,39 @@ class StorageBackend(ABC):
     @abstractmethod
     def _put_blobs(self, records: list[tuple[bytes, bytes]]) -> list[bool]:
         """Store each record unless its key is present; True where this call stored it."""
+
+    def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
+        """Store each (key, payload) unless its key is present; True where this call
+        stored it. The default wraps each payload in a record (one copy) for _put_blobs."""
+        return self._put_blobs([(key, encode(payload)) for key, payload in items])
+
+    def _get_into(self, keys: list[bytes], pages: list) -> list[Read]:
+        """What each key held, its payload written into its page where it is a HIT. The
+        default reads whole records with _get_blobs and copies each payload once."""
+        return [Read.MISS if blob is None else self._place(key, blob, page)
+                for key, blob, page in zip(keys, self._get_blobs(keys), pages)]
+
+    def _place(self, key: bytes, blob, page) -> Read:
+        """Check the record `blob` and copy its payload into `page`."""
+        try:
+            decode_into(blob, page)
+            return Read.HIT
+        except SizeMismatch:
+            return Read.MISS
+        except CorruptPage as exc:
+            log.warning("storage %s: dropping damaged page %s: %s", self.name, key.hex(), exc)
+            return Read.DAMAGED
+
+    def _verified(self, key: bytes, head, page) -> Read:
+        """Check a payload read in place into `page` against its record header `head`."""
+        try:
+            verify(head, page)
+            return Read.HIT
+        except SizeMismatch:
+            return Read.MISS
+        except CorruptPage as exc:
+            log.warning("storage %s: dropping damaged page %s: %s", self.name, key.hex(), exc)
+            return Read.DAMAGED
 
     @abstractmethod
     def _discard(self, keys: list[bytes]) -> None:

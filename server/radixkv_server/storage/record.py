@@ -29,6 +29,11 @@ class CorruptPage(ValueError):
     or overlong, or a payload whose checksum does not match. The message says which."""
 
 
+class SizeMismatch(CorruptPage):
+    """A sound record whose payload length differs from the page being filled (a page
+    of another layout): a miss for this reader, not damage."""
+
+
 def encode(payload: bytes) -> bytes:
     """Header + payload, ready to store. Pure; accepts any C-contiguous bytes-like payload."""
     view = memoryview(payload).cast("B")
@@ -53,3 +58,55 @@ def decode(blob: bytes) -> bytes:
     if actual != checksum:
         raise CorruptPage(f"checksum mismatch: header says {checksum:#010x}, payload has {actual:#010x}")
     return payload.tobytes()
+
+
+
+def header(payload) -> bytes:
+    """The header `encode` would put before `payload`, alone: for backends that store the
+    header and the payload from two buffers (no concatenated copy). Pure."""
+    view = memoryview(payload).cast("B")
+    return _HEADER.pack(MAGIC, VERSION, 0, len(view), zlib.crc32(view))
+
+
+def payload_length(head) -> int:
+    """The payload length a record header announces; raises CorruptPage for a header
+    that is short, of another format, or of an unknown version."""
+    if len(head) < HEADER_BYTES:
+        raise CorruptPage(f"truncated record: {len(head)} bytes, the header alone is {HEADER_BYTES}")
+    magic, version, _reserved, length, _checksum = _HEADER.unpack_from(head)
+    if magic != MAGIC:
+        raise CorruptPage(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise CorruptPage(f"unsupported record version {version} (this build reads {VERSION})")
+    return length
+
+
+def verify(head, payload) -> None:
+    """Check a payload read in place (e.g. straight into a host page) against its header:
+    SizeMismatch when the header announces another length (a page of another layout),
+    CorruptPage when the payload is damaged. Reads only."""
+    length = payload_length(head)
+    view = memoryview(payload).cast("B")
+    if len(view) != length:
+        raise SizeMismatch(f"record holds {length} payload bytes, the page has {len(view)}")
+    checksum = _HEADER.unpack_from(head)[4]
+    actual = zlib.crc32(view)
+    if actual != checksum:
+        raise CorruptPage(f"checksum mismatch: header says {checksum:#010x}, payload has {actual:#010x}")
+
+
+def decode_into(blob, out) -> None:
+    """Check the whole record `blob` and copy its payload into `out` (one copy, no
+    temporary). SizeMismatch when the record is sound but not len(out) bytes long,
+    CorruptPage when it is damaged or truncated; `out` is then unspecified."""
+    blob = memoryview(blob).cast("B")
+    out = memoryview(out).cast("B")
+    length = payload_length(blob[:HEADER_BYTES])
+    found = len(blob) - HEADER_BYTES
+    if found != length:
+        what = "truncated record" if found < length else "trailing bytes after record"
+        raise CorruptPage(f"{what}: header says {length} payload bytes, found {found}")
+    if length != len(out):
+        raise SizeMismatch(f"record holds {length} payload bytes, the page has {len(out)}")
+    verify(blob[:HEADER_BYTES], blob[HEADER_BYTES:])
+    out[:] = blob[HEADER_BYTES:]
