@@ -69,5 +69,28 @@ bench-full: $(VENV)/.bench-installed system-deps
 soak: $(STAMP)
 	$(BIN)/python -m tests.soak $(ARGS)
 
+# The daemon image (docs/image.md): `make image` builds $(IMAGE) here, `make test-image`
+# builds it and runs tests/image against it, `make image-run` starts it and waits for
+# healthy, `make image-push REGISTRY=host/path` tags and pushes it. BASE_IMAGE,
+# TORCH_INDEX_URL and CA_BUNDLE on the command line reach scripts/build-image.sh.
+IMAGE_NAME ?= radixkv
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= $(IMAGE_NAME):$(IMAGE_TAG)
+.PHONY: image test-image image-run image-push
+
+image: $(STAMP)
+	@IMAGE=$(IMAGE) scripts/build-image.sh
+
+test-image: image
+	RADIXKV_TEST_IMAGE=$(IMAGE) $(BIN)/python -m pytest tests/image $(PYTEST_ARGS)
+
+image-run: image
+	@IMAGE=$(IMAGE) scripts/run-image.sh
+
+image-push: image
+	@test -n "$(REGISTRY)" || { echo "usage: make image-push REGISTRY=registry.example.com[/path]" >&2; exit 2; }
+	docker tag $(IMAGE) $(REGISTRY)/$(IMAGE)
+	docker push $(REGISTRY)/$(IMAGE)
+
 clean:
 	rm -rf $(VENV) build *.egg-info
