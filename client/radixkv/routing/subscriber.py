@@ -26,7 +26,15 @@ log = logging.getLogger(__name__)
 
 
 class WorkerFeed:
+    """One daemon's stream. Every batch is classified against what was applied: the next
+    seq is applied; an older seq whose payload matches the one applied under that seq is
+    a duplicate (replay and live overlap); an older seq with another payload means the
+    publisher restarted (reset, replay its ring from 0); a newer seq is a gap, repaired by
+    a replay from the last applied seq, whose first answer must match what was applied
+    (else the publisher restarted in between)."""
+
     MAX_BUFFERED = 100_000  # live batches held while a replay is in flight
+    RECENT = 1 << 14        # payload fingerprints kept to tell duplicates from a restart
 
     def __init__(self, name: str, index: RoutingIndex, topic: str = "kv@{namespace}"):
         self.name = name
@@ -34,12 +42,13 @@ class WorkerFeed:
         head, _, tail = topic.partition("{namespace}")
         self._head, self._tail = head.encode(), tail.encode()
         self._named = "{namespace}" in topic
-        self.last_seq: int | None = None  # last seq applied
+        self.last_seq: int | None = None     # last seq applied
         self.replay_from: int | None = None  # set while a replay is in flight
         self._buffer: list[tuple[bytes, int, bytes]] = []
-        self._dups: tuple[int, int] | None = None  # live seqs already applied by a replay
+        self._recent: dict[int, int] = {}    # seq -> hash(payload) of applied batches
+        self._restarted = False              # seen during this replay: replay again from 0
         self.num_applied = self.num_gaps = self.num_resets = self.num_duplicates = 0
-        self.num_bad = 0
+        self.num_restarts = self.num_bad = 0
         index.add_worker(name)
 
     @property
@@ -52,6 +61,15 @@ class WorkerFeed:
         end = len(topic) - len(self._tail) if self._tail else len(topic)
         return topic[len(self._head):end].decode(errors="replace")
 
+    def _classify(self, seq: int, payload: bytes) -> str:
+        if self.last_seq is None:
+            return "apply" if seq == 0 else "gap"
+        if seq == self.last_seq + 1:
+            return "apply"
+        if seq > self.last_seq:
+            return "gap"
+        return "duplicate" if self._recent.get(seq) == hash(payload) else "restart"
+
     # -- live stream ---------------------------------------------------------------------
 
     def on_live(self, topic: bytes, seq: int, payload: bytes, can_replay: bool) -> int | None:
@@ -60,23 +78,21 @@ class WorkerFeed:
             if len(self._buffer) < self.MAX_BUFFERED:
                 self._buffer.append((topic, seq, payload))
             return None
-        expected = 0 if self.last_seq is None else self.last_seq + 1
-        if seq == expected or self.last_seq is None and not can_replay:
-            self._apply(topic, seq, payload)
-            return None
-        if seq > expected:
-            self.num_gaps += 1
-            if can_replay:
-                self.start_replay(expected)
-                self._buffer.append((topic, seq, payload))
-                return expected
-            self.reset()
-            self._apply(topic, seq, payload)
-            return None
-        if self._dups is not None and self._dups[0] <= seq <= self._dups[1]:
+        kind = self._classify(seq, payload)
+        if kind == "duplicate":
             self.num_duplicates += 1
             return None
-        self.reset()  # seq went back outside any replay: the publisher restarted
+        if kind == "restart":
+            self._forget_publisher()
+            kind = "apply" if seq == 0 or not can_replay else "gap"
+        if kind == "gap":
+            self.num_gaps += 1
+            if can_replay:
+                start = self.last_seq if self.last_seq is not None else 0
+                self.start_replay(start)
+                self._buffer.append((topic, seq, payload))
+                return start
+            self.reset()
         self._apply(topic, seq, payload)
         return None
 
@@ -84,43 +100,51 @@ class WorkerFeed:
 
     def start_replay(self, from_seq: int) -> None:
         self.replay_from = from_seq
-        self._buffer = []
+        self._restarted = False
 
     def on_replay(self, topic: bytes, seq: int, payload: bytes) -> None:
         """One replayed batch (seq >= 0)."""
-        if self.replay_from is None:
-            return  # a late answer to a replay given up on
-        if seq == 0 and self.replay_from > 0 and self.last_seq is not None:
-            self.reset()  # the ring starts again at 0: a new publisher
-            self.last_seq = None
-        if self.last_seq is None:
-            if seq > self.replay_from:
-                self.num_gaps += 1  # joined late: what came before the ring is unknown
-        elif seq <= self.last_seq:
+        if self.replay_from is None or self._restarted:
+            return  # an answer given up on, or one to be asked again from 0
+        kind = self._classify(seq, payload)
+        if kind == "duplicate":
             self.num_duplicates += 1
-            return
-        elif seq != self.last_seq + 1:
-            self.num_gaps += 1
-            self.reset()  # the ring no longer holds what was missed
-        self._apply(topic, seq, payload)
+        elif kind == "restart":
+            self._forget_publisher()
+            self._restarted = True
+        else:
+            if kind == "gap" and self.last_seq is not None:
+                self.num_gaps += 1
+                self.reset()  # the ring no longer holds what was missed
+            self._apply(topic, seq, payload)
 
-    def on_replay_end(self) -> None:
-        """The replay is complete (END_SEQ) or given up on: apply what arrived live meanwhile."""
-        start = self.replay_from
+    def on_replay_end(self, gave_up: bool = False) -> int | None:
+        """The replay is complete (END_SEQ), or given up on: apply what arrived live
+        meanwhile. Returns a seq to replay from when another replay is needed."""
+        if self._restarted and not gave_up:
+            self.start_replay(0)
+            return 0
         self.replay_from = None
-        if start is not None and self.last_seq is not None:
-            self._dups = (start, self.last_seq)
-        for topic, seq, payload in self._buffer:
-            if self.last_seq is not None and seq <= self.last_seq:
+        self._restarted = False
+        buffered, self._buffer = self._buffer, []
+        for topic, seq, payload in buffered:
+            kind = self._classify(seq, payload)
+            if kind == "duplicate":
                 self.num_duplicates += 1
                 continue
-            if self.last_seq is not None and seq != self.last_seq + 1:
+            if kind != "apply":
                 self.num_gaps += 1
                 self.reset()  # still a hole right after a replay: do not loop on replays
             self._apply(topic, seq, payload)
-        self._buffer = []
+        return None
 
     # -- applying ---------------------------------------------------------------------------
+
+    def _forget_publisher(self) -> None:
+        self.num_restarts += 1
+        self.reset()
+        self.last_seq = None
+        self._recent.clear()
 
     def reset(self) -> None:
         """Forget everything this worker held (all namespaces)."""
@@ -129,8 +153,8 @@ class WorkerFeed:
 
     def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
         self.last_seq = seq
-        if self._dups is not None and seq > self._dups[1]:
-            self._dups = None
+        self._recent[seq] = hash(payload)
+        self._recent.pop(seq - self.RECENT, None)
         try:
             batch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -156,9 +180,15 @@ class ZmqFleet:
     `poll` (or `run`) from one thread; query the index from any."""
 
     def __init__(self, index: RoutingIndex, daemons: Iterable[Daemon], topic: str = "kv@{namespace}",
-                 replay_timeout: float = 2.0, context: zmq.Context | None = None):
+                 replay_timeout: float = 2.0, check_interval: float = 1.0,
+                 context: zmq.Context | None = None):
+        """`check_interval`: how often (seconds) each daemon with replay is asked to replay
+        from the last applied seq, which finds batches lost at the tail of a quiet stream
+        and a daemon that restarted between two batches (0: never)."""
         self.index = index
         self.replay_timeout = replay_timeout
+        self.check_interval = check_interval
+        self._checked: dict[str, float] = {}
         self._ctx = context or zmq.Context.instance()
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket, tuple[WorkerFeed, bool]] = {}
@@ -196,7 +226,9 @@ class ZmqFleet:
     def _request(self, name: str, from_seq: int) -> None:
         _, _, dealer = self._workers[name]
         dealer.send_multipart((b"", seq_bytes(from_seq)))
-        self._deadline[name] = time.monotonic() + self.replay_timeout
+        now = time.monotonic()
+        self._deadline[name] = now + self.replay_timeout
+        self._checked[name] = now
 
     def poll(self, timeout: float = 0.1) -> int:
         """Handle whatever arrives within `timeout` seconds; returns frames handled."""
@@ -214,7 +246,19 @@ class ZmqFleet:
                 else:
                     self._on_live_frames(feed, frames)
         self._expire_replays()
+        self._check_continuity()
         return handled
+
+    def _check_continuity(self) -> None:
+        if not self.check_interval:
+            return
+        now = time.monotonic()
+        for name, (feed, _, dealer) in self._workers.items():
+            if (dealer is not None and feed.replay_from is None
+                    and now - self._checked.get(name, 0.0) > self.check_interval):
+                start = feed.last_seq if feed.last_seq is not None else 0
+                feed.start_replay(start)
+                self._request(name, start)
 
     def _on_live_frames(self, feed: WorkerFeed, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -232,7 +276,9 @@ class ZmqFleet:
         _, topic, seq, payload = frames
         if seq_of(seq) < 0:
             self._deadline.pop(feed.name, None)
-            feed.on_replay_end()
+            ask = feed.on_replay_end()
+            if ask is not None:
+                self._request(feed.name, ask)
         else:
             feed.on_replay(topic, seq_of(seq), payload)
 
@@ -244,7 +290,7 @@ class ZmqFleet:
                 feed = self._workers[name][0]
                 log.warning("worker %s: no replay answer in %.1fs; continuing without", name,
                             self.replay_timeout)
-                feed.on_replay_end()  # a hole left in the buffered batches resets the worker
+                feed.on_replay_end(gave_up=True)  # a hole left in what is buffered resets it
 
     def run(self, stop) -> None:
         """Poll until `stop` (a threading.Event) is set."""

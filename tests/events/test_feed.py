@@ -1,0 +1,95 @@
+"""WorkerFeed, the per-daemon sequence state machine, driven frame by frame: batches are
+applied once and in order, gaps are repaired by replay or reset the worker, duplicates
+are dropped, and a restarted publisher is told from a duplicate by its payload."""
+
+from radixkv.routing import RoutingIndex, WorkerFeed
+from radixkv.routing.blockhash import block_hashes
+from radixkv.routing.wire import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
+
+PAGE = 4
+TOPIC = b"kv@m"
+
+
+def stored(i: int, ts: float = 1.0) -> bytes:
+    tokens = list(range(i * 100, i * 100 + PAGE))
+    event = BlockStored(block_hashes=block_hashes(tokens, PAGE), parent_block_hash=None,
+                        token_ids=tokens, block_size=PAGE, lora_id=None, medium="GPU", lora_name=None)
+    return encode_batch(KVEventBatch(ts=ts, events=[event]))
+
+
+def held(index, i):
+    return index.score(list(range(i * 100, i * 100 + PAGE)), namespace="m")[0].score > 0
+
+
+def feed():
+    index = RoutingIndex(PAGE)
+    return index, WorkerFeed("w", index)
+
+
+def test_in_order_batches_apply_once_and_duplicates_are_dropped():
+    index, f = feed()
+    for seq in range(3):
+        assert f.on_live(TOPIC, seq, stored(seq), can_replay=True) is None
+    assert f.on_live(TOPIC, 1, stored(1), can_replay=True) is None
+    assert (f.num_applied, f.num_duplicates, f.last_seq) == (3, 1, 2)
+    assert all(held(index, i) for i in range(3))
+
+
+def test_a_gap_asks_for_replay_from_the_last_seq_and_the_replay_fills_it():
+    index, f = feed()
+    f.on_live(TOPIC, 0, stored(0), can_replay=True)
+    assert f.on_live(TOPIC, 3, stored(3), can_replay=True) == 0
+    assert f.on_live(TOPIC, 4, stored(4), can_replay=True) is None  # buffered meanwhile
+    for seq in range(4):  # the ring answers from 0: 0 checks continuity, 1..3 fill the hole
+        f.on_replay(TOPIC, seq, stored(seq))
+    assert f.on_replay_end() is None
+    assert f.last_seq == 4 and f.num_resets == 0 and f.num_applied == 5
+    assert all(held(index, i) for i in range(5))
+
+
+def test_a_hole_the_ring_no_longer_holds_resets_the_worker():
+    index, f = feed()
+    f.on_live(TOPIC, 0, stored(0), can_replay=True)
+    f.on_live(TOPIC, 9, stored(9), can_replay=True)
+    f.on_replay(TOPIC, 7, stored(7))  # the ring starts at 7
+    f.on_replay(TOPIC, 8, stored(8))
+    f.on_replay_end()
+    assert f.num_resets == 1 and f.last_seq == 9
+    assert not held(index, 0) and held(index, 7) and held(index, 9)
+
+
+def test_a_restart_is_told_from_a_duplicate_by_its_payload():
+    index, f = feed()
+    for seq in range(3):
+        f.on_live(TOPIC, seq, stored(seq), can_replay=True)
+    # a new publisher: seq 1 again, with other contents
+    assert f.on_live(TOPIC, 1, stored(50, ts=2.0), can_replay=True) == 0
+    f.on_replay(TOPIC, 0, encode_batch(KVEventBatch(ts=2.0, events=[AllBlocksCleared()])))
+    f.on_replay(TOPIC, 1, stored(50, ts=2.0))
+    assert f.on_replay_end() is None
+    assert f.num_restarts == 1 and f.last_seq == 1
+    assert not held(index, 0) and not held(index, 2) and held(index, 50)
+
+
+def test_a_restart_found_by_the_continuity_check_replays_from_zero():
+    index, f = feed()
+    for seq in range(3):
+        f.on_live(TOPIC, seq, stored(seq), can_replay=True)
+    f.start_replay(2)                       # the periodic check: replay from the last seq
+    f.on_replay(TOPIC, 2, stored(60, ts=3.0))  # seq 2 now holds something else
+    f.on_replay(TOPIC, 3, stored(61, ts=3.0))  # ignored: asked again from 0
+    assert f.on_replay_end() == 0
+    for seq, i in enumerate((59, 58, 60, 61)):
+        f.on_replay(TOPIC, seq, stored(i, ts=3.0))
+    assert f.on_replay_end() is None
+    assert f.num_restarts == 1 and f.last_seq == 3
+    assert not held(index, 1) and all(held(index, i) for i in (58, 59, 60, 61))
+
+
+def test_without_replay_a_gap_resets_and_an_undecodable_batch_resets():
+    index, f = feed()
+    f.on_live(TOPIC, 5, stored(5), can_replay=False)     # joined late: nothing to repair
+    f.on_live(TOPIC, 7, stored(7), can_replay=False)
+    assert f.num_resets == 2 and held(index, 7) and not held(index, 5)
+    f.on_live(TOPIC, 8, b"not msgpack", can_replay=False)
+    assert f.num_bad == 1 and not held(index, 7)
