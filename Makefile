@@ -6,6 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
+MOONCAKE_STAMP := $(VENV)/.mooncake-installed
 # The CPU build keeps installs small; GPU nodes bring their own CUDA build of torch.
 TORCH_SPEC ?= torch>=2.4,<2.14
 PYTEST_ARGS ?=
@@ -37,7 +38,7 @@ proto: $(STAMP)
 proto-check: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py --check
 
-test: $(STAMP) $(VLLM_STAMP) system-deps proto-check
+test: $(STAMP) $(VLLM_STAMP) system-deps $(MOONCAKE_STAMP) proto-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: $(STAMP)
@@ -54,16 +55,24 @@ $(VLLM_STAMP): $(STAMP)
 
 vllm-install: $(VLLM_STAMP)
 
+# tests/storage and the storage bench run a real Mooncake Store: the `mooncake` extra (the
+# non-CUDA wheel: mooncake_master and the store client), which needs libibverbs1 (system-deps).
+$(MOONCAKE_STAMP): $(STAMP)
+	@echo "installing the mooncake extra into $(VENV)"
+	@$(BIN)/pip install -q -e ".[mooncake]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/python -c "import mooncake.store"
+	@touch $@
+
 $(VENV)/.bench-installed: $(STAMP)
 	@echo "installing the bench extra (matplotlib, py-spy) into $(VENV)"
 	@$(BIN)/pip install -q -e ".[bench]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(BIN)/python -c "import matplotlib"
 	@touch $@
 
-bench: $(VENV)/.bench-installed system-deps
+bench: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP)
 	$(BIN)/python -m bench --quick
 
-bench-full: $(VENV)/.bench-installed system-deps
+bench-full: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP)
 	$(BIN)/python -m bench --full
 
 soak: $(STAMP)

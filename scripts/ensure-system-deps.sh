@@ -5,6 +5,8 @@ set -euo pipefail
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v prometheus >/dev/null && command -v promtool >/dev/null || missing+=(prometheus)
+# The Mooncake Store client (`mooncake` extra) links libibverbs even when it runs over TCP.
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
 ((${#missing[@]})) || exit 0
 echo "installing system packages: ${missing[*]}"
 sudo=""

@@ -69,7 +69,19 @@ def _open_redis(url: str, parts: SplitResult, options: dict[str, str]) -> Storag
                         ttl_seconds=_positive_int(ttl, "ttl", url) if ttl is not None else None)
 
 
+def _open_mooncake(url: str, parts: SplitResult, options: dict[str, str]) -> StorageBackend:
+    from .mooncake_store import open_url
+    return open_url(url, parts, options)
+
+
+def _open_redis_cluster(url: str, parts: SplitResult, options: dict[str, str]) -> StorageBackend:
+    from .redis_cluster import open_url
+    return open_url(url, parts, options)
+
+
 SCHEMES: dict[str, Opener] = {
+    "mooncake": _open_mooncake,
+    "redis+cluster": _open_redis_cluster,
     "file": _open_file,
     "redis": _open_redis,
     "rediss": _open_redis,

@@ -1,0 +1,384 @@
+"""MooncakeStorage: pages in a Mooncake Store, the DRAM pool many nodes lend to.
+
+Each daemon joins the store as a client of one `mooncake_master`: it lends
+`segment_bytes` of its own memory to the pool (0: it only borrows) and keeps a
+`buffer_bytes` local buffer for copying calls. Pages move without staging copies: the
+host pool is registered with the store (`attach_memory`), and one batched call moves a
+batch of pages, each object being two parts: the 20-byte record header (from a small
+registered arena) and the payload (the host page itself). A fetched payload lands in its
+host page and is checksummed there.
+
+What the store does, and what this backend makes of it (measured with the PyPI wheel
+`mooncake-transfer-engine-non-cuda` 0.3.13, TCP, metadata `P2PHANDSHAKE`):
+- `put` of a present key keeps the old value: put() probes first and counts those as
+  skipped, so pages are never rewritten.
+- a full store answers -200 (NO_AVAILABLE_HANDLE) and evicts in the background: the put
+  raises StorageUnavailable ("store full"), the pages stay on host, a later put retries.
+- a key whose segment owner died answers -800 (TRANSFER_FAIL) until the master drops
+  the owner (`client_ttl`, 10 s by default): a miss, logged once.
+- a master that restarted has lost every key: misses; this client re-mounts by itself.
+- calls to a master or a segment owner that hangs block for 30-60 s inside the store:
+  each call here waits at most `timeout` seconds and then raises StorageTimeout. The
+  store's call may still finish later; the buffers it was given are not reused before
+  it does (header slots are held, and the mover keeps fetched pages reserved).
+- `setup()` against a master that is not up retries for ~90 s: connecting happens on
+  a call thread, lazily, with `MC_STORE_CLIENT_SETUP_RETRIES` defaulting to 2; until it
+  succeeds every call raises StorageUnavailable and a later call tries again.
+- every payload is checked against its header (length and CRC-32): a page is either
+  whole and right, or a miss.
+"""
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+
+import numpy as np
+
+from .base import Read, StorageBackend, StorageTimeout, StorageUnavailable
+from .record import HEADER_BYTES, header
+
+log = logging.getLogger(__name__)
+
+# Mooncake error codes (mooncake-store/include/types.h) this backend tells apart.
+NO_SPACE = -200            # NO_AVAILABLE_HANDLE: the store is full
+BUFFER_TOO_SMALL = -600    # the object is larger than the buffers given
+NOT_FOUND = -704           # OBJECT_NOT_FOUND
+TRANSFER_FAIL = -800       # the segment holding the object did not answer
+RPC_FAIL = (-900, -901)    # the master did not answer
+RETRY_INTERVAL_S = 1.0     # after a failed setup(), the next call waits this long to retry
+
+
+def address(buffer) -> int:
+    """The address of a C-contiguous buffer (read-only ones too)."""
+    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data if memoryview(buffer).nbytes else 0
+
+
+class _Headers:
+    """A registered arena of header slots; a call holds its slots until the store's call
+    has returned (it may still write them after a timeout). Thread-safe."""
+
+    def __init__(self, slots: int):
+        self.memory = np.zeros(slots * HEADER_BYTES, dtype=np.uint8)
+        self.base = self.memory.ctypes.data
+        self._free = list(range(slots))
+        self._lock = threading.Lock()  # worker threads take and give slots
+
+    def take(self, n: int) -> list[int] | None:
+        with self._lock:
+            if len(self._free) < n:
+                return None
+            taken, self._free = self._free[-n:], self._free[:-n]
+            return taken
+
+    def give(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    def ptr(self, slot: int) -> int:
+        return self.base + slot * HEADER_BYTES
+
+    def view(self, slot: int) -> memoryview:
+        return memoryview(self.memory[slot * HEADER_BYTES:(slot + 1) * HEADER_BYTES])
+
+
+class MooncakeStorage(StorageBackend):
+    """Pages in the Mooncake Store whose master listens at `master` ("host:port").
+
+    Construction checks arguments only (ValueError); the store is joined lazily by the
+    first call. Thread-safe. `timeout` bounds every call (seconds); `max_batch` caps the
+    pages of one store call; `replicas` is how many copies of a page the store keeps.
+    """
+
+    faults = (OSError, RuntimeError)
+
+    def __init__(self, master: str, *, segment_bytes: int = 512 << 20, buffer_bytes: int = 64 << 20,
+                 protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", hostname: str = "127.0.0.1",
+                 rdma_devices: str = "", timeout: float = 2.0, prefix: str = "radixkv:", replicas: int = 1, max_batch: int = 128, call_threads: int = 4):
+        _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max_batch, call_threads)
+        super().__init__(f"mooncake://{master}")
+        self.master = master
+        self.prefix = prefix
+        self.timeout = timeout
+        self.max_batch = max_batch
+        self._setup_args = (hostname, metadata, segment_bytes, buffer_bytes, protocol, rdma_devices, master)
+        self._replicas = replicas
+        self._calls = ThreadPoolExecutor(call_threads, thread_name_prefix="radixkv-mooncake")
+        self._headers = _Headers(max_batch * (call_threads + 2))
+        self._lock = threading.Lock()  # guards the connection state below
+        self._store = None             # a MooncakeDistributedStore once setup() succeeded
+        self._connecting = None        # the Future of a setup() in flight
+        self._failed_at = 0.0
+        self._ranges: list[tuple[int, int]] = [(self._headers.base, self._headers.memory.nbytes)]
+        self._registered: set[int] = set()
+        self._owner_gone_logged = False
+
+    def store_key(self, key: bytes) -> str:
+        """The Mooncake key that holds (or would hold) the page stored under `key`."""
+        return self.prefix + key.hex()
+
+    def attach_memory(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            if (address, nbytes) not in self._ranges:
+                self._ranges.append((address, nbytes))
+            store = self._store
+        if store is not None:
+            self._register(store)
+
+    # -- primitives -------------------------------------------------------------------
+
+    def _exists_prefix(self, keys: list[bytes]) -> int:
+        store, found = self._client(), 0
+        for i in range(0, len(keys), self.max_batch):
+            chunk = [self.store_key(k) for k in keys[i:i + self.max_batch]]
+            codes = self._run("exists_prefix", store.batch_is_exist, chunk)
+            if found == 0 and codes and all(c < 0 for c in codes):
+                raise StorageUnavailable(self.name, "exists_prefix", detail="the master did not answer")
+            for code in codes:
+                if code != 1:
+                    return found
+                found += 1
+        return found
+
+    def _get_into(self, keys: list[bytes], pages: list) -> list[Read]:
+        store, reads = self._client(), []
+        for i in range(0, len(keys), self.max_batch):
+            chunk_keys, chunk_pages = keys[i:i + self.max_batch], pages[i:i + self.max_batch]
+            if not all(self._attached(p) for p in chunk_pages):
+                reads += super()._get_into(chunk_keys, chunk_pages)  # copying path
+                continue
+            reads += self._get_chunk(store, chunk_keys, chunk_pages)
+            if reads[-1] is not Read.HIT:
+                break  # the leading run ended: later pages are not read
+        return reads + [Read.MISS] * (len(keys) - len(reads))
+
+    def _get_chunk(self, store, keys: list[bytes], pages: list) -> list[Read]:
+        slots = self._take_slots(len(keys), "get")
+        sizes = [[HEADER_BYTES, memoryview(p).nbytes] for p in pages]
+        ptrs = [[self._headers.ptr(s), address(p)] for s, p in zip(slots, pages)]
+        names = [self.store_key(k) for k in keys]
+        codes = self._run("get", store.batch_get_into_multi_buffers, names, ptrs, sizes,
+                          release=lambda: self._headers.give(slots))
+        self._raise_if_master_down(codes, "get")
+        reads = []
+        for key, slot, page, code, (head, body) in zip(keys, slots, pages, codes, sizes):
+            if code == head + body:
+                reads.append(self._verified(key, self._headers.view(slot), page))
+            else:  # absent, of another size, or its owner is gone: a miss
+                self._note_owner_gone(code)
+                reads.append(Read.MISS)
+        return reads
+
+    def _get_blobs(self, keys: list[bytes]) -> list[bytes | None]:
+        """Copying reads (pages outside attached memory): whole records through the
+        store's local buffer. One larger than that buffer reads as empty: a miss."""
+        blobs = self._run("get", self._client().get_batch, [self.store_key(k) for k in keys])
+        return [blob if blob else None for blob in blobs]
+
+    def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
+        store = self._client()
+        names = [self.store_key(k) for k, _ in items]
+        present = self._run("put", store.batch_is_exist, names)
+        self._raise_if_master_down(present, "put")
+        todo = [i for i, code in enumerate(present) if code != 1]
+        stored = [False] * len(items)
+        codes = []
+        for i in range(0, len(todo), self.max_batch):
+            chunk = todo[i:i + self.max_batch]
+            codes += self._put_chunk(store, [names[j] for j in chunk], [items[j][1] for j in chunk])
+        for j, code in zip(todo, codes):
+            stored[j] = code == 0
+        failed = [c for c in codes if c != 0]
+        if failed:
+            full = all(c == NO_SPACE for c in failed)
+            raise StorageUnavailable(self.name, "put", detail=(
+                f"store full: {len(failed)} of {len(items)} pages not stored (code {NO_SPACE}); "
+                "the store evicts in the background" if full else
+                f"{len(failed)} of {len(items)} pages not stored (codes {sorted(set(failed))})"))
+        return stored
+
+    def _put_blobs(self, records):  # put() goes through _put_pages, never here
+        raise NotImplementedError("MooncakeStorage stores pages through _put_pages")
+
+    def _put_chunk(self, store, names: list[str], payloads: list) -> list[int]:
+        slots = self._take_slots(len(names), "put")
+        for slot, payload in zip(slots, payloads):
+            self._headers.view(slot)[:] = header(payload)
+        if not all(self._attached(p) for p in payloads):  # copying path
+            self._headers.give(slots)
+            return [self._run("put", store.put_parts, n, header(p), p, config=self._config())
+                    for n, p in zip(names, payloads)]
+        ptrs = [[self._headers.ptr(s), address(p)] for s, p in zip(slots, payloads)]
+        sizes = [[HEADER_BYTES, memoryview(p).nbytes] for p in payloads]
+        return self._run("put", store.batch_put_from_multi_buffers, names, ptrs, sizes, self._config(),
+                         release=lambda: self._headers.give(slots))
+
+    def _discard(self, keys: list[bytes]) -> None:
+        # force: a damaged page is dropped even while a reader's lease holds it
+        self._run("discard", self._client().batch_remove, [self.store_key(k) for k in keys], True)
+
+    def _check(self) -> None:
+        code = self._run("check", self._client().health_check)
+        if code != 0:
+            raise StorageUnavailable(self.name, "check", detail=f"health_check answered {code}")
+
+    def _close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            try:
+                store.close()
+            except Exception as exc:  # closing is best effort
+                log.warning("storage %s: close: %s", self.name, exc)
+
+    # -- calls with a deadline -----------------------------------------------------------
+
+    def _run(self, operation: str, fn, *args, release=None, timeout: float | None = None, **kwargs):
+        """fn(*args) on a call thread, waited for at most `timeout` (default self.timeout)
+        seconds; `release` runs once the store's call has returned, however it ended."""
+        try:
+            future = self._calls.submit(fn, *args, **kwargs)
+        except RuntimeError as exc:  # shut down
+            if release:
+                release()
+            raise StorageUnavailable(self.name, operation, detail="the backend is closed") from exc
+        if release is not None:
+            future.add_done_callback(lambda _: release())
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            return future.result(seconds)
+        except FutureTimeout:
+            if future.cancel():  # never started: nothing can touch the buffers
+                raise StorageUnavailable(self.name, operation,
+                                         detail=f"no call thread free within {seconds:g}s") from None
+            raise StorageTimeout(self.name, operation, seconds, future) from None
+
+    def _take_slots(self, n: int, operation: str) -> list[int]:
+        slots = self._headers.take(n)
+        if slots is None:
+            raise StorageUnavailable(self.name, operation,
+                                     detail="too many store calls still unanswered (header slots in use)")
+        return slots
+
+    def _attached(self, buffer) -> bool:
+        start = address(buffer)
+        end = start + memoryview(buffer).nbytes
+        return any(a <= start and end <= a + n for a, n in self._ranges)
+
+    def _config(self):
+        from mooncake.store import ReplicateConfig
+        config = ReplicateConfig()
+        config.replica_num = self._replicas
+        return config
+
+    def _raise_if_master_down(self, codes: list[int], operation: str) -> None:
+        if codes and all(c in RPC_FAIL for c in codes):
+            raise StorageUnavailable(self.name, operation, detail=f"the master did not answer (code {codes[0]})")
+
+    def _note_owner_gone(self, code: int) -> None:
+        if code == TRANSFER_FAIL and not self._owner_gone_logged:
+            self._owner_gone_logged = True
+            log.warning("storage %s: pages whose segment owner stopped answering read as misses "
+                        "(code %d) until the master drops that owner", self.name, code)
+
+    # -- joining the store ---------------------------------------------------------------
+
+    def _client(self):
+        """The joined store, or StorageUnavailable while joining is in progress or failed."""
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            if self._connecting is None:
+                if time.monotonic() - self._failed_at < RETRY_INTERVAL_S:
+                    raise StorageUnavailable(self.name, "connect", detail="joining the store failed; retrying soon")
+                self._connecting = self._calls.submit(self._join)
+            connecting = self._connecting
+        try:
+            connecting.result(self.timeout)
+        except FutureTimeout:
+            raise StorageUnavailable(self.name, "connect", detail=(
+                f"the master did not answer within {self.timeout:g}s; still trying")) from None
+        with self._lock:
+            if self._store is None:
+                raise StorageUnavailable(self.name, "connect", detail=f"cannot join the store at {self.master}")
+            return self._store
+
+    def _join(self) -> None:
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+        # The store logs every failed call; this backend logs one clear line per condition.
+        # GLOG_minloglevel=0 in the daemon's environment brings the store's own lines back.
+        os.environ.setdefault("GLOG_minloglevel", "3")
+        from mooncake.store import MooncakeDistributedStore
+        store = MooncakeDistributedStore()
+        code = store.setup(*self._setup_args)
+        with self._lock:
+            self._connecting = None
+            if code != 0:
+                self._failed_at = time.monotonic()
+                log.warning("storage %s: joining the store failed (setup answered %d)", self.name, code)
+                return
+            self._store = store
+        self._register(store)
+        log.info("storage %s: joined, lending %d bytes", self.name, self._setup_args[2])
+
+    def _register(self, store) -> None:
+        with self._lock:
+            todo = [(a, n) for a, n in self._ranges if a not in self._registered]
+            self._registered.update(a for a, _ in todo)
+        for a, n in todo:
+            code = store.register_buffer(a, n)
+            if code != 0:
+                log.warning("storage %s: registering %d bytes answered %d", self.name, n, code)
+
+
+def _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max_batch, call_threads) -> None:
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"Mooncake master must be HOST:PORT, got {master!r}")
+    if protocol not in ("tcp", "rdma"):
+        raise ValueError(f"Mooncake protocol must be tcp or rdma, got {protocol!r}")
+    for name, value, low in (("segment", segment_bytes, 0), ("buffer", buffer_bytes, 1 << 20),
+                             ("replicas", replicas, 1), ("max_batch", max_batch, 1),
+                             ("call_threads", call_threads, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"Mooncake {name} must be an int >= {low}, got {value!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"Mooncake timeout must be a positive number of seconds, got {timeout!r}")
+
+
+# -- opening by URL ------------------------------------------------------------------------
+
+URL_OPTIONS = {"segment": "segment_bytes", "buffer": "buffer_bytes", "protocol": "protocol",
+               "metadata": "metadata", "hostname": "hostname", "devices": "rdma_devices",
+               "timeout": "timeout", "prefix": "prefix", "replicas": "replicas", "batch": "max_batch"}
+
+
+def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
+    """`mooncake://HOST:PORT[?option=value&...]`: the master's RPC address, and
+    segment (bytes this daemon lends, e.g. 4GiB; 0 lends none), buffer (local buffer for
+    copying calls), protocol (tcp | rdma), devices (RDMA devices, e.g. mlx5_0), metadata
+    (default P2PHANDSHAKE, or an etcd/http metadata URL), hostname (this node's address
+    as peers reach it), timeout (seconds per call), prefix (key prefix), replicas, batch."""
+    from ..config import parse_size
+    unknown = sorted(set(options) - set(URL_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown Mooncake option(s) {unknown} in {url}; use {sorted(URL_OPTIONS)}")
+    if not parts.netloc or parts.path not in ("", "/"):
+        raise ValueError(f"Mooncake storage URL {url!r} must be mooncake://HOST:PORT")
+    kwargs = {}
+    for name, text in options.items():
+        field = URL_OPTIONS[name]
+        try:
+            if field in ("segment_bytes", "buffer_bytes"):
+                kwargs[field] = parse_size(text)
+            elif field in ("replicas", "max_batch"):
+                kwargs[field] = int(text)
+            elif field == "timeout":
+                kwargs[field] = float(text)
+            else:
+                kwargs[field] = text
+        except ValueError:
+            raise ValueError(f"bad Mooncake option {name}={text!r} in {url}") from None
+    return MooncakeStorage(parts.netloc, **kwargs)
