@@ -13,6 +13,7 @@ returned (`issue`) are sent: after a daemon restart the new daemon numbers trans
 from 1 again, and an old id must not acknowledge a new daemon's transfer.
 """
 
+import asyncio
 import queue
 import threading
 import time
@@ -33,16 +34,22 @@ _CLOSE = object()
 
 
 class AckLedger:
-    """What one session knows of its load-backs: ids its LoadBack returned and not yet
-    answered, and recent answers (kept for repeated waits, `cap` of each at most).
-    Shared by the blocking and asyncio ack streams; not thread-safe by itself."""
+    """What one session knows of its load-backs, for both ack streams (blocking and
+    asyncio; not thread-safe by itself): ids its LoadBack returned (`issue`), acks in
+    flight, answers kept for repeated waits (`cap` of each at most), and whether the
+    stream ended (`ended`: why no more answers will come)."""
 
     def __init__(self, cap: int):
         self._cap = max(1, cap)
         self._outcomes: OrderedDict[int, LoadOutcome] = OrderedDict()
         self._issued: OrderedDict[int, None] = OrderedDict()
+        self._in_flight: set[int] = set()
+        self.ended: str | None = None
 
     def issue(self, transfer: int) -> None:
+        """Record an id this session's LoadBack returned (0: nothing loaded, ignored)."""
+        if not transfer:
+            return
         self._outcomes.pop(transfer, None)  # an id refused before it was issued to us
         self._issued[transfer] = None
         while len(self._issued) > self._cap:
@@ -51,24 +58,61 @@ class AckLedger:
     def outcome(self, transfer: int) -> LoadOutcome | None:
         return self._outcomes.get(transfer)
 
-    def issued(self, transfer: int) -> bool:
-        return transfer in self._issued
+    def in_flight(self, transfer: int) -> bool:
+        return transfer in self._in_flight
+
+    def to_ack(self, ids: Iterable[int]) -> tuple[list[int], list[LoadOutcome]]:
+        """Of `ids` neither answered nor in flight: those to send now (issued to this
+        session; now in flight) and failures to `record` at once for the others: an id
+        this session's load_back did not return (a restarted daemon numbers transfers
+        from 1 again, so it could name another's load), or any id once the stream ended."""
+        send, refused = [], []
+        for t in ids:
+            if t in self._outcomes or t in self._in_flight:
+                continue
+            if t not in self._issued:
+                refused.append(LoadOutcome.failure(
+                    t, f"transfer {t} was not started by this session (a lost session's, "
+                    "or never returned by load_back): recompute its tokens"))
+            elif self.ended is not None:
+                refused.append(LoadOutcome.failure(t, f"not acknowledged: {self.ended}"))
+            else:
+                self._in_flight.add(t)
+                send.append(t)
+        return send, refused
 
     def record(self, outcome: LoadOutcome) -> None:
+        """An answer (the daemon's, or a failure decided here) for `outcome.transfer`."""
         t = outcome.transfer
         self._issued.pop(t, None)
+        self._in_flight.discard(t)
         self._outcomes[t] = outcome
         self._outcomes.move_to_end(t)
         while len(self._outcomes) > self._cap:
             self._outcomes.popitem(last=False)
 
-    @staticmethod
-    def not_ours(transfer: int) -> LoadOutcome:
-        """Never acknowledge an id this session's load_back did not return: a restarted
-        daemon numbers transfers from 1 again, so it could name another's load."""
-        return LoadOutcome.failure(
-            transfer, f"transfer {transfer} was not started by this session (a lost session's, "
-            "or never returned by load_back): recompute its tokens")
+    def end(self, reason: str) -> bool:
+        """No more answers will come; the first reason stays. True if this call ended it."""
+        if self.ended is not None:
+            return False
+        self.ended = reason
+        return True
+
+    def unanswered(self) -> list[LoadOutcome]:
+        """A failed load for every ack in flight, to `record` once the stream ended."""
+        return [LoadOutcome.failure(t, f"no answer from the daemon: {self.ended}") for t in self._in_flight]
+
+
+def end_reason(error: BaseException | None) -> str:
+    """Why a reader saw its ack stream end: the daemon ended it (`error` None), it broke
+    with an RPC error, it was cancelled (asyncio), or the reader itself failed."""
+    if error is None:
+        return "the daemon ended the ack stream (session closed)"
+    if isinstance(error, asyncio.CancelledError):
+        return "ack stream cancelled"
+    if isinstance(error, grpc.RpcError):
+        return f"ack stream broke: {from_rpc_error(error)}"
+    return f"ack stream reader failed: {error!r}"
 
 
 class AckStream:
@@ -80,12 +124,10 @@ class AckStream:
         self._session = session
         self._close_timeout = close_timeout
         self._on_broken = on_broken  # called (reader thread) when the daemon ends the stream
-        # `_cond` guards every field below; the reader thread and waiters share them.
+        # `_cond` guards the ledger and the waiters; the reader thread and waiters share them.
         self._cond = threading.Condition()
         self._ledger = AckLedger(outcome_cache)
-        self._sent: set[int] = set()  # acked, not answered yet
         self._waiters: list[dict[int, LoadOutcome | None]] = []
-        self._broken: str | None = None  # why no more answers will come
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._call = None
         self._reader: threading.Thread | None = None
@@ -95,13 +137,11 @@ class AckStream:
     def open(self) -> None:
         """Open the stream now (it names the session, acknowledging nothing)."""
         with self._cond:
-            if self._call is None and self._broken is None:
+            if self._call is None and self._ledger.ended is None:
                 self._start()
 
     def issue(self, transfer: int) -> None:
         """Record a transfer id this session's LoadBack returned (0 is ignored)."""
-        if not transfer:
-            return
         with self._cond:
             self._ledger.issue(transfer)
 
@@ -116,15 +156,11 @@ class AckStream:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             result: dict[int, LoadOutcome | None] = {t: self._ledger.outcome(t) for t in wanted}
-            missing = [t for t, o in result.items() if o is None]
-            if not missing:
+            if all(o is not None for o in result.values()):
                 return result  # type: ignore[return-value]
             self._waiters.append(result)
             try:
-                for t in missing:
-                    if t not in self._sent and not self._ledger.issued(t):
-                        self._resolve(AckLedger.not_ours(t))
-                self._send(t for t in missing if t not in self._sent and self._ledger.issued(t))
+                self._ack(t for t, o in result.items() if o is None)
                 while any(o is None for o in result.values()):
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
@@ -140,8 +176,7 @@ class AckStream:
         it), wait for the daemon to end its side, and fail whatever stayed unanswered.
         Idempotent."""
         with self._cond:
-            if self._broken is None:
-                self._broken = reason
+            self._ledger.end(reason)
             reader, call = self._reader, self._call
             if call is not None:
                 self._queue.put(_CLOSE)
@@ -151,36 +186,33 @@ class AckStream:
                 call.cancel()
                 reader.join(self._close_timeout)
         with self._cond:
-            self._fail_sent(self._broken or reason)
+            self._resolve(*self._ledger.unanswered())
 
     def abandon(self, reason: str) -> None:
         """The session is gone: fail every unanswered ack now and drop the stream
         without waiting for the daemon. Idempotent."""
         with self._cond:
-            if self._broken is None:
-                self._broken = reason
+            self._ledger.end(reason)
             call = self._call
             if call is not None:
                 self._queue.put(_CLOSE)
-            self._fail_sent(self._broken)
+            self._resolve(*self._ledger.unanswered())
         if call is not None:
             call.cancel()
 
-    # -- internals (callers hold `_cond` where noted) -----------------------------------
+    # -- internals (callers hold `_cond`) ----------------------------------------------
 
-    def _send(self, ids: Iterable[int]) -> None:
-        """Queue acks (holding `_cond`); with the stream broken, fail them at once."""
-        for t in ids:
-            if self._broken is not None:
-                self._resolve(LoadOutcome.failure(t, f"not acknowledged: {self._broken}"))
-                continue
-            if self._call is None:
-                self._start()
-            self._sent.add(t)
+    def _ack(self, ids: Iterable[int]) -> None:
+        """Queue the acks the ledger says to send; record the ones it refuses."""
+        send, refused = self._ledger.to_ack(ids)
+        self._resolve(*refused)
+        if send and self._call is None:
+            self._start()
+        for t in send:
             self._queue.put(t)
 
     def _start(self) -> None:
-        """Open the stream and its reader thread (holding `_cond`)."""
+        """Open the stream and its reader thread."""
         self._call = self._stub.Acks(self._requests())
         self._reader = threading.Thread(target=self._read, name="radixkv-acks", daemon=True)
         self._reader.start()
@@ -194,35 +226,27 @@ class AckStream:
             yield pb.AckRequest(session=self._session, transfer=item)
 
     def _read(self) -> None:
-        reason = "the daemon ended the ack stream (session closed)"
+        """The reader thread: record answers until the stream ends, then fail the rest."""
+        error = None
         try:
             for resp in self._call:
                 with self._cond:
                     self._resolve(LoadOutcome.from_pb(resp))
-        except grpc.RpcError as e:
-            reason = f"ack stream broke: {from_rpc_error(e)}"
         except Exception as e:  # a reader that dies must still fail the waiters
-            reason = f"ack stream reader failed: {e!r}"
+            error = e
         with self._cond:
-            by_daemon = self._broken is None
-            if by_daemon:
-                self._broken = reason
+            by_daemon = self._ledger.end(end_reason(error))
             self._queue.put(_CLOSE)  # the stream is over; stop the request generator
-            self._fail_sent(self._broken)
+            self._resolve(*self._ledger.unanswered())
         if by_daemon and self._on_broken is not None:
-            self._on_broken(reason)
+            self._on_broken(end_reason(error))
 
-    def _fail_sent(self, reason: str) -> None:
-        """Resolve every unanswered ack as a failed load (holding `_cond`)."""
-        for t in list(self._sent):
-            self._resolve(LoadOutcome.failure(t, f"no answer from the daemon: {reason}"))
-
-    def _resolve(self, outcome: LoadOutcome) -> None:
-        """Record an answer and wake waiters (holding `_cond`)."""
-        t = outcome.transfer
-        self._sent.discard(t)
-        self._ledger.record(outcome)
-        for w in self._waiters:
-            if t in w and w[t] is None:
-                w[t] = outcome
+    def _resolve(self, *outcomes: LoadOutcome) -> None:
+        """Record answers and wake waiters."""
+        for outcome in outcomes:
+            t = outcome.transfer
+            self._ledger.record(outcome)
+            for w in self._waiters:
+                if t in w and w[t] is None:
+                    w[t] = outcome
         self._cond.notify_all()

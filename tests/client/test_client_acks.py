@@ -113,7 +113,7 @@ def test_wait_times_out_then_close_fails_the_unanswered(scripted):
     done = {}
     t = threading.Thread(target=lambda: done.update(c.wait([SILENT])))
     t.start()
-    c._acks._close_timeout = 0.5  # the scripted daemon never ends its side
+    c._session.acks()._close_timeout = 0.5  # the scripted daemon never ends its side
     c.close()
     t.join(5)
     assert not done[SILENT].ok

@@ -1,0 +1,74 @@
+"""ClientBase: what the blocking and asyncio clients share besides their plans: the
+constructor (channel, stubs, `Session`) and the properties that need no I/O.
+
+Each shell names its channel opener and ack stream class (`open_channel` / `AckStream`
+for `Client`, `open_aio_channel` / `AsyncAckStream` for `AsyncClient`); the base calls
+no method a shell defines.
+"""
+
+from collections.abc import Callable, Sequence
+
+from grpc_health.v1 import health_pb2_grpc
+
+from radixkv.v1 import radixkv_pb2_grpc
+
+from . import messages as msg
+from .acks import DEFAULT_OUTCOME_CACHE
+from .channel import Tls
+from .errors import SessionLost
+from .reconnect import Backoff
+from .session import DEFAULT_TARGET, Session
+from .types import Registration
+
+
+class ClientBase:
+    """A channel to one daemon and, after `register`, one session on it (see `Client`
+    for the arguments)."""
+
+    _channel_opener: Callable  # (target, options, tls, token) -> channel; set by each shell
+    _ack_stream_class: type  # (stub, session, outcome_cache=, on_broken=) -> ack stream
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 30.0,
+                 max_message_bytes: int = msg.DEFAULT_MAX_MESSAGE_BYTES,
+                 options: Sequence[tuple[str, object]] = (),
+                 outcome_cache: int = DEFAULT_OUTCOME_CACHE,
+                 tls: Tls | None = None, token: str | None = None,
+                 reconnect: Backoff | None = Backoff(),
+                 on_session_lost: Callable[[SessionLost], None] | None = None):
+        self.target = target
+        channel_options = msg.channel_options(max_message_bytes, options)
+        self._channel = self._channel_opener(target, channel_options, tls, token)
+        self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._outcome_cache = outcome_cache
+        self._session = Session(target, timeout=timeout, reconnect=reconnect, on_session_lost=on_session_lost,
+                                open_acks=self._open_acks)
+
+    @property
+    def timeout(self) -> float | None:
+        """The deadline of each RPC in seconds (None: none)."""
+        return self._session.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._session.timeout = value
+
+    @property
+    def registration(self) -> Registration | None:
+        """The session `register` returned, or None before."""
+        return self._session.registration
+
+    @property
+    def session(self) -> str:
+        """The session id. Raises FailedPrecondition before `register` or after `close`."""
+        return self._session.id
+
+    def _open_acks(self, session: str, on_broken: Callable[[str], None]):
+        """A new session's ack stream, opened (it names the session to the daemon)."""
+        acks = self._ack_stream_class(self._stub, session, outcome_cache=self._outcome_cache,
+                                      on_broken=on_broken)
+        acks.open()
+        return acks
+
+
+__all__ = ["ClientBase"]

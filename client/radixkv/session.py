@@ -1,0 +1,326 @@
+"""Session: one engine's session with the daemon, without I/O; both clients drive it.
+
+Every client operation is written once here as a *plan*: a generator that builds the
+request, yields the I/O it needs (`Rpc`, `Sleep`) and converts the answer into the
+result it returns. The blocking `Client` and the asyncio `AsyncClient` are shells that
+run plans (`PlanRun`): they perform each yielded step on their own channel, send the
+answer back in, or throw the failed call's `RadixKVError` into the plan.
+
+Session recovery lives here too: after a call fails with Unavailable or Unauthenticated
+the session is probed; a lost session (or an ack stream the daemon ended) is registered
+again with the arguments of the last `register`, paced by `radixkv.reconnect.Recovery`,
+and the call that succeeds raises `SessionLost` (`DaemonRestarted` for a new daemon).
+Ack bookkeeping is the ack stream's (`radixkv.acks`); the session only opens a new one
+per registration through the shell's `open_acks` and abandons it when the session is lost.
+"""
+
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from grpc_health.v1 import health_pb2
+
+from radixkv.v1 import radixkv_pb2 as pb
+
+from . import messages as msg
+from .errors import (DaemonRestarted, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
+                     Unavailable)
+from .layout import KvLayout
+from .reconnect import Backoff, Recovery
+from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, PrefetchProgress,
+                    Registration, Violation)
+
+SERVICE = "radixkv.v1.RadixKV"
+DEFAULT_TARGET = "unix:///run/radixkv/radixkv.sock"
+PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Rpc:
+    """A call for the shell to make: `method` of the RadixKV stub (of the health stub
+    when `health`) with `request` and a deadline of `timeout` seconds. Its answer is the
+    response message; for a server-streaming call (`stream`), the list of messages."""
+
+    method: str
+    request: Any
+    timeout: float | None
+    health: bool = False
+    stream: bool = False
+    wait_for_ready: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """A pause of `seconds` for the shell to take (answer: None)."""
+
+    seconds: float
+
+
+Step = Rpc | Sleep
+Plan = Generator[Step, Any, T]
+
+
+class PlanRun:
+    """Steps through one plan for a shell: `next()` gives the step to perform (None once
+    the plan returned, its value in `result`); the shell then calls `answer` with what
+    the step gave, or `fail` with the error it raised. Errors the plan raises propagate
+    out of `next()`."""
+
+    def __init__(self, plan: Plan):
+        self._plan = plan
+        self._answer: Any = None
+        self._error: RadixKVError | None = None
+        self.result: Any = None
+
+    def next(self) -> Step | None:
+        answer, error = self._answer, self._error
+        self._answer = self._error = None
+        try:
+            return self._plan.throw(error) if error is not None else self._plan.send(answer)
+        except StopIteration as done:
+            self.result = done.value
+            return None
+
+    def answer(self, value: Any) -> None:
+        self._answer = value
+
+    def fail(self, error: RadixKVError) -> None:
+        self._error = error
+
+
+def lost_message(reg: Registration, new: Registration, reason: str) -> tuple[type[SessionLost], str]:
+    """The exception class and message for a session replaced by `new`."""
+    if new.daemon_instance != reg.daemon_instance:
+        return DaemonRestarted, (f"the daemon restarted (instance {reg.daemon_instance} -> "
+                                 f"{new.daemon_instance}; {reason}); registered again: drop every "
+                                 "cached device page")
+    return SessionLost, (f"session {reg.session[:8]} was lost ({reason}); registered again: drop every "
+                         "cached device page")
+
+
+class Session:
+    """The state of one client: its registration, ack stream and recovery, and a plan
+    per operation (see the module docstring; `Client` documents each operation).
+
+    `open_acks(session_id, on_broken)` is the shell's: it returns an opened ack stream
+    (`issue`, `abandon`, `wait`, `close`) that calls `on_broken(reason)` when the daemon
+    ends it. `on_broken` may come from another thread (the blocking client's reader):
+    recovery state changes hold `_lock`. Plans run one at a time per client.
+    """
+
+    def __init__(self, target: str, *, timeout: float | None, reconnect: Backoff | None,
+                 on_session_lost: Callable[[SessionLost], None] | None,
+                 open_acks: Callable[[str, Callable[[str], None]], Any]):
+        self.target = target
+        self.timeout = timeout
+        self.registration: Registration | None = None
+        self.closed = False
+        self._register_request: pb.RegisterRequest | None = None
+        self._acks = None
+        self._open_acks = open_acks
+        self._recovery = Recovery(reconnect) if reconnect is not None else None
+        self._lock = threading.Lock()
+        self._on_session_lost = on_session_lost
+
+    @property
+    def id(self) -> str:
+        """The session id. Raises FailedPrecondition before `register` or after `close`."""
+        self._check_open()
+        if self.registration is None:
+            raise FailedPrecondition("not registered: call register() first")
+        return self.registration.session
+
+    def acks(self):
+        """The ack stream. Raises FailedPrecondition before `register` or after `close`."""
+        self._check_open()
+        if self._acks is None:
+            raise FailedPrecondition("not registered: call register() first")
+        return self._acks
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float, service: str) -> Plan[None]:
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                resp = yield Rpc("Check", health_pb2.HealthCheckRequest(service=service), min(left, 1.0),
+                                 health=True, wait_for_ready=True)
+                if resp.status == _SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except RadixKVError as e:
+                last = str(e)
+            yield Sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        raise Unavailable(f"daemon at {self.target} not serving after {timeout}s ({last})")
+
+    def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int,
+                 **options) -> Plan[Registration]:
+        self._check_open()
+        if self.registration is not None:
+            raise FailedPrecondition(f"already registered (session {self.registration.session})")
+        req = msg.register_request(namespace, layout, buffers, num_device_pages, **options)
+        reg = Registration.from_pb((yield from self._call("Register", req)))
+        self._register_request = req
+        self._attach(reg)
+        return reg
+
+    def reconnect(self, timeout: float) -> Plan[SessionLost | None]:
+        deadline = time.monotonic() + timeout
+        rec = self._recovery
+        if rec is None or self._register_request is None:
+            raise FailedPrecondition("reconnect needs a registered client with a reconnect backoff")
+        if not rec.lost:
+            yield from self._check_session(Unavailable("checking the session"))
+            if not rec.lost:
+                return None
+        while True:
+            yield Sleep(min(rec.wait_time(time.monotonic()), max(0.0, deadline - time.monotonic())))
+            try:
+                yield from self._recover()
+            except SessionLost as e:
+                return e
+            except RadixKVError:
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"no session after {timeout}s: {rec.reason}") from None
+
+    def close(self) -> Plan[Any]:
+        """Mark the client closed and end the session (Close); returns the ack stream for
+        the shell to close next (None if there is none). The caller checks `closed`
+        first: closing is idempotent."""
+        self.closed = True
+        if self.registration is not None:
+            try:
+                yield Rpc("Close", pb.CloseRequest(session=self.registration.session), self.timeout)
+            except RadixKVError:
+                pass  # the daemon is gone, or already closed the session
+        return self._acks
+
+    # -- engine operations -------------------------------------------------------------
+
+    def match(self, prompts: Iterable, lease: bool, include_storage: bool) -> Plan[list[MatchResult]]:
+        resp = yield from self._call("Match", msg.match_request(self.id, prompts, lease, include_storage))
+        return [MatchResult.from_pb(r) for r in resp.results]
+
+    def prefetch(self, tokens, *, extra_key: bytes, policy: str,
+                 timeout: float | None) -> Plan[list[PrefetchProgress]]:
+        request = msg.prefetch_request(self.id, tokens, extra_key=extra_key, policy=policy, timeout=timeout)
+        deadline = None if self.timeout is None else self.timeout + (timeout or 0)
+        progress = yield Rpc("Prefetch", request, deadline, stream=True)
+        return [PrefetchProgress.from_pb(p) for p in progress]
+
+    def insert(self, tokens, device_pages, **options) -> Plan[InsertResult]:
+        req = msg.insert_request(self.id, tokens, device_pages, **options)
+        return InsertResult.from_pb((yield from self._call("Insert", req)))
+
+    def load_back(self, node: int, device_pages) -> Plan[LoadBackResult]:
+        req = msg.load_back_request(self.id, node, device_pages)
+        result = LoadBackResult.from_pb((yield from self._call("LoadBack", req)))
+        self.acks().issue(result.transfer)
+        return result
+
+    def release(self, leases: Iterable[int]) -> Plan[None]:
+        req = msg.release_request(self.id, leases)
+        if req.leases:
+            yield from self._call("Release", req)
+
+    def evict(self, num_pages: int) -> Plan[EvictResult]:
+        return EvictResult.from_pb((yield from self._call("Evict", msg.evict_request(self.id, num_pages))))
+
+    # -- operators ---------------------------------------------------------------------
+
+    def stats(self, namespace: str) -> Plan[pb.StatsResponse]:
+        return (yield from self._call("Stats", pb.StatsRequest(namespace=namespace)))
+
+    def inspect(self, namespace: str, max_nodes: int) -> Plan[pb.InspectResponse]:
+        return (yield from self._call("Inspect", pb.InspectRequest(namespace=namespace, max_nodes=max_nodes)))
+
+    def check_invariants(self, namespace: str) -> Plan[list[Violation]]:
+        resp = yield from self._call("CheckInvariants", pb.CheckInvariantsRequest(namespace=namespace))
+        return [Violation(v.namespace, v.message) for v in resp.violations]
+
+    def echo(self, payload: bytes) -> Plan[bytes]:
+        return (yield from self._call("Echo", pb.EchoRequest(payload=payload))).payload
+
+    # -- one call, and a lost session --------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FailedPrecondition("the client is closed")
+
+    def _call(self, method: str, request) -> Plan[Any]:
+        """One unary call with recovery: a lost session is registered again first (the
+        call then raises SessionLost, or Unavailable before the next attempt is due); a
+        call failing with Unavailable or Unauthenticated probes whether the session lives."""
+        self._check_open()
+        if self._recovery is not None and self._recovery.lost:
+            yield from self._recover()  # raises: SessionLost once registered again, else Unavailable
+        try:
+            return (yield Rpc(method, request, self.timeout))
+        except (Unavailable, Unauthenticated) as err:
+            if method != "Register":
+                yield from self._check_session(err)
+                if self._recovery is not None and self._recovery.lost:
+                    yield from self._recover()
+            raise
+
+    def _attach(self, reg: Registration) -> None:
+        msg.forget_stale_events(self._register_request)
+        self.registration = reg
+        self._acks = self._open_acks(reg.session, self._stream_broken)
+
+    def _stream_broken(self, reason: str) -> None:
+        """The daemon ended the ack stream, and with it the session (any thread)."""
+        if self._recovery is not None and not self.closed:
+            with self._lock:
+                self._recovery.lose(reason, time.monotonic())
+
+    def _check_session(self, err: RadixKVError) -> Plan[None]:
+        """After `err`, ask the daemon whether the session lives; mark it lost if not."""
+        if self._recovery is None or self.registration is None or self._recovery.lost:
+            return
+        try:
+            yield Rpc("Match", pb.MatchRequest(session=self.registration.session), PROBE_TIMEOUT)
+            return  # alive: `err` was about that call alone
+        except (Unavailable, Unauthenticated):
+            with self._lock:
+                self._recovery.lose(f"{err.code.name}: {err.message}", time.monotonic())
+        except RadixKVError:
+            pass
+
+    def _recover(self) -> Plan[None]:
+        """Try to register again if an attempt is due. Raises SessionLost on success,
+        Unavailable (or the daemon's refusal) otherwise; never returns."""
+        rec, reg = self._recovery, self.registration
+        now = time.monotonic()
+        if self._acks is not None:
+            self._acks.abandon(f"the session was lost ({rec.reason})")
+        if not rec.due(now):
+            raise Unavailable(f"session lost ({rec.reason}); next reconnect attempt in "
+                              f"{rec.wait_time(now):.2f}s")
+        try:  # as first registered: replace_existing only if the engine asked for it then
+            new = Registration.from_pb((yield Rpc("Register", self._register_request, self.timeout)))
+        except Unavailable as err:
+            rec.failed(time.monotonic())
+            raise Unavailable(f"session lost ({rec.reason}); reconnect attempt {rec.attempts} failed: "
+                              f"{err.message}") from None
+        except RadixKVError:
+            rec.failed(time.monotonic())
+            raise
+        cls, message = lost_message(reg, new, rec.reason)
+        with self._lock:
+            rec.recovered()
+        self._attach(new)
+        lost = cls(message, new, reg.daemon_instance, new.daemon_instance)
+        if self._on_session_lost is not None:
+            self._on_session_lost(lost)
+        raise lost
+
+
+__all__ = ["DEFAULT_TARGET", "PROBE_TIMEOUT", "SERVICE", "Plan", "PlanRun", "Rpc", "Session", "Sleep",
+           "lost_message"]

@@ -1,0 +1,136 @@
+"""The client's session core without I/O: plans run against a scripted daemon.
+
+Both `Client` and `AsyncClient` run these plans, so what an engine relies on after a
+daemon restart is checked here once: a failed call whose session is gone registers
+again and raises `DaemonRestarted` (or `SessionLost`) exactly once, unanswered acks of
+the old session fail, calls before the next attempt is due fail at once, and a call
+that failed on its own leaves the session alone.
+"""
+
+import pytest
+
+from radixkv import errors
+from radixkv.layout import KvLayout
+from radixkv.reconnect import Backoff
+from radixkv.session import PlanRun, Rpc, Session, Sleep
+from radixkv.v1 import radixkv_pb2 as pb
+
+LAYOUT = KvLayout(1, 1, 8, "float16", 4)
+
+
+class Acks:
+    """The ack stream a shell would open: records what the session does with it."""
+
+    def __init__(self, session: str):
+        self.session = session
+        self.issued: list[int] = []
+        self.abandoned: str | None = None
+
+    def issue(self, transfer: int) -> None:
+        self.issued.append(transfer)
+
+    def abandon(self, reason: str) -> None:
+        self.abandoned = reason
+
+
+class Daemon:
+    """Answers the steps of a plan like a daemon at `instance` would; `down` makes every
+    call fail with Unavailable, `forget` makes it forget every session."""
+
+    def __init__(self):
+        self.instance, self.sessions, self.calls = "d1", set(), []
+        self.down = False
+
+    def forget(self, instance: str) -> None:
+        self.instance, self.sessions = instance, set()
+
+    def __call__(self, step):
+        self.calls.append(step.method if isinstance(step, Rpc) else "sleep")
+        if isinstance(step, Sleep):
+            return None
+        if self.down:
+            raise errors.Unavailable("connection refused")
+        if step.method == "Register":
+            session = f"s{len(self.sessions) + 1}-{self.instance}"
+            self.sessions.add(session)
+            return pb.RegisterResponse(session=session, daemon_instance=self.instance)
+        if step.request.session not in self.sessions:
+            raise errors.Unauthenticated("unknown session")
+        if step.method == "LoadBack":
+            return pb.LoadBackResponse(transfer=7)
+        if step.method == "Close":
+            self.sessions.discard(step.request.session)
+            return pb.CloseResponse()
+        return pb.MatchResponse(results=[pb.MatchResult()] * len(step.request.prompts))
+
+
+def run(plan, daemon: Daemon):
+    steps = PlanRun(plan)
+    while (step := steps.next()) is not None:
+        try:
+            steps.answer(daemon(step))
+        except errors.RadixKVError as e:
+            steps.fail(e)
+    return steps.result
+
+
+@pytest.fixture
+def setup():
+    daemon, streams, lost = Daemon(), [], []
+
+    def open_acks(session, on_broken):
+        streams.append(Acks(session))
+        return streams[-1]
+
+    s = Session("unix:///x", timeout=5, reconnect=Backoff(initial=60, maximum=60, jitter=0),
+                on_session_lost=lost.append, open_acks=open_acks)
+    run(s.register("ns", LAYOUT, [("seg", 0, 64)], 4, backend="shm", device=0, write_policy="",
+                   host_pool_pages=0, replace_existing=False, engine="", model=""), daemon)
+    return s, daemon, streams, lost
+
+
+def test_a_restarted_daemon_is_reported_once_and_the_session_replaced(setup):
+    s, daemon, streams, lost = setup
+    assert run(s.load_back(1, [0]), daemon).transfer == 7 and streams[0].issued == [7]
+    daemon.forget("d2")
+    with pytest.raises(errors.DaemonRestarted) as info:
+        run(s.match([[1, 2, 3, 4]], False, False), daemon)
+    assert daemon.calls[-3:] == ["Match", "Match", "Register"]  # the call, the probe, the new session
+    assert info.value.registration.session == s.id == "s1-d2"
+    assert (info.value.old_instance, info.value.new_instance) == ("d1", "d2")
+    assert lost == [info.value]
+    assert streams[0].abandoned and len(streams) == 2 and streams[1].session == "s1-d2"
+    assert len(run(s.match([[1, 2, 3, 4]], False, False), daemon)) == 1  # and calls work again
+
+
+def test_a_call_that_failed_alone_keeps_the_session(setup):
+    s, daemon, streams, lost = setup
+
+    def flaky(step):
+        if step.method == "Match" and step.request.prompts:
+            raise errors.Unavailable("one call dropped")
+        return daemon(step)
+
+    with pytest.raises(errors.Unavailable, match="one call dropped"):
+        run(s.match([[1, 2, 3, 4]], False, False), flaky)
+    assert s.id == "s1-d1" and not lost and streams[0].abandoned is None
+
+
+def test_calls_before_the_next_attempt_fail_at_once(setup):
+    s, daemon, streams, lost = setup
+    daemon.down = True
+    with pytest.raises(errors.Unavailable, match="reconnect attempt 1 failed"):
+        run(s.match([[1, 2, 3, 4]], False, False), daemon)
+    sent = len(daemon.calls)
+    with pytest.raises(errors.Unavailable, match="next reconnect attempt in"):
+        run(s.match([[1, 2, 3, 4]], False, False), daemon)
+    assert len(daemon.calls) == sent  # nothing was sent: the engine treats it as a miss
+    assert streams[0].abandoned and not lost
+
+
+def test_a_closed_session_refuses_calls_and_closes_once(setup):
+    s, daemon, _, _ = setup
+    run(s.close(), daemon)
+    assert daemon.calls[-1] == "Close" and s.closed
+    with pytest.raises(errors.FailedPrecondition, match="closed"):
+        run(s.match([[1, 2, 3, 4]], False, False), daemon)
