@@ -1,11 +1,17 @@
-"""Real stores for the storage tests: the redis-server of tests/conftest.py, and page
-directories under pytest's tmp_path. Nothing is mocked."""
+"""Real stores for the storage tests: the redis-server of tests/conftest.py, page
+directories under pytest's tmp_path, a Redis Cluster (3 masters, 3 replicas) and a
+Mooncake Store (a `mooncake_master` and a lender process holding the segment) on
+localhost (tests/storage/fleet.py). Nothing is mocked."""
 
 import uuid
 
 import pytest
+import redis
 
 from radixkv_server.storage import open_storage
+from tests.storage.fleet import Lender, MooncakeMaster, RedisCluster
+
+MOONCAKE_SEGMENT = 256 << 20  # what the fixture's lender process lends to the store
 
 
 class Store:
@@ -27,6 +33,11 @@ class Store:
         if self.kind == "file":
             with open(backend.path_for(key), "wb") as f:
                 f.write(blob)
+        elif self.kind == "mooncake":
+            assert backend._client().upsert(backend.store_key(key), blob) == 0
+        elif self.kind == "redis_cluster":
+            with self._cluster_client() as client:
+                client.set(backend.redis_key(key), blob)
         else:
             client = self._redis_server.client()
             client.set(backend.redis_key(key), blob)
@@ -39,22 +50,56 @@ class Store:
                     return f.read()
             except FileNotFoundError:
                 return None
+        if self.kind == "mooncake":
+            return backend._client().get(backend.store_key(key)) or None
+        if self.kind == "redis_cluster":
+            with self._cluster_client() as client:
+                return client.get(backend.redis_key(key))
         client = self._redis_server.client()
         try:
             return client.get(backend.redis_key(key))
         finally:
             client.close()
 
+    def _cluster_client(self):
+        return redis.RedisCluster.from_url(self.url.split("?")[0].replace("redis+cluster://", "redis://").split(",")[0])
+
     def close_all(self) -> None:
         for backend in self._opened:
             backend.close()
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(scope="session")
+def mooncake_store():
+    """A Mooncake Store for the session: a master, and a lender process that lends
+    MOONCAKE_SEGMENT bytes (so backends opened by tests lend none and may close freely)."""
+    master = MooncakeMaster().start()
+    lender = Lender(master.address, MOONCAKE_SEGMENT, 0, 0, 0)
+    yield master
+    lender.stop()
+    master.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A Redis Cluster (3 masters, 3 replicas) shared by the session's tests."""
+    cluster = RedisCluster().start()
+    yield cluster
+    cluster.cleanup()
+
+
+@pytest.fixture(params=["file", "redis", "redis_cluster", "mooncake"])
 def store(request, tmp_path):
-    """Each backend kind in turn, on a fresh store."""
+    """Each backend kind in turn, on a fresh store (or a fresh key prefix of a shared one)."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
     if request.param == "file":
         store = Store("file", f"file://{tmp_path}/pages", None)
+    elif request.param == "mooncake":
+        master = request.getfixturevalue("mooncake_store")
+        store = Store("mooncake", f"mooncake://{master.address}?segment=0&prefix={prefix}", None)
+    elif request.param == "redis_cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        store = Store("redis_cluster", f"{cluster.url}?prefix={prefix}", None)
     else:
         url = request.getfixturevalue("redis_url")
         server = request.getfixturevalue("redis_server")

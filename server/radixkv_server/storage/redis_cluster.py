@@ -116,7 +116,7 @@ class RedisClusterStorage(StorageBackend):
             retry = Retry(EqualJitterBackoff(cap=0.5, base=0.05), o["retries"])
             self._client = RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], require_full_coverage=False,
-                retry=retry, cluster_error_retry_attempts=max(1, o["retries"]),
+                retry=retry,
                 socket_timeout=o["socket_timeout"], socket_connect_timeout=o["socket_connect_timeout"],
                 password=o["password"], username=o["username"])
         return self._client

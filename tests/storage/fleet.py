@@ -1,0 +1,266 @@
+"""Real fleet stores on localhost for tests and benchmarks: a `mooncake_master` (from
+the `mooncake` extra) and a Redis Cluster of redis-server processes (3 masters with one
+replica each by default). Every wait polls against a deadline; nothing sleeps to
+synchronise. Used by tests/storage and tests/service (`from tests.storage.fleet import ...`).
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import redis
+
+START_TIMEOUT_S = 30.0
+
+
+def free_port(span: int = 0) -> int:
+    """A TCP port free now on 127.0.0.1 (and port + span too, e.g. a Redis cluster bus)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span < 65536 and (span == 0 or _free(port + span)):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def poll(condition, timeout: float, what: str, interval: float = 0.05):
+    """condition() until truthy (returned); RuntimeError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _stop(proc: subprocess.Popen | None, sig=signal.SIGTERM) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def mooncake_master_exe() -> str | None:
+    """The `mooncake_master` next to this Python (the wheel's), or on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    return here if os.access(here, os.X_OK) else shutil.which("mooncake_master")
+
+
+class MooncakeMaster:
+    """A `mooncake_master` on 127.0.0.1; kill() and start() again keep the same port,
+    as a restarted master would (it comes back empty)."""
+
+    def __init__(self, client_ttl_s: int = 2):
+        self.exe = mooncake_master_exe()
+        if self.exe is None:
+            raise RuntimeError("mooncake_master is not installed (pip install -e '.[mooncake]')")
+        self.dir = tempfile.mkdtemp(prefix="rkv-mc-")
+        self.port = free_port()
+        self.client_ttl_s = client_ttl_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "MooncakeMaster":
+        log = open(os.path.join(self.dir, "master.log"), "ab")
+        self.proc = subprocess.Popen(
+            [self.exe, f"--rpc_port={self.port}", f"--metrics_port={free_port()}",
+             f"--http_metadata_server_port={free_port()}", f"--client_ttl={self.client_ttl_s}",
+             "--rpc_address=127.0.0.1", "--rpc_thread_num=2", "--enable_metric_reporting=false"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
+        log.close()
+        poll(self._listening, START_TIMEOUT_S, f"mooncake_master on port {self.port}")
+        return self
+
+    def _listening(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}: {self.log_tail()}")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def kill(self) -> None:
+        _stop(self.proc, signal.SIGKILL)
+        self.proc = None
+
+    def log_tail(self) -> str:
+        with open(os.path.join(self.dir, "master.log"), "rb") as f:
+            return f.read()[-2000:].decode(errors="replace")
+
+    def cleanup(self) -> None:
+        _stop(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+LENDER = r"""
+import sys, time, numpy as np
+from radixkv_server.storage.mooncake_store import MooncakeStorage
+master, segment, n, size, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+b = MooncakeStorage(master, segment_bytes=segment, buffer_bytes=16 << 20, timeout=5)
+pool = np.random.default_rng(seed).integers(0, 256, size=(max(n, 1), size), dtype=np.uint8)
+b.attach_memory(pool.ctypes.data, pool.nbytes)
+for attempt in range(100):  # joins the store (lending the segment); bounded
+    try:
+        b.check()
+        break
+    except Exception:
+        if attempt == 99:
+            raise
+        time.sleep(0.1)
+keys = [seed.to_bytes(4, "little") + i.to_bytes(28, "little") for i in range(n)]
+stored = b.put([(k, memoryview(pool[i])) for i, k in enumerate(keys)])
+print("READY", stored, flush=True)
+sys.stdin.read()  # until the test closes stdin, or kills this process
+b.close()
+"""
+
+
+class Lender:
+    """Another node: a process that joins the store lending `segment` bytes and stores
+    `n` pages of `size` random bytes (seeded; `pages()` rebuilds them) under keys
+    `lender_keys(seed, n)`. kill() is SIGKILL; stop() closes it cleanly."""
+
+    def __init__(self, master: str, segment: int, n: int, size: int, seed: int):
+        self.n, self.size, self.seed = n, size, seed
+        self.proc = subprocess.Popen([sys.executable, "-c", LENDER, master, str(segment), str(n), str(size), str(seed)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        line = self.proc.stdout.readline()  # bounded by the lender's own 5 s call timeout
+        if not line.startswith("READY"):
+            self.kill()
+            raise RuntimeError(f"lender did not start: {line!r}")
+        self.stored = int(line.split()[1])
+
+    def keys(self) -> list[bytes]:
+        return lender_keys(self.seed, self.n)
+
+    def pages(self) -> list[bytes]:
+        import numpy as np
+        pool = np.random.default_rng(self.seed).integers(0, 256, size=(max(self.n, 1), self.size), dtype=np.uint8)
+        return [pool[i].tobytes() for i in range(self.n)]
+
+    def kill(self) -> None:
+        _stop(self.proc, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def lender_keys(seed: int, n: int) -> list[bytes]:
+    return [seed.to_bytes(4, "little") + i.to_bytes(28, "little") for i in range(n)]
+
+
+class RedisCluster:
+    """`masters` redis-servers in cluster mode with `replicas` replicas each, on
+    127.0.0.1, created with `redis-cli --cluster create`. node_timeout_ms is how long a
+    master may be silent before its replica is promoted."""
+
+    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000):
+        for exe in ("redis-server", "redis-cli"):
+            if shutil.which(exe) is None:
+                raise RuntimeError(f"{exe} is not installed (scripts/ensure-system-deps.sh)")
+        self.dir = tempfile.mkdtemp(prefix="rkv-rc-")
+        self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
+        self.ports = [free_port(span=10000) for _ in range(masters * (1 + replicas))]
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:self.masters])
+
+    def start(self) -> "RedisCluster":
+        for port in self.ports:
+            self._start_node(port)
+        for port in self.ports:
+            poll(lambda p=port: self._pings(p), START_TIMEOUT_S, f"redis-server on {port}")
+        nodes = [f"127.0.0.1:{p}" for p in self.ports]
+        extra = ["--cluster-replicas", str(self.replicas)] if self.replicas else []
+        subprocess.run(["redis-cli", "--cluster", "create", *nodes, *extra, "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+        return self
+
+    def _start_node(self, port: int) -> None:
+        log = open(os.path.join(self.dir, f"{port}.log"), "ab")
+        self.procs[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+             "--save", "", "--appendonly", "no", "--dir", self.dir],
+            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def client(self, port: int) -> redis.Redis:
+        return redis.Redis("127.0.0.1", port, socket_timeout=2)
+
+    def _pings(self, port: int) -> bool:
+        try:
+            with self.client(port) as c:
+                return c.ping()
+        except (redis.RedisError, OSError):
+            return False
+
+    def _info(self, port: int) -> dict:
+        try:
+            with self.client(port) as c:
+                return c.cluster("info")
+        except (redis.RedisError, OSError):
+            return {}
+
+    def wait_ok(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until every live node reports cluster_state:ok with all slots assigned."""
+        live = [p for p, proc in self.procs.items() if proc.poll() is None]
+        poll(lambda: all(self._info(p).get("cluster_state") == "ok" for p in live), timeout, "cluster_state ok")
+
+    def primaries(self) -> list[int]:
+        """Ports of the live masters, from a live node's view."""
+        for port, proc in self.procs.items():
+            if proc.poll() is None:
+                try:
+                    with self.client(port) as c:
+                        nodes = c.cluster("nodes")
+                    return sorted(int(addr.split(":")[1].split("@")[0]) for addr, n in nodes.items()
+                                  if "master" in n["flags"] and "fail" not in n["flags"] and n["connected"])
+                except (redis.RedisError, OSError):
+                    continue
+        return []
+
+    def kill(self, port: int) -> None:
+        _stop(self.procs[port], signal.SIGKILL)
+
+    def set_all(self, *args) -> None:
+        """CONFIG SET on every live node."""
+        for port, proc in self.procs.items():
+            if proc.poll() is None:
+                with self.client(port) as c:
+                    c.config_set(*args)
+
+    def cleanup(self) -> None:
+        for proc in self.procs.values():
+            _stop(proc)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,85 @@
+"""get_into, the prefetch path: payloads land in the caller's page buffers (a host pool
+in the daemon), checked in place; the run of pages stops at the first miss or damage,
+and never leaves wrong bytes counted as read. Every backend kind."""
+
+import numpy as np
+import pytest
+
+from radixkv_server.storage.record import HEADER_BYTES
+
+from test_storage_backends import keys_for
+
+PAGE = 4096
+
+
+def pool_with(n: int, seed: int = 0) -> np.ndarray:
+    """Host-pool-like memory: [pages, PAGE] bytes; the first n pages random."""
+    pool = np.zeros((2 * n, PAGE), dtype=np.uint8)
+    pool[:n] = np.random.default_rng(seed).integers(0, 256, size=(n, PAGE), dtype=np.uint8)
+    return pool
+
+
+def views(pool: np.ndarray, rows) -> list[memoryview]:
+    return [memoryview(pool[r]) for r in rows]
+
+
+def test_pages_from_attached_memory_round_trip_in_place(store):
+    backend = store.open()
+    pool = pool_with(24, seed=1)
+    backend.attach_memory(pool.ctypes.data, pool.nbytes)
+    keys = keys_for(24, seed=10)
+    assert backend.put(list(zip(keys, views(pool, range(24))))) == 24
+    assert backend.get_into(keys, views(pool, range(24, 48))) == 24
+    assert np.array_equal(pool[24:], pool[:24])
+    assert backend.stats.get_bytes == 24 * PAGE and backend.stats.misses == 0
+
+
+def test_run_stops_at_the_first_missing_page(store):
+    backend = store.open()
+    pool = pool_with(8, seed=2)
+    backend.attach_memory(pool.ctypes.data, pool.nbytes)
+    keys = keys_for(8, seed=20)
+    backend.put([(k, memoryview(pool[i])) for i, k in enumerate(keys) if i != 5])
+    assert backend.get_into(keys, views(pool, range(8, 16))) == 5
+    assert np.array_equal(pool[8:13], pool[:5])
+
+
+def test_damaged_page_ends_the_run_and_is_dropped(store):
+    backend = store.open()
+    pool = pool_with(6, seed=3)
+    backend.attach_memory(pool.ctypes.data, pool.nbytes)
+    keys = keys_for(6, seed=30)
+    backend.put(list(zip(keys, views(pool, range(6)))))
+    raw = bytearray(store.read_raw(backend, keys[2]))
+    raw[HEADER_BYTES + 100] ^= 0x01
+    store.write_raw(backend, keys[2], bytes(raw))
+    assert backend.get_into(keys, views(pool, range(6, 12))) == 2
+    assert np.array_equal(pool[6:8], pool[:2])
+    assert backend.stats.corrupt == 1
+    assert store.read_raw(backend, keys[2]) is None
+
+
+def test_page_of_another_size_is_a_miss_not_damage(store):
+    backend = store.open()
+    key = keys_for(1, seed=40)[0]
+    backend.put([(key, b"x" * (PAGE // 2))])
+    page = bytearray(PAGE)
+    assert backend.get_into([key], [memoryview(page)]) == 0
+    assert (backend.stats.misses, backend.stats.corrupt) == (1, 0)
+    assert backend.get([key]) == [b"x" * (PAGE // 2)]  # still there for its own layout
+
+
+def test_pages_outside_attached_memory_still_round_trip(store):
+    backend = store.open()
+    keys = keys_for(3, seed=50)
+    pages = [bytes([i]) * PAGE for i in range(3)]
+    backend.put(list(zip(keys, pages)))
+    out = [bytearray(PAGE) for _ in range(3)]
+    assert backend.get_into(keys, [memoryview(o) for o in out]) == 3
+    assert [bytes(o) for o in out] == pages
+
+
+def test_mismatched_lists_are_refused(store):
+    backend = store.open()
+    with pytest.raises(ValueError, match="2 keys but 1 pages"):
+        backend.get_into(keys_for(2), [bytearray(PAGE)])
