@@ -82,7 +82,8 @@ def snapshot(daemon) -> dict:
     if daemon.storage is not None:
         out["storage"] = {
             "stats": daemon.storage.stats.snapshot(),
-            "up": all(ns.storage.healthy for ns in daemon.namespaces.values() if ns.storage is not None),
+            "up": all(ns.copies.storage.healthy for ns in daemon.namespaces.values()
+                     if ns.copies.storage is not None),
         }
     for ns in daemon.namespaces.values():
         cache = ns.cache
@@ -94,8 +95,8 @@ def snapshot(daemon) -> dict:
                 pins += len(t.nodes) + len(t.shared)
         out["namespaces"][ns.name] = {
             "counters": cache.counters.as_dict(),
-            "loaded_bytes": ns.loaded_bytes,
-            "backed_up_bytes": ns.backed_up_bytes,
+            "loaded_bytes": ns.copies.loaded_bytes,
+            "backed_up_bytes": ns.copies.backed_up_bytes,
             "page_bytes": ns.layout.page_bytes,
             "host_used": cache.host.num_used,
             "host_capacity": cache.host.capacity,

@@ -22,6 +22,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 
 from ..core.errors import CacheError
 from ..logs import log_event
+from . import convert
 from .daemon import Daemon
 from .errors import ServiceError, status_of
 
@@ -107,7 +108,7 @@ class AckStream:
 
     async def _ack(self, transfer: int) -> None:
         try:
-            result = await self.daemon.ack(self.session, transfer)
+            result = await self.session.namespace.ack(self.session, transfer)
         except (CacheError, ServiceError) as e:
             code, message = status_of(e)
             self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=code.value[0], message=message))
@@ -120,9 +121,7 @@ class AckStream:
         if result.error is not None:
             log_event(log, "load.failed", logging.WARNING, session=self.session.id[:8],
                       transfer=transfer, reason=result.error)
-        self.replies.put_nowait(pb.AckResponse(
-            transfer=transfer, code=0, message=result.error or "",
-            load_failed=result.error is not None, failed_pages=result.failed_pages))
+        self.replies.put_nowait(convert.ack_response(transfer, result))
 
     async def _write(self) -> None:
         while (reply := await self.replies.get()) is not None:

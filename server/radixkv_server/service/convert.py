@@ -1,9 +1,25 @@
-"""Conversions between protobuf messages and the daemon's own types."""
+"""Conversions between protobuf messages and the service's own types (`calls`), with the
+checks only the wire needs (packed int32 lengths, limits, enum names): each failure is
+a ServiceError naming the bad field. Layouts go out through the client's one converter,
+`radixkv.messages.layout_pb` (the daemon may import the client, never the reverse).
+"""
 
 from radixkv.layout import KvLayout
 from radixkv.v1 import radixkv_pb2 as pb
 
-from .errors import invalid
+from ..core import FinishResult
+from ..datapath import BufferSpec
+from .calls import (
+    EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchPolicy, PrefetchRequest,
+    PrefetchState, PrefetchStep, Prompt,
+)
+from .errors import exhausted, invalid
+from .registration import Registration
+
+_PREFETCH_STATES = {
+    PrefetchState.NOTHING: pb.PrefetchProgress.NOTHING, PrefetchState.STARTED: pb.PrefetchProgress.STARTED,
+    PrefetchState.DONE: pb.PrefetchProgress.DONE, PrefetchState.WAITING_ENDED: pb.PrefetchProgress.WAITING_ENDED,
+}
 
 
 def layout_from_pb(msg: pb.KvLayout, default_page_size: int) -> KvLayout:
@@ -17,7 +33,81 @@ def layout_from_pb(msg: pb.KvLayout, default_page_size: int) -> KvLayout:
         raise invalid(f"layout: {e}") from None
 
 
-def layout_pb(layout: KvLayout) -> pb.KvLayout:
-    return pb.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                       head_dim=layout.head_dim, dtype=layout.dtype, page_size=layout.page_size,
-                       kv_format=layout.kv_format)
+def registration(request: pb.RegisterRequest, default_page_size: int) -> Registration:
+    if not request.HasField("layout"):
+        raise invalid("layout is required")
+    return Registration(
+        namespace=request.namespace, layout=layout_from_pb(request.layout, default_page_size),
+        backend=request.backend or "shm", device=request.device,
+        buffers=[BufferSpec(b.handle, b.offset, b.size) for b in request.buffers],
+        num_device_pages=request.num_device_pages, write_policy=request.write_policy,
+        host_pool_pages=request.host_pool_pages, replace_existing=request.replace_existing,
+        engine=request.engine, model=request.model)
+
+
+def prompts(request: pb.MatchRequest, limit: int) -> list[Prompt]:
+    """RESOURCE_EXHAUSTED past `limit` prompts; INVALID_ARGUMENT naming a prompt whose
+    tokens are not packed int32."""
+    if len(request.prompts) > limit:
+        raise exhausted(f"{len(request.prompts)} prompts in one Match; the limit is {limit}")
+    for i, p in enumerate(request.prompts):
+        if len(p.tokens) % 4:
+            raise invalid(f"prompt {i}: token bytes ({len(p.tokens)}) are not a multiple of 4 (packed int32)")
+    return [Prompt(p.tokens, p.extra_key) for p in request.prompts]
+
+
+def match_response(answers: list[MatchAnswer]) -> pb.MatchResponse:
+    return pb.MatchResponse(results=[
+        pb.MatchResult(
+            device_pages=a.result.device_pages, device_tokens=a.result.device_tokens,
+            host_tokens=a.result.host_tokens, device_node=a.result.device_node, host_node=a.result.host_node,
+            depends_on=a.result.depends_on, lease=a.lease, storage_tokens=a.storage_tokens)
+        for a in answers])
+
+
+def insert_request(request: pb.InsertRequest) -> InsertRequest:
+    return InsertRequest(request.tokens, request.device_pages, request.extra_key, request.chunked,
+                         request.release_lease, request.lease)
+
+
+def insert_response(answer: InsertAnswer) -> pb.InsertResponse:
+    r = answer.result
+    return pb.InsertResponse(cached_tokens=r.cached_tokens, redundant_pages=r.redundant_pages,
+                             node=r.node, lease=answer.lease)
+
+
+def load_back_response(answer: LoadBackAnswer) -> pb.LoadBackResponse:
+    r = answer.result
+    return pb.LoadBackResponse(
+        transfer=r.transfer, device_pages=r.device_pages, device_tokens=r.device_tokens,
+        loaded_tokens=r.loaded_tokens, depends_on=r.depends_on, unused_pages=r.unused_pages,
+        layer_events=answer.layer_events)
+
+
+def evict_response(answer: EvictAnswer) -> pb.EvictResponse:
+    return pb.EvictResponse(freed_pages=answer.freed_pages, written_back_pages=answer.written_back_pages)
+
+
+def prefetch_request(request: pb.PrefetchRequest) -> PrefetchRequest:
+    """INVALID_ARGUMENT for tokens that are not packed int32 or an unknown policy."""
+    if len(request.tokens) % 4:
+        raise invalid(f"token bytes ({len(request.tokens)}) are not a multiple of 4 (packed int32)")
+    try:
+        policy = PrefetchPolicy(request.policy or PrefetchPolicy.BEST_EFFORT.value)
+    except ValueError:
+        raise invalid(f"prefetch policy {request.policy!r}: use one of {[p.value for p in PrefetchPolicy]}") from None
+    timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+    return PrefetchRequest(request.tokens, request.extra_key, policy, timeout)
+
+
+def prefetch_progress(step: PrefetchStep) -> pb.PrefetchProgress:
+    return pb.PrefetchProgress(
+        state=_PREFETCH_STATES[step.state], transfer=step.transfer, storage_tokens=step.storage_tokens,
+        fetched_tokens=step.fetched_tokens, host_tokens_added=step.host_tokens_added)
+
+
+def ack_response(transfer: int, result: FinishResult) -> pb.AckResponse:
+    """A finished load-back; a failed copy is a load_failed answer, not an error status."""
+    return pb.AckResponse(transfer=transfer, code=0, message=result.error or "",
+                          load_failed=result.error is not None, failed_pages=result.failed_pages)
+

@@ -1,30 +1,24 @@
-"""The daemon's state above the core: namespaces, sessions, and every operation that
-spans an `await` (registration, waiting for copies). RPC handlers call into here.
+"""The daemon's registry and lifecycle: which namespaces and sessions exist, registering
+an engine, closing a session, shutting down. Engine operations belong to the session's
+`Namespace`; the servicer finds it here (`session(id).namespace`).
 
-The event loop owns everything. No tree change spans an `await`: an operation that
-must wait for copies waits first, then re-checks its session and retries on the core.
+The event loop owns everything; registrations await I/O and run one at a time.
 """
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
 
 from ..config import DaemonConfig
-from ..core import LoadBackResult, NotReady
-from ..core.errors import UnknownTransfer
-from ..datapath import HostPool
 from ..logs import log_event
 from . import registration
-from .errors import exhausted, invalid, not_found, precondition, unavailable
+from .errors import exhausted, not_found, precondition, unavailable
 from .expiry import Expiry
 from .namespace import Namespace
 from .sessions import Session, SessionRegistry
 
 log = logging.getLogger("radixkv.daemon")
-
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 class Daemon:
@@ -62,37 +56,24 @@ class Daemon:
         registration.validate(reg)
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
-            policy = reg.write_policy or (ns.config.write_policy.value if ns else self.config.write_policy)
             if ns is not None:
-                registration.check_compatible(ns, reg, policy)
-                if ns.session is not None:
-                    if not reg.replace_existing:
-                        raise precondition(
-                            f"namespace {reg.namespace} is attached to a live session (engine "
-                            f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
-                    await self.close_session(ns.session, "replaced by a new registration")
+                await self._free_for(ns, reg)
             elif len(self.namespaces) >= self.config.max_namespaces:
                 raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
             if len(self.sessions) >= self.config.max_sessions:
                 raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions")
-            cache_config = registration.cache_config(self.config, reg, policy, self.storage is not None)
-            host_pages = registration.host_pages(self.config, reg) if ns is None else 0
+            ns_config = None
+            if ns is None:
+                ns_config = registration.namespace_config(
+                    self.config, reg, reg.write_policy or self.config.write_policy, self.storage is not None)
             device = await registration.open_device(reg)
-            dropped = 0
             try:
                 if ns is None:
-                    pool = await asyncio.get_running_loop().run_in_executor(
-                        None, functools.partial(HostPool, reg.layout, host_pages,
-                                                device=reg.device if reg.backend == "cuda" else None))
-                    ns = Namespace(reg.namespace, reg.layout, reg.model_name, cache_config, pool, device, reg.backend,
-                                   self.config.copy_workers, self.metrics, self.storage,
-                                   self.config.storage_workers, self.config.storage_queue_pages,
-                                   copy_delay=self.config.fault_copy_delay)
+                    ns = await Namespace.open(ns_config, device, reg.backend, metrics=self.metrics, storage=self.storage)
                     self.namespaces[reg.namespace] = ns
-                    warm = False
+                    warm, dropped = False, 0
                 else:
-                    dropped = await ns.attach(device, reg.backend)
-                    warm = True
+                    warm, dropped = True, await ns.attach(device, reg.backend)
             except BaseException:
                 device.close()
                 raise
@@ -103,33 +84,35 @@ class Daemon:
                   host_pages=ns.host_pool.num_pages, warm=warm, dropped_tokens=dropped)
         return registration.Registered(session, warm, dropped)
 
+    async def _free_for(self, ns: Namespace, reg: registration.Registration) -> None:
+        """Make an existing namespace ready for `reg`: compatible, and its live session
+        closed if the engine asked to replace it (FAILED_PRECONDITION otherwise)."""
+        registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
+        if ns.session is None:
+            return
+        if not reg.replace_existing:
+            raise precondition(
+                f"namespace {reg.namespace} is attached to a live session (engine "
+                f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
+        await self.close_session(ns.session, "replaced by a new registration")
+
     # -- sessions ----------------------------------------------------------------------
 
     def session(self, session_id: str) -> Session:
+        """The live session with this id; UNAUTHENTICATED saying why otherwise."""
         return self.sessions.get(session_id)
 
-    @staticmethod
-    def check_open(session: Session) -> None:
-        if session.closing:
-            raise precondition(f"session {session.id} closed while this call waited")
-
     async def close_session(self, session: Session, reason: str) -> None:
-        """Finish the session's load-backs (after their copies), release its leases and
-        detach it from its namespace. Idempotent; concurrent calls wait for the first."""
+        """End the session in its namespace (load-backs finished after their copies,
+        leases released, device buffers closed) and forget it. Idempotent; concurrent
+        calls wait for the first."""
         if session.closing:
             await session.closed.wait()
             return
         session.closing = True
         ns = session.namespace
         try:
-            for tid in ns.cache.pending_loads(session.id):
-                await self.finish(ns, tid, None, missing_ok=True)
-            for node in session.leases.values():
-                ns.cache.unlock(node)
-            session.leases.clear()
-            session.lease_times.clear()
-            session.unacked.clear()
-            await ns.detach()
+            await ns.end_session(session)
         finally:
             if ns.session is session:
                 ns.session = None
@@ -140,131 +123,6 @@ class Daemon:
     def close_in_background(self, session: Session, reason: str) -> None:
         self.run_in_background(self.close_session(session, reason))
 
-    # -- engine operations -------------------------------------------------------------
-
-    async def match(self, session: Session, prompts: list[tuple[bytes, bytes]], lease: bool,
-                    include_storage: bool = False):
-        """Match every prompt; with `lease`, lock each matched path; with
-        `include_storage`, also count the tokens past the cache that storage holds.
-        Returns (MatchResult, lease id, storage tokens) per prompt. Validates all
-        prompts first; the storage probe comes after the (atomic) match."""
-        if len(prompts) > self.config.max_prompts_per_match:
-            raise exhausted(f"{len(prompts)} prompts in one Match; the limit is {self.config.max_prompts_per_match}")
-        for i, (tokens, _) in enumerate(prompts):
-            if len(tokens) % 4:
-                raise invalid(f"prompt {i}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
-        ns = session.namespace
-        cache = ns.cache
-        out = []
-        for tokens, extra_key in prompts:
-            result = cache.match(tokens, extra_key)
-            lease_id = 0
-            if lease and (result.device_tokens or result.host_tokens):
-                cache.lock(result.host_node)
-                lease_id = self.sessions.new_lease(session, result.host_node)
-            out.append((result, lease_id))
-        stored = [0] * len(prompts)
-        if include_storage and ns.storage is not None:
-            probes = [cache.storage_probe(tokens, extra_key)[1] for tokens, extra_key in prompts]
-            pages = await ns.storage.probe(probes)
-            stored = [n * ns.layout.page_size for n in pages]
-            cache.counters.storage_hit_tokens += sum(stored)
-        return [(r, lease_id, n) for (r, lease_id), n in zip(out, stored)]
-
-    async def prefetch(self, session: Session, tokens: bytes, extra_key: bytes, policy: str,
-                       timeout: float | None):
-        """Fetch what storage holds of `tokens` past the cache into host memory. Yields
-        progress: (state, transfer, storage tokens, FetchOutcome or None)."""
-        ns = session.namespace
-        if len(tokens) % 4:
-            raise invalid(f"token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
-        if policy not in PREFETCH_POLICIES:
-            raise invalid(f"prefetch policy {policy!r}: use one of {list(PREFETCH_POLICIES)}")
-        if ns.storage is None:
-            raise precondition("no storage tier is configured (start the daemon with --storage)")
-        (pages,) = await ns.storage.probe([ns.cache.storage_probe(tokens, extra_key)[1]])
-        self.check_open(session)
-        transfer = ns.cache.start_prefetch(tokens, extra_key, pages, owner=session.id) if pages else 0
-        if not transfer:
-            yield "nothing", 0, 0, None
-            return
-        done = ns.fetch_done(transfer)  # before the first yield: the fetch may finish meanwhile
-        yield "started", transfer, pages * ns.layout.page_size, None
-        if policy == "best_effort":
-            return
-        try:
-            outcome = await asyncio.wait_for(asyncio.shield(done), timeout if policy == "timeout" else None)
-        except asyncio.TimeoutError:
-            yield "waiting_ended", transfer, pages * ns.layout.page_size, None
-            return
-        yield "done", transfer, pages * ns.layout.page_size, outcome
-
-    async def insert(self, session: Session, tokens: bytes, pages: bytes, extra_key: bytes,
-                     chunked: bool, release_lease: int, lease: bool):
-        ns = session.namespace
-        while True:
-            if release_lease and release_lease not in session.leases:
-                raise not_found(_lease_unknown(session, release_lease))
-            try:
-                result = ns.cache.insert(tokens, pages, extra_key, chunked)
-                break
-            except NotReady as e:
-                await ns.wait_copied(e.transfers)
-                self.check_open(session)
-        if release_lease:
-            ns.cache.unlock(session.pop_lease(release_lease))
-        lease_id = 0
-        if lease:
-            ns.cache.lock(result.node)
-            lease_id = self.sessions.new_lease(session, result.node)
-        return result, lease_id
-
-    async def load_back(self, session: Session, node: int, pages: bytes) -> tuple[LoadBackResult, list[bytes]]:
-        ns = session.namespace
-        result = ns.cache.load_back(node, pages, owner=session.id)
-        if result.transfer:
-            session.unacked[result.transfer] = time.monotonic()
-        events: list[bytes] = []
-        if result.transfer and ns.backend == "cuda":
-            events = await ns.engine.submitted(result.transfer)
-        return result, events
-
-    async def ack(self, session: Session, transfer: int):
-        """Finish a load-back of this session once its copy completed."""
-        session.unacked.pop(transfer, None)
-        try:
-            return await self.finish(session.namespace, transfer, session.id)
-        except UnknownTransfer:
-            why = session.expired.get(("load_back", transfer))
-            if why is not None:
-                raise not_found(f"transfer {transfer} {why}") from None
-            raise
-
-    async def finish(self, ns: Namespace, transfer: int, owner, missing_ok: bool = False):
-        """Finish a load-back once its copies completed. With `missing_ok` (closing a
-        session, expiring a load), one that an ack finished meanwhile is no error."""
-        while True:
-            try:
-                return ns.cache.finish_load_back(transfer, owner=owner)
-            except NotReady as e:
-                await ns.wait_copied(e.transfers)
-            except UnknownTransfer:
-                if not missing_ok:
-                    raise
-                return None
-
-    def release(self, session: Session, leases: list[int]) -> None:
-        unknown = [lease for lease in leases if lease not in session.leases]
-        if unknown:
-            raise not_found("; ".join(_lease_unknown(session, lease) for lease in unknown))
-        if len(set(leases)) != len(leases):
-            raise invalid(f"leases {sorted(x for x in set(leases) if leases.count(x) > 1)} are listed twice")
-        for lease in leases:
-            session.namespace.cache.unlock(session.pop_lease(lease))
-
-    async def evict(self, session: Session, num_pages: int) -> tuple[bytes, int]:
-        return await session.namespace.evict(num_pages)
-
     # -- operators ---------------------------------------------------------------------
 
     def namespace(self, name: str) -> Namespace:
@@ -274,21 +132,15 @@ class Daemon:
         return ns
 
     def selected(self, name: str) -> list[Namespace]:
+        """The named namespace ("": every one); NOT_FOUND for an unknown name."""
         return [self.namespace(name)] if name else list(self.namespaces.values())
 
     def check_invariants(self, name: str) -> list[tuple[str, str]]:
-        out = []
-        for ns in self.selected(name):
-            out += [(ns.name, v) for v in ns.cache.check_invariants()]
-            for session in self.sessions.all():
-                if session.namespace is ns:
-                    for lease, node in session.leases.items():
-                        n = ns.cache.tree.nodes.get(node)
-                        if n is None or (n.parent is not None and n.full.lock_ref <= 0):
-                            out.append((ns.name, f"lease {lease} names node {node}, which is not locked"))
+        """(namespace, violation) for the selected namespaces, each counted in the metrics."""
+        out = [(ns.name, v) for ns in self.selected(name) for v in ns.check_invariants()]
         if self.metrics is not None:
-            for name, _ in out:
-                self.metrics.invariant_violations.labels(name).inc()
+            for ns_name, _ in out:
+                self.metrics.invariant_violations.labels(ns_name).inc()
         return out
 
     # -- shutdown ----------------------------------------------------------------------
@@ -316,13 +168,6 @@ class Daemon:
 
     def uptime(self) -> float:
         return time.monotonic() - self.started
-
-
-def _lease_unknown(session: Session, lease: int) -> str:
-    why = session.expired.get(("lease", lease))
-    if why is not None:
-        return f"lease {lease} {why}"
-    return f"lease {lease} is not held by this session (released, or never taken)"
 
 
 __all__ = ["Daemon"]

@@ -54,19 +54,19 @@ class Expiry:
             ns = session.namespace
             if self.lease_timeout:
                 for lease in session.overdue_leases(now, self.lease_timeout):
-                    ns.cache.unlock(session.pop_lease(lease))
+                    ns.release(session, [lease])
                     self._expired(session, "lease", lease,
                                   f"expired: held longer than lease_timeout={self.lease_timeout:g}s")
             if self.ack_timeout:
                 for tid in session.overdue_loads(now, self.ack_timeout):
-                    del session.unacked[tid]
-                    if tid not in ns.cache.transfers:
+                    session.acked(tid)
+                    if not ns.has_transfer(tid):
                         continue
                     self._expired(session, "load_back", tid,
                                   f"expired: not acknowledged within ack_timeout={self.ack_timeout:g}s; "
                                   "treat its tokens as not loaded")
                     # As a close does: once the copy completed (an ack racing it is no error).
-                    self.daemon.run_in_background(self.daemon.finish(ns, tid, None, missing_ok=True))
+                    self.daemon.run_in_background(ns.finish(tid, None, missing_ok=True))
 
     def _expired(self, session, kind: str, ident: int, why: str) -> None:
         session.remember_expired(kind, ident, why)

@@ -2,23 +2,23 @@
 
 from collections import deque
 
+from radixkv.messages import layout_pb
 from radixkv.v1 import radixkv_pb2 as pb
 
 from ..core.invariants import state_digest
-from .convert import layout_pb
 from .namespace import Namespace
 
 
 def namespace_stats(ns: Namespace) -> pb.NamespaceStats:
     cache = ns.cache
     counters = cache.counters.as_dict()
-    counters["loaded_bytes"] = ns.loaded_bytes
-    counters["backed_up_bytes"] = ns.backed_up_bytes
+    counters["loaded_bytes"] = ns.copies.loaded_bytes
+    counters["backed_up_bytes"] = ns.copies.backed_up_bytes
     counters["leases_expired"] = ns.expirations["lease"]
     counters["load_backs_expired"] = ns.expirations["load_back"]
     return pb.NamespaceStats(
         namespace=ns.name, layout=layout_pb(ns.layout),
-        write_policy=ns.config.write_policy.value, eviction_policy=ns.config.eviction_policy,
+        write_policy=ns.config.cache.write_policy.value, eviction_policy=ns.config.cache.eviction_policy,
         attached=ns.session is not None, nodes=len(cache.tree.nodes) - len(cache.tree.roots),
         device_pages=cache.device.num_pages, device_pages_held=cache.device.num_held,
         device_pages_evictable=cache.evictable_pages, device_pages_protected=cache.protected_pages,

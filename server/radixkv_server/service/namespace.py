@@ -1,142 +1,140 @@
-"""A namespace: one cache core, its host pool, and the attached engine's device buffers.
+"""A namespace: one cache core, its host pool, its copies, and the operations engines
+call on it (match, insert, load-back and ack, release, evict, prefetch).
 
-The event loop owns all of it. Copies run on the copy engine's threads and report back
-on the loop (`_on_copy_done`), which is the only place the core hears of them.
+The event loop owns all of it. No tree change spans an `await`: an operation that must
+wait for copies waits first (`_until_copied`), then re-checks its session and tries the
+core again. Sessions are asked which leases and load-backs are theirs; the namespace
+does the locking and finishing on the core.
 """
 
 import asyncio
+import functools
 import logging
-import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from radixkv.layout import KvLayout
 
-from ..core import CacheConfig, HierarchicalCache
+from ..core import FinishResult, HierarchicalCache, NotReady
+from ..core.errors import UnknownTransfer
 from ..core.pages import count
-from ..datapath import CopyEngine, HostPool
-from ..datapath.storage_mover import StorageMover
+from ..datapath import DeviceBuffers, HostPool
 from ..logs import log_event
+from .calls import (
+    EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchPolicy, PrefetchRequest,
+    PrefetchState, PrefetchStep, Prompt,
+)
+from .copies import Copies
+from .errors import not_found, precondition
+from .namespace_config import NamespaceConfig
+from .sessions import Session
 
 log = logging.getLogger("radixkv.namespace")
+T = TypeVar("T")
 
 
 class Namespace:
-    def __init__(self, name: str, layout: KvLayout, model: str, config: CacheConfig,
-                 host_pool: HostPool, device, backend: str, copy_workers: int, metrics=None,
-                 storage_backend=None, storage_workers: int = 2, storage_queue_pages: int = 4096,
-                 copy_delay: float = 0.0):
-        self.name = name
-        self.layout = layout
-        self.model = model
+    def __init__(self, config: NamespaceConfig, host_pool: HostPool, device: DeviceBuffers, backend: str, *,
+                 metrics=None, storage=None):
+        """`storage`: the daemon's StorageBackend, or None. Call on the event loop."""
         self.config = config
         self.host_pool = host_pool
-        self.device = device
-        self.backend = backend  # "shm" or "cuda"
-        self.copy_workers = copy_workers
-        self.copy_delay = copy_delay  # fault injection for tests (DaemonConfig.fault_copy_delay)
-        self.session = None  # the attached engine's Session, if any
+        self.session: Session | None = None  # the attached engine's session; set by the Daemon
         self.expirations = {"lease": 0, "load_back": 0}  # released by the daemon's timeouts
-        self.cache = HierarchicalCache(config, self, num_device_pages=device.num_pages,
+        self.copies = Copies(config, host_pool, metrics, storage)
+        self.cache = HierarchicalCache(config.cache, self.copies, num_device_pages=device.num_pages,
                                        host_pages=host_pool.num_pages)
-        self._metrics = metrics
-        self._started: dict[int, tuple[str, float]] = {}  # transfer -> (direction, start time)
-        self._copied: dict[int, asyncio.Event] = {}
-        self._evictions: dict[int, asyncio.Future] = {}
-        self._fetches: dict[int, asyncio.Future] = {}
-        self._loop = asyncio.get_running_loop()
-        self._past_bytes = {"load": 0, "backup": 0}  # of copy engines already retired
-        self.engine = self._new_engine()
-        self.storage = None
-        if storage_backend is not None:
-            self.storage = StorageMover(
-                self._loop, storage_backend, host_pool, self._on_copy_done, self._on_fetch_done,
-                workers=storage_workers, max_pending_pages=storage_queue_pages, namespace=name,
-                observe=metrics.observe_storage if metrics is not None else None)
+        self.copies.bind(self.cache)
+        self.copies.attach(device, backend)
 
-    def _new_engine(self) -> CopyEngine:
-        return CopyEngine(self._loop, self.device, self.host_pool, self._on_copy_done,
-                          workers=self.copy_workers, delay=self.copy_delay)
+    @classmethod
+    async def open(cls, config: NamespaceConfig, device: DeviceBuffers, backend: str, *,
+                   metrics=None, storage=None) -> "Namespace":
+        """A new namespace; its host pool is allocated (and pinned) off the loop."""
+        pool = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(HostPool, config.layout, config.host_pages, device=config.pin_device))
+        return cls(config, pool, device, backend, metrics=metrics, storage=storage)
 
-    # -- the core's Copier -----------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.config.name
 
-    def load(self, transfer: int, host_pages: bytes, device_pages: bytes) -> None:
-        self._started[transfer] = ("load", time.perf_counter())
-        self.engine.load(transfer, host_pages, device_pages)  # only sessions load: attached
+    @property
+    def layout(self) -> KvLayout:
+        return self.config.layout
 
-    def backup(self, transfer: int, device_pages: bytes, host_pages: bytes) -> None:
-        kind = self.cache.transfers[transfer].kind.value if transfer in self.cache.transfers else "backup"
-        self._started[transfer] = (kind, time.perf_counter())
-        self.engine.backup(transfer, device_pages, host_pages)
+    # -- engine operations ----------------------------------------------------------------
 
-    def store(self, transfer: int, host_pages: bytes, keys: list[bytes]) -> None:
-        self._started[transfer] = ("store", time.perf_counter())
-        self.storage.store(transfer, host_pages, keys)
+    async def match(self, session: Session, prompts: list[Prompt], lease: bool,
+                    include_storage: bool = False) -> list[MatchAnswer]:
+        """Match every prompt; with `lease`, lock each matched path (until released); with
+        `include_storage`, also count the tokens past the cache that storage holds. The
+        matches are atomic; the storage probe comes after them."""
+        matched = []
+        for p in prompts:
+            result = self.cache.match(p.tokens, p.extra_key)
+            held = lease and (result.device_tokens or result.host_tokens)
+            matched.append((result, self._lease(session, result.host_node) if held else 0))
+        stored = [0] * len(prompts)
+        if include_storage and self.copies.storage is not None:
+            probes = [self.cache.storage_probe(p.tokens, p.extra_key)[1] for p in prompts]
+            stored = [n * self.layout.page_size for n in await self.copies.probe(probes)]
+            self.cache.counters.storage_hit_tokens += sum(stored)
+        return [MatchAnswer(r, lease_id, n) for (r, lease_id), n in zip(matched, stored)]
 
-    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
-        self._started[transfer] = ("fetch", time.perf_counter())
-        self.storage.fetch(transfer, keys, host_pages)
+    async def insert(self, session: Session, request: InsertRequest) -> InsertAnswer:
+        """Hand finished KV to the cache (waiting for copies the core names first), then
+        release `release_lease` and take a lease if asked. NOT_FOUND for a lease the
+        session does not hold, checked before anything changes."""
+        def attempt():
+            if request.release_lease:
+                session.check_lease(request.release_lease)
+            return self.cache.insert(request.tokens, request.device_pages, request.extra_key, request.chunked)
 
-    def _observe_copy(self, transfer: int, error: str | None) -> None:
-        direction, start = self._started.pop(transfer, (None, 0.0))
-        if self._metrics is not None and error is None and direction is not None:
-            self._metrics.copy_duration.labels(self.name, direction).observe(time.perf_counter() - start)
+        result = await self._until_copied(attempt, session)
+        if request.release_lease:
+            self.cache.unlock(session.pop_lease(request.release_lease))
+        return InsertAnswer(result, self._lease(session, result.node) if request.lease else 0)
 
-    def _on_fetch_done(self, transfer: int, pages_read: int, error: str | None) -> None:
-        self._observe_copy(transfer, error)
-        outcome = self.cache.on_fetch_done(transfer, pages_read, error)
-        fut = self._fetches.pop(transfer, None)
-        if fut is not None and not fut.done():
-            fut.set_result(outcome)
-        event = self._copied.pop(transfer, None)
-        if event is not None:
-            event.set()
+    async def load_back(self, session: Session, node: int, device_pages: bytes) -> LoadBackAnswer:
+        """Start copying `node`'s host-only path into `device_pages`; the session owes an
+        ack for the transfer. On CUDA, answers once the copy is enqueued (with its events)."""
+        result = self.cache.load_back(node, device_pages, owner=session.id)
+        if not result.transfer:
+            return LoadBackAnswer(result)
+        session.answered(result.transfer)
+        return LoadBackAnswer(result, await self.copies.layer_events(result.transfer))
 
-    def fetch_done(self, transfer: int) -> asyncio.Future:
-        """A future resolving to the fetch's FetchOutcome (None if it is not in flight)."""
-        fut = self._fetches.get(transfer)
-        if fut is None:
-            fut = self._loop.create_future()
-            if transfer in self.cache.transfers:
-                self._fetches[transfer] = fut
-            else:
-                fut.set_result(None)
-        return fut
+    async def ack(self, session: Session, transfer: int) -> FinishResult:
+        """Finish a load-back of this session once its copy completed. NOT_FOUND (saying
+        so) for one that expired."""
+        session.acked(transfer)
+        try:
+            return await self.finish(transfer, owner=session.id)
+        except UnknownTransfer:
+            why = session.expired_reason("load_back", transfer)
+            if why is not None:
+                raise not_found(f"transfer {transfer} {why}") from None
+            raise
 
-    def _on_copy_done(self, transfer: int, error: str | None) -> None:
-        self._observe_copy(transfer, error)
-        outcome = self.cache.on_copy_done(transfer, error)
-        if error is not None:
-            log_event(log, "copy.failed", logging.WARNING, namespace=self.name,
-                      transfer=transfer, error=error)
-        fut = self._evictions.pop(transfer, None)
-        if fut is not None and not fut.done():
-            fut.set_result(outcome.freed_pages)
-        event = self._copied.pop(transfer, None)
-        if event is not None:
-            event.set()
+    async def finish(self, transfer: int, owner=None, missing_ok: bool = False) -> FinishResult | None:
+        """Finish a load-back once its copies completed. With `missing_ok` (closing a
+        session, expiring a load), one that an ack finished meanwhile is no error."""
+        try:
+            return await self._until_copied(lambda: self.cache.finish_load_back(transfer, owner=owner))
+        except UnknownTransfer:
+            if not missing_ok:
+                raise
+            return None
 
-    # -- waiting -----------------------------------------------------------------------
+    def release(self, session: Session, leases: list[int]) -> None:
+        """Unlock the paths of the listed leases: all of them, or none (see Session.pop_leases)."""
+        for node in session.pop_leases(leases):
+            self.cache.unlock(node)
 
-    def _in_flight(self, transfer: int) -> bool:
-        t = self.cache.transfers.get(transfer)
-        return t is not None and not t.copied
-
-    async def wait_copied(self, transfers) -> None:
-        """Return once every named copy has completed (unknown ids count as done)."""
-        for tid in transfers:
-            if self._in_flight(tid):
-                event = self._copied.setdefault(tid, asyncio.Event())
-                await event.wait()
-
-    async def drain(self) -> None:
-        """Return once no copy is in flight."""
-        while busy := [tid for tid in self.cache.transfers if self._in_flight(tid)]:
-            await self.wait_copied(busy)
-
-    # -- operations spanning copies ----------------------------------------------------
-
-    async def evict(self, num_pages: int) -> tuple[bytes, int]:
-        """Free up to `num_pages` device pages, waiting for write-backs. Returns the
-        freed pages and how many of them were written back to host first."""
+    async def evict(self, num_pages: int) -> EvictAnswer:
+        """Free up to `num_pages` device pages, waiting for write-backs. The answer says
+        how many of the freed pages were written back to host first."""
         freed: list[bytes] = []
         written_back = 0
         need = num_pages
@@ -146,30 +144,76 @@ class Namespace:
             progress = count(result.freed_pages)
             if not result.pending:
                 break
-            futures = []
-            for tid in result.pending:
-                fut = self._loop.create_future()
-                self._evictions[tid] = fut
-                futures.append(fut)
-            for pages in await asyncio.gather(*futures):
+            for pages in await asyncio.gather(*map(self.copies.written_back, result.pending)):
                 freed.append(pages)
                 written_back += count(pages)
                 progress += count(pages)
             if progress == 0:
                 break  # write-backs kept their nodes (touched meanwhile)
             need -= progress
-        return b"".join(freed), written_back
+        return EvictAnswer(b"".join(freed), written_back)
 
-    async def attach(self, device, backend: str) -> int:
+    async def prefetch(self, session: Session, request: PrefetchRequest) -> AsyncIterator[PrefetchStep]:
+        """Fetch what storage holds of the prompt past the cache into host memory,
+        reporting progress as the policy asks. FAILED_PRECONDITION without storage."""
+        if self.copies.storage is None:
+            raise precondition("no storage tier is configured (start the daemon with --storage)")
+        (pages,) = await self.copies.probe([self.cache.storage_probe(request.tokens, request.extra_key)[1]])
+        session.check_open()
+        transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id) if pages else 0
+        if not transfer:
+            yield PrefetchStep(PrefetchState.NOTHING)
+            return
+        done = self.copies.fetched(transfer)  # before the first yield: the fetch may finish meanwhile
+        tokens = pages * self.layout.page_size
+        yield PrefetchStep(PrefetchState.STARTED, transfer, tokens)
+        if request.policy is PrefetchPolicy.BEST_EFFORT:
+            return
+        timeout = request.timeout if request.policy is PrefetchPolicy.TIMEOUT else None
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(done), timeout)
+        except asyncio.TimeoutError:
+            yield PrefetchStep(PrefetchState.WAITING_ENDED, transfer, tokens)
+            return
+        yield PrefetchStep.done(transfer, tokens, outcome, self.layout.page_size)
+
+    def _lease(self, session: Session, node_id: int) -> int:
+        self.cache.lock(node_id)
+        return session.add_lease(node_id)
+
+    async def _until_copied(self, attempt: Callable[[], T], session: Session | None = None) -> T:
+        """`attempt()` (one core call), tried again after each `NotReady` once the copies
+        it names completed. With `session`: FAILED_PRECONDITION if it closed meanwhile."""
+        while True:
+            try:
+                return attempt()
+            except NotReady as e:
+                await self.copies.wait(e.transfers)
+                if session is not None:
+                    session.check_open()
+
+    # -- sessions come and go ---------------------------------------------------------------
+
+    async def end_session(self, session: Session) -> None:
+        """What the session held ends with it: its load-backs are finished (after their
+        copies), its leases released, the engine's device buffers closed."""
+        for tid in self.cache.pending_loads(session.id):
+            await self.finish(tid, None, missing_ok=True)
+        for node in session.pop_all_leases():
+            self.cache.unlock(node)
+        session.unacked.clear()
+        await self.detach()
+
+    def has_transfer(self, transfer: int) -> bool:
+        """Whether `transfer` is still in flight or unfinished on the core."""
+        return transfer in self.cache.transfers
+
+    async def attach(self, device: DeviceBuffers, backend: str) -> int:
         """Swap in a restarted engine's device buffers: wait for copies, drop the old
-        device residency (host copies stay), start a new copy engine. Returns tokens
-        dropped from the cache."""
-        await self.drain()
+        device residency (host copies stay). Returns tokens dropped from the cache."""
+        await self.copies.drain()
         dropped = self.cache.drop_device(device.num_pages)
-        self._release_device()
-        self.device = device
-        self.backend = backend
-        self.engine = self._new_engine()
+        self.copies.attach(device, backend)
         log_event(log, "namespace.reattached", namespace=self.name, dropped_tokens=dropped)
         return dropped
 
@@ -178,39 +222,34 @@ class Namespace:
         storage copies stay) and close its buffers, so a dead engine's memory (a CUDA
         IPC mapping keeps it allocated) is not held until the next registration.
         Returns tokens dropped from the cache. Idempotent."""
-        await self.drain()
-        if self.device is None:
+        await self.copies.drain()
+        if self.copies.device is None:
             return 0
         dropped = self.cache.drop_device(0)
-        self._release_device()
+        self.copies.release_device()
         log_event(log, "namespace.detached", namespace=self.name, dropped_tokens=dropped)
         return dropped
 
-    def _release_device(self) -> None:
-        if self.engine is not None:
-            self._past_bytes["load"] += self.engine.load_bytes
-            self._past_bytes["backup"] += self.engine.backup_bytes
-            self.engine.close()
-            self.engine = None
-        if self.device is not None:
-            self.device.close()
-            self.device = None
-
-    @property
-    def loaded_bytes(self) -> int:
-        """Bytes copied host->device since the namespace was created."""
-        return self._past_bytes["load"] + (self.engine.load_bytes if self.engine else 0)
-
-    @property
-    def backed_up_bytes(self) -> int:
-        """Bytes copied device->host since the namespace was created."""
-        return self._past_bytes["backup"] + (self.engine.backup_bytes if self.engine else 0)
+    async def drain(self) -> None:
+        """Return once no copy is in flight."""
+        await self.copies.drain()
 
     async def close(self) -> None:
-        """Drain copies, stop the copy threads, close the device buffers (IPC handles)
-        and the host pool (unpinning it). Idempotent."""
-        await self.drain()
-        self._release_device()
-        if self.storage is not None:
-            self.storage.close()
+        """Drain copies, stop the copy threads, close the device buffers (IPC handles),
+        stop storage I/O and close the host pool (unpinning it). Idempotent."""
+        await self.copies.drain()
+        self.copies.close()
         self.host_pool.close()
+
+    # -- operators --------------------------------------------------------------------------
+
+    def check_invariants(self) -> list[str]:
+        """The core's violations, and any lease of the attached session naming a node
+        that is not locked."""
+        out = self.cache.check_invariants()
+        leases = self.session.leases if self.session is not None else {}
+        for lease, node_id in leases.items():
+            n = self.cache.tree.nodes.get(node_id)
+            if n is None or (n.parent is not None and n.full.lock_ref <= 0):
+                out.append(f"lease {lease} names node {node_id}, which is not locked")
+        return out

@@ -1,5 +1,5 @@
-"""What Register needs before any state changes: validation of the request, the
-namespace's cache config and host pool size, and opening the engine's device buffers."""
+"""What Register needs before any state changes: validation of the request, the new
+namespace's config (cache policy, host pool size), and opening the engine's device buffers."""
 
 import asyncio
 import re
@@ -10,13 +10,13 @@ from radixkv.layout import KvLayout
 from ..config import DaemonConfig
 from ..core import CacheConfig
 from ..core.page_keys import namespace_salt
-from ..datapath import DeviceOpenError, open_device_buffers
+from ..datapath import BACKENDS, BufferSpec, DeviceOpenError, open_device_buffers
 from .errors import exhausted, invalid, precondition
 from .namespace import Namespace
+from .namespace_config import NamespaceConfig
 from .sessions import Session
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
-BACKENDS = ("shm", "cuda")
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Registration:
     layout: KvLayout
     backend: str
     device: int
-    buffers: list
+    buffers: list[BufferSpec]
     num_device_pages: int
     write_policy: str = ""
     host_pool_pages: int = 0
@@ -56,7 +56,7 @@ def validate(reg: Registration) -> None:
     if not _NAME.match(reg.namespace):
         raise invalid(f"namespace {reg.namespace!r}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -, "
                       "starting with a letter or digit")
-    if reg.backend not in BACKENDS:
+    if reg.backend not in BACKENDS:  # the data path's table of device backends
         raise invalid(f"backend {reg.backend!r}: use one of {list(BACKENDS)}")
     if reg.num_device_pages < 1:
         raise invalid("num_device_pages must be >= 1")
@@ -70,9 +70,19 @@ def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
     if ns.layout != reg.layout:
         raise precondition(f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
                            "use a new namespace name for this one")
-    if policy != ns.config.write_policy.value:
-        raise precondition(f"namespace {ns.name} uses write policy {ns.config.write_policy.value}, "
+    if policy != ns.config.cache.write_policy.value:
+        raise precondition(f"namespace {ns.name} uses write policy {ns.config.cache.write_policy.value}, "
                            f"not {policy}")
+
+
+def namespace_config(config: DaemonConfig, reg: Registration, policy: str, storage_on: bool) -> NamespaceConfig:
+    """The config of the namespace `reg` creates. INVALID_ARGUMENT for a bad policy,
+    RESOURCE_EXHAUSTED for a host pool past the per-namespace limit."""
+    return NamespaceConfig(
+        name=reg.namespace, layout=reg.layout, cache=cache_config(config, reg, policy, storage_on),
+        host_pages=host_pages(config, reg), pin_device=reg.device if reg.backend == "cuda" else None,
+        copy_workers=config.copy_workers, storage_workers=config.storage_workers,
+        storage_queue_pages=config.storage_queue_pages, copy_delay=config.fault_copy_delay)
 
 
 def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_on: bool) -> CacheConfig:

@@ -1,4 +1,5 @@
-"""The gRPC servicer: validate, convert, call the daemon, convert back. Nothing else.
+"""The gRPC servicer: validate, convert, call (the daemon for registration and sessions,
+the session's namespace for engine operations), convert back. Nothing else.
 
 Caller errors become status codes through `errors.status_of` (one place); anything
 else is a bug, logged with its traceback and answered INTERNAL.
@@ -13,14 +14,12 @@ import grpc
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
-from ..core.errors import CacheError
-from ..datapath import BufferSpec
-from ..logs import log_event
 from .. import __version__
+from ..core.errors import CacheError
+from ..logs import log_event
+from . import convert
 from .acks import AckStream
-from .convert import layout_from_pb
 from .daemon import Daemon
-from .registration import Registration
 from .errors import ServiceError, invalid, status_of
 from .inspection import inspect_namespace, namespace_stats
 
@@ -61,31 +60,19 @@ def rpc(method):
 
 
 class RadixKVServicer(pb_grpc.RadixKVServicer):
+    """Each engine RPC: find the session (UNAUTHENTICATED if gone), convert the request,
+    call the session's namespace, convert the answer."""
+
     def __init__(self, daemon: Daemon):
         self.daemon = daemon
 
     @rpc
     async def Register(self, request, context):
-        if not request.HasField("layout"):
-            raise invalid("layout is required")
-        reg = Registration(
-            namespace=request.namespace,
-            layout=layout_from_pb(request.layout, self.daemon.config.page_size),
-            backend=request.backend or "shm",
-            device=request.device,
-            buffers=[BufferSpec(b.handle, b.offset, b.size) for b in request.buffers],
-            num_device_pages=request.num_device_pages,
-            write_policy=request.write_policy,
-            host_pool_pages=request.host_pool_pages,
-            replace_existing=request.replace_existing,
-            engine=request.engine,
-            model=request.model,
-        )
-        done = await self.daemon.register(reg)
+        done = await self.daemon.register(convert.registration(request, self.daemon.config.page_size))
         ns = done.session.namespace
         return pb.RegisterResponse(
             session=done.session.id, host_pool_pages=ns.host_pool.num_pages,
-            write_policy=ns.config.write_policy.value, warm=done.warm,
+            write_policy=ns.config.cache.write_policy.value, warm=done.warm,
             dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance)
 
     @rpc
@@ -100,58 +87,39 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     @rpc
     async def Match(self, request, context):
         session = self.daemon.session(request.session)
-        matched = await self.daemon.match(session, [(p.tokens, p.extra_key) for p in request.prompts],
-                                          request.lease, request.include_storage)
-        return pb.MatchResponse(results=[
-            pb.MatchResult(
-                device_pages=r.device_pages, device_tokens=r.device_tokens, host_tokens=r.host_tokens,
-                device_node=r.device_node, host_node=r.host_node, depends_on=r.depends_on, lease=lease,
-                storage_tokens=stored)
-            for r, lease, stored in matched
-        ])
+        prompts = convert.prompts(request, self.daemon.config.max_prompts_per_match)
+        answers = await session.namespace.match(session, prompts, request.lease, request.include_storage)
+        return convert.match_response(answers)
 
     @rpc
     async def Insert(self, request, context):
         session = self.daemon.session(request.session)
-        result, lease = await self.daemon.insert(
-            session, request.tokens, request.device_pages, request.extra_key, request.chunked,
-            request.release_lease, request.lease)
-        return pb.InsertResponse(cached_tokens=result.cached_tokens, redundant_pages=result.redundant_pages,
-                                 node=result.node, lease=lease)
+        answer = await session.namespace.insert(session, convert.insert_request(request))
+        return convert.insert_response(answer)
 
     @rpc
     async def LoadBack(self, request, context):
         session = self.daemon.session(request.session)
-        r, events = await self.daemon.load_back(session, request.node, request.device_pages)
-        return pb.LoadBackResponse(
-            transfer=r.transfer, device_pages=r.device_pages, device_tokens=r.device_tokens,
-            loaded_tokens=r.loaded_tokens, depends_on=r.depends_on, unused_pages=r.unused_pages,
-            layer_events=events)
+        answer = await session.namespace.load_back(session, request.node, request.device_pages)
+        return convert.load_back_response(answer)
 
     @rpc
     async def Release(self, request, context):
-        self.daemon.release(self.daemon.session(request.session), list(request.leases))
+        session = self.daemon.session(request.session)
+        session.namespace.release(session, list(request.leases))
         return pb.ReleaseResponse()
 
     @rpc
     async def Evict(self, request, context):
         session = self.daemon.session(request.session)
-        pages, written_back = await self.daemon.evict(session, request.num_pages)
-        return pb.EvictResponse(freed_pages=pages, written_back_pages=written_back)
+        return convert.evict_response(await session.namespace.evict(request.num_pages))
 
     @rpc
     async def Prefetch(self, request, context):
         """Stream prefetch progress (see the proto); errors abort the stream with a status."""
-        states = {"nothing": pb.PrefetchProgress.NOTHING, "started": pb.PrefetchProgress.STARTED,
-                  "done": pb.PrefetchProgress.DONE, "waiting_ended": pb.PrefetchProgress.WAITING_ENDED}
         session = self.daemon.session(request.session)
-        timeout = request.timeout_ms / 1000 if request.timeout_ms else None
-        async for state, transfer, storage_tokens, outcome in self.daemon.prefetch(
-                session, request.tokens, request.extra_key, request.policy or "best_effort", timeout):
-            await context.write(pb.PrefetchProgress(
-                state=states[state], transfer=transfer, storage_tokens=storage_tokens,
-                fetched_tokens=outcome.pages_read * session.namespace.layout.page_size if outcome else 0,
-                host_tokens_added=outcome.added_tokens if outcome else 0))
+        async for step in session.namespace.prefetch(session, convert.prefetch_request(request)):
+            await context.write(convert.prefetch_progress(step))
 
     @rpc
     async def Stats(self, request, context):

@@ -1,8 +1,11 @@
-"""Sessions: an engine's attachment to a namespace, and what it owns there.
+"""Sessions: an engine's attachment to a namespace, and the bookkeeping of what it holds.
 
-A session owns its leases and its load-back transfers (tagged with the session id in
-the core). Closing it, for any reason, waits for its copies, finishes its load-backs
-and releases its leases, so nothing it held outlives it.
+A session owns the ids of its leases (each names a node its namespace locked), the
+load-backs it was answered but has not acknowledged, and the reasons recent ones
+expired. It changes no cache state itself: its `Namespace` locks and unlocks, loads and
+finishes, and asks the session which lease or transfer is whose. Closing a session
+(`Daemon.close_session`) finishes its load-backs and releases its leases, so nothing
+it held outlives it.
 """
 
 import asyncio
@@ -10,11 +13,10 @@ import itertools
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .errors import unauthenticated
-from .namespace import Namespace
-
+from .errors import invalid, not_found, precondition, unauthenticated
 
 REMEMBER_EXPIRED = 4096  # expired leases and load-backs remembered per session, for clear errors
 
@@ -22,8 +24,9 @@ REMEMBER_EXPIRED = 4096  # expired leases and load-backs remembered per session,
 @dataclass(eq=False)
 class Session:
     id: str
-    namespace: Namespace
+    namespace: object  # the service.namespace.Namespace it is attached to
     engine: str
+    lease_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
     leases: dict[int, int] = field(default_factory=dict)  # lease id -> locked node id
     created: float = field(default_factory=time.monotonic)
     closing: bool = False
@@ -35,10 +38,64 @@ class Session:
     unacked: dict[int, float] = field(default_factory=dict)
     expired: OrderedDict = field(default_factory=OrderedDict)  # (kind, id) -> why
 
+    def check_open(self) -> None:
+        """FAILED_PRECONDITION once the session began closing (after an `await`)."""
+        if self.closing:
+            raise precondition(f"session {self.id} closed while this call waited")
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def add_lease(self, node_id: int) -> int:
+        """Record a lease on `node_id` (which the caller locked); returns its id."""
+        lease = next(self.lease_ids)
+        self.leases[lease] = node_id
+        self.lease_times[lease] = time.monotonic()
+        return lease
+
+    def check_lease(self, lease: int) -> None:
+        """NOT_FOUND (saying whether it expired) unless this session holds `lease`."""
+        if lease not in self.leases:
+            raise not_found(self._lease_unknown(lease))
+
     def pop_lease(self, lease: int) -> int:
         """Forget a lease (released by the engine or expired); returns its node id."""
+        self.check_lease(lease)
         self.lease_times.pop(lease, None)
         return self.leases.pop(lease)
+
+    def pop_leases(self, leases: list[int]) -> list[int]:
+        """Forget every lease listed, or none: NOT_FOUND naming each one not held,
+        INVALID_ARGUMENT for one listed twice. Returns their node ids."""
+        unknown = [lease for lease in leases if lease not in self.leases]
+        if unknown:
+            raise not_found("; ".join(self._lease_unknown(lease) for lease in unknown))
+        if len(set(leases)) != len(leases):
+            raise invalid(f"leases {sorted(x for x in set(leases) if leases.count(x) > 1)} are listed twice")
+        return [self.pop_lease(lease) for lease in leases]
+
+    def pop_all_leases(self) -> list[int]:
+        """Forget every lease (the session is closing); returns their node ids."""
+        nodes = list(self.leases.values())
+        self.leases.clear()
+        self.lease_times.clear()
+        return nodes
+
+    def _lease_unknown(self, lease: int) -> str:
+        why = self.expired.get(("lease", lease))
+        if why is not None:
+            return f"lease {lease} {why}"
+        return f"lease {lease} is not held by this session (released, or never taken)"
+
+    # -- load-backs awaiting their ack ------------------------------------------------------
+
+    def answered(self, transfer: int) -> None:
+        """The engine was told of load-back `transfer`; its ack is due."""
+        self.unacked[transfer] = time.monotonic()
+
+    def acked(self, transfer: int) -> None:
+        self.unacked.pop(transfer, None)
+
+    # -- timeouts ---------------------------------------------------------------------------
 
     def overdue_leases(self, now: float, timeout: float) -> list[int]:
         out = []
@@ -64,9 +121,14 @@ class Session:
         while len(self.expired) > REMEMBER_EXPIRED:
             self.expired.popitem(last=False)
 
+    def expired_reason(self, kind: str, ident: int) -> str | None:
+        """Why lease or load-back `ident` expired ("lease" / "load_back"), if it did."""
+        return self.expired.get((kind, ident))
+
 
 class SessionRegistry:
-    """Live sessions by id, and the reasons recent ones were closed (for clear errors)."""
+    """Live sessions by id, and the reasons recent ones were closed (for clear errors).
+    Lease ids are unique across the sessions of a registry."""
 
     def __init__(self, remember_closed: int = 4096):
         self._live: dict[str, Session] = {}
@@ -80,8 +142,8 @@ class SessionRegistry:
     def all(self) -> list[Session]:
         return list(self._live.values())
 
-    def new(self, namespace: Namespace, engine: str) -> Session:
-        session = Session(secrets.token_hex(16), namespace, engine)
+    def new(self, namespace, engine: str) -> Session:
+        session = Session(secrets.token_hex(16), namespace, engine, lease_ids=self._lease_ids)
         self._live[session.id] = session
         return session
 
@@ -98,12 +160,6 @@ class SessionRegistry:
         if session.closing:
             raise unauthenticated(f"session {session_id} is closing")
         return session
-
-    def new_lease(self, session: Session, node_id: int) -> int:
-        lease = next(self._lease_ids)
-        session.leases[lease] = node_id
-        session.lease_times[lease] = time.monotonic()
-        return lease
 
     def forget(self, session: Session, reason: str) -> None:
         self._live.pop(session.id, None)

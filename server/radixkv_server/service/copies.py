@@ -1,0 +1,186 @@
+"""Copies: a namespace's page copies in flight, started for the core and waited for.
+
+It is the core's `Copier`: device<->host copies go to the `CopyEngine` of the attached
+engine's buffers, storage stores and fetches to the `StorageMover`. Both report on the
+event loop (`_copied`, `_fetched`), the only place the core hears of a completed copy;
+coroutines wait for copies here (`wait`, `written_back`, `fetched`, `drain`).
+
+The event loop owns all of it; the copy threads only ever call back onto the loop.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+from ..core import HierarchicalCache
+from ..datapath import CopyEngine, DeviceBuffers, HostPool
+from ..datapath.storage_mover import StorageMover
+from ..logs import log_event
+from .namespace_config import NamespaceConfig
+
+log = logging.getLogger("radixkv.namespace")
+
+
+class Copies:
+    """Construct, then `bind` the core (they refer to each other), then `attach` buffers."""
+
+    def __init__(self, config: NamespaceConfig, host_pool: HostPool, metrics=None, storage_backend=None):
+        self._config = config
+        self._host_pool = host_pool
+        self._metrics = metrics
+        self._loop = asyncio.get_running_loop()
+        self._cache: HierarchicalCache | None = None
+        self._started: dict[int, tuple[str, float]] = {}  # transfer -> (direction, start time)
+        self._waiters: dict[int, asyncio.Event] = {}  # transfer -> set once copied
+        self._write_backs: dict[int, asyncio.Future] = {}
+        self._fetches: dict[int, asyncio.Future] = {}
+        self._past_bytes = {"load": 0, "backup": 0}  # of copy engines already retired
+        self.device: DeviceBuffers | None = None
+        self.backend = ""  # of the attached buffers: "shm" or "cuda"
+        self.engine: CopyEngine | None = None
+        self.storage: StorageMover | None = None
+        if storage_backend is not None:
+            self.storage = StorageMover(
+                self._loop, storage_backend, host_pool, self._copied, self._fetched,
+                workers=config.storage_workers, max_pending_pages=config.storage_queue_pages,
+                namespace=config.name, observe=metrics.observe_storage if metrics is not None else None)
+
+    def bind(self, cache: HierarchicalCache) -> None:
+        """The core that completions are reported to. Once, before any copy starts."""
+        self._cache = cache
+
+    # -- the engine's buffers -------------------------------------------------------------
+
+    def attach(self, device: DeviceBuffers, backend: str) -> None:
+        """Copy to and from these buffers from now on. No copy may be in flight."""
+        self.release_device()
+        self.device = device
+        self.backend = backend
+        self.engine = CopyEngine(self._loop, device, self._host_pool, self._copied,
+                                 workers=self._config.copy_workers, delay=self._config.copy_delay)
+
+    def release_device(self) -> None:
+        """Stop the copy threads and close the buffers (a CUDA IPC mapping keeps the
+        engine's memory allocated). Idempotent; no copy may be in flight."""
+        if self.engine is not None:
+            self._past_bytes["load"] += self.engine.load_bytes
+            self._past_bytes["backup"] += self.engine.backup_bytes
+            self.engine.close()
+            self.engine = None
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes copied host->device since the namespace was created."""
+        return self._past_bytes["load"] + (self.engine.load_bytes if self.engine else 0)
+
+    @property
+    def backed_up_bytes(self) -> int:
+        """Bytes copied device->host since the namespace was created."""
+        return self._past_bytes["backup"] + (self.engine.backup_bytes if self.engine else 0)
+
+    # -- the core's Copier: start a copy, timed for the metrics ----------------------------
+
+    def load(self, transfer: int, host_pages: bytes, device_pages: bytes) -> None:
+        self._started[transfer] = ("load", time.perf_counter())
+        self.engine.load(transfer, host_pages, device_pages)  # only sessions load: attached
+
+    def backup(self, transfer: int, device_pages: bytes, host_pages: bytes) -> None:
+        t = self._cache.transfers.get(transfer)
+        self._started[transfer] = (t.kind.value if t is not None else "backup", time.perf_counter())
+        self.engine.backup(transfer, device_pages, host_pages)
+
+    def store(self, transfer: int, host_pages: bytes, keys: list[bytes]) -> None:
+        self._started[transfer] = ("store", time.perf_counter())
+        self.storage.store(transfer, host_pages, keys)
+
+    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+        self._started[transfer] = ("fetch", time.perf_counter())
+        self.storage.fetch(transfer, keys, host_pages)
+
+    async def probe(self, key_lists: list[list[bytes]]) -> list[int]:
+        """How many leading keys of each list storage holds (zeros while it is down)."""
+        return await self.storage.probe(key_lists)
+
+    # -- completions, on the loop ---------------------------------------------------------
+
+    def _copied(self, transfer: int, error: str | None) -> None:
+        self._observe(transfer, error)
+        outcome = self._cache.on_copy_done(transfer, error)
+        if error is not None:
+            log_event(log, "copy.failed", logging.WARNING, namespace=self._config.name,
+                      transfer=transfer, error=error)
+        _resolve(self._write_backs.pop(transfer, None), outcome.freed_pages)
+        self._wake(transfer)
+
+    def _fetched(self, transfer: int, pages_read: int, error: str | None) -> None:
+        self._observe(transfer, error)
+        outcome = self._cache.on_fetch_done(transfer, pages_read, error)
+        _resolve(self._fetches.pop(transfer, None), outcome)
+        self._wake(transfer)
+
+    def _observe(self, transfer: int, error: str | None) -> None:
+        direction, start = self._started.pop(transfer, (None, 0.0))
+        if self._metrics is not None and error is None and direction is not None:
+            self._metrics.copy_duration.labels(self._config.name, direction).observe(time.perf_counter() - start)
+
+    def _wake(self, transfer: int) -> None:
+        event = self._waiters.pop(transfer, None)
+        if event is not None:
+            event.set()
+
+    # -- waiting --------------------------------------------------------------------------
+
+    def in_flight(self, transfer: int) -> bool:
+        t = self._cache.transfers.get(transfer)
+        return t is not None and not t.copied
+
+    async def wait(self, transfers: Iterable[int]) -> None:
+        """Return once every named copy has completed (unknown ids count as done)."""
+        for tid in transfers:
+            if self.in_flight(tid):
+                await self._waiters.setdefault(tid, asyncio.Event()).wait()
+
+    async def drain(self) -> None:
+        """Return once no copy is in flight."""
+        while busy := [tid for tid in self._cache.transfers if self.in_flight(tid)]:
+            await self.wait(busy)
+
+    def written_back(self, transfer: int) -> asyncio.Future:
+        """A future resolving to the device pages a write-back eviction freed. Ask before
+        yielding to the loop after the eviction started it."""
+        fut = self._loop.create_future()
+        self._write_backs[transfer] = fut
+        return fut
+
+    def fetched(self, transfer: int) -> asyncio.Future:
+        """A future resolving to the fetch's FetchOutcome (None if it is not in flight)."""
+        fut = self._fetches.get(transfer)
+        if fut is None:
+            fut = self._loop.create_future()
+            if transfer in self._cache.transfers:
+                self._fetches[transfer] = fut
+            else:
+                fut.set_result(None)
+        return fut
+
+    async def layer_events(self, transfer: int) -> tuple[bytes, ...]:
+        """The CUDA IPC events of a load-back (one per layer) once it is enqueued; none
+        on shared memory, which has nothing to wait for."""
+        if self.backend != "cuda":
+            return ()
+        return tuple(await self.engine.submitted(transfer))
+
+    def close(self) -> None:
+        """Release the buffers and stop storage I/O. Idempotent; drain first."""
+        self.release_device()
+        if self.storage is not None:
+            self.storage.close()
+
+
+def _resolve(fut: asyncio.Future | None, value) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(value)
