@@ -55,23 +55,25 @@ def root_digest(seed: str = DEFAULT_SEED) -> bytes:
     return hashlib.sha256(_cbor_text(seed)).digest()
 
 
+# Per token, by its width code c = (t >= 24) + (t >= 256) + (t >= 65536): the CBOR head
+# byte (the token itself when c == 0), which of [head, b3, b2, b1, b0] to keep, the width.
+_HEAD = np.array([0, 0x18, 0x19, 0x1A], dtype=np.uint8)
+_KEEP = np.array([[1, 0, 0, 0, 0], [1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=bool)
+_WIDTH = np.array([1, 2, 3, 5])
+
+
 def _cbor_tokens(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
     """CBOR encodings of int64 `tokens`, concatenated, and each token's end offset."""
     t = tokens
     if t.size and (int(t.min()) < 0 or int(t.max()) >= 1 << 32):
         raise ValueError("token ids must be in [0, 2**32)")
-    # Each token as [head, b3, b2, b1, b0]; keep head, then the low bytes its width needs.
-    be = t.astype(">u4").view(np.uint8).reshape(-1, 4)
-    big, mid, byte = t >= 65536, t >= 256, t >= 24
-    head = np.where(big, 0x1A, np.where(mid, 0x19, np.where(byte, 0x18, t))).astype(np.uint8)
-    keep = np.empty((len(t), 5), dtype=bool)
-    keep[:, 0] = True
-    keep[:, 1] = keep[:, 2] = big
-    keep[:, 3] = mid
-    keep[:, 4] = byte
-    rows = np.concatenate([head[:, None], be], axis=1)
-    ends = np.cumsum(keep.sum(axis=1))
-    return rows[keep].tobytes(), ends
+    code = (t >= 24).astype(np.int8)
+    code += t >= 256
+    code += t >= 65536
+    rows = np.empty((len(t), 5), dtype=np.uint8)
+    rows[:, 1:] = t.astype(">u4").view(np.uint8).reshape(-1, 4)
+    rows[:, 0] = np.where(code == 0, t, _HEAD[code])
+    return rows[_KEEP[code]].tobytes(), np.cumsum(_WIDTH[code])
 
 
 def as_token_array(tokens) -> np.ndarray:
@@ -101,15 +103,19 @@ def block_digests(tokens, block_size: int, *, parent: bytes | None = None,
     if n == 0:
         return []
     encoded, ends = _cbor_tokens(t[:n * block_size])
-    head = b"\x83\x58\x20"  # [parent, tokens, extra]; parent is a 32-byte string
+    base = hashlib.sha256(b"\x83\x58\x20")  # [parent, tokens, extra]; parent: 32 bytes
     tokens_head = _cbor_head(4, block_size)
     tail = b"\xf6" if not extra_key else b"\x81" + _cbor_bytes(bytes(extra_key))
     prev = parent if parent is not None else root_digest(seed)
-    sha256 = hashlib.sha256
     out = []
     lo = 0
     for hi in ends[block_size - 1::block_size].tolist():
-        prev = sha256(head + prev + tokens_head + encoded[lo:hi] + tail).digest()
+        h = base.copy()
+        h.update(prev)
+        h.update(tokens_head)
+        h.update(encoded[lo:hi])
+        h.update(tail)
+        prev = h.digest()
         out.append(prev)
         lo = hi
     return out

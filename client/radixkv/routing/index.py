@@ -11,6 +11,10 @@ half-applied, never a broken structure.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
+from collections import Counter
+from itertools import accumulate, repeat
+from operator import and_, or_
 
 from .blockhash import DEFAULT_SEED, block_digests, external_hash
 from .wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -28,8 +32,7 @@ class TierWeights:
     storage: float = 0.3
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerScore:
+class WorkerScore(NamedTuple):
     worker: str
     score: float          # weighted blocks of the worker's cached prefix
     device_blocks: int    # prefix blocks the worker holds on GPU
@@ -39,6 +42,10 @@ class WorkerScore:
     @property
     def prefix_blocks(self) -> int:
         return self.device_blocks + self.host_blocks + self.storage_blocks
+
+
+def _by_score(s: WorkerScore) -> float:
+    return -s.score
 
 
 def _bits(mask: int):
@@ -181,17 +188,19 @@ class RoutingIndex:
         names = workers if workers is not None else list(self._bit)
         if hashes is None:
             hashes = self.hashes(tokens, extra_key) if tokens is not None else []
+        bit_of = self._bit
         candidates = 0
         for name in names:
-            if name in self._bit:
-                candidates |= 1 << self._bit[name]
+            if name in bit_of:
+                candidates |= 1 << bit_of[name]
         per_bit = self._prefix_counts(hashes, namespace, candidates)
-        w = self.weights
+        wd, wh, ws = self.weights.device, self.weights.host, self.weights.storage
+        none = (0, 0, 0)
         out = []
         for name in names:
-            dev, host, sto = per_bit.get(self._bit.get(name, -1), (0, 0, 0))
-            out.append(WorkerScore(name, w.device * dev + w.host * host + w.storage * sto, dev, host, sto))
-        out.sort(key=lambda s: -s.score)
+            dev, host, sto = per_bit.get(bit_of.get(name, -1), none)
+            out.append(WorkerScore(name, wd * dev + wh * host + ws * sto, dev, host, sto))
+        out.sort(key=_by_score)
         return out
 
     def best(self, tokens=None, **kwargs) -> WorkerScore | None:
@@ -200,30 +209,20 @@ class RoutingIndex:
         return scores[0] if scores else None
 
     def _prefix_counts(self, hashes: list[int], namespace: str, alive: int) -> dict[int, list[int]]:
-        """Per worker bit: prefix blocks on GPU, on CPU only, in storage only."""
+        """Per worker bit: prefix blocks on GPU, on CPU only, in storage only. The per-block
+        work runs in C (map, accumulate, Counter); Python loops only over the distinct
+        holder sets along the prefix, which are few."""
         tiers = self._tiers.get(namespace)
-        if tiers is None or not alive:
+        if tiers is None or not alive or not hashes:
             return {}
-        g0, g1, g2 = (d.get for d in tiers)
-        runs = []
-        cur, n = None, 0
-        for h in hashes:
-            dev, host, sto = g0(h, 0), g1(h, 0), g2(h, 0)
-            alive &= dev | host | sto
-            if not alive:
-                break
-            key = (dev & alive, host & alive & ~dev, sto & alive & ~dev & ~host)
-            if key == cur:
-                n += 1
-            else:
-                if cur is not None:
-                    runs.append((n, cur))
-                cur, n = key, 1
-        if cur is not None:
-            runs.append((n, cur))
+        zeros = repeat(0)
+        dev, host, sto = (list(map(d.get, hashes, zeros)) for d in tiers)
+        held = map(or_, map(or_, dev, host), sto)
+        still = list(accumulate(held, and_, initial=alive))[1:]
+        cut = still.index(0) if 0 in still else len(still)
         out: dict[int, list[int]] = {}
-        for n, masks in runs:
-            for tier, mask in enumerate(masks):
+        for (d, h, s, a), n in Counter(zip(dev[:cut], host[:cut], sto[:cut], still[:cut])).items():
+            for tier, mask in enumerate((d & a, h & a & ~d, s & a & ~d & ~h)):
                 for bit in _bits(mask):
                     out.setdefault(bit, [0, 0, 0])[tier] += n
         return out

@@ -1,0 +1,147 @@
+"""The routing index at fleet scale: update rate and query time at 1M blocks, 16 workers.
+
+    .venv/bin/python -m bench.routing              # 1M blocks, 16 workers
+    .venv/bin/python -m bench.routing --blocks 100000 --json out.json
+
+Conversations of 2k tokens (block size 16, 128 blocks) in groups that share a 64-block
+system prompt; each conversation lives on one worker, on GPU, CPU or STORAGE (50/30/20),
+and every system prompt is also held by 3 more workers. Updates are applied as the
+decoded msgpack batches a feed receives (one BlockStored per 64-block node); queries are
+2k-token prompts (a cached conversation plus a fresh turn) scored across all workers.
+Times are CPU time of this thread (`time.thread_time`), so a busy machine stretches the
+wall clock but not the figures. Not wired into `python -m bench`.
+"""
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import time
+
+import numpy as np
+
+from radixkv.routing import RoutingIndex
+from radixkv.routing.blockhash import block_digests, external_hash
+from radixkv.routing.wire import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
+
+BLOCK = 16
+HALF = 64            # blocks per node: system prompt, then the conversation's own part
+GROUP = 8            # conversations per system prompt
+MEDIA = ("GPU", "CPU", "STORAGE")
+
+
+def build_fleet(num_blocks: int, workers: int, rng: random.Random):
+    """Payloads per worker and the conversations' tokens (for queries)."""
+    # entries per conversation: its own 64 blocks + a share of a system prompt held by 4
+    conversations = max(1, num_blocks // (HALF + 4 * HALF // GROUP))
+    payloads: dict[str, list[bytes]] = {f"w{i}": [] for i in range(workers)}
+    convs = []
+    np_rng = np.random.default_rng(rng.randrange(2**32))
+    for g in range(0, conversations, GROUP):
+        system = np_rng.integers(0, 150_000, HALF * BLOCK)
+        sys_digests = block_digests(system, BLOCK)
+        sys_hashes = [external_hash(d) for d in sys_digests]
+        holders = rng.sample(range(workers), min(4, workers))
+        for w in holders:
+            payloads[f"w{w}"].append(_stored(sys_hashes, None, system, "GPU"))
+        for c in range(g, min(g + GROUP, conversations)):
+            own = np_rng.integers(0, 150_000, HALF * BLOCK)
+            hashes = [external_hash(d) for d in block_digests(own, BLOCK, parent=sys_digests[-1])]
+            medium = rng.choices(MEDIA, weights=(5, 3, 2))[0]
+            payloads[f"w{holders[0]}"].append(_stored(hashes, sys_hashes[-1], own, medium))
+            convs.append((np.concatenate([system, own]), hashes, holders[0], medium))
+    return payloads, convs
+
+
+def _stored(hashes, parent, tokens, medium) -> bytes:
+    event = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens.tolist(),
+                        block_size=BLOCK, lora_id=None, medium=medium, lora_name=None)
+    return encode_batch(KVEventBatch(ts=time.time(), events=[event], data_parallel_rank=0))
+
+
+clock = time.thread_time
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    t0 = clock()
+    payloads, convs = build_fleet(num_blocks, workers, rng)
+    build_s = clock() - t0
+    index = RoutingIndex(BLOCK)
+    rss0 = rss_mib()
+    blocks = events = 0
+    t0 = clock()
+    for name, batches in payloads.items():
+        for payload in batches:
+            batch = decode_batch(payload)
+            index.apply(name, "m", batch)
+            events += 1
+            blocks += len(batch.events[0].block_hashes)
+    apply_s = clock() - t0
+    rss1 = rss_mib()
+    distinct = sum(len(d) for d in index._tiers["m"])
+
+    hash_us, lookup_us, correct = [], [], 0
+    for _ in range(queries):
+        tokens, _, holder, _ = rng.choice(convs)
+        prompt = np.concatenate([tokens, np.arange(BLOCK * 4) + 7])  # a fresh turn after it
+        t0 = clock()
+        hashes = index.hashes(prompt)
+        t1 = clock()
+        best = index.score(hashes=hashes, namespace="m")[0]
+        t2 = clock()
+        hash_us.append((t1 - t0) * 1e6)
+        lookup_us.append((t2 - t1) * 1e6)
+        correct += best.worker == f"w{holder}"
+
+    removes = [(f"w{h}", KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=hs, medium=m)]))
+               for _, hs, h, m in convs[: max(1, len(convs) // 10)]]
+    t0 = clock()
+    for name, batch in removes:
+        index.apply(name, "m", batch)
+    remove_s = clock() - t0
+    t0 = clock()
+    index.clear_worker("w0", "m")
+    clear_ms = (clock() - t0) * 1e3
+
+    def pct(xs, q):
+        return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
+
+    return {
+        "blocks": blocks, "distinct_blocks": distinct, "workers": workers, "events": events, "build_s": round(build_s, 2),
+        "apply_blocks_per_s": round(blocks / apply_s), "apply_events_per_s": round(events / apply_s),
+        "remove_blocks_per_s": round(sum(len(b.events[0].block_hashes) for _, b in removes) / remove_s),
+        "query_hash_us_p50": round(statistics.median(hash_us), 1),
+        "query_lookup_us_p50": round(statistics.median(lookup_us), 1),
+        "query_total_us_p50": round(statistics.median([a + b for a, b in zip(hash_us, lookup_us)]), 1),
+        "query_total_us_p99": round(pct([a + b for a, b in zip(hash_us, lookup_us)], 99), 1),
+        "query_blocks": len(index.hashes(convs[0][0])) + 4,
+        "queries_routed_to_holder": f"{correct}/{queries}",
+        "clear_worker_ms": round(clear_ms, 1),
+        "index_rss_mib": round(rss1 - rss0, 1),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--queries", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    result = run(args.blocks, args.workers, args.queries, args.seed)
+    for key, value in result.items():
+        print(f"{key:28} {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
