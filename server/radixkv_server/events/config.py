@@ -44,4 +44,5 @@ class EventsConfig:
             ring_size=config.kv_events_replay_size,
             hwm=config.kv_events_hwm,
             subscriber_buffer=config.kv_events_subscriber_buffer,
+            hash_seed=config.kv_events_hash_seed,
         )

@@ -25,6 +25,7 @@ from .fanout import Broadcast
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.005  # how often an idle thread looks at the replay socket
+MAX_EVENTS_PER_BATCH = 1024  # a larger job (a resync's snapshot) goes out as several batches
 
 
 def _bind_or_connect(sock: zmq.Socket, endpoint: str) -> None:
@@ -126,27 +127,34 @@ class Publisher:
             self._serve_replays()
 
     def _publish(self, builder, namespace: str, topic: bytes, ts: float, records) -> None:
-        batch = KVEventBatch(ts=ts, events=builder.build(records),
-                             data_parallel_rank=self.config.data_parallel_rank)
-        payload = encode_batch(batch)
-        item = self.broadcast.publish(namespace, topic, payload, batch)
-        if self._pub is not None:
-            try:
-                self._pub.send_multipart((topic, seq_bytes(item.seq), payload), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                self.num_send_errors += 1
+        events = builder.build(records)
+        for start in range(0, max(len(events), 1), MAX_EVENTS_PER_BATCH):
+            batch = KVEventBatch(ts=ts, events=events[start:start + MAX_EVENTS_PER_BATCH],
+                                 data_parallel_rank=self.config.data_parallel_rank)
+            payload = encode_batch(batch)
+            item = self.broadcast.publish(namespace, topic, payload, batch)
+            if self._pub is not None:
+                try:
+                    self._pub.send_multipart((topic, seq_bytes(item.seq), payload), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    self.num_send_errors += 1
 
     def _serve_replays(self) -> None:
-        while self._replay.poll(0):
-            frames = self._replay.recv_multipart(zmq.NOBLOCK)
-            if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("kv events: ignoring a malformed replay request (%d frames)", len(frames))
-                continue
-            client, _, start = frames
-            self.num_replays += 1
-            for item in self.broadcast.since(int.from_bytes(start, "big")):
-                self._send_replay((client, b"", item.topic, seq_bytes(item.seq), item.payload))
-            self._send_replay((client, b"", b"", END_SEQ, b""))
+        try:
+            while self._replay.poll(0):
+                self._serve_replay(self._replay.recv_multipart(zmq.NOBLOCK))
+        except zmq.ZMQError:
+            log.exception("kv events: replay socket error; replays resume with the next request")
+
+    def _serve_replay(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("kv events: ignoring a malformed replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        self.num_replays += 1
+        for item in self.broadcast.since(int.from_bytes(start, "big")):
+            self._send_replay((client, b"", item.topic, seq_bytes(item.seq), item.payload))
+        self._send_replay((client, b"", b"", END_SEQ, b""))
 
     def _send_replay(self, frames) -> None:
         try:

@@ -1,0 +1,36 @@
+"""EventsConfig: the proposed daemon fields map onto it, and bad values are refused with
+messages that name the setting."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from radixkv_server.events import EventsConfig
+
+
+def test_from_daemon_maps_the_proposed_fields():
+    daemon = SimpleNamespace(
+        kv_events_endpoint="tcp://*:5557", kv_events_replay_endpoint="tcp://*:5558",
+        kv_events_topic="kv@pod-3@{namespace}", kv_events_queue_size=5, kv_events_replay_size=6,
+        kv_events_hwm=7, kv_events_subscriber_buffer=8, kv_events_hash_seed="fleet-seed")
+    c = EventsConfig.from_daemon(daemon)
+    assert (c.endpoint, c.replay_endpoint, c.queue_size, c.ring_size, c.hwm, c.subscriber_buffer,
+            c.hash_seed) == ("tcp://*:5557", "tcp://*:5558", 5, 6, 7, 8, "fleet-seed")
+    assert c.topic_for("llama/tp0") == b"kv@pod-3@llama/tp0"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"queue_size": 0}, "queue_size"),
+    ({"replay_endpoint": "tcp://*:5558"}, "needs kv_events_endpoint"),
+    ({"endpoint": "localhost:5557"}, "ZMQ address"),
+])
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EventsConfig(**kwargs)
+
+
+def test_an_unusable_endpoint_is_a_clear_error():
+    from radixkv_server.events import EventHub
+
+    with pytest.raises(ValueError, match="cannot open tcp://\\*:notaport"):
+        EventHub(EventsConfig(endpoint="tcp://*:notaport"))
