@@ -127,6 +127,44 @@ def run(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
     }
 
 
+def publisher_side(nodes: int, seed: int) -> dict:
+    """The daemon's side: what the core's listener and a flush cost on the event loop, and
+    how fast the publisher thread turns records into sent batches (ZMQ PUB on ipc)."""
+    import tempfile
+
+    from radixkv_server.core.tree import RadixTree
+    from radixkv_server.events import EventHub, EventsConfig
+
+    rng = np.random.default_rng(seed)
+    tree = RadixTree(BLOCK)
+    batch = [tree.add_child(tree.root(b""), rng.integers(0, 150_000, 8 * BLOCK, dtype="<i4").tobytes())
+             for _ in range(nodes)]
+    tmp = tempfile.mkdtemp(prefix="rkv-bench-ev-")
+    hub = EventHub(EventsConfig(endpoint=f"ipc://{tmp}/pub", queue_size=nodes + 8))
+    listen = hub.attach("m", BLOCK)
+    t0 = clock()
+    for node in batch:
+        listen("device", "stored", node)
+    listen_us = (clock() - t0) / nodes * 1e6
+    hub.flush()  # one big batch, not timed
+    while hub.next_seq < 2:
+        time.sleep(0.001)
+    wall = time.perf_counter()
+    t0 = clock()
+    for node in batch:
+        listen("host", "stored", node)
+        hub.flush()
+    change_us = (clock() - t0) / nodes * 1e6
+    while hub.next_seq < nodes + 2:
+        time.sleep(0.001)
+    elapsed = time.perf_counter() - wall
+    hub.close()
+    return {"loop_listener_us_per_change": round(listen_us, 2),
+            "loop_change_and_flush_us": round(change_us, 2),
+            "published_batches_per_s_wall": round(nodes / elapsed),
+            "published_blocks_per_s_wall": round(nodes * 8 / elapsed)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=1_000_000)
@@ -134,8 +172,12 @@ def main(argv=None) -> None:
     ap.add_argument("--queries", type=int, default=500)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--publisher-nodes", type=int, default=5000,
+                    help="nodes (8 blocks each) for the daemon-side figures (0: skip)")
     args = ap.parse_args(argv)
     result = run(args.blocks, args.workers, args.queries, args.seed)
+    if args.publisher_nodes:
+        result.update(publisher_side(args.publisher_nodes, args.seed))
     for key, value in result.items():
         print(f"{key:28} {value}")
     if args.json:
