@@ -21,15 +21,17 @@ What the store does, and what this backend makes of it (measured with the PyPI w
   each call here waits at most `timeout` seconds and then raises StorageTimeout. The
   store's call may still finish later; the buffers it was given are not reused before
   it does (header slots are held, and the mover keeps fetched pages reserved).
-- `setup()` against a master that is not up retries for ~90 s: connecting happens on
-  a call thread, lazily, with `MC_STORE_CLIENT_SETUP_RETRIES` defaulting to 2; until it
-  succeeds every call raises StorageUnavailable and a later call tries again.
+- `setup()` against a master that is not up retries for ~90 s, holding the GIL: joining
+  happens lazily on a call thread, only once the master accepts a TCP connection, with
+  `MC_STORE_CLIENT_SETUP_RETRIES` defaulting to 2; until it succeeds every call raises
+  StorageUnavailable and a later call (at most one a second) tries again.
 - every payload is checked against its header (length and CRC-32): a page is either
   whole and right, or a miss.
 """
 
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -47,6 +49,7 @@ BUFFER_TOO_SMALL = -600    # the object is larger than the buffers given
 NOT_FOUND = -704           # OBJECT_NOT_FOUND
 TRANSFER_FAIL = -800       # the segment holding the object did not answer
 RPC_FAIL = (-900, -901)    # the master did not answer
+MIN_SEGMENT = 16 << 20     # the store refuses smaller segments and local buffers
 RETRY_INTERVAL_S = 1.0     # after a failed setup(), the next call waits this long to retry
 
 
@@ -306,6 +309,13 @@ class MooncakeStorage(StorageBackend):
             return self._store
 
     def _join(self) -> None:
+        # setup() holds the GIL while it retries (seconds, every thread of the daemon
+        # frozen): call it only once the master accepts connections.
+        if not self._master_listens():
+            with self._lock:
+                self._connecting = None
+                self._failed_at = time.monotonic()
+            return
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
         # The store logs every failed call; this backend logs one clear line per condition.
         # GLOG_minloglevel=0 in the daemon's environment brings the store's own lines back.
@@ -323,6 +333,16 @@ class MooncakeStorage(StorageBackend):
         self._register(store)
         log.info("storage %s: joined, lending %d bytes", self.name, self._setup_args[2])
 
+    def _master_listens(self) -> bool:
+        host, _, port = self.master.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout).close()
+            return True
+        except OSError as exc:
+            log.warning("storage %s: the master does not accept connections (%s); retrying with later calls",
+                        self.name, exc)
+            return False
+
     def _register(self, store) -> None:
         with self._lock:
             todo = [(a, n) for a, n in self._ranges if a not in self._registered]
@@ -339,7 +359,9 @@ def _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max
         raise ValueError(f"Mooncake master must be HOST:PORT, got {master!r}")
     if protocol not in ("tcp", "rdma"):
         raise ValueError(f"Mooncake protocol must be tcp or rdma, got {protocol!r}")
-    for name, value, low in (("segment", segment_bytes, 0), ("buffer", buffer_bytes, 1 << 20),
+    if segment_bytes != 0 and not (isinstance(segment_bytes, int) and segment_bytes >= MIN_SEGMENT):
+        raise ValueError(f"Mooncake segment must be 0 (lend none) or at least 16MiB, got {segment_bytes!r}")
+    for name, value, low in (("buffer", buffer_bytes, MIN_SEGMENT),
                              ("replicas", replicas, 1), ("max_batch", max_batch, 1),
                              ("call_threads", call_threads, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

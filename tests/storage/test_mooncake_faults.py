@@ -1,0 +1,192 @@
+"""Mooncake Store failures, on a real `mooncake_master` and lender processes ("other
+nodes"): each ends in a miss or StorageUnavailable within the configured timeout, never
+in wrong bytes or a hang. Facts of the 0.3.13 wheel: see storage/mooncake_store.py."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from radixkv_server.storage import StorageTimeout, StorageUnavailable, open_storage
+from radixkv_server.storage.mooncake_store import MooncakeStorage
+from tests.storage.fleet import Lender, MooncakeMaster, lender_keys, poll
+
+PAGE = 16 << 10
+TIMEOUT_S = 1.0
+SLACK_S = 1.0  # scheduling on a busy 2-core machine
+
+
+@pytest.fixture
+def master():
+    m = MooncakeMaster(client_ttl_s=2).start()
+    yield m
+    m.cleanup()
+
+
+@pytest.fixture
+def lenders():
+    started = []
+    yield started.append
+    for lender in started:
+        lender.kill()
+
+
+def reader(master, **options) -> tuple[MooncakeStorage, np.ndarray]:
+    """A backend lending nothing, with a 'host pool' of 64 pages attached; joined."""
+    b = MooncakeStorage(master.address, segment_bytes=options.pop("segment_bytes", 0), timeout=TIMEOUT_S,
+                        **options)
+    pool = np.zeros((64, PAGE), dtype=np.uint8)
+    b.attach_memory(pool.ctypes.data, pool.nbytes)
+    poll(lambda: _joined(b), 20, "the backend to join the store")
+    return b, pool
+
+
+def _joined(b) -> bool:
+    try:
+        b.check()
+        return True
+    except StorageUnavailable:
+        return False
+
+
+def timed(call):
+    start = time.monotonic()
+    try:
+        return call(), time.monotonic() - start
+    except StorageUnavailable as exc:
+        return exc, time.monotonic() - start
+
+
+def test_what_one_node_stored_another_serves_byte_exact(master, lenders):
+    a = Lender(master.address, 64 << 20, 32, PAGE, seed=11)
+    lenders(a)
+    assert a.stored == 32
+    b, pool = reader(master)
+    assert b.exists_prefix(a.keys()) == 32
+    assert b.get_into(a.keys(), [memoryview(pool[i]) for i in range(32)]) == 32
+    assert [pool[i].tobytes() for i in range(32)] == a.pages()
+    b.close()
+
+
+def test_full_store_refuses_puts_and_keeps_what_it_holds_exact(master, lenders):
+    lenders(Lender(master.address, 16 << 20, 0, 0, seed=0))  # the smallest segment: ~1000 pages
+    b, pool = reader(master)
+    pool[:] = np.random.default_rng(5).integers(0, 256, size=pool.shape, dtype=np.uint8)
+    stored, full = {}, None
+    for batch in range(40):
+        keys = lender_keys(1000 + batch, 64)
+        try:
+            b.put([(k, memoryview(pool[i])) for i, k in enumerate(keys)])
+            stored.update({k: i for i, k in enumerate(keys)})
+        except StorageUnavailable as exc:
+            full = exc
+            break
+    assert full is not None and "store full" in str(full)
+    mismatches = 0
+    out = np.zeros((1, PAGE), dtype=np.uint8)
+    for key, row in stored.items():  # evicted in the background or exact, never other bytes
+        b.attach_memory(out.ctypes.data, out.nbytes)
+        if b.get_into([key], [memoryview(out[0])]) == 1 and not np.array_equal(out[0], pool[row]):
+            mismatches += 1
+    assert mismatches == 0
+    b.close()
+
+
+def test_killed_segment_owner_turns_its_pages_into_misses(master, lenders, caplog):
+    a = Lender(master.address, 64 << 20, 16, PAGE, seed=12)
+    lenders(a)
+    b, pool = reader(master)
+    pages = [memoryview(pool[i]) for i in range(16)]
+    assert b.get_into(a.keys(), pages) == 16
+    pool[:] = 0
+    a.kill()
+    read, seconds = timed(lambda: b.get_into(a.keys(), pages))
+    assert read == 0 and seconds < TIMEOUT_S + SLACK_S
+    assert not pool.any()  # nothing was counted read, nothing was written
+    assert "segment owner stopped answering" in caplog.text
+    # Once the master drops the dead client (client_ttl), its keys are plainly absent.
+    poll(lambda: b.exists_prefix(a.keys()) == 0, 20, "the master to drop the dead owner's keys")
+    b.close()
+
+
+def test_frozen_segment_owner_or_master_never_blocks_past_the_timeout(master, lenders):
+    a = Lender(master.address, 64 << 20, 8, PAGE, seed=13)
+    lenders(a)
+    b, pool = reader(master)
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        exc, seconds = timed(lambda: b.get_into(a.keys(), [memoryview(pool[i]) for i in range(8)]))
+        assert isinstance(exc, StorageTimeout) and seconds < TIMEOUT_S + SLACK_S
+        assert not exc.settled.done()  # the store's call is still out: its pages must stay reserved
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        exc, seconds = timed(lambda: b.exists_prefix(lender_keys(77, 4)))
+        assert isinstance(exc, StorageUnavailable) and seconds < TIMEOUT_S + SLACK_S
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+    b.close()
+
+
+def test_master_killed_and_restarted_loses_keys_and_then_works_again(master):
+    b, pool = reader(master, segment_bytes=32 << 20)
+    pool[:] = np.random.default_rng(6).integers(0, 256, size=pool.shape, dtype=np.uint8)
+    old, new = lender_keys(21, 8), lender_keys(22, 8)
+    assert b.put([(k, memoryview(pool[i])) for i, k in enumerate(old)]) == 8
+    master.kill()
+    for call in (lambda: b.exists_prefix(old), lambda: b.put([(new[0], memoryview(pool[0]))])):
+        exc, seconds = timed(call)
+        assert isinstance(exc, StorageUnavailable) and seconds < TIMEOUT_S + SLACK_S
+    master.start()  # same port, empty; the client re-mounts its segment by itself
+    poll(lambda: _put_ok(b, new, pool), 30, "puts to work after the master restart")
+    assert b.exists_prefix(old) == 0
+    assert b.get_into(new, [memoryview(pool[32 + i]) for i in range(8)]) == 8
+    assert np.array_equal(pool[32:40], pool[:8])
+    b.close()
+
+
+def _put_ok(b, keys, pool) -> bool:
+    try:
+        b.put([(k, memoryview(pool[i])) for i, k in enumerate(keys)])
+        return b.exists_prefix(keys) == len(keys)
+    except StorageUnavailable:
+        return False
+
+
+def test_unreachable_master_is_unavailable_at_once_and_joins_when_it_appears():
+    m = MooncakeMaster()
+    b = MooncakeStorage(m.address, segment_bytes=0, timeout=TIMEOUT_S)
+    try:
+        exc, seconds = timed(b.check)
+        assert isinstance(exc, StorageUnavailable) and seconds < TIMEOUT_S + SLACK_S
+        m.start()
+        poll(lambda: _joined(b), 60, "joining once the master listens")
+    finally:
+        b.close()
+        m.cleanup()
+
+
+def test_url_options():
+    b = open_storage("mooncake://10.0.0.7:50051?segment=1GiB&buffer=32MiB&protocol=rdma&devices=mlx5_0"
+                     "&timeout=0.5&prefix=team:&replicas=2&batch=64")
+    assert isinstance(b, MooncakeStorage) and b.name == "mooncake://10.0.0.7:50051"
+    assert (b.timeout, b.prefix, b.max_batch) == (0.5, "team:", 64)
+    assert b._setup_args[2:6] == (1 << 30, 32 << 20, "rdma", "mlx5_0")
+    b.close()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("mooncake://host", "HOST:PORT"),
+    ("mooncake://host:50051/x", "must be mooncake://HOST:PORT"),
+    ("mooncake://host:50051?protocol=udp", "protocol must be tcp or rdma"),
+    ("mooncake://host:50051?segment=lots", "bad Mooncake option segment"),
+    ("mooncake://host:50051?timeout=0", "timeout must be a positive"),
+    ("mooncake://host:50051?segment=4MiB", "at least 16MiB"),
+    ("mooncake://host:50051?colour=blue", "unknown Mooncake option"),
+])
+def test_bad_urls(url, message):
+    with pytest.raises(ValueError, match=message):
+        open_storage(url)
