@@ -68,8 +68,8 @@ def sync(daemons, zfleet):
     def caught_up():
         zfleet.poll(0.02)
         feeds = zfleet.feeds
-        return all(feeds[d.name].last_seq == d.hub.next_seq - 1 and feeds[d.name].replay_from is None
-                   for d in daemons)
+        return all(d.hub.drained and feeds[d.name].last_seq == d.hub.next_seq - 1
+                   and feeds[d.name].replay_from is None for d in daemons)
     wait_for(caught_up, 20, "routers caught up")
 
 

@@ -186,8 +186,7 @@ def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):
         assert late < 3 * early + 20e-6, (early, late)
         assert statistics.median(costs) < 200e-6
         # the dropped namespace resyncs (AllBlocksCleared + snapshot) once there is room
-        wait_for(lambda: hub.flush() >= 0 and not hub.resync_pending, what="resync queued")
-        wait_for(lambda: hub.stats()["queue_depth"] == 0, what="queue drained")
+        wait_for(lambda: hub.flush() >= 0 and hub.drained, what="resync published")
         healthy.follow(hub.next_seq - 1)
         state = {"GPU": set(), "CPU": set(), "STORAGE": set()}
         for seq in healthy.applied:

@@ -176,6 +176,16 @@ class RoutingIndex:
         counts = self._counts.get((namespace, self._bit.get(worker, -1)))
         return tuple(counts) if counts else (0, 0, 0)
 
+    def blocks(self, worker: str, namespace: str, medium: str) -> set[int]:
+        """Every block hash `worker` holds on `medium` in `namespace`. O(blocks): for
+        checks and debugging, not for routing."""
+        tiers = self._tiers.get(namespace)
+        bit = self._bit.get(worker)
+        if tiers is None or bit is None:
+            return set()
+        flag = 1 << bit
+        return {h for h, m in tiers[_TIER_OF[medium]].items() if m & flag}
+
     def hashes(self, tokens, extra_key: bytes = b"") -> list[int]:
         """The block hashes of `tokens` (list, numpy array or packed int32 bytes)."""
         return [external_hash(d) for d in block_digests(

@@ -3,26 +3,28 @@
 Wiring (a few lines in the service layer):
 
     hub = EventHub(EventsConfig.from_daemon(config), call_later=loop.call_later)
-    listener = hub.attach(namespace, page_size, snapshot=state.resident_nodes)
-    state = CacheState(..., residency_listener=listener)   # the core's seam
+    listener = hub.attach(namespace, page_size, snapshot=resident)  # one per tree
+    cache.residency_listener = listener   # the core's seam (core/residency.py)
     ...
     listener.clear()      # the namespace is dropped (or its tree is rebuilt: attach again)
     hub.close()           # at shutdown, after the gRPC server has stopped
 
-The listener is called by the core as `listener(tier, change, node)` with tier "device",
-"host" or "storage" and change "stored" or "removed". It copies nothing: it records the
-node's path as `(id, key)` pairs (keys are immutable bytes) and returns in ~1 us. Records
-are flushed as one batch per namespace (one `call_later(0, flush)` per loop turn, or the
-caller's explicit `flush()`); hashing, encoding and sending happen on the publisher thread.
+The core calls `listener.residency_changed(tier, change, node)` (tier "device", "host" or
+"storage", change "stored" or "removed"). The listener copies nothing: it records the
+node's path as `(id, key)` pairs (keys are immutable bytes) and returns in a few us.
+Records are flushed as one batch per namespace (one `call_later(0, flush)` per loop turn,
+or the caller's explicit `flush()`); hashing, encoding and sending happen on the
+publisher thread. `resident()` yields `(tier, node)` for every resident (tier, node) pair.
 
 A slow subscriber or socket never blocks the loop: the queue to the publisher thread is
 bounded, a batch it has no room for is dropped and counted (`num_dropped`), and the
 namespace is then resynchronised: its next batch starts with AllBlocksCleared followed by
-a snapshot of every resident node (`snapshot()` yields `(tier, node)` pairs; without one,
-by the events recorded since). Sequence numbers stay contiguous: they are assigned to
-batches as they are published.
+a snapshot of every resident node (without a snapshot function, AllBlocksCleared alone:
+routers then underestimate that namespace until new events arrive). Sequence numbers
+stay contiguous: they are assigned to batches as they are published.
 """
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -31,6 +33,7 @@ from .config import EventsConfig
 from .fanout import Subscription
 from .publisher import Publisher
 
+log = logging.getLogger(__name__)
 _CHANGES = {"stored": STORED, "removed": REMOVED}
 RESYNC_RETRY_S = 0.05  # how soon a dropped namespace's resync is tried again
 
@@ -53,7 +56,8 @@ def _record(tier: str, change: str, node) -> tuple:
 class NamespaceEvents:
     """The residency listener of one namespace (one attachment: one tree)."""
 
-    __slots__ = ("namespace", "topic", "builder", "snapshot", "pending", "resync", "_hub", "closed")
+    __slots__ = ("namespace", "topic", "builder", "snapshot", "pending", "resync", "_hub", "closed",
+                 "num_invalid")
 
     def __init__(self, hub: "EventHub", namespace: str, page_size: int,
                  snapshot: Callable[[], Iterable[tuple[str, object]]] | None):
@@ -65,12 +69,23 @@ class NamespaceEvents:
         self.pending: list[tuple] = []
         self.resync = False
         self.closed = False
+        self.num_invalid = 0  # seam calls with an unknown tier or change (a core bug)
 
-    def __call__(self, tier: str, change: str, node) -> None:
-        """Record that `node`'s pages were stored on / removed from `tier`. Raises
-        ValueError for an unknown tier or change (a core bug, never a caller's input)."""
-        if not self.closed:
-            self._note(_record(tier, change, node))
+    def residency_changed(self, tier: str, change: str, node) -> None:
+        """The core's seam (core/residency.py): record that `node`'s pages were stored on
+        or removed from `tier`. Never raises (the seam's contract): a call that names an
+        unknown tier or change is logged and counted in `num_invalid`."""
+        if self.closed or self.resync:
+            return
+        try:
+            record = _record(tier, change, node)
+        except ValueError as e:
+            self.num_invalid += 1
+            log.error("kv events for %s: %s", self.namespace, e)
+            return
+        self._note(record)
+
+    __call__ = residency_changed
 
     def clear(self) -> None:
         """Everything of this namespace is gone (AllBlocksCleared); the listener stops."""
@@ -156,6 +171,12 @@ class EventHub:
     def subscribe(self, from_seq: int | None = None) -> Subscription:
         """In-process subscription (WatchEvents): see fanout.Broadcast.subscribe."""
         return self._publisher.broadcast.subscribe(from_seq)
+
+    @property
+    def drained(self) -> bool:
+        """Every queued batch has been published (and nothing is pending on the loop)."""
+        p = self._publisher
+        return not self._dirty and p.num_done == p.num_submitted
 
     @property
     def next_seq(self) -> int:

@@ -60,6 +60,8 @@ class Publisher:
         self.num_dropped = 0          # batches the queue had no room for (loop side)
         self.num_send_errors = 0      # batches the PUB socket refused (publisher side)
         self.num_replays = 0          # replay requests answered
+        self.num_submitted = 0        # jobs queued (loop side)
+        self.num_done = 0             # jobs published or failed (publisher side)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
         self._thread.start()
@@ -70,6 +72,7 @@ class Publisher:
         """Queue a job; False (and counted in num_dropped) when the queue is full."""
         try:
             self._queue.put_nowait(job)
+            self.num_submitted += 1
             return True
         except queue.Full:
             self.num_dropped += 1
@@ -123,6 +126,7 @@ class Publisher:
                 self._publish(*job)
             except Exception:  # one bad job must not stop the stream
                 log.exception("kv events: dropping a batch that failed to build")
+            self.num_done += 1
         if self._replay is not None:
             self._serve_replays()
 
