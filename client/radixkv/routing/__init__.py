@@ -9,9 +9,9 @@ See docs/events.md and docs/examples/router.py.
 
 from .blockhash import block_digests, block_hashes, external_hash
 from .index import RoutingIndex, TierWeights, WorkerScore
-from .subscriber import WorkerFeed, ZmqFleet
+from .subscriber import Daemon, WorkerFeed, ZmqFleet
 
 __all__ = [
-    "RoutingIndex", "TierWeights", "WorkerFeed", "WorkerScore", "ZmqFleet",
+    "Daemon", "RoutingIndex", "TierWeights", "WorkerFeed", "WorkerScore", "ZmqFleet",
     "block_digests", "block_hashes", "external_hash",
 ]

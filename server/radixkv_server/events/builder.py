@@ -8,7 +8,8 @@ block hashes (`radixkv.routing.blockhash`).
 
 The digest of a node's last page names the whole token path from the root to the node's
 end, which no split changes, so it is cached by node id (per namespace attachment: ids
-restart with a new tree) and dropped when the node leaves its last tier.
+restart with a new tree) and dropped when the node leaves the device and host tiers (the
+core never reports storage removals; the cache is also cleared past `max_cached`).
 """
 
 from radixkv.routing.blockhash import DEFAULT_SEED, as_token_array, block_digests, external_hash
@@ -17,7 +18,8 @@ from radixkv.routing.wire import (
 )
 
 TIER_MEDIUM = {"device": MEDIUM_GPU, "host": MEDIUM_CPU, "storage": MEDIUM_STORAGE}
-_TIER_BIT = {MEDIUM_GPU: 1, MEDIUM_CPU: 2, MEDIUM_STORAGE: 4}
+# Tiers whose removals the core reports; storage evicts unseen, so it is not tracked.
+_TIER_BIT = {MEDIUM_GPU: 1, MEDIUM_CPU: 2, MEDIUM_STORAGE: 0}
 STORED, REMOVED, CLEARED = 0, 1, 2
 CLEAR_RECORD = (CLEARED, None, b"", ())
 FULL_ATTENTION = "full_attention"  # radixkv caches FULL attention KV (group 0) only
@@ -30,7 +32,7 @@ class EventBuilder:
         self.block_size = block_size
         self.seed = seed
         self._digests: dict[int, bytes] = {}  # node id -> digest of its last page
-        self._resident: dict[int, int] = {}   # node id -> bit set of announced tiers
+        self._resident: dict[int, int] = {}   # node id -> bit set of device/host residency
         self._max_cached = max_cached
 
     def build(self, records) -> list[Event]:
@@ -61,8 +63,9 @@ class EventBuilder:
                 self._resident.pop(node_id, None)
                 self._digests.pop(node_id, None)
             return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0)
-        self._resident[node_id] = self._resident.get(node_id, 0) | bit
-        self._digests[node_id] = digests[-1]
+        if bit:
+            self._resident[node_id] = self._resident.get(node_id, 0) | bit
+            self._digests[node_id] = digests[-1]
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if start is None else external_hash(start),
