@@ -159,3 +159,26 @@ def test_a_restarted_daemon_is_forgotten(fleet):
     assert index.best(FAMILY["C"], namespace=NS).worker == "w0"
     assert index.best(FAMILY["A"], namespace=NS).score == 0
     assert zfleet.feeds["w0"].num_restarts == 1
+
+
+def test_a_silent_replay_endpoint_is_given_up_on_and_live_events_still_apply():
+    pub, rep = ipc_endpoints("silent")
+    hub = EventHub(EventsConfig(endpoint=pub))  # no replay served at `rep`
+    index = RoutingIndex(PAGE, WEIGHTS)
+    zfleet = ZmqFleet(index, [Daemon("w0", pub, rep)], replay_timeout=0.2, check_interval=0)
+    try:
+        tree = RadixTree(PAGE)
+        listen = hub.attach(NS, PAGE)
+        for i in range(50):  # until the SUB is connected and the replay was given up on
+            node = tree.add_child(tree.root(b""), packed(FAMILY["A"][:PAGE]) if i == 0 else
+                                  packed([i] * PAGE))
+            listen("device", "stored", node)
+            hub.flush()
+            zfleet.poll(0.02)
+        feed = zfleet.feeds["w0"]
+        wait_for(lambda: zfleet.poll(0.02) >= 0 and feed.replay_from is None and hub.drained
+                 and feed.last_seq == hub.next_seq - 1, 20, "live events applied")
+        assert index.num_blocks("w0", NS)[0] > 0 and feed.num_applied > 0
+    finally:
+        zfleet.close()
+        hub.close()

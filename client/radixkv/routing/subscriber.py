@@ -193,6 +193,7 @@ class ZmqFleet:
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket, tuple[WorkerFeed, bool]] = {}
         self._workers: dict[str, tuple[WorkerFeed, zmq.Socket, zmq.Socket | None]] = {}
+        self._daemons: dict[str, Daemon] = {}
         self._deadline: dict[str, float] = {}
         for d in daemons:
             self.add(d, topic)
@@ -208,20 +209,32 @@ class ZmqFleet:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, feed.subscribe_prefix)
         sub.connect(daemon.endpoint)
-        dealer = None
-        if daemon.replay_endpoint:
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(daemon.replay_endpoint)
-            self._poller.register(dealer, zmq.POLLIN)
-            self._by_socket[dealer] = (feed, True)
         self._poller.register(sub, zmq.POLLIN)
         self._by_socket[sub] = (feed, False)
-        self._workers[daemon.name] = (feed, sub, dealer)
-        if dealer is not None:
+        self._daemons[daemon.name] = daemon
+        self._workers[daemon.name] = (feed, sub, self._open_dealer(daemon, feed))
+        if daemon.replay_endpoint:
             feed.start_replay(0)
             self._request(daemon.name, 0)
         return feed
+
+    def _open_dealer(self, daemon: Daemon, feed: WorkerFeed) -> zmq.Socket | None:
+        if not daemon.replay_endpoint:
+            return None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(daemon.replay_endpoint)
+        self._poller.register(dealer, zmq.POLLIN)
+        self._by_socket[dealer] = (feed, True)
+        return dealer
+
+    def _renew_dealer(self, name: str) -> None:
+        """A fresh replay socket: answers to requests given up on never reach the next."""
+        feed, sub, dealer = self._workers[name]
+        self._poller.unregister(dealer)
+        del self._by_socket[dealer]
+        dealer.close(0)
+        self._workers[name] = (feed, sub, self._open_dealer(self._daemons[name], feed))
 
     def _request(self, name: str, from_seq: int) -> None:
         _, _, dealer = self._workers[name]
@@ -261,7 +274,7 @@ class ZmqFleet:
                 self._request(name, start)
 
     def _on_live_frames(self, feed: WorkerFeed, frames: list[bytes]) -> None:
-        if len(frames) != 3:
+        if len(frames) != 3 or len(frames[1]) != 8:
             feed.num_bad += 1
             return
         can_replay = self._workers[feed.name][2] is not None
@@ -270,17 +283,17 @@ class ZmqFleet:
             self._request(feed.name, ask)
 
     def _on_replay_frames(self, feed: WorkerFeed, frames: list[bytes]) -> None:
-        if len(frames) != 4 or frames[0] != b"":
+        if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
             feed.num_bad += 1
             return
         _, topic, seq, payload = frames
-        if seq_of(seq) < 0:
-            self._deadline.pop(feed.name, None)
-            ask = feed.on_replay_end()
-            if ask is not None:
-                self._request(feed.name, ask)
-        else:
+        if seq_of(seq) >= 0:
             feed.on_replay(topic, seq_of(seq), payload)
+            return
+        self._deadline.pop(feed.name, None)
+        ask = feed.on_replay_end()
+        if ask is not None:
+            self._request(feed.name, ask)
 
     def _expire_replays(self) -> None:
         now = time.monotonic()
@@ -290,6 +303,7 @@ class ZmqFleet:
                 feed = self._workers[name][0]
                 log.warning("worker %s: no replay answer in %.1fs; continuing without", name,
                             self.replay_timeout)
+                self._renew_dealer(name)
                 feed.on_replay_end(gave_up=True)  # a hole left in what is buffered resets it
 
     def run(self, stop) -> None:
