@@ -67,12 +67,8 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    t0 = clock()
-    payloads, convs = build_fleet(num_blocks, workers, rng)
-    build_s = clock() - t0
-    index = RoutingIndex(BLOCK)
+def apply_all(index: RoutingIndex, payloads: dict[str, list[bytes]]) -> dict:
+    """Decode and apply every worker's batches, as feeds do."""
     rss0 = rss_mib()
     blocks = events = 0
     t0 = clock()
@@ -82,14 +78,18 @@ def run(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
             index.apply(name, "m", batch)
             events += 1
             blocks += len(batch.events[0].block_hashes)
-    apply_s = clock() - t0
-    rss1 = rss_mib()
-    distinct = sum(len(d) for d in index._tiers["m"])
+    elapsed = clock() - t0
+    return {"blocks": blocks, "distinct_blocks": sum(len(d) for d in index._tiers["m"]),
+            "events": events, "apply_blocks_per_s": round(blocks / elapsed),
+            "apply_events_per_s": round(events / elapsed), "index_rss_mib": round(rss_mib() - rss0, 1)}
 
+
+def query_all(index: RoutingIndex, convs, queries: int, rng: random.Random) -> dict:
+    """Score 2k-token prompts (a cached conversation plus a fresh turn) across all workers."""
     hash_us, lookup_us, correct = [], [], 0
     for _ in range(queries):
         tokens, _, holder, _ = rng.choice(convs)
-        prompt = np.concatenate([tokens, np.arange(BLOCK * 4) + 7])  # a fresh turn after it
+        prompt = np.concatenate([tokens, np.arange(BLOCK * 4) + 7])
         t0 = clock()
         hashes = index.hashes(prompt)
         t1 = clock()
@@ -98,7 +98,16 @@ def run(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
         hash_us.append((t1 - t0) * 1e6)
         lookup_us.append((t2 - t1) * 1e6)
         correct += best.worker == f"w{holder}"
+    total = [a + b for a, b in zip(hash_us, lookup_us)]
+    p99 = statistics.quantiles(total, n=100)[98] if len(total) > 1 else total[0]
+    return {"query_blocks": len(hashes), "query_hash_us_p50": round(statistics.median(hash_us), 1),
+            "query_lookup_us_p50": round(statistics.median(lookup_us), 1),
+            "query_total_us_p50": round(statistics.median(total), 1), "query_total_us_p99": round(p99, 1),
+            "queries_routed_to_holder": f"{correct}/{queries}"}
 
+
+def remove_some(index: RoutingIndex, convs) -> dict:
+    """Remove a tenth of the conversations, then forget one worker entirely."""
     removes = [(f"w{h}", KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=hs, medium=m)]))
                for _, hs, h, m in convs[: max(1, len(convs) // 10)]]
     t0 = clock()
@@ -107,24 +116,20 @@ def run(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
     remove_s = clock() - t0
     t0 = clock()
     index.clear_worker("w0", "m")
-    clear_ms = (clock() - t0) * 1e3
+    return {"remove_blocks_per_s": round(sum(len(b.events[0].block_hashes) for _, b in removes) / remove_s),
+            "clear_worker_ms": round((clock() - t0) * 1e3, 1)}
 
-    def pct(xs, q):
-        return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
 
-    return {
-        "blocks": blocks, "distinct_blocks": distinct, "workers": workers, "events": events, "build_s": round(build_s, 2),
-        "apply_blocks_per_s": round(blocks / apply_s), "apply_events_per_s": round(events / apply_s),
-        "remove_blocks_per_s": round(sum(len(b.events[0].block_hashes) for _, b in removes) / remove_s),
-        "query_hash_us_p50": round(statistics.median(hash_us), 1),
-        "query_lookup_us_p50": round(statistics.median(lookup_us), 1),
-        "query_total_us_p50": round(statistics.median([a + b for a, b in zip(hash_us, lookup_us)]), 1),
-        "query_total_us_p99": round(pct([a + b for a, b in zip(hash_us, lookup_us)], 99), 1),
-        "query_blocks": len(index.hashes(convs[0][0])) + 4,
-        "queries_routed_to_holder": f"{correct}/{queries}",
-        "clear_worker_ms": round(clear_ms, 1),
-        "index_rss_mib": round(rss1 - rss0, 1),
-    }
+def run(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    t0 = clock()
+    payloads, convs = build_fleet(num_blocks, workers, rng)
+    result = {"workers": workers, "build_s": round(clock() - t0, 2)}
+    index = RoutingIndex(BLOCK)
+    result.update(apply_all(index, payloads))
+    result.update(query_all(index, convs, queries, rng))
+    result.update(remove_some(index, convs))
+    return result
 
 
 def publisher_side(nodes: int, seed: int) -> dict:
