@@ -9,11 +9,9 @@ import sys
 import textwrap
 
 import pytest
-from radixkv.sim.kv import page_keys
 from radixkv.types import pack
 from tests.support.daemon import wait_for
-
-from pattern_engine import PS, PatternEngine
+from tests.support.engine import PS, EngineDouble
 
 DEADLINE_S = 20.0  # each bounded wait
 
@@ -22,13 +20,13 @@ A = SHARED + list(range(500, 500 + 2 * PS))
 B = SHARED + list(range(900, 900 + 2 * PS))
 
 
-def host_only_tree(engine: PatternEngine) -> None:
+def host_only_tree(engine: EngineDouble) -> None:
     """Insert A and B (sharing SHARED), back them up, evict them from the device."""
     engine.prefill(A)
     engine.prefill(B)
     wait_for(lambda: engine.client.stats().namespaces[0].transfers_in_flight == 0, DEADLINE_S, "backups")
     while engine.client.stats().namespaces[0].device_pages_held:
-        engine.free.extend(engine.client.evict(64).freed_pages)
+        engine.evict(64)
     [m] = engine.client.match([A])
     assert (m.device_tokens, m.host_tokens) == (0, len(A))
 
@@ -40,13 +38,12 @@ def nodes(engine):
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_overlapping_load_backs_acked_in_either_order(daemon, policy, reverse):
-    engine = PatternEngine(daemon, write_policy=policy)
+    engine = EngineDouble.connect(daemon, write_policy=policy)
     try:
         host_only_tree(engine)
         [ma, mb] = engine.client.match([A, B])
-        la = engine.client.load_back(ma.host_node, engine.alloc(ma.host_tokens // PS))
-        lb = engine.client.load_back(mb.host_node, engine.alloc(mb.host_tokens // PS))
-        engine.free.extend(lb.unused_pages)
+        la = engine.client.load_back(ma.host_node, engine.allocate(ma.host_tokens // PS))
+        lb = engine.client.load_back(mb.host_node, engine.allocate(mb.host_tokens // PS))
         assert la.loaded_tokens == len(A) and lb.loaded_tokens == 2 * PS
         shared = next(n for n in nodes(engine).values() if n.depth == 1)
         # B's load relies on A's for the shared node when A's copy was still running
@@ -64,8 +61,7 @@ def test_overlapping_load_backs_acked_in_either_order(daemon, policy, reverse):
         assert all(not n.pins and n.host_lock == 0 for n in after.values())
         assert engine.client.stats().namespaces[0].tracked_duplicates >= 3
         for tokens, result in ((A, la), (B, lb)):
-            keys = page_keys(pack(tokens), PS)
-            assert engine.kv.mismatches(list(result.device_pages), keys) == (0, 0)
+            assert engine.verify(pack(tokens), list(result.device_pages)) == (0, 0)
         assert engine.client.check_invariants() == []
     finally:
         engine.close()
@@ -73,13 +69,13 @@ def test_overlapping_load_backs_acked_in_either_order(daemon, policy, reverse):
 
 ENGINE = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, {here!r})
-    from pattern_engine import PatternEngine, PS
-    engine = PatternEngine({target!r}, write_policy={policy!r})
+    sys.path.insert(0, {root!r})
+    from tests.support.engine import EngineDouble, PS
+    engine = EngineDouble.connect({target!r}, write_policy={policy!r})
     A, B = {a!r}, {b!r}
     [ma, mb] = engine.client.match([A, B], lease=True)
-    engine.client.load_back(ma.host_node, engine.alloc(ma.host_tokens // PS))
-    engine.client.load_back(mb.host_node, engine.alloc(mb.host_tokens // PS))
+    engine.client.load_back(ma.host_node, engine.allocate(ma.host_tokens // PS))
+    engine.client.load_back(mb.host_node, engine.allocate(mb.host_tokens // PS))
     engine.client.wait([])  # opens the ack stream, acks nothing
     print("loading", flush=True)
     time.sleep(60)
@@ -88,19 +84,19 @@ ENGINE = textwrap.dedent("""
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_engine_killed_with_load_backs_in_flight_leaves_nothing_behind(daemon, policy):
-    setup = PatternEngine(daemon, write_policy=policy)
+    setup = EngineDouble.connect(daemon, write_policy=policy)
     try:
         host_only_tree(setup)
         setup.client.close()  # the namespace is free for the next engine
-        here = os.path.dirname(__file__)
-        code = ENGINE.format(here=here, target=daemon, policy=policy, a=A, b=B)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        code = ENGINE.format(root=root, target=daemon, policy=policy, a=A, b=B)
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout.readline().strip() == "loading"
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        observer = PatternEngine(daemon, write_policy=policy, replace_existing=True)
+        observer = EngineDouble.connect(daemon, write_policy=policy, replace_existing=True)
         try:
             # The dead engine's session closes when its ack stream breaks: its loads
             # finish and its leases go; the host tier stays.

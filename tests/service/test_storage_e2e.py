@@ -8,16 +8,16 @@ from radixkv_server.service.registration import layout_fingerprint
 from radixkv_server.storage import FileStorage
 from tests.support.daemon import wait_for
 
-from pattern_engine import LAYOUT, PS, PatternEngine, prompt
+from tests.support.engine import LAYOUT, PS, EngineDouble, prompt
 
 DEADLINE_S = 20.0
 
 
-def wait_stored(engine: PatternEngine, tokens: int) -> None:
+def wait_stored(engine: EngineDouble, tokens: int) -> None:
     wait_for(lambda: engine.counters()["stored_tokens"] >= tokens, DEADLINE_S, f"{tokens} tokens stored")
 
 
-def fetch_and_load(engine: PatternEngine, tokens: list[int]):
+def fetch_and_load(engine: EngineDouble, tokens: list[int]):
     [m] = engine.client.match([tokens], include_storage=True)
     progress = engine.client.prefetch(tokens, policy="wait_complete")
     loaded, mismatches = engine.load(tokens)
@@ -27,7 +27,7 @@ def fetch_and_load(engine: PatternEngine, tokens: list[int]):
 def test_warm_restart_serves_prefixes_inserted_before(daemon_factory, tmp_path):
     flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
     first = daemon_factory(*flags)
-    engine = PatternEngine(first.target)
+    engine = EngineDouble.connect(first.target)
     for i in range(4):
         engine.prefill(prompt(i))
     wait_stored(engine, 4 * 8 * PS)
@@ -35,7 +35,7 @@ def test_warm_restart_serves_prefixes_inserted_before(daemon_factory, tmp_path):
     assert first.stop() == 0
 
     second = daemon_factory(*flags)
-    engine = PatternEngine(second.target)
+    engine = EngineDouble.connect(second.target)
     try:
         for i in range(4):
             m, progress, loaded, mismatches = fetch_and_load(engine, prompt(i))
@@ -51,7 +51,7 @@ def test_warm_restart_serves_prefixes_inserted_before(daemon_factory, tmp_path):
 def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, redis_url):
     flags = ("--storage", redis_url, "--storage-policy", "write_through")
     a, b = daemon_factory(*flags), daemon_factory(*flags)
-    writer, reader = PatternEngine(a.target), PatternEngine(b.target)
+    writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
     try:
         writer.prefill(prompt(7))
         wait_stored(writer, 8 * PS)
@@ -59,7 +59,7 @@ def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, re
         assert m.storage_tokens == 8 * PS and progress[-1].state == "done"
         assert loaded == 8 * PS and mismatches == (0, 0)
         # Another model under the same namespace name shares nothing.
-        other = PatternEngine(b.target, namespace="other/tp0", model="another-model")
+        other = EngineDouble.connect(b.target, namespace="other/tp0", model="another-model")
         try:
             [m] = other.client.match([prompt(7)], include_storage=True)
             assert m.storage_tokens == 0
@@ -72,7 +72,7 @@ def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, re
 
 def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory, private_redis):
     d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
-    engine = PatternEngine(d.target)
+    engine = EngineDouble.connect(d.target)
     try:
         engine.prefill(prompt(1))
         wait_stored(engine, 8 * PS)
@@ -81,7 +81,7 @@ def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory,
         wait_for(lambda: engine.counters()["store_failed_tokens"] >= 8 * PS, DEADLINE_S, "the failed store")
         [m] = engine.client.match([prompt(2)], include_storage=True)
         assert m.device_tokens == 8 * PS and m.storage_tokens == 0
-        assert engine.client.evict(16).freed_pages  # host copies exist: evicting is free
+        assert engine.evict(16)  # host copies exist: evicting is free
         loaded, mismatches = engine.load(prompt(2))
         assert loaded == 8 * PS and mismatches == (0, 0)
         private_redis.start()
@@ -98,7 +98,7 @@ def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory,
 def test_a_corrupted_page_file_reads_as_a_miss(daemon_factory, tmp_path):
     flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
     first = daemon_factory(*flags)
-    engine = PatternEngine(first.target)
+    engine = EngineDouble.connect(first.target)
     engine.prefill(prompt(5))
     wait_stored(engine, 8 * PS)
     engine.close()
@@ -112,7 +112,7 @@ def test_a_corrupted_page_file_reads_as_a_miss(daemon_factory, tmp_path):
         f.write(b"\xff\xfe\xfd\xfc\xfb")
 
     second = daemon_factory(*flags)
-    engine = PatternEngine(second.target)
+    engine = EngineDouble.connect(second.target)
     try:
         m, progress, loaded, mismatches = fetch_and_load(engine, prompt(5))
         assert progress[-1].fetched_tokens == 3 * PS  # stopped at the damaged page
