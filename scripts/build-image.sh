@@ -64,8 +64,10 @@ if [[ -n ${TORCH_INDEX_URL:-} ]]; then
   build_args+=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
 else
   torch_version=${TORCH_VERSION:-$("$VENV_PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)}
-  pyver=$(docker run --rm --entrypoint python3 "$BASE_IMAGE" -c 'import sys; print("%d%d" % sys.version_info[:2])')
-  if [[ $torch_version == *+cpu ]]; then
+  # The base's Python picks the wheel (a base without python3 gets none: the index then).
+  pyver=$(docker run --rm --entrypoint python3 "$BASE_IMAGE" -c 'import sys; print("%d%d" % sys.version_info[:2])' \
+    2>/dev/null || true)
+  if [[ $torch_version == *+cpu && -n $pyver ]]; then
     wheel=$(cd "$EXTRA" && ls "torch-$torch_version-cp$pyver-"*.whl 2>/dev/null | head -n1 || true)
     if [[ -z $wheel ]] && "$VENV_PY" -m pip download -q --no-index --no-deps --only-binary=:all: \
         --python-version "$pyver" -d "$EXTRA" "torch==$torch_version" 2>/dev/null; then
