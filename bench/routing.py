@@ -170,6 +170,51 @@ def publisher_side(nodes: int, seed: int) -> dict:
             "published_blocks_per_s_wall": round(nodes * 8 / elapsed)}
 
 
+def hot_path(convs: int, seed: int) -> dict:
+    """The issue's figure in-process: insert (with its write-through backup settled) and
+    Match of 2k-token prompts on the real core, events off vs on (PUB on ipc), same run.
+    Each insert stores one 128-page node on device, then on host: two residency changes."""
+    import tempfile
+
+    from radixkv_server.core import CacheConfig, HierarchicalCache
+    from radixkv_server.core.pages import pack
+    from radixkv_server.events import EventHub, EventsConfig
+
+    from .core import SettlingCopier
+
+    rng = np.random.default_rng(seed)
+    hub = EventHub(EventsConfig(endpoint=f"ipc://{tempfile.mkdtemp(prefix='rkv-bench-hot-')}/pub",
+                                queue_size=4 * convs + 8))
+    out = {}
+    for mode in ("off", "on"):
+        copier = SettlingCopier()
+        cache = HierarchicalCache(CacheConfig(page_size=BLOCK, write_policy="write_through"), copier,
+                                  num_device_pages=convs * 128, host_pages=convs * 128)
+        if mode == "on":
+            cache.residency_listener = hub.attach(f"hot-{seed}", BLOCK)
+        prompts = [rng.integers(1, 1 << 30, size=128 * BLOCK, dtype=np.int32).tobytes() for _ in range(convs)]
+        t0 = clock()
+        for i, p in enumerate(prompts):
+            cache.insert(p, pack(range(i * 128, (i + 1) * 128)))
+            copier.settle(cache)
+            hub.flush()
+        insert_us = (clock() - t0) / convs * 1e6
+        t0 = clock()
+        for p in prompts:
+            cache.match(p)
+            hub.flush()
+        out[f"hot_insert_us_events_{mode}"] = round(insert_us, 1)
+        out[f"hot_match_us_events_{mode}"] = round((clock() - t0) / convs * 1e6, 1)
+    wall = time.perf_counter()
+    while not hub.drained:
+        time.sleep(0.001)
+    hub.close()
+    out["hot_insert_ratio_on_off"] = round(out["hot_insert_us_events_on"] / out["hot_insert_us_events_off"], 2)
+    out["hot_match_ratio_on_off"] = round(out["hot_match_us_events_on"] / out["hot_match_us_events_off"], 2)
+    out["hot_publish_backlog_s_after_run"] = round(time.perf_counter() - wall, 2)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=1_000_000)
@@ -177,12 +222,16 @@ def main(argv=None) -> None:
     ap.add_argument("--queries", type=int, default=500)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--hot-convs", type=int, default=2000,
+                    help="2k-token conversations for the events-on/off hot-path figure (0: skip)")
     ap.add_argument("--publisher-nodes", type=int, default=5000,
                     help="nodes (8 blocks each) for the daemon-side figures (0: skip)")
     args = ap.parse_args(argv)
     result = run(args.blocks, args.workers, args.queries, args.seed)
     if args.publisher_nodes:
         result.update(publisher_side(args.publisher_nodes, args.seed))
+    if args.hot_convs:
+        result.update(hot_path(args.hot_convs, args.seed))
     for key, value in result.items():
         print(f"{key:28} {value}")
     if args.json:

@@ -23,6 +23,7 @@ _TIER_BIT = {MEDIUM_GPU: 1, MEDIUM_CPU: 2, MEDIUM_STORAGE: 0}
 STORED, REMOVED, CLEARED = 0, 1, 2
 CLEAR_RECORD = (CLEARED, None, b"", ())
 FULL_ATTENTION = "full_attention"  # radixkv caches FULL attention KV (group 0) only
+_RECENT_NODES = 1024
 
 
 class EventBuilder:
@@ -34,6 +35,9 @@ class EventBuilder:
         self._digests: dict[int, bytes] = {}  # node id -> digest of its last page
         self._resident: dict[int, int] = {}   # node id -> bit set of device/host residency
         self._max_cached = max_cached
+        # The last nodes' blocks: a write-through node is stored on device, then on host.
+        # (node id, key length, start digest) names the content: keys only shrink by splits.
+        self._recent: dict[tuple, tuple[bytes, list[int], list[int]]] = {}
 
     def build(self, records) -> list[Event]:
         out: list[Event] = []
@@ -41,6 +45,7 @@ class EventBuilder:
             if kind == CLEARED:
                 self._digests.clear()
                 self._resident.clear()
+                self._recent.clear()
                 out.append(AllBlocksCleared())
             else:
                 out.append(self._event(kind, medium, extra_key, path))
@@ -48,28 +53,39 @@ class EventBuilder:
             self._digests.clear()
         return out
 
+    def _blocks(self, node_id: int, key: bytes, start: bytes | None, extra_key: bytes):
+        """(last digest, block hashes, token ids) of a node's pages, memoised briefly."""
+        memo = (node_id, len(key), start)
+        hit = self._recent.get(memo)
+        if hit is None:
+            digests = block_digests(key, self.block_size, parent=start, extra_key=extra_key, seed=self.seed)
+            hit = (digests[-1], [external_hash(d) for d in digests], as_token_array(key).tolist())
+            self._recent[memo] = hit
+            if len(self._recent) > _RECENT_NODES:
+                del self._recent[next(iter(self._recent))]
+        return hit
+
     def _event(self, kind: int, medium: str, extra_key: bytes, path) -> Event:
         start = self._start_digest(path, extra_key)
         node_id, key = path[0]
-        digests = block_digests(key, self.block_size, parent=start, extra_key=extra_key, seed=self.seed)
-        hashes = [external_hash(d) for d in digests]
+        last, hashes, tokens = self._blocks(node_id, key, start, extra_key)
         bit = _TIER_BIT[medium]
         if kind == REMOVED:
             left = self._resident.get(node_id, 0) & ~bit
             if left:
                 self._resident[node_id] = left
-                self._digests[node_id] = digests[-1]
+                self._digests[node_id] = last
             else:
                 self._resident.pop(node_id, None)
                 self._digests.pop(node_id, None)
             return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0)
         if bit:
             self._resident[node_id] = self._resident.get(node_id, 0) | bit
-            self._digests[node_id] = digests[-1]
+            self._digests[node_id] = last
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if start is None else external_hash(start),
-            token_ids=as_token_array(key).tolist(),
+            token_ids=tokens,
             block_size=self.block_size,
             lora_id=None,
             medium=medium,
