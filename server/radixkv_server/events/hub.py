@@ -108,12 +108,23 @@ class NamespaceEvents:
             records, self.pending = self.pending, []
             return records
         self.pending = []
+        records = [CLEAR_RECORD]
         if self.closed or self.snapshot is None:
-            return [CLEAR_RECORD]
-        return [CLEAR_RECORD] + [_record(tier, "stored", node) for tier, node in self.snapshot()]
+            return records
+        for tier, node in self.snapshot():
+            try:
+                records.append(_record(tier, "stored", node))
+            except ValueError as e:
+                self.num_invalid += 1
+                log.error("kv events for %s: snapshot: %s", self.namespace, e)
+        return records
 
 
 class EventHub:
+    """Owns the publisher thread; hands out namespace listeners, flushes their records,
+    subscribes WatchEvents readers and reports counters. Used from the event loop only
+    (`subscribe` and `stats` are safe from any thread)."""
+
     def __init__(self, config: EventsConfig, call_later: Callable | None = None,
                  clock: Callable[[], float] = time.time):
         self.config = config
