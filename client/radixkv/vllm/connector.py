@@ -32,7 +32,7 @@ from .kvmemory import ShmAllocation, describe
 from .metadata import RadixKVMetadata
 from .scheduler import SchedulerSide
 
-log = logging.getLogger("radixkv.vllm")
+log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
 
 class RadixKVConnector(KVConnectorBase_V1):
@@ -51,6 +51,9 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._scheduler_checked = False
         self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
+            log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
+                        "(daemon restarted, page evicted) fails too; set it to 'recompute'")
 
     # -- worker side -------------------------------------------------------------------
 
@@ -87,8 +90,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         if meta is None or self._adapter is None:
             return
         for spec in meta.loads:
-            got = self._adapter.load(spec.tokens, spec.block_ids, spec.local_blocks, spec.node)
-            self._adapter.release([spec.lease])
+            got = self._adapter.load(spec.tokens, spec.block_ids, spec.local_blocks, spec.node, spec.lease)
             failed = spec.load_blocks[got:]
             if failed:
                 self._load_errors.update(failed)

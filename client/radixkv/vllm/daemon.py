@@ -32,7 +32,7 @@ from radixkv.types import as_packed
 from .config import ConnectorConfig
 from .kvmemory import KvMemory
 
-log = logging.getLogger("radixkv.vllm")
+log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
 WRITE_POLICY = "write_back"  # Insert copies nothing; the Evict that follows copies, then frees
 
@@ -61,6 +61,8 @@ class DaemonAdapter:
         self.memory: KvMemory | None = None
         self._client = Client(config.target, timeout=config.timeout_s)
         self._lock = threading.Lock()
+        self._held = 0  # vLLM blocks the daemon's tree holds right now (0 between calls)
+        self.broken = ""  # why loads and saves stopped (the daemon kept vLLM blocks)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -91,8 +93,8 @@ class DaemonAdapter:
     def lookup(self, prompts: list[bytes]) -> list[Hit]:
         """One batched Match with leases: the host-tier hit of each prompt (packed
         tokens). A daemon that cannot answer gives misses."""
-        if not prompts:
-            return []
+        if not prompts or self.broken:
+            return [MISS] * len(prompts)
         try:
             with self._lock:
                 results = self._client.match(prompts, lease=True)
@@ -116,17 +118,22 @@ class DaemonAdapter:
 
     # -- worker side -------------------------------------------------------------------
 
-    def load(self, tokens: bytes, block_ids, local_blocks: int, node: int) -> int:
+    def load(self, tokens: bytes, block_ids, local_blocks: int, node: int, lease: int) -> int:
         """Copy the cached pages of `tokens` after the first `local_blocks` into the blocks
         `block_ids[local_blocks:]`; returns how many of those pages arrived (a prefix of
-        them, 0 on any failure). Blocks before `local_blocks` are read-only here."""
+        them, 0 on any failure). Blocks before `local_blocks` are read-only here. Releases
+        the lookup's `lease` in every case."""
         page = self.memory.layout.page_size
         want = len(block_ids) - local_blocks
         with self._lock:
+            if self.broken:
+                self._release([lease])
+                return 0
             try:
                 if local_blocks:
                     self._insert(tokens[:local_blocks * page * 4], block_ids[:local_blocks])
                 result = self._client.load_back(node, array("i", block_ids[local_blocks:]))
+                self._held += want - len(result.unused_pages)
                 if result.transfer:
                     outcome = self._client.wait([result.transfer])[result.transfer]
                     if not outcome.ok:
@@ -141,6 +148,7 @@ class DaemonAdapter:
                 log.warning("radixkv: load of %d pages failed: %s", want, e)
                 return 0
             finally:
+                self._release([lease])  # a leased path cannot leave the device
                 self._forget_device()
 
     def save(self, tokens: bytes, block_ids) -> bool:
@@ -148,6 +156,8 @@ class DaemonAdapter:
         its own copy; vLLM may reuse the blocks when this returns. False when the daemon
         could not take them (logged)."""
         with self._lock:
+            if self.broken:
+                return False
             try:
                 self._insert(tokens, block_ids)
                 return True
@@ -160,16 +170,25 @@ class DaemonAdapter:
     # -- emulation of the engine-managed tier on today's daemon ------------------------
 
     def _insert(self, tokens: bytes, block_ids) -> None:
-        self._client.insert(as_packed(tokens), array("i", block_ids))
+        result = self._client.insert(as_packed(tokens), array("i", block_ids))
+        self._held += len(block_ids) - len(result.redundant_pages)
 
     def _forget_device(self) -> None:
-        """Hand every device page back from the tree (copying to host what it lacks)."""
-        if self.memory is None:
+        """Take every vLLM block back from the tree (Evict copies to host what it lacks
+        first). If the daemon keeps some, it could later claim stale blocks as a hit:
+        loads and saves stop (`broken`), and the error says why."""
+        if self.memory is None or self._held == 0:
             return
         try:
-            self._client.evict(self.memory.num_blocks)
+            freed = len(self._client.evict(self.memory.num_blocks).freed_pages)
         except RadixKVError as e:
-            log.warning("radixkv: could not take vLLM's blocks back from the daemon: %s", e)
+            freed, why = 0, str(e)
+        else:
+            why = f"Evict returned {freed} of the {self._held} blocks it held"
+        self._held -= freed
+        if self._held > 0:
+            self.broken = f"the daemon kept vLLM blocks: {why}"
+            log.error("radixkv: %s; loads and saves are off for this engine", self.broken)
 
     def _release(self, leases: list[int]) -> None:
         leases = [x for x in leases if x]

@@ -17,7 +17,7 @@ from array import array
 from .daemon import MISS, DaemonAdapter, Hit
 from .metadata import LoadSpec, RadixKVMetadata, SaveSpec
 
-log = logging.getLogger("radixkv.vllm")
+log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
 
 class Lookups:
@@ -27,6 +27,7 @@ class Lookups:
         self._adapter = adapter
         self._cond = threading.Condition()
         self._queued: dict[str, bytes] = {}
+        self._inflight: set[str] = set()  # in the Match being sent now
         self._hits: dict[str, Hit] = {}
         self._dropped: set[str] = set()  # finished while its Match was in flight
         self._closed = False
@@ -38,9 +39,8 @@ class Lookups:
         first call queues it)."""
         with self._cond:
             hit = self._hits.get(req_id)
-            if hit is None and req_id not in self._queued:
+            if hit is None and req_id not in self._queued and req_id not in self._inflight:
                 self._queued[req_id] = tokens
-                self._dropped.discard(req_id)
                 self._cond.notify()
             return hit
 
@@ -48,8 +48,9 @@ class Lookups:
         """Forget `req_id`'s hit and release its lease (idempotent)."""
         with self._cond:
             hit = self._hits.pop(req_id, None)
-            if self._queued.pop(req_id, None) is None and hit is None:
-                self._dropped.add(req_id)  # in flight: release its lease on arrival
+            self._queued.pop(req_id, None)
+            if req_id in self._inflight:
+                self._dropped.add(req_id)  # release its lease when the answer arrives
         if hit is not None and hit.lease:
             self._adapter.release([hit.lease])
 
@@ -76,9 +77,11 @@ class Lookups:
                 if self._closed:
                     return
                 batch, self._queued = self._queued, {}
+                self._inflight = set(batch)
             hits = self._adapter.lookup(list(batch.values()))
             stale = []
             with self._cond:
+                self._inflight = set()
                 for req_id, hit in zip(batch, hits):
                     if req_id in self._dropped:
                         self._dropped.discard(req_id)
@@ -110,13 +113,17 @@ class SchedulerSide:
         finishes them before the forward that reads them."""
         req_id = request.request_id
         self._requests[req_id] = request
-        hit = self.lookups.poll(req_id, _packed(request.all_token_ids, request.num_tokens))
+        bs = self.block_size
+        # vLLM computes at least one token, so only whole blocks before the last token can
+        # hit; asking for just those makes the daemon's match end (and split) right there.
+        cacheable = (request.num_tokens - 1) // bs * bs
+        if cacheable <= num_computed:
+            return 0, False
+        hit = self.lookups.poll(req_id, _packed(request.all_token_ids, cacheable))
         if hit is None:
             return None, False
-        bs = self.block_size
-        usable = min(hit.tokens, (request.num_tokens - 1) // bs * bs)  # one token to compute
         self._computed[req_id] = num_computed
-        return max(0, usable - num_computed), False
+        return max(0, min(hit.tokens, cacheable) - num_computed), False
 
     def allocated(self, request, blocks, num_external: int) -> None:
         """update_state_after_alloc: plan the load into the blocks vLLM allocated."""

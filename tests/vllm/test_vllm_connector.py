@@ -1,0 +1,97 @@
+"""radixkv as vLLM's KV connector, with real vLLM (CPU build) and a real daemon.
+
+What a user notices: the output does not change with radixkv (cold or warm); a restarted
+vLLM serves a known prefix from radixkv's host tier (vLLM reports the cached tokens, the
+daemon counts the host hit and the load); a wrong daemon address or a namespace holding
+another model's layout stops vLLM at startup with a message naming the problem.
+"""
+
+import pytest
+
+from radixkv import Client, KvLayout
+
+from tests.vllm.engines import connector_config, generate, prompt
+
+PROMPT_TOKENS = 2048
+BLOCK = 128
+# vLLM computes at least the last prompt token, so a 2048-token prompt can take 15 of
+# its 16 blocks from a cache.
+CACHEABLE = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+
+
+def counters(target: str, namespace: str = "tiny") -> dict:
+    with Client(target, reconnect=None) as c:
+        [ns] = c.stats(namespace).namespaces
+        return dict(ns.counters)
+
+
+def test_output_is_the_same_without_radixkv_cold_and_warm(engines, daemon):
+    p = prompt(PROMPT_TOKENS, seed=1)
+    plain = engines.start()
+    [base] = generate(plain, [p])
+    engines.stop(plain)
+
+    llm = engines.start(daemon.target)
+    [cold] = generate(llm, [p])
+    engines.stop(llm)
+    assert (cold.tokens, cold.logprobs) == (base.tokens, base.logprobs)
+    assert cold.cached_tokens == 0
+    saved = counters(daemon.target)
+    assert saved["inserted_tokens"] >= PROMPT_TOKENS  # every full block, once
+
+    restarted = engines.start(daemon.target)  # vLLM's own prefix cache is empty now
+    [warm] = generate(restarted, [p])
+    assert warm.cached_tokens == CACHEABLE
+    assert warm.tokens == base.tokens
+    assert warm.logprobs == pytest.approx(base.logprobs, abs=1e-4)
+    after = counters(daemon.target)
+    assert after["loaded_tokens"] - saved["loaded_tokens"] == CACHEABLE
+    assert after["host_hit_tokens"] > saved["host_hit_tokens"]
+
+
+def test_a_second_prompt_sharing_a_prefix_loads_only_what_vllm_lacks(engines, daemon):
+    """vLLM's own cache holds the first blocks; radixkv supplies the rest, and the blocks
+    vLLM shares are never written (the output equals a run without radixkv)."""
+    shared = prompt(1024, seed=2)
+    long = shared + prompt(1024, seed=3)
+    plain = engines.start()
+    [base] = generate(plain, [long])
+    engines.stop(plain)
+
+    first = engines.start(daemon.target)
+    generate(first, [long])  # radixkv now holds all of it
+    engines.stop(first)
+    llm = engines.start(daemon.target)
+    generate(llm, [shared + prompt(64, seed=4)])  # vLLM's cache: the shared blocks
+    before = counters(daemon.target)
+    [again] = generate(llm, [long])
+    assert again.cached_tokens == CACHEABLE
+    assert again.tokens == base.tokens
+    loaded = counters(daemon.target)["loaded_tokens"] - before["loaded_tokens"]
+    assert loaded == CACHEABLE - 1024
+
+
+def test_a_wrong_daemon_address_stops_vllm_at_startup(engines, tmp_path):
+    target = f"unix://{tmp_path}/nobody.sock"
+    with pytest.raises(Exception, match="radixkv: cannot register") as info:
+        engines.start(kv_transfer_config=connector_config(target, connect_timeout_s=1))
+    assert target in str(info.value)
+
+
+def test_a_namespace_with_another_layout_stops_vllm_at_startup(engines, daemon):
+    other = KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
+    with Client(daemon.target) as c:  # another model's engine used "tiny" before
+        from radixkv.kvbuffers import ShmKvBuffers
+        bufs = ShmKvBuffers.create(other, 8)
+        try:
+            c.register("tiny", other, bufs.specs(), 8)
+            c.close()
+        finally:
+            bufs.close()
+    with pytest.raises(Exception, match="radixkv: cannot register.*layout"):
+        engines.start(daemon.target)
+
+
+def test_unknown_connector_settings_are_refused(engines, daemon):
+    with pytest.raises(Exception, match="unknown kv_connector_extra_config keys.*'tagret'"):
+        engines.start(kv_transfer_config=connector_config(daemon.target, tagret="x"))
