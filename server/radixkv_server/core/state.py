@@ -34,7 +34,7 @@ class CacheState:
         self.tree = RadixTree(config.page_size)
         self.host = HostAllocator(host_pages)
         self.device = DeviceLedger(num_device_pages)
-        order = strategy(config.eviction_policy).key
+        order = strategy(config.eviction_policy)
         self.device_leaves = EvictableSet(order)  # device nodes, no device child, unlocked, settled
         self.duplicates = EvictableSet(order)     # settled duplicates (the tracked set)
         self.host_leaves = EvictableSet(order)    # host-only childless nodes, unlocked, unpinned
