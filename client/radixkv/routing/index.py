@@ -86,22 +86,32 @@ class RoutingIndex:
     def workers(self) -> list[str]:
         return list(self._bit)
 
-    def clear_worker(self, name: str, namespace: str | None = None) -> None:
-        """Forget what `name` holds in `namespace` (None: in every namespace). O(blocks)."""
+    def clear_worker(self, name: str, namespace: str | None = None,
+                     media: tuple[str, ...] | None = None) -> None:
+        """Forget what `name` holds in `namespace` (None: every namespace) on `media`
+        (None: every medium). O(blocks)."""
         bit = self._bit[name]
         keep = ~(1 << bit)
+        tiers_cleared = range(3) if media is None else [_TIER_OF[m] for m in media]
         for ns in ([namespace] if namespace is not None else list(self._tiers)):
             tiers = self._tiers.get(ns)
             if tiers is None:
                 continue
-            self._tiers[ns] = tuple({h: m & keep for h, m in d.items() if m & keep} for d in tiers)
-            self._counts.pop((ns, bit), None)
+            self._tiers[ns] = tuple({h: m & keep for h, m in d.items() if m & keep}
+                                    if i in tiers_cleared else d for i, d in enumerate(tiers))
+            counts = self._counts.get((ns, bit))
+            for i in tiers_cleared:
+                if counts is not None:
+                    counts[i] = 0
 
     # -- updates ------------------------------------------------------------------------
 
-    def apply(self, worker: str, namespace: str, batch: KVEventBatch) -> None:
+    def apply(self, worker: str, namespace: str, batch: KVEventBatch,
+              media: tuple[str, ...] | None = None) -> None:
         """Apply one batch of `worker`'s events for `namespace`. An AllBlocksCleared in
-        namespace "" (a daemon's restart announcement) clears every namespace."""
+        namespace "" (a daemon's restart announcement) clears every namespace; it clears
+        only `media` when given (a stream that speaks for some tiers of the worker, such
+        as a vLLM engine's own GPU events beside its radixkv daemon's)."""
         self.add_worker(worker)
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -109,7 +119,7 @@ class RoutingIndex:
             elif isinstance(event, BlockRemoved):
                 self._remove(worker, namespace, event)
             elif isinstance(event, AllBlocksCleared):
-                self.clear_worker(worker, namespace or None)
+                self.clear_worker(worker, namespace or None, media)
 
     def _tier_dicts(self, namespace: str) -> tuple[dict, dict, dict]:
         tiers = self._tiers.get(namespace)

@@ -36,9 +36,16 @@ class WorkerFeed:
     MAX_BUFFERED = 100_000  # live batches held while a replay is in flight
     RECENT = 1 << 14        # payload fingerprints kept to tell duplicates from a restart
 
-    def __init__(self, name: str, index: RoutingIndex, topic: str = "kv@{namespace}"):
+    def __init__(self, name: str, index: RoutingIndex, topic: str = "kv@{namespace}",
+                 namespace: str | None = None, media: tuple[str, ...] | None = None):
+        """`namespace`: file every batch under it whatever the topic (a vLLM engine's
+        stream has no namespace). `media`: the tiers this stream speaks for; a reset or an
+        AllBlocksCleared forgets only those (None: all)."""
         self.name = name
+        self.key = name  # the fleet's handle for this stream (Daemon.key)
         self.index = index
+        self.namespace = namespace
+        self.media = media
         head, _, tail = topic.partition("{namespace}")
         self._head, self._tail = head.encode(), tail.encode()
         self._named = "{namespace}" in topic
@@ -56,6 +63,8 @@ class WorkerFeed:
         return self._head
 
     def namespace_of(self, topic: bytes) -> str:
+        if self.namespace is not None:
+            return self.namespace
         if not self._named:
             return ""
         end = len(topic) - len(self._tail) if self._tail else len(topic)
@@ -147,9 +156,9 @@ class WorkerFeed:
         self._recent.clear()
 
     def reset(self) -> None:
-        """Forget everything this worker held (all namespaces)."""
+        """Forget what this stream told of its worker (every namespace, its media)."""
         self.num_resets += 1
-        self.index.clear_worker(self.name)
+        self.index.clear_worker(self.name, self.namespace, self.media)
 
     def _apply(self, topic: bytes, seq: int, payload: bytes) -> None:
         self.last_seq = seq
@@ -162,17 +171,27 @@ class WorkerFeed:
             log.warning("worker %s: undecodable batch %d (%s); resetting it", self.name, seq, e)
             self.reset()
             return
-        self.index.apply(self.name, self.namespace_of(topic), batch)
+        self.index.apply(self.name, self.namespace_of(topic), batch, self.media)
         self.num_applied += 1
 
 
 @dataclass(frozen=True)
 class Daemon:
-    """One daemon's event endpoints as a router sees them (connect addresses)."""
+    """One event stream as a router sees it (connect addresses). A worker may have two:
+    its radixkv daemon's, and its vLLM engine's own (`stream="engine"`, `topic=""`,
+    `namespace=` the daemon's namespace, `media=("GPU",)`), merged by block hash."""
 
-    name: str
+    name: str                   # the worker
     endpoint: str               # e.g. tcp://10.0.0.5:5557
     replay_endpoint: str = ""   # e.g. tcp://10.0.0.5:5558 ("": no replay)
+    stream: str = ""            # tells a worker's streams apart
+    topic: str | None = None    # topic template (None: the fleet's)
+    namespace: str | None = None        # see WorkerFeed
+    media: tuple[str, ...] | None = None  # see WorkerFeed
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.stream}" if self.stream else self.name
 
 
 class ZmqFleet:
@@ -200,22 +219,27 @@ class ZmqFleet:
 
     @property
     def feeds(self) -> dict[str, WorkerFeed]:
-        return {name: w[0] for name, w in self._workers.items()}
+        """Feeds by `Daemon.key` (the worker's name unless it has several streams)."""
+        return {key: w[0] for key, w in self._workers.items()}
 
     def add(self, daemon: Daemon, topic: str = "kv@{namespace}") -> WorkerFeed:
-        """Follow one more daemon; asks it to replay its ring from 0 when it has replay."""
-        feed = WorkerFeed(daemon.name, self.index, topic)
+        """Follow one more stream; asks it to replay its ring from 0 when it has replay."""
+        if daemon.key in self._workers:
+            raise ValueError(f"stream {daemon.key!r} is followed already")
+        feed = WorkerFeed(daemon.name, self.index, daemon.topic if daemon.topic is not None else topic,
+                          namespace=daemon.namespace, media=daemon.media)
+        feed.key = daemon.key
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, feed.subscribe_prefix)
         sub.connect(daemon.endpoint)
         self._poller.register(sub, zmq.POLLIN)
         self._by_socket[sub] = (feed, False)
-        self._daemons[daemon.name] = daemon
-        self._workers[daemon.name] = (feed, sub, self._open_dealer(daemon, feed))
+        self._daemons[daemon.key] = daemon
+        self._workers[daemon.key] = (feed, sub, self._open_dealer(daemon, feed))
         if daemon.replay_endpoint:
             feed.start_replay(0)
-            self._request(daemon.name, 0)
+            self._request(daemon.key, 0)
         return feed
 
     def _open_dealer(self, daemon: Daemon, feed: WorkerFeed) -> zmq.Socket | None:
@@ -277,10 +301,10 @@ class ZmqFleet:
         if len(frames) != 3 or len(frames[1]) != 8:
             feed.num_bad += 1
             return
-        can_replay = self._workers[feed.name][2] is not None
+        can_replay = self._workers[feed.key][2] is not None
         ask = feed.on_live(frames[0], seq_of(frames[1]), frames[2], can_replay)
         if ask is not None:
-            self._request(feed.name, ask)
+            self._request(feed.key, ask)
 
     def _on_replay_frames(self, feed: WorkerFeed, frames: list[bytes]) -> None:
         if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
@@ -290,10 +314,10 @@ class ZmqFleet:
         if seq_of(seq) >= 0:
             feed.on_replay(topic, seq_of(seq), payload)
             return
-        self._deadline.pop(feed.name, None)
+        self._deadline.pop(feed.key, None)
         ask = feed.on_replay_end()
         if ask is not None:
-            self._request(feed.name, ask)
+            self._request(feed.key, ask)
 
     def _expire_replays(self) -> None:
         now = time.monotonic()
