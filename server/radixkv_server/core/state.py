@@ -38,6 +38,8 @@ class CacheState:
         self.device_leaves = EvictableSet(order)  # device nodes, no device child, unlocked, settled
         self.duplicates = EvictableSet(order)     # settled duplicates (the tracked set)
         self.host_leaves = EvictableSet(order)    # host-only childless nodes, unlocked, unpinned
+        # Sets that reorder on access (recency strategies); the others re-key lazily on pop.
+        self._reordered = (self.device_leaves, self.duplicates, self.host_leaves) if order.recency else ()
         self.transfers: dict[int, Transfer] = {}
         self.counters = CacheCounters()
         self.evictable_pages = 0  # device pages in unlocked nodes
@@ -66,7 +68,7 @@ class CacheState:
         if a write-back eviction is taking it (the copy still completes)."""
         node.last_access = now
         node.full.evicting = False
-        for members in (self.device_leaves, self.duplicates, self.host_leaves):
+        for members in self._reordered:
             members.touched(node)
 
     def _emit(self, tier: Tier, change: Change, node: Node) -> None:
