@@ -204,14 +204,28 @@ class RedisCluster:
         subprocess.run(["redis-cli", "--cluster", "create", *nodes, *extra, "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
         self.wait_ok()
+        poll(self._replicas_synced, START_TIMEOUT_S, "every replica in sync with its master")
         return self
+
+    def _replicas_synced(self) -> bool:
+        for port in self.ports:
+            try:
+                with self.client(port) as c:
+                    info = c.info("replication")
+            except (redis.RedisError, OSError):
+                return False
+            if info.get("role") == "slave" and info.get("master_link_status") != "up":
+                return False
+        return True
 
     def _start_node(self, port: int) -> None:
         log = open(os.path.join(self.dir, f"{port}.log"), "ab")
         self.procs[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
-             "--save", "", "--appendonly", "no", "--dir", self.dir],
+             "--save", "", "--appendonly", "no", "--dir", self.dir,
+             # replicas sync at once, and may take over however long they were cut off
+             "--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0"],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
