@@ -201,7 +201,7 @@ class Namespace:
             await self.finish(tid, None, missing_ok=True)
         for node in session.pop_all_leases():
             self.cache.unlock(node)
-        session.unacked.clear()
+        session.forget_loads()
         await self.detach()
 
     def has_transfer(self, transfer: int) -> bool:

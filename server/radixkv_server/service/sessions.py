@@ -95,6 +95,10 @@ class Session:
     def acked(self, transfer: int) -> None:
         self.unacked.pop(transfer, None)
 
+    def forget_loads(self) -> None:
+        """Its load-backs were finished (the session is closing): no ack is due."""
+        self.unacked.clear()
+
     # -- timeouts ---------------------------------------------------------------------------
 
     def overdue_leases(self, now: float, timeout: float) -> list[int]:
