@@ -1,11 +1,15 @@
-"""The storage tier end to end: real daemons, a real page directory or redis-server,
-byte-exact round trips through prefetch and load-back."""
+"""The storage tier end to end: real daemons, a real page directory, redis-server, Redis
+Cluster or Mooncake Store, byte-exact round trips through prefetch and load-back."""
 
 import os
+import time
+
+import pytest
 
 from radixkv_server.core.page_keys import namespace_salt, page_keys
 from radixkv_server.service.registration import layout_fingerprint
 from radixkv_server.storage import FileStorage
+from tests.storage.fleet import MooncakeMaster, RedisCluster
 from tests.support.daemon import wait_for
 
 from tests.support.engine import LAYOUT, PS, EngineDouble, prompt
@@ -120,3 +124,138 @@ def test_a_corrupted_page_file_reads_as_a_miss(daemon_factory, tmp_path):
         assert engine.client.check_invariants() == []
     finally:
         engine.close()
+
+
+# -- fleets: Mooncake Store and Redis Cluster, shared by daemons on "two nodes" ------------
+
+STORE_TIMEOUT_S = 1.0
+ENGINE_BOUND_S = STORE_TIMEOUT_S + 2.0  # what a Match or a Prefetch may take while the store fails
+
+
+@pytest.fixture
+def mooncake_master():
+    master = MooncakeMaster(client_ttl_s=2).start()
+    yield master
+    master.cleanup()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster():
+    cluster = RedisCluster().start()
+    yield cluster
+    cluster.cleanup()
+
+
+def mooncake_flags(master) -> tuple[str, ...]:
+    return ("--storage", f"mooncake://{master.address}?segment=32MiB&buffer=16MiB&timeout={STORE_TIMEOUT_S}",
+            "--storage-policy", "write_through")
+
+
+def timed(call):
+    start = time.monotonic()
+    result = call()
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("fleet", ["mooncake", "redis_cluster"])
+def test_two_daemons_sharing_a_fleet_store_serve_each_others_prefixes(daemon_factory, request, fleet):
+    if fleet == "mooncake":
+        flags = mooncake_flags(request.getfixturevalue("mooncake_master"))
+    else:
+        flags = ("--storage", request.getfixturevalue("redis_cluster").url, "--storage-policy", "write_through")
+    a, b = daemon_factory(*flags), daemon_factory(*flags)
+    writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
+    try:
+        for i in (7, 8):
+            writer.prefill(prompt(i))
+        wait_stored(writer, 2 * 8 * PS)
+        for i in (7, 8):
+            m, progress, loaded, mismatches = fetch_and_load(reader, prompt(i))
+            assert m.storage_tokens == 8 * PS and progress[-1].state == "done"
+            assert loaded == 8 * PS and mismatches == (0, 0)
+        assert reader.client.check_invariants() == []
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_mooncake_segment_owner_killed_reader_misses_and_keeps_serving(daemon_factory, mooncake_master):
+    a, b = daemon_factory(*mooncake_flags(mooncake_master)), daemon_factory(*mooncake_flags(mooncake_master))
+    writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
+    try:
+        writer.prefill(prompt(3))
+        wait_stored(writer, 8 * PS)
+        [m] = reader.client.match([prompt(3)], include_storage=True)
+        assert m.storage_tokens == 8 * PS
+        a.kill()  # the node whose segment holds the pages (b stored nothing)
+        ([m], seconds) = timed(lambda: reader.client.match([prompt(3)], include_storage=True))
+        assert seconds < ENGINE_BOUND_S
+        progress, seconds = timed(lambda: reader.client.prefetch(prompt(3), policy="wait_complete"))
+        assert seconds < ENGINE_BOUND_S
+        assert progress[-1].state in ("nothing", "done")
+        loaded, mismatches = reader.load(prompt(3))
+        assert mismatches == (0, 0) and loaded == 0
+        # Once the master drops the dead node (client_ttl), storing goes to the reader's segment.
+        wait_for(lambda: reader.client.match([prompt(3)], include_storage=True)[0].storage_tokens == 0,
+                 DEADLINE_S, "the master to drop the dead node's pages")
+        reader.prefill(prompt(4))
+        wait_stored(reader, 8 * PS)
+        assert reader.client.check_invariants() == []
+    finally:
+        reader.close()
+        writer.client.close()
+    assert "Traceback" not in b.log()
+
+
+def test_mooncake_master_killed_and_restarted(daemon_factory, mooncake_master):
+    d = daemon_factory(*mooncake_flags(mooncake_master))
+    engine = EngineDouble.connect(d.target)
+    try:
+        engine.prefill(prompt(1))
+        wait_stored(engine, 8 * PS)
+        mooncake_master.kill()
+        engine.prefill(prompt(2))  # device and host keep working
+        wait_for(lambda: engine.counters()["store_failed_tokens"] >= 8 * PS, DEADLINE_S, "the failed store")
+        ([m], seconds) = timed(lambda: engine.client.match([prompt(2)], include_storage=True))
+        assert seconds < ENGINE_BOUND_S and m.device_tokens == 8 * PS
+        mooncake_master.start()  # empty: the keys stored before are gone
+        deadline = time.monotonic() + DEADLINE_S
+        while engine.counters()["stored_tokens"] < 2 * 8 * PS:  # polled: stores succeed again
+            assert time.monotonic() < deadline, "stores did not succeed after the master restart"
+            engine.prefill(prompt(20 + int(time.monotonic() * 10) % 1000))
+            time.sleep(0.2)
+        assert engine.client.check_invariants() == []
+    finally:
+        engine.close()
+    log = d.log()
+    assert "storage.unavailable" in log and "storage.recovered" in log and "Traceback" not in log
+
+
+def test_redis_cluster_master_killed_while_daemons_run(daemon_factory):
+    cluster = RedisCluster().start()
+    try:
+        flags = ("--storage", f"{cluster.url}?socket_timeout={STORE_TIMEOUT_S}&retries=1",
+                 "--storage-policy", "write_through")
+        a, b = daemon_factory(*flags), daemon_factory(*flags)
+        writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
+        try:
+            writer.prefill(prompt(11))
+            wait_stored(writer, 8 * PS)
+            victim = cluster.primaries()[0]
+            cluster.kill(victim)
+            ([m], seconds) = timed(lambda: reader.client.match([prompt(11)], include_storage=True))
+            assert seconds < 2 * ENGINE_BOUND_S  # a dead shard: connect timeouts, then retries
+            wait_for(lambda: len(cluster.primaries()) == 3 and victim not in cluster.primaries(), 30,
+                     "a replica promoted")
+            cluster.wait_ok()
+            writer.prefill(prompt(12))
+            wait_for(lambda: writer.counters()["stored_tokens"] >= 2 * 8 * PS, 30, "stores after the failover")
+            for i in (11, 12):  # what the promoted replica holds is exact; anything lost is a miss
+                m, progress, loaded, mismatches = fetch_and_load(reader, prompt(i))
+                assert mismatches == (0, 0)
+            assert loaded == 8 * PS  # prompt 12 was stored after the promotion
+        finally:
+            writer.close()
+            reader.close()
+    finally:
+        cluster.cleanup()
