@@ -3,7 +3,7 @@
 # `make image` builds it here (scripts/build-image.sh, docs/image.md): from a local
 # Debian base where no container registry is reachable, with the host's CA bundle,
 # pip index settings and CPU torch wheel staged into scripts/image-extra/. All of
-# those reach only the builder stage; the runtime stage copies /opt/radixkv alone.
+# those reach only the builder stage; the runtime stage copies /opt/radixkv{,-app} alone.
 #
 # CPU hosts (shared-memory backend; the default), from the public base:
 #   docker build -t radixkv:0.1.0 .
@@ -44,11 +44,21 @@ ENV PATH=/opt/radixkv/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK
 RUN if [ -n "${TORCH_WHEEL}" ]; then pip install "/tmp/image-extra/${TORCH_WHEEL}"; \
     else pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"; fi
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+# The dependencies (from pyproject.toml alone) in /opt/radixkv, radixkv itself in
+# /opt/radixkv-app (on the venv's path through a .pth file): a source change rebuilds
+# neither the dependency layer here nor its ~1 GB copy in the runtime stage.
+# hadolint ignore=DL3013
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+      >/tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && echo /opt/radixkv-app >"$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/radixkv-app.pth"
+COPY README.md ./
 COPY server/ server/
 COPY client/ client/
 # hadolint ignore=DL3013
-RUN pip install . && python -c "import radixkv_server, radixkv, grpc, torch"
+RUN pip install --no-deps --target /opt/radixkv-app . && pip check \
+    && python -c "import radixkv_server, radixkv, grpc, torch"
 
 FROM ${BASE_IMAGE} AS runtime
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -62,7 +72,8 @@ RUN if ! python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null
        --shell /usr/sbin/nologin radixkv \
     && install -d -o radixkv -g radixkv -m 0750 /run/radixkv
 COPY --from=builder /opt/radixkv /opt/radixkv
-ENV PATH=/opt/radixkv/bin:$PATH \
+COPY --from=builder /opt/radixkv-app /opt/radixkv-app
+ENV PATH=/opt/radixkv-app/bin:/opt/radixkv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     RADIXKV_LISTEN=unix:///run/radixkv/radixkv.sock \
     RADIXKV_METRICS_HOST=0.0.0.0 \

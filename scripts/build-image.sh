@@ -11,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-VENV_PY=${VENV_PY:-.venv/bin/python}
+VENV_PY=${VENV_PY:-.venv/bin/python}  # whose pip settings and torch version the build follows
+[[ -x $VENV_PY ]] || VENV_PY=$PY
 VERSION=$("$PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 IMAGE=${IMAGE:-radixkv:$VERSION}
 BASE_IMAGE=${BASE_IMAGE:-radixkv-base:bookworm}
@@ -27,7 +28,7 @@ fi
 # (file://) indexes and find-links folders do not exist inside the build; the torch
 # wheel they hold is staged below instead.
 pip_setting() {  # pip_setting KEY: the value pip resolves on this host (env wins), or empty
-  "$VENV_PY" -m pip config list 2>/dev/null | "$PY" -c '
+  { "$VENV_PY" -m pip config list 2>/dev/null || true; } | "$PY" -c '
 import sys
 key, found = sys.argv[1], {}
 for line in sys.stdin:
@@ -81,6 +82,7 @@ find "$EXTRA" -maxdepth 1 -name '*.whl' ! -name "${wheel:-none}" -delete
 echo "building $IMAGE from $BASE_IMAGE (torch: ${wheel:-${TORCH_INDEX_URL:-the Dockerfile default index}})"
 
 build_start=$SECONDS
+previous=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 mkdir -p build
 log=build/image-build.log
 if ! DOCKER_BUILDKIT=0 docker build -t "$IMAGE" "${build_args[@]}" \
@@ -88,6 +90,10 @@ if ! DOCKER_BUILDKIT=0 docker build -t "$IMAGE" "${build_args[@]}" \
   tail -n 40 "$log" >&2
   echo "error: docker build failed; full log: $log" >&2
   exit 1
+fi
+# The image this one replaces (and its build layers) would stay behind untagged, ~1 GB each.
+if [[ -n $previous && $previous != $(docker image inspect -f '{{.Id}}' "$IMAGE") ]]; then
+  docker image rm "$previous" >/dev/null 2>&1 || true
 fi
 size=$(docker image inspect -f '{{.Size}}' "$IMAGE")
 echo "built $IMAGE: $(awk -v s="$size" 'BEGIN {printf "%.0f MB", s / 1e6}'),"\
