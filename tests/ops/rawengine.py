@@ -1,37 +1,30 @@
-"""A minimal engine for the operability tests, on the generated stubs alone.
+"""A minimal engine for the operability tests that speaks raw gRPC, on purpose.
 
-It registers shared-memory KV buffers (the engine side's `ShmKvBuffers`), keeps its own
-free list of device pages, and runs one long-lived Acks stream. `cycle()` is the known
-workload the metrics tests count on: insert N tokens, evict them to host, match them
-(host hit), load them back into fresh device pages and acknowledge the transfer.
+Its device side is the shared engine double (`tests.support.engine`: shared-memory KV
+buffers holding pattern KV, a page pool). What differs on purpose: every call goes
+through the generated stubs alone, with its own long-lived Acks stream, as an engine
+without the Python client would, so the tests can also send what `radixkv.Client`
+refuses to (an unknown session, a late Register). `cycle()` is the known workload the
+metrics tests count on: insert N tokens, evict them to host, match them (host hit),
+load them back into fresh device pages and acknowledge the transfer.
 """
 
 import itertools
 import queue
 import threading
 import time
-from array import array
 
 import grpc
-from radixkv.kvbuffers import ShmKvBuffers
-from radixkv.layout import KvLayout
+from radixkv.sim.kv import page_keys
+from radixkv.types import pack, unpack
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
-PAGE_SIZE = 4
-LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=PAGE_SIZE)
+from tests.support.engine import LAYOUT, PS, EngineDouble
+
+PAGE_SIZE = PS
 RPC_TIMEOUT_S = 10.0
 _bases = itertools.count(1)
-
-
-def pack(values) -> bytes:
-    return array("i", values).tobytes()
-
-
-def unpack(data: bytes) -> list[int]:
-    out = array("i")
-    out.frombytes(data)
-    return list(out)
 
 
 def fresh_tokens(n: int) -> list[int]:
@@ -96,50 +89,47 @@ class RawEngine:
 
     def __init__(self, target: str, namespace: str, num_pages: int = 64, host_pool_pages: int = 256,
                  write_policy: str = "write_back"):
-        self.buffers = ShmKvBuffers.create(LAYOUT, num_pages)
+        self.device = EngineDouble(LAYOUT, num_pages)
+        self.pool = self.device.pool
+        pages = self.pool.allocate(num_pages)
+        self.sentinel = pages.pop()  # stays in use: never given to the daemon
+        self.pool.free(reversed(pages), "start")
+        for b in range(LAYOUT.num_buffers):
+            self.device.page_view(b)[self.sentinel].fill_(0xA5)
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.RadixKVStub(self.channel)
-        self.free = list(range(num_pages - 1))
-        self.sentinel = num_pages - 1
-        for b in range(LAYOUT.num_buffers):
-            self.buffers.page_view(b)[self.sentinel].fill_(0xA5)
         reply = self.stub.Register(pb.RegisterRequest(
             namespace=namespace, backend="shm", num_device_pages=num_pages,
             layout=pb.KvLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads,
                                head_dim=LAYOUT.head_dim, dtype=LAYOUT.dtype, page_size=PAGE_SIZE),
             buffers=[pb.DeviceBuffer(handle=s.handle, offset=s.offset, size=s.size)
-                     for s in self.buffers.specs()],
+                     for s in self.device.buffers.specs],
             write_policy=write_policy, host_pool_pages=host_pool_pages, engine="tests/ops rawengine"),
             timeout=RPC_TIMEOUT_S)
         self.session = reply.session
         self.acks = AckStream(self.stub, self.session)
 
-    # -- pages ------------------------------------------------------------------------
-
     def _take(self, n: int) -> list[int]:
-        if n > len(self.free):
-            self.evict(n - len(self.free))
-        if n > len(self.free):
-            raise RuntimeError(f"engine needs {n} free device pages, has {len(self.free)}")
-        pages, self.free = self.free[:n], self.free[n:]
-        return pages
-
-    def _give(self, data: bytes) -> None:
-        self.free += unpack(data)
+        """`n` device pages, evicting when short (the double's `allocate`, with raw Evict)."""
+        if n > self.pool.num_free:
+            self.evict(n - self.pool.num_free)
+        if not self.pool.can_allocate(n):
+            raise RuntimeError(f"engine needs {n} free device pages, has {self.pool.num_free}")
+        return self.pool.allocate(n)
 
     # -- operations -------------------------------------------------------------------
 
     def insert(self, tokens: list[int]) -> int:
-        """Insert whole pages of `tokens` (filling their device pages first); returns
-        the tokens that were already cached."""
+        """Insert whole pages of `tokens` (writing their pattern KV first); returns the
+        tokens that were already cached."""
+        packed = pack(tokens)
         pages = self._take(len(tokens) // PAGE_SIZE)
-        for b in range(LAYOUT.num_buffers):
-            view = self.buffers.page_view(b)
-            for p in pages:
-                view[p].fill_(p % 251)
-        reply = self.stub.Insert(pb.InsertRequest(session=self.session, tokens=pack(tokens),
+        self.device.kv.write(pages, page_keys(packed, PAGE_SIZE)[:len(pages)])
+        reply = self.stub.Insert(pb.InsertRequest(session=self.session, tokens=packed,
                                                   device_pages=pack(pages)), timeout=RPC_TIMEOUT_S)
-        self._give(reply.redundant_pages)
+        redundant = set(unpack(reply.redundant_pages))
+        self.pool.free(redundant, "Insert redundant")
+        self.pool.to_cache([p for p in pages if p not in redundant], "Insert")
         return reply.cached_tokens
 
     def match(self, tokens: list[int]) -> pb.MatchResult:
@@ -149,7 +139,7 @@ class RawEngine:
     def evict(self, num_pages: int) -> int:
         reply = self.stub.Evict(pb.EvictRequest(session=self.session, num_pages=num_pages),
                                 timeout=RPC_TIMEOUT_S)
-        self._give(reply.freed_pages)
+        self.pool.from_cache(unpack(reply.freed_pages), "Evict")
         return len(reply.freed_pages) // 4
 
     def load_back(self, tokens: list[int]) -> int:
@@ -161,11 +151,13 @@ class RawEngine:
         pages = self._take(m.host_tokens // PAGE_SIZE)
         reply = self.stub.LoadBack(pb.LoadBackRequest(session=self.session, node=m.host_node,
                                                       device_pages=pack(pages)), timeout=RPC_TIMEOUT_S)
-        self._give(reply.unused_pages)
+        unused = set(unpack(reply.unused_pages))
+        self.pool.free(unused, "LoadBack unused")
+        self.pool.to_cache([p for p in pages if p not in unused], "LoadBack used")
         if reply.transfer:
             answer = self.acks.ack(reply.transfer)
             if answer.code != 0 or answer.load_failed:
-                self._give(answer.failed_pages)
+                self.pool.from_cache(unpack(answer.failed_pages), "failed load")
                 raise RuntimeError(f"ack {reply.transfer}: code {answer.code} {answer.message}")
         return reply.loaded_tokens
 
@@ -174,11 +166,11 @@ class RawEngine:
         load the tokens back and acknowledge. Returns the tokens loaded back."""
         tokens = fresh_tokens(num_tokens)
         self.insert(tokens)
-        self.evict(len(self.free) + num_tokens // PAGE_SIZE + 64)
+        self.evict(self.pool.num_pages)  # more than the cache holds: all of it
         return self.load_back(tokens)
 
     def sentinel_intact(self) -> bool:
-        return all(bool((self.buffers.page_view(b)[self.sentinel] == 0xA5).all())
+        return all(bool((self.device.page_view(b)[self.sentinel] == 0xA5).all())
                    for b in range(LAYOUT.num_buffers))
 
     def close(self) -> None:
@@ -187,4 +179,4 @@ class RawEngine:
         self.channel.close()
 
     def release_memory(self) -> None:
-        self.buffers.close()
+        self.device.buffers.close()

@@ -95,8 +95,8 @@ def test_sigterm_under_load_exits_cleanly_in_order(daemon_factory):
 
     # The engines' KV memory is theirs and intact: segments present, untouched bytes unchanged.
     for w in workers:
-        assert os.path.exists(f"/dev/shm/{w.engine.buffers.name}")
+        assert os.path.exists(f"/dev/shm/{w.engine.device.shm_name}")
         assert w.engine.sentinel_intact()
         w.engine.channel.close()
         w.engine.release_memory()
-        assert not os.path.exists(f"/dev/shm/{w.engine.buffers.name}")
+        assert not os.path.exists(f"/dev/shm/{w.engine.device.shm_name}")
