@@ -1,11 +1,16 @@
-"""An engine in a separate process (CUDA IPC cannot open a process's own handles) for
-tests where this process plays the daemon's data path.
+"""The CUDA engine double: an engine in a separate process (CUDA IPC cannot open a
+process's own handles) for tests where this process plays the daemon's data path
+(test_cuda_datapath, test_cuda_bandwidth).
 
-`IpcEngine(device)` spawns it; `alloc(layout_kwargs, num_pages)` makes it allocate one
-CUDA tensor per buffer, fill chunk (buffer b, page p) with `pattern(layout, b, p)` and
-return `CudaKvBuffers.export` specs (earlier tensors are freed: close the data path
-that opened them first); `expect(events, dst, src)` makes it wait on a load-back's IPC
-events and count device pages `dst[i]` that do not hold the pattern of page `src[i]`.
+`IpcEngine(device)` spawns it; `alloc(layout_kwargs, num_pages, one_storage)` makes it
+allocate one CUDA tensor per buffer (with `one_storage`, views of one allocation: one
+IPC handle), fill chunk (buffer b, page p) with `pattern(layout, b, p)` and return
+`CudaKvBuffers.export` specs, also kept in `specs` (earlier tensors are freed: close the
+data path that opened them first); `expect(events, dst, src)` makes it wait on a
+load-back's IPC events and count device pages `dst[i]` that do not hold the pattern of
+page `src[i]`. The bytes name their page, not their tokens: these tests move pages
+directly, without a daemon. (Engines that talk to a daemon build on
+`tests/support/engine.py` instead.)
 """
 
 import multiprocessing as mp
@@ -24,37 +29,58 @@ def pattern(lay: KvLayout, b: int, pages: torch.Tensor) -> torch.Tensor:
     return ((c[None, :] * 3 + b * 37 + pages[:, None] * 11 + 1) % 251).to(torch.uint8)
 
 
+def host_pattern(lay: KvLayout, pages: torch.Tensor) -> torch.Tensor:
+    """uint8 [len(pages), page_bytes]: host pages holding those device pages."""
+    return torch.cat([pattern(lay, b, pages) for b in range(lay.num_buffers)], dim=1)
+
+
+def filled_buffers(lay: KvLayout, num_pages: int, device, one_storage: bool = False) -> list[torch.Tensor]:
+    """One tensor per buffer on `device` (views of one allocation with `one_storage`),
+    chunk (b, p) holding `pattern(lay, b, p)`."""
+    every = torch.arange(num_pages, device=device)
+    shape = (num_pages * lay.page_size, lay.num_kv_heads, lay.head_dim)
+    whole = torch.empty((lay.num_buffers, *shape), dtype=torch_dtype(lay), device=device) if one_storage else None
+    tensors = []
+    for b in range(lay.num_buffers):
+        t = whole[b] if one_storage else torch.empty(shape, dtype=torch_dtype(lay), device=device)
+        t.view(torch.uint8).view(num_pages, lay.chunk_bytes).copy_(pattern(lay, b, every))
+        tensors.append(t)
+    return tensors
+
+
+def count_bad(lay: KvLayout, tensors: list[torch.Tensor], dst, src) -> int:
+    """Pages `dst[i]` (of any buffer) that do not hold the pattern of page `src[i]`."""
+    device = tensors[0].device
+    d, s = torch.tensor(dst, device=device), torch.tensor(src, device=device)
+    bad = 0
+    for b, t in enumerate(tensors):
+        got = t.view(torch.uint8).view(-1, lay.chunk_bytes).index_select(0, d)
+        bad += int((got != pattern(lay, b, s)).any(dim=1).sum())
+    return bad
+
+
 def _main(conn, device: int) -> None:
     torch.cuda.set_device(device)
     stream = torch.cuda.Stream(device)
-    lay, tensors, num_pages = None, [], 0
+    lay, tensors = None, []
     while True:
         msg = conn.recv()
         if msg[0] == "exit":
             return
         if msg[0] == "alloc":
-            _, kwargs, num_pages = msg
+            _, kwargs, num_pages, one_storage = msg
             tensors = []
             torch.cuda.empty_cache()
             CudaKvBuffers.forget_events()  # the other side opens a new event ring
             lay = KvLayout(**kwargs)
-            every = torch.arange(num_pages, device=device)
-            shape = (num_pages * lay.page_size, lay.num_kv_heads, lay.head_dim)
-            for b in range(lay.num_buffers):
-                t = torch.empty(shape, dtype=torch_dtype(lay), device=device)
-                t.view(torch.uint8).view(num_pages, lay.chunk_bytes).copy_(pattern(lay, b, every))
-                tensors.append(t)
+            tensors = filled_buffers(lay, num_pages, device, one_storage)
             torch.cuda.synchronize(device)
             conn.send(CudaKvBuffers.export(lay, tensors, device))
             continue
         _, handles, dst, src = msg  # "expect"
         with torch.cuda.stream(stream):
             CudaKvBuffers.wait_events(handles, stream)
-            d, s = torch.tensor(dst, device=device), torch.tensor(src, device=device)
-            bad = 0
-            for b, t in enumerate(tensors):
-                got = t.view(torch.uint8).view(num_pages, lay.chunk_bytes).index_select(0, d)
-                bad += int((got != pattern(lay, b, s)).any(dim=1).sum())
+            bad = count_bad(lay, tensors, dst, src)
         conn.send(bad)
 
 
@@ -65,11 +91,12 @@ class IpcEngine:
         self.proc = ctx.Process(target=_main, args=(child, device), daemon=True)
         self.proc.start()
 
-    def alloc(self, layout_kwargs: dict, num_pages: int):
-        self.conn.send(("alloc", layout_kwargs, num_pages))
+    def alloc(self, layout_kwargs: dict, num_pages: int, one_storage: bool = False):
+        self.conn.send(("alloc", layout_kwargs, num_pages, one_storage))
         if not self.conn.poll(READY_TIMEOUT_S):
             raise TimeoutError("engine process did not export its buffers")
-        return self.conn.recv()
+        self.specs = self.conn.recv()
+        return self.specs
 
     def expect(self, handles, dst, src) -> int:
         self.conn.send(("expect", list(handles), list(dst), list(src)))

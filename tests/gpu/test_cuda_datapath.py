@@ -11,7 +11,6 @@ RADIXKV_TEST_DEVICE picks the GPU (default 0); RADIXKV_BENCH_OUT, if set, names 
 the bandwidth lines are appended to.
 """
 
-import multiprocessing as mp
 import os
 import random
 import time
@@ -20,9 +19,10 @@ import pytest
 import torch
 
 from radixkv import KvLayout
-from radixkv.kvbuffers import CudaKvBuffers, torch_dtype
 from radixkv_server.core.pages import pack
 from radixkv_server.datapath import CopyError, HostPool, open_device_buffers
+
+from ipc_engine import IpcEngine, host_pattern
 
 pytestmark = pytest.mark.gpu
 
@@ -32,79 +32,13 @@ SMALL_MLA = dict(num_layers=2, num_kv_heads=1, head_dim=72, dtype="float16", pag
 BIG = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)  # 2 MiB pages
 
 
-def pattern(lay: KvLayout, b: int, pages: torch.Tensor) -> torch.Tensor:
-    """uint8 [len(pages), chunk_bytes]: the bytes of buffer b at each device page."""
-    c = torch.arange(lay.chunk_bytes, device=pages.device)
-    return ((c[None, :] * 3 + b * 37 + pages[:, None] * 11 + 1) % 251).to(torch.uint8)
-
-
-def host_pattern(lay: KvLayout, pages: torch.Tensor) -> torch.Tensor:
-    """uint8 [len(pages), page_bytes]: host pages holding those device pages."""
-    return torch.cat([pattern(lay, b, pages) for b in range(lay.num_buffers)], dim=1)
-
-
-def engine_main(conn, layout_kwargs: dict, num_pages: int, device: int, one_storage: bool) -> None:
-    """The engine process: owns the KV tensors, exports them, answers checks.
-    `one_storage`: every buffer is a view of one allocation (one IPC handle)."""
-    lay = KvLayout(**layout_kwargs)
-    torch.cuda.set_device(device)
-    tensors = []
-    every = torch.arange(num_pages, device=device)
-    shape = (num_pages * lay.page_size, lay.num_kv_heads, lay.head_dim)
-    whole = torch.empty((lay.num_buffers, *shape), dtype=torch_dtype(lay), device=device) if one_storage else None
-    for b in range(lay.num_buffers):
-        t = whole[b] if one_storage else torch.empty(shape, dtype=torch_dtype(lay), device=device)
-        t.view(torch.uint8).view(num_pages, lay.chunk_bytes).copy_(pattern(lay, b, every))
-        tensors.append(t)
-    torch.cuda.synchronize(device)
-    conn.send(CudaKvBuffers.export(lay, tensors, device))
-    stream = torch.cuda.Stream(device)
-    while True:
-        msg = conn.recv()
-        if msg[0] == "exit":
-            break
-        _, handles, dst, src = msg  # ("expect", events, device pages, pages they came from)
-        with torch.cuda.stream(stream):
-            CudaKvBuffers.wait_events(handles, stream)
-            d = torch.tensor(dst, device=device)
-            s = torch.tensor(src, device=device)
-            bad = 0
-            for b, t in enumerate(tensors):
-                got = t.view(torch.uint8).view(num_pages, lay.chunk_bytes).index_select(0, d)
-                bad += int((got != pattern(lay, b, s)).any(dim=1).sum())
-        stream.synchronize()
-        conn.send(bad)
-
-
-class Engine:
-    def __init__(self, layout_kwargs: dict, num_pages: int, one_storage: bool = False):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_main, args=(child, layout_kwargs, num_pages, DEVICE, one_storage),
-                                daemon=True)
-        self.proc.start()
-        if not self.conn.poll(300):
-            raise TimeoutError("engine process did not export its buffers")
-        self.specs = self.conn.recv()
-
-    def expect(self, handles, dst, src) -> int:
-        self.conn.send(("expect", handles, list(dst), list(src)))
-        return self.conn.recv()
-
-    def close(self):
-        try:
-            self.conn.send(("exit",))
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(60)
-
-
 @pytest.fixture
 def engine_factory():
     engines = []
 
     def make(layout_kwargs, num_pages, one_storage=False):
-        engines.append(Engine(layout_kwargs, num_pages, one_storage))
+        engines.append(IpcEngine(DEVICE))
+        engines[-1].alloc(layout_kwargs, num_pages, one_storage)
         return engines[-1]
     yield make
     for e in engines:

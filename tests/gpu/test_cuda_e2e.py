@@ -25,8 +25,9 @@ import torch
 from radixkv.client import Client
 from radixkv.kvbuffers import CudaKvBuffers
 from radixkv.layout import KvLayout
-from radixkv.sim import KvPattern, SimBuffers, page_keys
+from radixkv.sim import page_keys
 from radixkv.types import pack
+from tests.support.engine import EngineDouble
 
 pytestmark = pytest.mark.gpu
 
@@ -37,20 +38,18 @@ PROMPT_PAGES = 1024   # a 128 MiB load-back: long enough that later layers may s
 HOST_FLAGS = ("--host-pool-size", "160MiB")
 
 
-class GpuEngine:
-    """This process as an engine: CUDA KV buffers, the sim's byte pattern, a session."""
+class GpuEngine(EngineDouble):
+    """This process as an engine: the engine double (tests/support/engine.py) on CUDA
+    buffers, with the sim's byte pattern and a session."""
 
     def __init__(self, target: str, device: int, policy: str, num_pages: int = DEVICE_PAGES,
                  namespace: str = "gpu/tp0"):
+        super().__init__(LAYOUT, num_pages, backend="cuda", device=device)
         self.device = device
         self.namespace = namespace
-        self.buffers = SimBuffers.create(LAYOUT, num_pages, "cuda", device)
-        self.kv = KvPattern(LAYOUT, self.buffers.tensors, num_pages)
         self.stream = self.buffers.stream
-        CudaKvBuffers.forget_events()  # each test has a new daemon, hence new event handles
-        self.client = Client(target, timeout=60)
-        self.reg = self.client.register(namespace, LAYOUT, self.buffers.specs, num_pages, backend="cuda",
-                                        device=device, write_policy=policy, engine=f"pytest pid {os.getpid()}")
+        self.reg = self.register(Client(target, timeout=60), namespace, write_policy=policy,
+                                 engine=f"pytest pid {os.getpid()}")
 
     def write(self, pages, keys) -> None:
         with torch.cuda.stream(self.stream):
@@ -61,8 +60,8 @@ class GpuEngine:
         """Overwrite `pages` of every buffer (a load-back must really copy)."""
         idx = torch.tensor(list(pages), device=self.device)
         with torch.cuda.stream(self.stream):
-            for t in self.buffers.tensors:
-                t.view(torch.uint8).view(self.buffers.num_pages, LAYOUT.chunk_bytes)[idx] = 0xA5
+            for b in range(LAYOUT.num_buffers):
+                self.page_view(b)[idx] = 0xA5
         self.stream.synchronize()
 
     def mismatches(self, pages, keys, stream, layers=None) -> tuple[int, int]:
@@ -71,7 +70,7 @@ class GpuEngine:
         with torch.cuda.stream(stream):
             return self.kv.mismatches(pages, keys, buffers)
 
-    def evict(self, n: int, timeout: float = 30.0) -> tuple[list[int], int]:
+    def evict_until(self, n: int, timeout: float = 30.0) -> tuple[list[int], int]:
         """Evict until `n` pages came back (a backup may still be running): (pages, written back)."""
         freed, written, deadline = [], 0, time.monotonic() + timeout
         while len(freed) < n and time.monotonic() < deadline:
@@ -85,10 +84,6 @@ class GpuEngine:
     def host_pages_used(self) -> int:
         (ns,) = [s for s in self.client.stats(self.namespace).namespaces if s.namespace == self.namespace]
         return ns.host_pages_used
-
-    def close(self) -> None:
-        self.client.close()
-        self.buffers.close()
 
 
 def tokens_of(pages: int, salt: int = 0) -> bytes:
@@ -112,7 +107,7 @@ def round_trip(eng: GpuEngine, policy: str, pages: int) -> dict:
         while eng.host_pages_used() < pages and time.monotonic() < deadline:
             time.sleep(0.01)
         assert eng.host_pages_used() == pages, "write-through backup did not finish"
-    freed, written = eng.evict(pages)
+    freed, written = eng.evict_until(pages)
     assert sorted(freed) == src
     assert written == (pages if policy == "write_back" else 0)
     eng.scribble(src)
@@ -140,7 +135,7 @@ def round_trip(eng: GpuEngine, policy: str, pages: int) -> dict:
     (again,) = eng.client.match([toks])
     assert again.device_tokens == pages * LAYOUT.page_size and list(again.device_pages) == dst
     # The pages now sit on device and host: evicting them costs no copy.
-    freed, written = eng.evict(pages)
+    freed, written = eng.evict_until(pages)
     assert sorted(freed) == sorted(dst) and written == 0
     assert eng.client.check_invariants() == []
     return {"later_layers_in_flight": later_in_flight}
