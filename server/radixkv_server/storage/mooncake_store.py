@@ -317,9 +317,9 @@ class MooncakeStorage(StorageBackend):
                 self._failed_at = time.monotonic()
             return
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
-        # The store logs every failed call; this backend logs one clear line per condition.
-        # GLOG_minloglevel=0 in the daemon's environment brings the store's own lines back.
-        os.environ.setdefault("GLOG_minloglevel", "3")
+        # The store's INFO lines stay out of the daemon's log; MC_LOG_LEVEL=INFO in the
+        # daemon's environment brings them back.
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         from mooncake.store import MooncakeDistributedStore
         store = MooncakeDistributedStore()
         code = store.setup(*self._setup_args)
