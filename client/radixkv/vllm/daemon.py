@@ -59,7 +59,8 @@ class DaemonAdapter:
         self.config = config
         self.engine = engine
         self.memory: KvMemory | None = None
-        self._client = Client(config.target, timeout=config.timeout_s)
+        self._client = Client(config.target, timeout=config.timeout_s,
+                              on_session_lost=self._session_lost)
         self._lock = threading.Lock()
         self._held = 0  # vLLM blocks the daemon's tree holds right now (0 between calls)
         self.broken = ""  # why loads and saves stopped (the daemon kept vLLM blocks)
@@ -181,14 +182,19 @@ class DaemonAdapter:
             return
         try:
             freed = len(self._client.evict(self.memory.num_blocks).freed_pages)
-        except RadixKVError as e:
-            freed, why = 0, str(e)
-        else:
-            why = f"Evict returned {freed} of the {self._held} blocks it held"
+        except RadixKVError as e:  # unreachable: retried after the next call, or the
+            log.warning("radixkv: could not take vLLM's blocks back yet: %s", e)  # session is lost
+            return
         self._held -= freed
         if self._held > 0:
-            self.broken = f"the daemon kept vLLM blocks: {why}"
+            self.broken = f"the daemon kept vLLM blocks: Evict returned {freed} of {freed + self._held}"
             log.error("radixkv: %s; loads and saves are off for this engine", self.broken)
+
+    def _session_lost(self, lost) -> None:
+        """The client registered again (daemon restarted or session expired): the new
+        session holds no device page, so nothing of vLLM's is held any more."""
+        log.warning("radixkv: %s", lost)
+        self._held = 0
 
     def _release(self, leases: list[int]) -> None:
         leases = [x for x in leases if x]

@@ -1,0 +1,101 @@
+"""The connector's parts that need no vLLM engine: vLLM's KV allocation placed in shared
+memory, its description for Register, the settings, and the daemon adapter moving real
+pages between blocks through a real daemon (save, lookup, load, a local prefix left alone).
+"""
+
+import os
+
+import pytest
+import torch
+
+from radixkv import Client
+from radixkv.vllm.config import ConnectorConfig
+from radixkv.vllm.daemon import DaemonAdapter
+from radixkv.vllm.kvmemory import ShmAllocation, describe
+
+BLOCKS, LAYERS, HEADS, TOKENS, CONTENT = 16, 2, 2, 32, 16  # CONTENT: float32 per token and head
+
+
+def vllm_like_views(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-layer [B, H, N, C] float32 views of a flat int8 buffer, layer-outermost (LBHNC),
+    as vLLM's allocate_kv_cache makes them on CPU."""
+    per_layer = BLOCKS * HEADS * TOKENS * CONTENT * 4
+    return {f"model.layers.{i}.self_attn.attn":
+            raw[i * per_layer:(i + 1) * per_layer].view(torch.float32).view(BLOCKS, HEADS, TOKENS, CONTENT)
+            for i in range(LAYERS)}
+
+
+@pytest.fixture
+def shm_kv():
+    """(views, allocation): vLLM-like KV views inside a shared-memory allocation."""
+    alloc = ShmAllocation()
+    with alloc:
+        raw = torch.zeros(LAYERS * BLOCKS * HEADS * TOKENS * CONTENT * 4, dtype=torch.int8)
+        other = torch.zeros(8, dtype=torch.int8)  # only the first int8 allocation moves
+    assert other.data_ptr() != raw.data_ptr()
+    yield vllm_like_views(raw), alloc
+    alloc.segment.unlink()
+
+
+def test_the_kv_allocation_lands_in_a_segment_another_process_can_map(shm_kv):
+    views, alloc = shm_kv
+    seg = alloc.segment
+    views["model.layers.1.self_attn.attn"][3].fill_(1.5)
+    mapped = torch.from_file(seg.path, shared=True, size=seg.size, dtype=torch.int8)
+    layer1 = vllm_like_views(mapped)["model.layers.1.self_attn.attn"]
+    assert torch.equal(layer1[3], torch.full_like(layer1[3], 1.5))
+    seg.unlink()
+    assert not os.path.exists(seg.path)
+
+
+def test_describe_gives_one_buffer_per_layer_and_a_block_as_a_page(shm_kv):
+    views, alloc = shm_kv
+    memory = describe(views, alloc.segment.tensor, b"seg", TOKENS)
+    page = HEADS * TOKENS * CONTENT * 4
+    assert memory.num_blocks == BLOCKS and memory.page_bytes == page == memory.block_stride
+    assert [b.offset for b in memory.buffers] == [0, BLOCKS * page]
+    assert memory.layout.chunk_bytes == page and memory.layout.num_buffers == LAYERS
+
+
+def test_describe_refuses_what_it_cannot_copy(shm_kv):
+    views, alloc = shm_kv
+    elsewhere = {"x": torch.zeros(BLOCKS, HEADS, TOKENS, CONTENT)}
+    with pytest.raises(ValueError, match="not in the shared-memory allocation"):
+        describe(elsewhere, alloc.segment.tensor, b"seg", TOKENS)
+    with pytest.raises(ValueError, match="tokens per block"):
+        describe(views, alloc.segment.tensor, b"seg", 2 * TOKENS)
+
+
+def test_settings_refuse_unknown_keys_and_wrong_types():
+    assert ConnectorConfig.from_extra({}, "m").namespace == "vllm/m"
+    with pytest.raises(ValueError, match="unknown.*'tagret'"):
+        ConnectorConfig.from_extra({"tagret": "x"}, "m")
+    with pytest.raises(ValueError, match="timeout_s.*float"):
+        ConnectorConfig.from_extra({"timeout_s": "5"}, "m")
+
+
+def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_prefix(shm_kv, daemon):
+    views, alloc = shm_kv
+    memory = describe(views, alloc.segment.tensor, alloc.segment.name.encode(), TOKENS)
+    adapter = DaemonAdapter(ConnectorConfig(target=daemon.target, namespace="unit"), engine="test")
+    adapter.attach(memory)
+    try:
+        for layer, v in enumerate(views.values()):
+            v[1].fill_(10 + layer)
+            v[2].fill_(20 + layer)
+        tokens = torch.arange(3, 3 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
+        assert adapter.save(tokens, [1, 2])
+        [hit] = adapter.lookup([tokens])
+        assert hit.tokens == 2 * TOKENS and hit.lease
+        for v in views.values():
+            v[3].fill_(-1)  # vLLM's own copy of page 0 (a local prefix-cache hit)
+        assert adapter.load(tokens, [3, 7], 1, hit.node, hit.lease) == 1
+        for layer, v in enumerate(views.values()):
+            assert torch.equal(v[7], torch.full_like(v[7], 20 + layer))
+            assert torch.equal(v[3], torch.full_like(v[3], -1))  # never written
+        with Client(daemon.target) as c:
+            [ns] = c.stats("unit").namespaces
+            assert ns.device_pages_held == 0  # the daemon kept none of vLLM's blocks
+            assert c.check_invariants("unit") == []
+    finally:
+        adapter.close()
