@@ -199,13 +199,28 @@ class RedisCluster:
             self._start_node(port)
         for port in self.ports:
             poll(lambda p=port: self._pings(p), START_TIMEOUT_S, f"redis-server on {port}")
-        nodes = [f"127.0.0.1:{p}" for p in self.ports]
-        extra = ["--cluster-replicas", str(self.replicas)] if self.replicas else []
-        subprocess.run(["redis-cli", "--cluster", "create", *nodes, *extra, "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        if self.masters < 3:  # redis-cli creates clusters of 3 masters or more
+            self._assign_slots()
+        else:
+            nodes = [f"127.0.0.1:{p}" for p in self.ports]
+            extra = ["--cluster-replicas", str(self.replicas)] if self.replicas else []
+            subprocess.run(["redis-cli", "--cluster", "create", *nodes, *extra, "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
         self.wait_ok()
         poll(self._replicas_synced, START_TIMEOUT_S, "every replica in sync with its master")
         return self
+
+    def _assign_slots(self) -> None:
+        """A cluster of 1 or 2 masters (no replicas) made by hand: slots split evenly, MEET."""
+        if self.replicas:
+            raise ValueError("clusters of fewer than 3 masters are made without replicas here")
+        step = 16384 // self.masters
+        for i, port in enumerate(self.ports):
+            with self.client(port) as c:
+                last = 16383 if i == self.masters - 1 else (i + 1) * step - 1
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
+                for other in self.ports[:i]:
+                    c.execute_command("CLUSTER", "MEET", "127.0.0.1", other)
 
     def _replicas_synced(self) -> bool:
         for port in self.ports:
