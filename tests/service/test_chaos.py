@@ -49,7 +49,7 @@ def test_the_checker_catches_corrupted_pages(daemon_factory):
         cached = engine.pool.cached()
         assert cached
         for i in range(chaos.LAYOUT.num_buffers):
-            engine.buffers.page_view(i)[cached] ^= 0x5A
+            engine.page_view(i)[cached] ^= 0x5A
         for _ in range(40):
             engine.guarded_step()
         assert engine.counts.byte_mismatches > 0

@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass
 
 from radixkv.client import Client
 from radixkv.errors import NotFound, RadixKVError, SessionLost, Unavailable
-from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.layout import KvLayout
 from radixkv.reconnect import Backoff
-from radixkv.sim.kv import KvPattern, page_keys
-from radixkv.sim.pages import PagePool
+from radixkv.sim.kv import page_keys
 from radixkv.types import Prompt, pack
+
+from tests.support.engine import EngineDouble
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", page_size=4)
 NUM_PAGES = 160
@@ -63,21 +63,22 @@ class Counts:
     last_error: str = ""
 
 
-class ChaosEngine:
+class ChaosEngine(EngineDouble):
+    """The engine double (`tests.support.engine`: buffers, pattern KV, page pool,
+    allocation) driven by random scheduler steps that survive daemon faults."""
+
     def __init__(self, target: str, namespace: str, policy: str, seed: int, stall: float = 0.0):
+        super().__init__(LAYOUT, NUM_PAGES)
         self.rng = random.Random(seed)
         self.namespace = namespace
         self.policy = policy
         self.stall = stall
         self.counts = Counts()
-        self.buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
-        self.kv = KvPattern(LAYOUT, [self.buffers.buffer(i) for i in range(LAYOUT.num_buffers)], NUM_PAGES)
         self.page_bytes = LAYOUT.page_bytes
-        self.client = Client(target, timeout=30, reconnect=Backoff(initial=0.05, maximum=1.0))
-        self.client.wait_ready(60)
-        self.client.register(namespace, LAYOUT, self.buffers.specs(), NUM_PAGES, write_policy=policy,
-                             host_pool_pages=HOST_PAGES, replace_existing=True, engine=f"chaos pid {os.getpid()}")
-        self.pool = PagePool(NUM_PAGES)
+        client = Client(target, timeout=30, reconnect=Backoff(initial=0.05, maximum=1.0))
+        client.wait_ready(60)
+        self.register(client, namespace, write_policy=policy, host_pool_pages=HOST_PAGES,
+                      replace_existing=True, engine=f"chaos pid {os.getpid()}")
         self.stop_file = ""
         self.systems = [pack(self.rng.randrange(1, 30000) for _ in range(PS * self.rng.randint(2, 8)))
                         for _ in range(12)]
@@ -129,7 +130,7 @@ class ChaosEngine:
     def lost(self, e: SessionLost) -> None:
         self.counts.session_losses += 1
         self.counts.daemon_restarts += type(e).__name__ == "DaemonRestarted"
-        self.pool = PagePool(NUM_PAGES)  # the daemon holds none of our pages any more
+        self.forget_cache()  # the daemon holds none of our pages any more
 
     # -- one scheduler step --------------------------------------------------------------
 
@@ -165,7 +166,7 @@ class ChaosEngine:
             deps = set(m.depends_on)
             counts.device_hit_pages += len(prefix)
             if m.host_tokens and prefix is not None:
-                prefix, deps = self.load(m, prefix, deps)
+                prefix, deps = self.load_host(m, prefix, deps)
             plans.append((tokens, extra, m.lease, prefix, deps))
         wanted = set().union(*(p[4] for p in plans))
         outcomes = c.wait(wanted, timeout=30) if wanted else {}
@@ -178,9 +179,9 @@ class ChaosEngine:
                 prefix = []  # recompute: never read what did not arrive
             self.finish(tokens, extra, lease, prefix)
         if self.rng.random() < 0.1:
-            self.pool.from_cache(c.evict(self.rng.randint(1, 24)).freed_pages, "Evict")
+            self.evict(self.rng.randint(1, 24))
 
-    def load(self, m, prefix: list[int], deps: set[int]):
+    def load_host(self, m, prefix: list[int], deps: set[int]):
         need = m.host_tokens // PS
         pages = self.allocate(need, partial=True)
         if not pages:
@@ -247,14 +248,6 @@ class ChaosEngine:
             except NotFound:
                 self.counts.expired += 1
 
-    def allocate(self, n: int, partial: bool = False) -> list[int] | None:
-        short = n - self.pool.num_free
-        if short > 0:
-            self.pool.from_cache(self.client.evict(short).freed_pages, "Evict")
-        if self.pool.can_allocate(n):
-            return self.pool.allocate(n)
-        return self.pool.allocate(self.pool.num_free) if partial else None
-
     # -- reporting ---------------------------------------------------------------------
 
     def save(self, path: str) -> None:
@@ -265,10 +258,6 @@ class ChaosEngine:
         with open(tmp, "w") as f:
             json.dump(out, f)
         os.replace(tmp, path)
-
-    def close(self) -> None:
-        self.client.close()
-        self.buffers.close()
 
 
 def main(argv=None) -> int:
