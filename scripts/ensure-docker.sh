@@ -24,19 +24,27 @@ if ((${#missing[@]})); then
 fi
 
 docker info >/dev/null 2>&1 && exit 0
-if [[ -S /var/run/docker.sock ]] && pgrep -x dockerd >/dev/null; then
-  echo "waiting for the running dockerd"
-else
+dockerd_alive() { ps -C dockerd -o stat= | grep -qv '^Z'; }  # zombies do not count
+start_dockerd() {
   echo "starting dockerd (log: $DOCKERD_LOG)"
   # Where an init system runs, let it own the daemon; elsewhere (containers, CI) start it.
   if [[ -d /run/systemd/system ]]; then
     $sudo systemctl start docker
   else
+    # A killed dockerd's pid file makes a new one refuse to start while the old pid is
+    # still a zombie; no live dockerd is left here, so the file is stale.
+    $sudo rm -f /var/run/docker.pid
     $sudo bash -c "nohup dockerd >>'$DOCKERD_LOG' 2>&1 </dev/null &"
   fi
-fi
+}
+last_start=-10
 deadline=$((SECONDS + DEADLINE_S))
 until docker info >/dev/null 2>&1; do
+  # One that is starting gets the time to; one that is gone (or was dying) is replaced.
+  if ! dockerd_alive && ((SECONDS - last_start >= 3)); then
+    start_dockerd
+    last_start=$SECONDS
+  fi
   if ((SECONDS >= deadline)); then
     echo "error: dockerd did not answer within ${DEADLINE_S}s; last log lines:" >&2
     tail -n 20 "$DOCKERD_LOG" >&2 || true

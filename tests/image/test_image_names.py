@@ -3,6 +3,7 @@ Kubernetes example names an image `make image-push` produces, the Makefile's def
 radixkv:<version in pyproject.toml>, and docs/image.md gives the command for the tag the
 manifest uses."""
 
+import os
 import re
 import subprocess
 import tomllib
@@ -17,8 +18,10 @@ MANIFEST = REPO / "deploy" / "kubernetes" / "engine-with-radixkv.yaml"
 
 def pushed_by_make(*variables: str) -> str:
     """The reference `make image-push` would push, read from its dry run."""
+    # Not the settings of a `make test` this runs under (jobserver, -n, variables).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     done = subprocess.run(["make", "-n", "--no-print-directory", "image-push", *variables],
-                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True)
     (push,) = [line.split()[-1] for line in done.stdout.splitlines() if line.startswith("docker push ")]
     return push
 
