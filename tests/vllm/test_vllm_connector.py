@@ -9,6 +9,7 @@ another model's layout stops vLLM at startup with a message naming the problem.
 import pytest
 
 from radixkv import Client, KvLayout
+from tests.support.daemon import wait_for
 
 from tests.vllm.engines import connector_config, generate, prompt
 
@@ -95,3 +96,22 @@ def test_a_namespace_with_another_layout_stops_vllm_at_startup(engines, daemon):
 def test_unknown_connector_settings_are_refused(engines, daemon):
     with pytest.raises(Exception, match="unknown kv_connector_extra_config keys.*'tagret'"):
         engines.start(kv_transfer_config=connector_config(daemon.target, tagret="x"))
+
+
+def test_a_restarted_daemon_with_file_storage_serves_the_prefix_from_storage(engines, daemon_factory, tmp_path):
+    flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
+    p = prompt(PROMPT_TOKENS, seed=5)
+    first = daemon_factory(*flags)
+    llm = engines.start(first.target)
+    [cold] = generate(llm, [p])
+    engines.stop(llm)
+    wait_for(lambda: counters(first.target)["stored_tokens"] >= PROMPT_TOKENS, 30, "pages stored")
+    assert first.stop() == 0
+
+    second = daemon_factory(*flags)  # empty host tier, same storage
+    llm = engines.start(second.target)
+    [warm] = generate(llm, [p])
+    assert warm.cached_tokens == CACHEABLE
+    assert warm.tokens == cold.tokens
+    after = counters(second.target)
+    assert after["prefetched_tokens"] >= CACHEABLE and after["loaded_tokens"] == CACHEABLE

@@ -92,13 +92,22 @@ class DaemonAdapter:
     # -- scheduler side ----------------------------------------------------------------
 
     def lookup(self, prompts: list[bytes]) -> list[Hit]:
-        """One batched Match with leases: the host-tier hit of each prompt (packed
-        tokens). A daemon that cannot answer gives misses."""
+        """The host-tier hit of each prompt (packed tokens), leased: one batched Match
+        that also asks the storage tier; prompts with more in storage are staged to host
+        (Prefetch, waiting for it) and matched again. Runs on the lookup thread, so the
+        staging never blocks vLLM's scheduler. A daemon that cannot answer gives misses."""
         if not prompts or self.broken:
             return [MISS] * len(prompts)
         try:
-            with self._lock:
-                results = self._client.match(prompts, lease=True)
+            results = self._match(prompts)
+            staged = [i for i, r in enumerate(results) if r.storage_tokens]
+            for i in staged:
+                self._client.prefetch(prompts[i], policy="wait_complete")
+            if staged:
+                again = self._match([prompts[i] for i in staged])
+                self._release([results[i].lease for i in staged])
+                for i, r in zip(staged, again):
+                    results[i] = r
         except RadixKVError as e:
             log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
             return [MISS] * len(prompts)
@@ -110,6 +119,10 @@ class DaemonAdapter:
             else:
                 hits.append(Hit(r.host_tokens, r.host_node, r.lease))
         return hits
+
+    def _match(self, prompts: list[bytes]):
+        with self._lock:
+            return self._client.match(prompts, lease=True, include_storage=True)
 
     def release(self, leases: list[int]) -> None:
         """Release lookup leases (0s skipped); failures are logged (the daemon releases a
