@@ -11,7 +11,7 @@ import torch
 from radixkv import Client
 from radixkv.vllm.config import ConnectorConfig
 from radixkv.vllm.daemon import DaemonAdapter
-from radixkv.vllm.kvmemory import ShmAllocation, describe
+from radixkv.vllm.kvmemory import PREFIX, ShmAllocation, ShmSegment, describe, remove_orphans
 
 BLOCKS, LAYERS, HEADS, TOKENS, CONTENT = 16, 2, 2, 32, 16  # CONTENT: float32 per token and head
 
@@ -99,3 +99,18 @@ def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_pref
             assert c.check_invariants("unit") == []
     finally:
         adapter.close()
+
+
+def test_segments_of_dead_engines_are_removed_and_live_ones_kept():
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    orphan = ShmSegment(4096, name=f"{PREFIX}{dead}_test")
+    mine = ShmSegment(4096)
+    try:
+        assert orphan.name in remove_orphans()
+        assert not os.path.exists(orphan.path) and os.path.exists(mine.path)
+    finally:
+        orphan.unlink()
+        mine.unlink()

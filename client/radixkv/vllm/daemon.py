@@ -101,8 +101,9 @@ class DaemonAdapter:
         try:
             results = self._match(prompts)
             staged = [i for i, r in enumerate(results) if r.storage_tokens]
-            for i in staged:
-                self._client.prefetch(prompts[i], policy="wait_complete")
+            for i in staged:  # under the lock: one client, one recovery at a time
+                with self._lock:
+                    self._client.prefetch(prompts[i], policy="wait_complete")
             if staged:
                 again = self._match([prompts[i] for i in staged])
                 self._release([results[i].lease for i in staged])

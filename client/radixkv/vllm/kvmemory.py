@@ -14,6 +14,7 @@ does not need to know the attention backend's interior layout (CPU attention kee
 V of a block together; the daemon never looks inside).
 """
 
+import atexit
 import os
 import secrets
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class ShmSegment:
         os.close(fd)
         self.size = size
         self.tensor = torch.from_file(self.path, shared=True, size=size, dtype=torch.int8)
+        atexit.register(self.unlink)  # an engine that exits without shutdown()
 
     def unlink(self) -> None:
         """Remove the segment's name. Idempotent."""
@@ -68,6 +70,7 @@ class ShmAllocation(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.segment: ShmSegment | None = None
+        remove_orphans()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -76,6 +79,34 @@ class ShmAllocation(TorchFunctionMode):
             self.segment = ShmSegment(int(size))
             return self.segment.tensor
         return func(*args, **kwargs)
+
+
+def remove_orphans() -> list[str]:
+    """Unlink segments of engines that died without cleaning up (their pid is gone);
+    returns their names. A daemon that still maps one keeps its mapping."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("_", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_flat_int8_cpu(args, kwargs) -> bool:
@@ -149,4 +180,4 @@ def describe(kv_caches: dict[str, torch.Tensor], base: torch.Tensor, handle: byt
     return KvMemory(layout, specs, num_blocks, block_stride, page_bytes, names)
 
 
-__all__ = ["KvMemory", "PREFIX", "ShmAllocation", "ShmSegment", "describe"]
+__all__ = ["KvMemory", "PREFIX", "ShmAllocation", "ShmSegment", "describe", "remove_orphans"]

@@ -78,7 +78,11 @@ class Lookups:
                     return
                 batch, self._queued = self._queued, {}
                 self._inflight = set(batch)
-            hits = self._adapter.lookup(list(batch.values()))
+            try:
+                hits = self._adapter.lookup(list(batch.values()))
+            except Exception:  # never let the thread die: vLLM would wait on None forever
+                log.exception("radixkv: lookup failed; %d requests get no hit", len(batch))
+                hits = [MISS] * len(batch)
             stale = []
             with self._cond:
                 self._inflight = set()
