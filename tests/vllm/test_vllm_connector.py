@@ -30,7 +30,9 @@ def test_output_is_the_same_without_radixkv_cold_and_warm(engines, daemon):
     p = prompt(PROMPT_TOKENS, seed=1)
     plain = engines.start()
     [base] = generate(plain, [p])
+    [local] = generate(plain, [p])  # served from vLLM's own prefix cache
     engines.stop(plain)
+    assert local.cached_tokens == CACHEABLE
 
     llm = engines.start(daemon.target)
     [cold] = generate(llm, [p])
@@ -43,8 +45,10 @@ def test_output_is_the_same_without_radixkv_cold_and_warm(engines, daemon):
     restarted = engines.start(daemon.target)  # vLLM's own prefix cache is empty now
     [warm] = generate(restarted, [p])
     assert warm.cached_tokens == CACHEABLE
+    # Bit for bit what vLLM's own prefix cache gives (both differ from a cold prefill in
+    # the last float digits: the last block is computed apart from the rest).
+    assert (warm.tokens, warm.logprobs) == (local.tokens, local.logprobs)
     assert warm.tokens == base.tokens
-    assert warm.logprobs == pytest.approx(base.logprobs, abs=1e-4)
     after = counters(daemon.target)
     assert after["loaded_tokens"] - saved["loaded_tokens"] == CACHEABLE
     assert after["host_hit_tokens"] > saved["host_hit_tokens"]
