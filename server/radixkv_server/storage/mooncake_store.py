@@ -34,11 +34,10 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
-
-import numpy as np
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Read, StorageBackend, StorageTimeout, StorageUnavailable
+from .mooncake_calls import Call, Caller, address, both
 from .record import HEADER_BYTES, header
 
 log = logging.getLogger(__name__)
@@ -53,52 +52,21 @@ MIN_SEGMENT = 16 << 20     # the store refuses smaller segments and local buffer
 RETRY_INTERVAL_S = 1.0     # after a failed setup(), the next call waits this long to retry
 
 
-def address(buffer) -> int:
-    """The address of a C-contiguous buffer (read-only ones too)."""
-    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data if memoryview(buffer).nbytes else 0
-
-
-class _Headers:
-    """A registered arena of header slots; a call holds its slots until the store's call
-    has returned (it may still write them after a timeout). Thread-safe."""
-
-    def __init__(self, slots: int):
-        self.memory = np.zeros(slots * HEADER_BYTES, dtype=np.uint8)
-        self.base = self.memory.ctypes.data
-        self._free = list(range(slots))
-        self._lock = threading.Lock()  # worker threads take and give slots
-
-    def take(self, n: int) -> list[int] | None:
-        with self._lock:
-            if len(self._free) < n:
-                return None
-            taken, self._free = self._free[-n:], self._free[:-n]
-            return taken
-
-    def give(self, slots: list[int]) -> None:
-        with self._lock:
-            self._free.extend(slots)
-
-    def ptr(self, slot: int) -> int:
-        return self.base + slot * HEADER_BYTES
-
-    def view(self, slot: int) -> memoryview:
-        return memoryview(self.memory[slot * HEADER_BYTES:(slot + 1) * HEADER_BYTES])
-
-
 class MooncakeStorage(StorageBackend):
     """Pages in the Mooncake Store whose master listens at `master` ("host:port").
 
     Construction checks arguments only (ValueError); the store is joined lazily by the
-    first call. Thread-safe. `timeout` bounds every call (seconds); `max_batch` caps the
-    pages of one store call; `replicas` is how many copies of a page the store keeps.
+    first call. Thread-safe. `timeout` bounds every store call (seconds); a batch moves
+    in store calls of `max_batch` pages, the next one in flight while the pages of the
+    last are checksummed; `replicas` is how many copies of a page the store keeps.
     """
 
     faults = (OSError, RuntimeError)
 
     def __init__(self, master: str, *, segment_bytes: int = 512 << 20, buffer_bytes: int = 64 << 20,
                  protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", hostname: str = "127.0.0.1",
-                 rdma_devices: str = "", timeout: float = 2.0, prefix: str = "radixkv:", replicas: int = 1, max_batch: int = 128, call_threads: int = 4):
+                 rdma_devices: str = "", timeout: float = 2.0, prefix: str = "radixkv:", replicas: int = 1,
+                 max_batch: int = 32, call_threads: int = 4):
         _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max_batch, call_threads)
         super().__init__(f"mooncake://{master}")
         self.master = master
@@ -107,8 +75,8 @@ class MooncakeStorage(StorageBackend):
         self.max_batch = max_batch
         self._setup_args = (hostname, metadata, segment_bytes, buffer_bytes, protocol, rdma_devices, master)
         self._replicas = replicas
-        self._calls = ThreadPoolExecutor(call_threads, thread_name_prefix="radixkv-mooncake")
-        self._headers = _Headers(max_batch * (call_threads + 2))
+        self._calls = Caller(self.name, timeout, call_threads, max_batch)
+        self._headers = self._calls.slots
         self._lock = threading.Lock()  # guards the connection state below
         self._store = None             # a MooncakeDistributedStore once setup() succeeded
         self._connecting = None        # the Future of a setup() in flight
@@ -133,9 +101,9 @@ class MooncakeStorage(StorageBackend):
 
     def _exists_prefix(self, keys: list[bytes]) -> int:
         store, found = self._client(), 0
-        for i in range(0, len(keys), self.max_batch):
-            chunk = [self.store_key(k) for k in keys[i:i + self.max_batch]]
-            codes = self._run("exists_prefix", store.batch_is_exist, chunk)
+        for i in range(0, len(keys), 4 * self.max_batch):
+            chunk = [self.store_key(k) for k in keys[i:i + 4 * self.max_batch]]
+            codes = self._calls.run("exists_prefix", store.batch_is_exist, chunk)
             if found == 0 and codes and all(c < 0 for c in codes):
                 raise StorageUnavailable(self.name, "exists_prefix", detail="the master did not answer")
             for code in codes:
@@ -145,51 +113,84 @@ class MooncakeStorage(StorageBackend):
         return found
 
     def _get_into(self, keys: list[bytes], pages: list) -> list[Read]:
-        store, reads = self._client(), []
-        for i in range(0, len(keys), self.max_batch):
-            chunk_keys, chunk_pages = keys[i:i + self.max_batch], pages[i:i + self.max_batch]
-            if not all(self._attached(p) for p in chunk_pages):
-                reads += super()._get_into(chunk_keys, chunk_pages)  # copying path
-                continue
-            reads += self._get_chunk(store, chunk_keys, chunk_pages)
-            if reads[-1] is not Read.HIT:
-                break  # the leading run ended: later pages are not read
+        store = self._client()
+        if not all(self._attached(p) for p in pages):
+            return super()._get_into(keys, pages)  # copying path
+        spans = [(i, min(i + self.max_batch, len(keys))) for i in range(0, len(keys), self.max_batch)]
+        reads: list[Read] = []
+        call = self._start_get(store, keys, pages, *spans[0])
+        for n, span in enumerate(spans):
+            try:
+                following = self._start_get(store, keys, pages, *spans[n + 1]) if n + 1 < len(spans) else None
+            except BaseException as exc:
+                self._settle(call, exc)
+                raise
+            try:
+                got = self._finish_get(call, keys, pages, *span)
+            except BaseException as exc:
+                self._settle(following, exc)
+                raise
+            reads += got
+            if following is not None and any(r is not Read.HIT for r in got):
+                self._finish_get(following, keys, pages, *spans[n + 1])  # it writes pages: wait for it
+                break
+            call = following
         return reads + [Read.MISS] * (len(keys) - len(reads))
 
-    def _get_chunk(self, store, keys: list[bytes], pages: list) -> list[Read]:
-        slots = self._take_slots(len(keys), "get")
-        sizes = [[HEADER_BYTES, memoryview(p).nbytes] for p in pages]
-        ptrs = [[self._headers.ptr(s), address(p)] for s, p in zip(slots, pages)]
-        names = [self.store_key(k) for k in keys]
-        codes = self._run("get", store.batch_get_into_multi_buffers, names, ptrs, sizes,
-                          release=lambda: self._headers.give(slots))
-        self._raise_if_master_down(codes, "get")
-        reads = []
-        for key, slot, page, code, (head, body) in zip(keys, slots, pages, codes, sizes):
-            if code == head + body:
-                reads.append(self._verified(key, self._headers.view(slot), page))
-            else:  # absent, of another size, or its owner is gone: a miss
-                self._note_owner_gone(code)
-                reads.append(Read.MISS)
-        return reads
+    def _start_get(self, store, keys, pages, lo: int, hi: int) -> Call:
+        slots = self._calls.take_slots(hi - lo, "get")
+        ptrs = [[self._headers.ptr(s), address(p)] for s, p in zip(slots, pages[lo:hi])]
+        sizes = [[HEADER_BYTES, memoryview(p).nbytes] for p in pages[lo:hi]]
+        names = [self.store_key(k) for k in keys[lo:hi]]
+        return self._calls.start("get", store.batch_get_into_multi_buffers, names, ptrs, sizes, slots=slots)
+
+    def _finish_get(self, call: Call, keys, pages, lo: int, hi: int) -> list[Read]:
+        """Wait for a get and check each page in place against the header it brought."""
+        try:
+            codes = call.result()
+            self._raise_if_master_down(codes, "get")
+            reads = []
+            for key, slot, page, code in zip(keys[lo:hi], call.slots, pages[lo:hi], codes):
+                if code == HEADER_BYTES + memoryview(page).nbytes:
+                    reads.append(self._verified(key, self._headers.view(slot), page))
+                else:  # absent, of another size, or its owner is gone: a miss
+                    self._note_owner_gone(code)
+                    reads.append(Read.MISS)
+            return reads
+        finally:
+            call.done()
+
+    def _settle(self, call: Call | None, exc: BaseException) -> None:
+        """After `exc` ended a batch, wait for its other call in flight too; when that one
+        is stuck as well, `exc` (a StorageTimeout) covers both."""
+        if call is None:
+            return
+        try:
+            call.result()
+        except StorageTimeout as late:
+            if isinstance(exc, StorageTimeout):
+                exc.settled = both(exc.settled, late.settled)
+            else:
+                raise late from exc
+        except StorageUnavailable:
+            pass
+        finally:
+            call.done()
 
     def _get_blobs(self, keys: list[bytes]) -> list[bytes | None]:
         """Copying reads (pages outside attached memory): whole records through the
         store's local buffer. One larger than that buffer reads as empty: a miss."""
-        blobs = self._run("get", self._client().get_batch, [self.store_key(k) for k in keys])
+        blobs = self._calls.run("get", self._client().get_batch, [self.store_key(k) for k in keys])
         return [blob if blob else None for blob in blobs]
 
     def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
         store = self._client()
         names = [self.store_key(k) for k, _ in items]
-        present = self._run("put", store.batch_is_exist, names)
+        present = self._calls.run("put", store.batch_is_exist, names)
         self._raise_if_master_down(present, "put")
         todo = [i for i, code in enumerate(present) if code != 1]
+        codes = self._put_runs(store, [names[j] for j in todo], [items[j][1] for j in todo])
         stored = [False] * len(items)
-        codes = []
-        for i in range(0, len(todo), self.max_batch):
-            chunk = todo[i:i + self.max_batch]
-            codes += self._put_chunk(store, [names[j] for j in chunk], [items[j][1] for j in chunk])
         for j, code in zip(todo, codes):
             stored[j] = code == 0
         failed = [c for c in codes if c != 0]
@@ -201,33 +202,59 @@ class MooncakeStorage(StorageBackend):
                 f"{len(failed)} of {len(items)} pages not stored (codes {sorted(set(failed))})"))
         return stored
 
+    def _put_runs(self, store, names: list[str], payloads: list) -> list[int]:
+        """Store calls of max_batch pages; the next batch's headers (checksums) are made
+        while the previous call runs."""
+        if not all(self._attached(p) for p in payloads):  # copying path
+            return [self._calls.run("put", store.put_parts, n, header(p), p, config=self._config())
+                    for n, p in zip(names, payloads)]
+        codes: list[int] = []
+        call = None
+        for lo in range(0, len(names), self.max_batch):
+            try:
+                following = self._start_put(store, names[lo:lo + self.max_batch], payloads[lo:lo + self.max_batch])
+            except BaseException as exc:
+                self._settle(call, exc)
+                raise
+            if call is not None:
+                codes += self._finish_put(call, following)
+            call = following
+        if call is not None:
+            codes += self._finish_put(call, None)
+        return codes
+
+    def _start_put(self, store, names: list[str], payloads: list) -> Call:
+        slots = self._calls.take_slots(len(names), "put")
+        for slot, payload in zip(slots, payloads):
+            self._headers.view(slot)[:] = header(payload)
+        ptrs = [[self._headers.ptr(s), address(p)] for s, p in zip(slots, payloads)]
+        sizes = [[HEADER_BYTES, memoryview(p).nbytes] for p in payloads]
+        return self._calls.start("put", store.batch_put_from_multi_buffers, names, ptrs, sizes, self._config(),
+                                 slots=slots)
+
+    def _finish_put(self, call: Call, following: Call | None) -> list[int]:
+        try:
+            return call.result()
+        except BaseException as exc:
+            self._settle(following, exc)
+            raise
+        finally:
+            call.done()
+
     def _put_blobs(self, records):  # put() goes through _put_pages, never here
         raise NotImplementedError("MooncakeStorage stores pages through _put_pages")
 
-    def _put_chunk(self, store, names: list[str], payloads: list) -> list[int]:
-        slots = self._take_slots(len(names), "put")
-        for slot, payload in zip(slots, payloads):
-            self._headers.view(slot)[:] = header(payload)
-        if not all(self._attached(p) for p in payloads):  # copying path
-            self._headers.give(slots)
-            return [self._run("put", store.put_parts, n, header(p), p, config=self._config())
-                    for n, p in zip(names, payloads)]
-        ptrs = [[self._headers.ptr(s), address(p)] for s, p in zip(slots, payloads)]
-        sizes = [[HEADER_BYTES, memoryview(p).nbytes] for p in payloads]
-        return self._run("put", store.batch_put_from_multi_buffers, names, ptrs, sizes, self._config(),
-                         release=lambda: self._headers.give(slots))
-
     def _discard(self, keys: list[bytes]) -> None:
         # force: a damaged page is dropped even while a reader's lease holds it
-        self._run("discard", self._client().batch_remove, [self.store_key(k) for k in keys], True)
+        self._calls.run("discard", self._client().batch_remove, [self.store_key(k) for k in keys], True)
 
     def _check(self) -> None:
-        code = self._run("check", self._client().health_check)
+        code = self._calls.run("check", self._client().health_check)
         if code != 0:
             raise StorageUnavailable(self.name, "check", detail=f"health_check answered {code}")
 
     def _close(self) -> None:
-        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._calls.close()
         with self._lock:
             store, self._store = self._store, None
         if store is not None:
@@ -236,34 +263,7 @@ class MooncakeStorage(StorageBackend):
             except Exception as exc:  # closing is best effort
                 log.warning("storage %s: close: %s", self.name, exc)
 
-    # -- calls with a deadline -----------------------------------------------------------
-
-    def _run(self, operation: str, fn, *args, release=None, timeout: float | None = None, **kwargs):
-        """fn(*args) on a call thread, waited for at most `timeout` (default self.timeout)
-        seconds; `release` runs once the store's call has returned, however it ended."""
-        try:
-            future = self._calls.submit(fn, *args, **kwargs)
-        except RuntimeError as exc:  # shut down
-            if release:
-                release()
-            raise StorageUnavailable(self.name, operation, detail="the backend is closed") from exc
-        if release is not None:
-            future.add_done_callback(lambda _: release())
-        seconds = self.timeout if timeout is None else timeout
-        try:
-            return future.result(seconds)
-        except FutureTimeout:
-            if future.cancel():  # never started: nothing can touch the buffers
-                raise StorageUnavailable(self.name, operation,
-                                         detail=f"no call thread free within {seconds:g}s") from None
-            raise StorageTimeout(self.name, operation, seconds, future) from None
-
-    def _take_slots(self, n: int, operation: str) -> list[int]:
-        slots = self._headers.take(n)
-        if slots is None:
-            raise StorageUnavailable(self.name, operation,
-                                     detail="too many store calls still unanswered (header slots in use)")
-        return slots
+    # -- helpers ----------------------------------------------------------------------
 
     def _attached(self, buffer) -> bool:
         start = address(buffer)

@@ -1,0 +1,142 @@
+"""Store calls with a deadline, for MooncakeStorage.
+
+A Mooncake call cannot be cancelled once it runs, and one to a frozen peer blocks for
+30-60 s. `Caller.start` runs it on a call thread and returns a `Call`; `Call.result()`
+waits at most the timeout and raises StorageTimeout when the call is still running. The
+buffers a call was given (header slots from `Slots`, host pages) may be touched until it
+returns: a Call gives its header slots back only once its call has returned AND its
+owner has read them (`Call.done()`), and StorageTimeout carries the future that
+completes when the store lets go.
+"""
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+
+import numpy as np
+
+from .base import StorageTimeout, StorageUnavailable
+from .record import HEADER_BYTES
+
+
+def address(buffer) -> int:
+    """The address of a C-contiguous buffer (read-only ones too); 0 when empty."""
+    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data if memoryview(buffer).nbytes else 0
+
+
+class Slots:
+    """A registered arena of record-header slots. Thread-safe."""
+
+    def __init__(self, count: int):
+        self.memory = np.zeros(count * HEADER_BYTES, dtype=np.uint8)
+        self.base = self.memory.ctypes.data
+        self._free = list(range(count))
+        self._lock = threading.Lock()  # worker threads take and give slots
+
+    def take(self, n: int) -> list[int] | None:
+        """n free slots, or None when fewer are free (calls still out hold them)."""
+        with self._lock:
+            if len(self._free) < n:
+                return None
+            taken, self._free = self._free[-n:], self._free[:-n]
+            return taken
+
+    def give(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    def ptr(self, slot: int) -> int:
+        return self.base + slot * HEADER_BYTES
+
+    def view(self, slot: int) -> memoryview:
+        return memoryview(self.memory[slot * HEADER_BYTES:(slot + 1) * HEADER_BYTES])
+
+
+class Call:
+    """One store call in flight; `slots` are given back once the call has returned and
+    `done()` was called (whichever comes last)."""
+
+    def __init__(self, caller: "Caller", operation: str, future: Future, slots: list[int]):
+        self._caller, self.operation, self.future, self.slots = caller, operation, future, slots
+        self._pending = 2  # the call's return, and done()
+        self._lock = threading.Lock()
+        future.add_done_callback(lambda _: self._release())
+
+    def result(self):
+        """The call's return value, waited for at most the caller's timeout."""
+        seconds = self._caller.timeout
+        try:
+            return self.future.result(seconds)
+        except FutureTimeout:
+            if self.future.cancel():  # never started: nothing can touch the buffers
+                raise StorageUnavailable(self._caller.name, self.operation,
+                                         detail=f"no call thread free within {seconds:g}s") from None
+            raise StorageTimeout(self._caller.name, self.operation, seconds, self.future) from None
+
+    def done(self) -> None:
+        """The owner has read what it needed from the slots. Idempotent per Call."""
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+        if last and self.slots:
+            self._caller.slots.give(self.slots)
+
+
+class Caller:
+    """`threads` call threads and a header arena sized for `batch` pages per call."""
+
+    def __init__(self, name: str, timeout: float, threads: int, batch: int):
+        self.name, self.timeout = name, timeout
+        self.slots = Slots(batch * (threads + 2))
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="radixkv-mooncake")
+
+    def start(self, operation: str, fn, *args, slots: list[int] | None = None, **kwargs) -> Call:
+        try:
+            future = self._pool.submit(fn, *args, **kwargs)
+        except RuntimeError as exc:  # shut down
+            if slots:
+                self.slots.give(slots)
+            raise StorageUnavailable(self.name, operation, detail="the backend is closed") from exc
+        return Call(self, operation, future, slots or [])
+
+    def run(self, operation: str, fn, *args, **kwargs):
+        """fn(*args) with the deadline; for calls that were given no buffers to keep."""
+        call = self.start(operation, fn, *args, **kwargs)
+        try:
+            return call.result()
+        finally:
+            call.done()
+
+    def take_slots(self, n: int, operation: str) -> list[int]:
+        slots = self.slots.take(n)
+        if slots is None:
+            raise StorageUnavailable(self.name, operation,
+                                     detail="too many store calls still unanswered (header slots in use)")
+        return slots
+
+    def submit(self, fn, *args) -> Future:
+        """fn(*args) on a call thread, no deadline (joining the store)."""
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def both(first: Future, second: Future) -> Future:
+    """A future that completes when both have (for a StorageTimeout covering two calls)."""
+    out: Future = Future()
+    left = [2]
+    lock = threading.Lock()
+
+    def one(_):
+        with lock:
+            left[0] -= 1
+            finished = left[0] == 0
+        if finished:
+            out.set_result(None)
+
+    first.add_done_callback(one)
+    second.add_done_callback(one)
+    return out
