@@ -12,36 +12,30 @@ import pytest
 from radixkv import errors
 from radixkv.aio import AsyncClient
 from radixkv.client import Client
-from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.layout import KvLayout
 from radixkv.sim.cli import SimConfig, run
-from radixkv.sim.kv import KvPattern, page_keys
+from radixkv.sim.kv import page_keys
 from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
+from tests.support.engine import EngineDouble
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", page_size=4)
 NUM_PAGES = 32
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 
 
-class Engine:
-    """A registered client with its shm buffers and pattern KV."""
+class Engine(EngineDouble):
+    """The engine double (tests/support/engine.py) with this file's layout, registered."""
 
     def __init__(self, target: str, namespace: str, write_policy: str = "write_through", **kw):
-        self.buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
-        self.kv = KvPattern(LAYOUT, [self.buffers.buffer(i) for i in range(LAYOUT.num_buffers)], NUM_PAGES)
-        self.client = Client(target, timeout=10)
+        super().__init__(LAYOUT, NUM_PAGES)
         try:
-            self.reg = self.client.register(namespace, LAYOUT, self.buffers.specs(), NUM_PAGES,
-                                            write_policy=write_policy, host_pool_pages=64, **kw)
+            self.reg = self.register(Client(target, timeout=10), namespace, write_policy=write_policy,
+                                     host_pool_pages=64, **kw)
         except BaseException:
             self.close()
             raise
-
-    def close(self):
-        self.client.close()
-        self.buffers.close()
 
 
 @pytest.fixture
@@ -150,14 +144,14 @@ def test_two_sim_processes_on_different_namespaces(daemon):
 
 def test_async_client_basics(daemon):
     async def main():
-        buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
-        kv = KvPattern(LAYOUT, [buffers.buffer(i) for i in range(LAYOUT.num_buffers)], NUM_PAGES)
+        device = EngineDouble(LAYOUT, NUM_PAGES)  # its buffers and pattern; the session is AsyncClient's
+        kv = device.kv
         tokens = pack(range(40, 48))
         keys = page_keys(tokens, 4)
         try:
             async with AsyncClient(daemon, timeout=10) as c:
                 await c.wait_ready(5)
-                reg = await c.register("aio/tp0", LAYOUT, buffers.specs(), NUM_PAGES,
+                reg = await c.register("aio/tp0", LAYOUT, device.buffers.specs, NUM_PAGES,
                                        write_policy="write_back", host_pool_pages=64)
                 assert reg.write_policy == "write_back"
                 assert await c.echo(b"ping") == b"ping"
@@ -177,7 +171,7 @@ def test_async_client_basics(daemon):
                 with pytest.raises(errors.NotFound):
                     await c.release([12345])
         finally:
-            buffers.close()
+            device.close()
 
     asyncio.run(main())
 
@@ -196,7 +190,7 @@ def test_errors_map_to_exception_classes(daemon, engine):
         with pytest.raises(errors.InvalidArgument):
             other.register("bad name!", LAYOUT, [("x", 0, 1)] * LAYOUT.num_buffers, 4)
         with pytest.raises(errors.ResourceExhausted):
-            other.register("huge", LAYOUT, engine.buffers.specs(), NUM_PAGES, host_pool_pages=10**9)
+            other.register("huge", LAYOUT, engine.buffers.specs, NUM_PAGES, host_pool_pages=10**9)
         with pytest.raises(errors.FailedPrecondition):  # client-side: not registered
             other.match([[1, 2, 3, 4]])
     with grpc.insecure_channel(daemon) as ch:
@@ -239,14 +233,13 @@ def test_the_sim_detects_corrupted_cache_pages(engine):
     def workload():
         return SharedPrefix(12, seed=5, groups=1, system_tokens=32, suffix_tokens=(4, 8), answer_tokens=(4, 4))
 
-    sim = SimEngine(engine.client, LAYOUT, [engine.buffers.buffer(i) for i in range(LAYOUT.num_buffers)],
-                    NUM_PAGES, max_batch=4)
+    sim = SimEngine(engine.client, LAYOUT, engine.buffers.tensors, NUM_PAGES, max_batch=4)
     clean = sim.run(workload())
     assert clean.ok and clean.device_tokens > 0 and clean.byte_mismatches == 0
     cached = sim.pool.cached()
     assert cached
     for i in range(LAYOUT.num_buffers):
-        engine.buffers.page_view(i)[cached] ^= 0x5A
+        engine.page_view(i)[cached] ^= 0x5A
     sim.report = Report()
     dirty = sim.run(workload())
     assert dirty.byte_mismatches > 0 and dirty.chunk_mismatches > 0 and not dirty.ok
