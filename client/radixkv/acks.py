@@ -1,4 +1,6 @@
-"""The session's ack stream for the blocking client, driven by a background thread.
+"""The session's acks: `AckLedger`, the bookkeeping both clients share (ids issued, acks
+in flight, answers kept, why the stream ended), and `AckStream`, the blocking client's
+stream driven by a background thread (`radixkv.aio.AsyncAckStream` is the asyncio one).
 
 One long-lived `Acks` stream per session, opened right after Register (`open`), so the
 daemon notices a dead engine by its stream. `wait` queues an ack for every id not acked
