@@ -69,7 +69,8 @@ class Namespace:
                     include_storage: bool = False) -> list[MatchAnswer]:
         """Match every prompt; with `lease`, lock each matched path (until released); with
         `include_storage`, also count the tokens past the cache that storage holds. The
-        matches are atomic; the storage probe comes after them."""
+        matches are atomic; the storage probe comes after them. The prompts must be packed
+        int32 (`convert.prompts` checks), so no match fails after another took a lease."""
         matched = []
         for p in prompts:
             result = self.cache.match(p.tokens, p.extra_key)
