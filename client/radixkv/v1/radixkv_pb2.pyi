@@ -34,7 +34,7 @@ class DeviceBuffer(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "backend", "device", "buffers", "num_device_pages", "write_policy", "host_pool_pages", "replace_existing", "engine", "model")
+    __slots__ = ("namespace", "layout", "backend", "device", "buffers", "num_device_pages", "write_policy", "host_pool_pages", "replace_existing", "engine", "model", "device_uuid")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class RegisterRequest(_message.Message):
     REPLACE_EXISTING_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KvLayout
     backend: str
@@ -57,23 +58,26 @@ class RegisterRequest(_message.Message):
     replace_existing: bool
     engine: str
     model: str
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: _Optional[bool] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: _Optional[bool] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session", "host_pool_pages", "write_policy", "warm", "dropped_device_tokens", "daemon_instance")
+    __slots__ = ("session", "host_pool_pages", "write_policy", "warm", "dropped_device_tokens", "daemon_instance", "device_uuid")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
     WARM_FIELD_NUMBER: _ClassVar[int]
     DROPPED_DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     session: str
     host_pool_pages: int
     write_policy: str
     warm: bool
     dropped_device_tokens: int
     daemon_instance: str
-    def __init__(self, session: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., warm: _Optional[bool] = ..., dropped_device_tokens: _Optional[int] = ..., daemon_instance: _Optional[str] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, session: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., warm: _Optional[bool] = ..., dropped_device_tokens: _Optional[int] = ..., daemon_instance: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session",)
@@ -132,7 +136,7 @@ class MatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
-    __slots__ = ("session", "tokens", "device_pages", "extra_key", "chunked", "release_lease", "lease")
+    __slots__ = ("session", "tokens", "device_pages", "extra_key", "chunked", "release_lease", "lease", "engine_event")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +144,7 @@ class InsertRequest(_message.Message):
     CHUNKED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_EVENT_FIELD_NUMBER: _ClassVar[int]
     session: str
     tokens: bytes
     device_pages: bytes
@@ -147,7 +152,8 @@ class InsertRequest(_message.Message):
     chunked: bool
     release_lease: int
     lease: bool
-    def __init__(self, session: _Optional[str] = ..., tokens: _Optional[bytes] = ..., device_pages: _Optional[bytes] = ..., extra_key: _Optional[bytes] = ..., chunked: _Optional[bool] = ..., release_lease: _Optional[int] = ..., lease: _Optional[bool] = ...) -> None: ...
+    engine_event: bytes
+    def __init__(self, session: _Optional[str] = ..., tokens: _Optional[bytes] = ..., device_pages: _Optional[bytes] = ..., extra_key: _Optional[bytes] = ..., chunked: _Optional[bool] = ..., release_lease: _Optional[int] = ..., lease: _Optional[bool] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("cached_tokens", "redundant_pages", "node", "lease")
@@ -162,14 +168,16 @@ class InsertResponse(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., redundant_pages: _Optional[bytes] = ..., node: _Optional[int] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class LoadBackRequest(_message.Message):
-    __slots__ = ("session", "node", "device_pages")
+    __slots__ = ("session", "node", "device_pages", "engine_event")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_EVENT_FIELD_NUMBER: _ClassVar[int]
     session: str
     node: int
     device_pages: bytes
-    def __init__(self, session: _Optional[str] = ..., node: _Optional[int] = ..., device_pages: _Optional[bytes] = ...) -> None: ...
+    engine_event: bytes
+    def __init__(self, session: _Optional[str] = ..., node: _Optional[int] = ..., device_pages: _Optional[bytes] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
 
 class LoadBackResponse(_message.Message):
     __slots__ = ("transfer", "device_pages", "device_tokens", "loaded_tokens", "depends_on", "unused_pages", "layer_events")
@@ -224,12 +232,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("session", "num_pages")
+    __slots__ = ("session", "num_pages", "engine_event")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_EVENT_FIELD_NUMBER: _ClassVar[int]
     session: str
     num_pages: int
-    def __init__(self, session: _Optional[str] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    engine_event: bytes
+    def __init__(self, session: _Optional[str] = ..., num_pages: _Optional[int] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("freed_pages", "written_back_pages")
@@ -435,3 +445,55 @@ class EchoResponse(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("from_seq", "namespace")
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    from_seq: int
+    namespace: str
+    def __init__(self, from_seq: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("kind", "tier", "medium", "block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_key")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[KvEvent.Kind]
+        BLOCK_STORED: _ClassVar[KvEvent.Kind]
+        BLOCK_REMOVED: _ClassVar[KvEvent.Kind]
+        ALL_BLOCKS_CLEARED: _ClassVar[KvEvent.Kind]
+    KIND_UNSPECIFIED: KvEvent.Kind
+    BLOCK_STORED: KvEvent.Kind
+    BLOCK_REMOVED: KvEvent.Kind
+    ALL_BLOCKS_CLEARED: KvEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    kind: KvEvent.Kind
+    tier: str
+    medium: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    extra_key: bytes
+    def __init__(self, kind: _Optional[_Union[KvEvent.Kind, str]] = ..., tier: _Optional[str] = ..., medium: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., extra_key: _Optional[bytes] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("seq", "namespace", "ts", "events", "daemon_instance")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    namespace: str
+    ts: float
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    daemon_instance: str
+    def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[str] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., daemon_instance: _Optional[str] = ...) -> None: ...

@@ -99,6 +99,11 @@ class RadixKVStub:
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.EchoRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.EchoResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/radixkv.v1.RadixKV/WatchEvents',
+                request_serializer=radixkv_dot_v1_dot_radixkv__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class RadixKVServicer:
@@ -204,6 +209,18 @@ class RadixKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Routers: KV events, the daemon's ZMQ event stream over gRPC (docs/events.md): numbered
+        batches of blocks stored on / removed from a tier and namespaces cleared. Unset
+        from_seq: from the next batch; set: replayed from that batch while the daemon still
+        holds it, else OUT_OF_RANGE saying what it holds (start over without from_seq after
+        Inspect). A reader that falls behind gets ABORTED saying the from_seq to resume
+        with. FAILED_PRECONDITION unless the daemon runs with --kv-events-watch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RadixKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -271,6 +288,11 @@ def add_RadixKVServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.EchoRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_radixkv__pb2.EchoResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.WatchEventsRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -624,6 +646,33 @@ class RadixKV:
             '/radixkv.v1.RadixKV/Echo',
             radixkv_dot_v1_dot_radixkv__pb2.EchoRequest.SerializeToString,
             radixkv_dot_v1_dot_radixkv__pb2.EchoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/radixkv.v1.RadixKV/WatchEvents',
+            radixkv_dot_v1_dot_radixkv__pb2.WatchEventsRequest.SerializeToString,
+            radixkv_dot_v1_dot_radixkv__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
