@@ -84,6 +84,21 @@ class DaemonConfig:
     auth_token: str = _opt("", "shared token: every RPC but health checks must carry "
                            "'authorization: Bearer <token>' (prefer --auth-token-file)")
     auth_token_file: str = _opt("", "file holding the shared token (first line)")
+    kv_events_endpoint: str = _opt("", "ZMQ PUB address for KV events in vLLM's format, e.g. tcp://*:5557 "
+                                   "(empty: off; docs/events.md)")
+    kv_events_replay_endpoint: str = _opt("", "ZMQ ROUTER address replaying KV event batches by seq, "
+                                          "e.g. tcp://*:5558 (needs kv_events_endpoint)")
+    kv_events_topic: str = _opt("kv@{namespace}", "KV events topic; {namespace} is substituted")
+    kv_events_watch: bool = _opt(False, "serve the WatchEvents gRPC stream (runs the event hub even "
+                                 "without ZMQ)")
+    kv_events_queue_size: int = _opt(10000, "KV event batches queued for the publisher thread before "
+                                     "drops (a dropped batch is followed by a resync)")
+    kv_events_replay_size: int = _opt(10000, "KV event batches kept for replay (ZMQ and WatchEvents)")
+    kv_events_hwm: int = _opt(100000, "ZMQ send high-water mark per KV event subscriber")
+    kv_events_subscriber_buffer: int = _opt(1000, "KV event batches one WatchEvents stream may fall "
+                                            "behind before it is ended with ABORTED")
+    kv_events_hash_seed: str = _opt("vllm-none-hash", "block-hash seed of KV events (vLLM's NONE_HASH "
+                                    "seed; a fleet's PYTHONHASHSEED)")
     fault_copy_delay: float = _opt(0.0, "testing only: seconds each page copy waits before it starts")
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "log lines as key=value text or JSON", choices=("text", "json"))
