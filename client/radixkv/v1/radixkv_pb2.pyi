@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DeviceTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MANAGED: _ClassVar[DeviceTier]
+    ENGINE_MANAGED: _ClassVar[DeviceTier]
+
+class SessionRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE: _ClassVar[SessionRole]
+    SCHEDULER: _ClassVar[SessionRole]
+MANAGED: DeviceTier
+ENGINE_MANAGED: DeviceTier
+ENGINE: SessionRole
+SCHEDULER: SessionRole
+
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "kv_format")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -24,14 +38,18 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class DeviceBuffer(_message.Message):
-    __slots__ = ("handle", "offset", "size")
+    __slots__ = ("handle", "offset", "size", "page_stride", "page_bytes")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     offset: int
     size: int
-    def __init__(self, handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    page_stride: int
+    page_bytes: int
+    def __init__(self, handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., page_stride: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("namespace", "layout", "backend", "device", "buffers", "num_device_pages", "write_policy", "host_pool_pages", "replace_existing", "engine", "model", "device_uuid")
@@ -110,7 +128,7 @@ class MatchRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., lease: _Optional[bool] = ..., include_storage: _Optional[bool] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("device_pages", "device_tokens", "host_tokens", "device_node", "host_node", "depends_on", "lease", "storage_tokens")
+    __slots__ = ("device_pages", "device_tokens", "host_tokens", "device_node", "host_node", "depends_on", "lease", "storage_tokens", "complete_tokens")
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +137,7 @@ class MatchResult(_message.Message):
     DEPENDS_ON_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     device_pages: bytes
     device_tokens: int
     host_tokens: int
@@ -127,7 +146,8 @@ class MatchResult(_message.Message):
     depends_on: _containers.RepeatedScalarFieldContainer[int]
     lease: int
     storage_tokens: int
-    def __init__(self, device_pages: _Optional[bytes] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., device_node: _Optional[int] = ..., host_node: _Optional[int] = ..., depends_on: _Optional[_Iterable[int]] = ..., lease: _Optional[int] = ..., storage_tokens: _Optional[int] = ...) -> None: ...
+    complete_tokens: int
+    def __init__(self, device_pages: _Optional[bytes] = ..., device_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., device_node: _Optional[int] = ..., host_node: _Optional[int] = ..., depends_on: _Optional[_Iterable[int]] = ..., lease: _Optional[int] = ..., storage_tokens: _Optional[int] = ..., complete_tokens: _Optional[int] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results",)
