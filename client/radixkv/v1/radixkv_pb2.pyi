@@ -226,18 +226,22 @@ class AckRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., transfer: _Optional[int] = ...) -> None: ...
 
 class AckResponse(_message.Message):
-    __slots__ = ("transfer", "code", "message", "load_failed", "failed_pages")
+    __slots__ = ("transfer", "code", "message", "load_failed", "failed_pages", "expired", "unsolicited")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
     FAILED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    UNSOLICITED_FIELD_NUMBER: _ClassVar[int]
     transfer: int
     code: int
     message: str
     load_failed: bool
     failed_pages: bytes
-    def __init__(self, transfer: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., load_failed: _Optional[bool] = ..., failed_pages: _Optional[bytes] = ...) -> None: ...
+    expired: bool
+    unsolicited: bool
+    def __init__(self, transfer: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., load_failed: _Optional[bool] = ..., failed_pages: _Optional[bytes] = ..., expired: _Optional[bool] = ..., unsolicited: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session", "leases")
@@ -316,7 +320,7 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "layout", "write_policy", "eviction_policy", "attached", "nodes", "device_pages", "device_pages_held", "device_pages_evictable", "device_pages_protected", "host_pages_used", "host_pages_capacity", "host_page_bytes", "transfers_in_flight", "pinned_nodes", "tracked_duplicates", "counters")
+    __slots__ = ("namespace", "layout", "write_policy", "eviction_policy", "attached", "nodes", "device_pages", "device_pages_held", "device_pages_evictable", "device_pages_protected", "host_pages_used", "host_pages_capacity", "host_page_bytes", "transfers_in_flight", "pinned_nodes", "tracked_duplicates", "counters", "leases", "oldest_lease_seconds", "load_backs_unacked")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +345,9 @@ class NamespaceStats(_message.Message):
     PINNED_NODES_FIELD_NUMBER: _ClassVar[int]
     TRACKED_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BACKS_UNACKED_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KvLayout
     write_policy: str
@@ -358,7 +365,10 @@ class NamespaceStats(_message.Message):
     pinned_nodes: int
     tracked_duplicates: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., write_policy: _Optional[str] = ..., eviction_policy: _Optional[str] = ..., attached: _Optional[bool] = ..., nodes: _Optional[int] = ..., device_pages: _Optional[int] = ..., device_pages_held: _Optional[int] = ..., device_pages_evictable: _Optional[int] = ..., device_pages_protected: _Optional[int] = ..., host_pages_used: _Optional[int] = ..., host_pages_capacity: _Optional[int] = ..., host_page_bytes: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pinned_nodes: _Optional[int] = ..., tracked_duplicates: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    leases: int
+    oldest_lease_seconds: float
+    load_backs_unacked: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., write_policy: _Optional[str] = ..., eviction_policy: _Optional[str] = ..., attached: _Optional[bool] = ..., nodes: _Optional[int] = ..., device_pages: _Optional[int] = ..., device_pages_held: _Optional[int] = ..., device_pages_evictable: _Optional[int] = ..., device_pages_protected: _Optional[int] = ..., host_pages_used: _Optional[int] = ..., host_pages_capacity: _Optional[int] = ..., host_page_bytes: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pinned_nodes: _Optional[int] = ..., tracked_duplicates: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., leases: _Optional[int] = ..., oldest_lease_seconds: _Optional[float] = ..., load_backs_unacked: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("namespaces", "sessions", "version", "uptime_seconds", "daemon_instance")
