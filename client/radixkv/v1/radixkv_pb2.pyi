@@ -52,7 +52,7 @@ class DeviceBuffer(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., page_stride: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "backend", "device", "buffers", "num_device_pages", "write_policy", "host_pool_pages", "replace_existing", "engine", "model", "device_uuid")
+    __slots__ = ("namespace", "layout", "backend", "device", "buffers", "num_device_pages", "write_policy", "host_pool_pages", "replace_existing", "engine", "model", "device_uuid", "device_tier", "role", "tp_rank", "tp_size", "instance")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,11 @@ class RegisterRequest(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TIER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KvLayout
     backend: str
@@ -77,7 +82,12 @@ class RegisterRequest(_message.Message):
     engine: str
     model: str
     device_uuid: str
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: _Optional[bool] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    device_tier: DeviceTier
+    role: SessionRole
+    tp_rank: int
+    tp_size: int
+    instance: str
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: _Optional[bool] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_tier: _Optional[_Union[DeviceTier, str]] = ..., role: _Optional[_Union[SessionRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session", "host_pool_pages", "write_policy", "warm", "dropped_device_tokens", "daemon_instance", "device_uuid")
@@ -164,6 +174,7 @@ class InsertRequest(_message.Message):
     CHUNKED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_FIELD_NUMBER: _ClassVar[int]
     ENGINE_EVENT_FIELD_NUMBER: _ClassVar[int]
     session: str
     tokens: bytes
@@ -173,31 +184,37 @@ class InsertRequest(_message.Message):
     release_lease: int
     lease: bool
     engine_event: bytes
-    def __init__(self, session: _Optional[str] = ..., tokens: _Optional[bytes] = ..., device_pages: _Optional[bytes] = ..., extra_key: _Optional[bytes] = ..., chunked: _Optional[bool] = ..., release_lease: _Optional[int] = ..., lease: _Optional[bool] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., tokens: _Optional[bytes] = ..., device_pages: _Optional[bytes] = ..., extra_key: _Optional[bytes] = ..., chunked: _Optional[bool] = ..., release_lease: _Optional[int] = ..., lease: _Optional[bool] = ..., engine_event: _Optional[bytes] = ..., **kwargs) -> None: ...
 
 class InsertResponse(_message.Message):
-    __slots__ = ("cached_tokens", "redundant_pages", "node", "lease")
+    __slots__ = ("cached_tokens", "redundant_pages", "node", "lease", "transfer")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REDUNDANT_PAGES_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: int
     redundant_pages: bytes
     node: int
     lease: int
-    def __init__(self, cached_tokens: _Optional[int] = ..., redundant_pages: _Optional[bytes] = ..., node: _Optional[int] = ..., lease: _Optional[int] = ...) -> None: ...
+    transfer: int
+    def __init__(self, cached_tokens: _Optional[int] = ..., redundant_pages: _Optional[bytes] = ..., node: _Optional[int] = ..., lease: _Optional[int] = ..., transfer: _Optional[int] = ...) -> None: ...
 
 class LoadBackRequest(_message.Message):
-    __slots__ = ("session", "node", "device_pages", "engine_event")
+    __slots__ = ("session", "node", "device_pages", "lease", "start_page", "engine_event")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    START_PAGE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_EVENT_FIELD_NUMBER: _ClassVar[int]
     session: str
     node: int
     device_pages: bytes
+    lease: int
+    start_page: int
     engine_event: bytes
-    def __init__(self, session: _Optional[str] = ..., node: _Optional[int] = ..., device_pages: _Optional[bytes] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., node: _Optional[int] = ..., device_pages: _Optional[bytes] = ..., lease: _Optional[int] = ..., start_page: _Optional[int] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
 
 class LoadBackResponse(_message.Message):
     __slots__ = ("transfer", "device_pages", "device_tokens", "loaded_tokens", "depends_on", "unused_pages", "layer_events")
