@@ -158,11 +158,13 @@ def timed(call):
 
 
 @pytest.mark.parametrize("fleet", ["mooncake", "redis_cluster"])
-def test_two_daemons_sharing_a_fleet_store_serve_each_others_prefixes(daemon_factory, request, fleet):
+def test_two_daemons_sharing_a_fleet_store_serve_each_others_prefixes(request, fleet):
+    # The store first: fixtures end in reverse, so the daemons stop while it still runs.
     if fleet == "mooncake":
         flags = mooncake_flags(request.getfixturevalue("mooncake_master"))
     else:
         flags = ("--storage", request.getfixturevalue("redis_cluster").url, "--storage-policy", "write_through")
+    daemon_factory = request.getfixturevalue("daemon_factory")
     a, b = daemon_factory(*flags), daemon_factory(*flags)
     writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
     try:
@@ -179,7 +181,7 @@ def test_two_daemons_sharing_a_fleet_store_serve_each_others_prefixes(daemon_fac
         reader.close()
 
 
-def test_mooncake_segment_owner_killed_reader_misses_and_keeps_serving(daemon_factory, mooncake_master):
+def test_mooncake_segment_owner_killed_reader_misses_and_keeps_serving(mooncake_master, daemon_factory):
     a, b = daemon_factory(*mooncake_flags(mooncake_master)), daemon_factory(*mooncake_flags(mooncake_master))
     writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
     try:
@@ -207,7 +209,7 @@ def test_mooncake_segment_owner_killed_reader_misses_and_keeps_serving(daemon_fa
     assert "Traceback" not in b.log()
 
 
-def test_mooncake_master_killed_and_restarted(daemon_factory, mooncake_master):
+def test_mooncake_master_killed_and_restarted(mooncake_master, daemon_factory):
     d = daemon_factory(*mooncake_flags(mooncake_master))
     engine = EngineDouble.connect(d.target)
     try:

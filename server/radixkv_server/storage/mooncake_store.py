@@ -257,11 +257,17 @@ class MooncakeStorage(StorageBackend):
         self._calls.close()
         with self._lock:
             store, self._store = self._store, None
-        if store is not None:
-            try:
-                store.close()
-            except Exception as exc:  # closing is best effort
-                log.warning("storage %s: close: %s", self.name, exc)
+        if store is None:
+            return
+        # Unmounting a segment waits out readers' leases (10 s): bounded here; a close still
+        # running when the daemon exits ends with it, and the master drops this client
+        # after client_ttl.
+        closing = threading.Thread(target=_close_store, args=(store, self.name), daemon=True,
+                                   name="radixkv-mooncake-close")
+        closing.start()
+        closing.join(max(2.0, self.timeout))
+        if closing.is_alive():
+            log.warning("storage %s: leaving the store is still in progress; not waiting for it", self.name)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -351,6 +357,13 @@ class MooncakeStorage(StorageBackend):
             code = store.register_buffer(a, n)
             if code != 0:
                 log.warning("storage %s: registering %d bytes answered %d", self.name, n, code)
+
+
+def _close_store(store, name: str) -> None:
+    try:
+        store.close()
+    except Exception as exc:  # closing is best effort
+        log.warning("storage %s: close: %s", name, exc)
 
 
 def _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max_batch, call_threads) -> None:
