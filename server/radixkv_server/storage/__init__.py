@@ -2,8 +2,10 @@
 
 Keys come from `page_keys` (a hash chain salted by `namespace_salt`); values are
 checksummed `record`s. Backends are blocking and thread-safe (the daemon calls them from
-worker threads): `FileStorage` (a directory, the embedded default) and `RedisStorage`
-(Redis or Valkey). `open_storage(url)` picks one. A store fault raises
+worker threads): `FileStorage` (a directory, the embedded default), `RedisStorage`
+(Redis or Valkey), and for fleets `RedisClusterStorage` (redis_cluster.py) and
+`MooncakeStorage` (mooncake_store.py). `open_storage(url)` picks one. Prefetch reads
+pages straight into the host pool (`StorageBackend.get_into`). A store fault raises
 `StorageUnavailable`; a damaged page reads as a miss.
 """
 

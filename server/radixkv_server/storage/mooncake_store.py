@@ -381,39 +381,3 @@ def _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max
             raise ValueError(f"Mooncake {name} must be an int >= {low}, got {value!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"Mooncake timeout must be a positive number of seconds, got {timeout!r}")
-
-
-# -- opening by URL ------------------------------------------------------------------------
-
-URL_OPTIONS = {"segment": "segment_bytes", "buffer": "buffer_bytes", "protocol": "protocol",
-               "metadata": "metadata", "hostname": "hostname", "devices": "rdma_devices",
-               "timeout": "timeout", "prefix": "prefix", "replicas": "replicas", "batch": "max_batch"}
-
-
-def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
-    """`mooncake://HOST:PORT[?option=value&...]`: the master's RPC address, and
-    segment (bytes this daemon lends, e.g. 4GiB; 0 lends none), buffer (local buffer for
-    copying calls), protocol (tcp | rdma), devices (RDMA devices, e.g. mlx5_0), metadata
-    (default P2PHANDSHAKE, or an etcd/http metadata URL), hostname (this node's address
-    as peers reach it), timeout (seconds per call), prefix (key prefix), replicas, batch."""
-    from ..config import parse_size
-    unknown = sorted(set(options) - set(URL_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown Mooncake option(s) {unknown} in {url}; use {sorted(URL_OPTIONS)}")
-    if not parts.netloc or parts.path not in ("", "/"):
-        raise ValueError(f"Mooncake storage URL {url!r} must be mooncake://HOST:PORT")
-    kwargs = {}
-    for name, text in options.items():
-        field = URL_OPTIONS[name]
-        try:
-            if field in ("segment_bytes", "buffer_bytes"):
-                kwargs[field] = parse_size(text)
-            elif field in ("replicas", "max_batch"):
-                kwargs[field] = int(text)
-            elif field == "timeout":
-                kwargs[field] = float(text)
-            else:
-                kwargs[field] = text
-        except ValueError:
-            raise ValueError(f"bad Mooncake option {name}={text!r} in {url}") from None
-    return MooncakeStorage(parts.netloc, **kwargs)

@@ -70,7 +70,7 @@ def _open_redis(url: str, parts: SplitResult, options: dict[str, str]) -> Storag
 
 
 def _open_mooncake(url: str, parts: SplitResult, options: dict[str, str]) -> StorageBackend:
-    from .mooncake_store import open_url
+    from .mooncake_url import open_url
     return open_url(url, parts, options)
 
 
