@@ -14,7 +14,7 @@ import random
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from radixkv_server.core import NotReady
-from radixkv_server.core.pages import pack
+from radixkv_server.core.pages import pack, unpack
 
 from harness import Engine, make_cache
 
@@ -141,9 +141,14 @@ class CoreMachine(RuleBasedStateMachine):
             return
         prompt, extra, prefix = self.loads.pop(tid)
         if result.error is None:
+            assert not set(unpack(prefix)) & self.arriving(), "acknowledged before its prefix arrived"
             assert self.eng.verify(prompt, extra, prefix) == []
         else:
             self.eng.give(result.failed_pages)
+
+    def arriving(self) -> set[int]:
+        """Device pages that load-back copies still in flight will write."""
+        return {p for kind, _, dst in self.copier.pending.values() if kind == "load" for p in dst}
 
     # -- pressure and leases -------------------------------------------------------------
 
