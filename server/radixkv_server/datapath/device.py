@@ -8,6 +8,13 @@ the daemon's `HostPool`: device page `device_pages[i]` (every buffer) <-> host p
 Threads: `submit_load`, `submit_store` and `CopyJob.wait` run on the copy engine's
 worker threads, several at once; backends keep no per-call state outside the job.
 `close` runs once no copy is in flight (the copy engine drains first).
+
+ENGINE EVENTS. On CUDA the engine's kernels run asynchronously, so a Register, Insert,
+Evict or LoadBack may arrive while its stream still writes (or reads) the pages. The
+engine then sends an interprocess event recorded on that stream (`after`, the IPC
+handle bytes); the CUDA backend makes its copy stream wait on it before the copy's
+first kernel. Shared memory accepts and ignores it: its copies run on the CPU after
+the request arrived, when the engine's CPU writes are already done.
 """
 
 import abc
@@ -57,14 +64,17 @@ class DeviceBuffers(abc.ABC):
     num_pages: int
 
     @abc.abstractmethod
-    def submit_load(self, host_pool, host_pages: bytes, device_pages: bytes) -> CopyJob:
+    def submit_load(self, host_pool, host_pages: bytes, device_pages: bytes, after: bytes = b"") -> CopyJob:
         """Start copying host page `host_pages[i]` to device page `device_pages[i]`, all
-        buffers. Raises CopyError (nothing copied) on bad page lists or a closed backend."""
+        buffers. `after`: the engine's interprocess event (see ENGINE EVENTS). Raises
+        CopyError (nothing copied, nothing left running) on bad page lists, an event that
+        does not open, or a closed backend."""
 
     @abc.abstractmethod
-    def submit_store(self, device_pages: bytes, host_pool, host_pages: bytes) -> CopyJob:
+    def submit_store(self, device_pages: bytes, host_pool, host_pages: bytes, after: bytes = b"") -> CopyJob:
         """Start copying device page `device_pages[i]` (all buffers) to host page
-        `host_pages[i]`. The engine must have finished writing those pages. Raises CopyError."""
+        `host_pages[i]`. The engine must have finished writing those pages: on its stream
+        before the event `after`, or on the CPU when `after` is empty. Raises CopyError."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -88,6 +98,20 @@ class DeviceBuffers(abc.ABC):
         _check_range(host, host_pool.num_pages, "host")
         _check_range(dev, self.num_pages, "device")
         return host, dev
+
+
+def check_overlap(spans: list[tuple[object, int, int]], layout: KvLayout, where: str = "memory") -> None:
+    """DeviceOpenError when two buffers share bytes. `spans[i]` is buffer i's
+    (memory, start, end): byte range [start, end) inside `memory` (a segment name, or
+    None for one address space). Both backends check their buffers with this."""
+    order = sorted(range(len(spans)), key=lambda i: (str(spans[i][0]), spans[i][1]))
+    for a, b in zip(order, order[1:]):
+        (ma, sa, ea), (mb, sb, eb) = spans[a], spans[b]
+        if ma == mb and sb < ea:
+            inside = where if ma is None else f"{where} {ma!r}"
+            raise DeviceOpenError(
+                f"buffers {a} ({buffer_name(layout, a)}) and {b} ({buffer_name(layout, b)}) overlap "
+                f"in {inside}: bytes {sa}..{ea} and {sb}..{eb}")
 
 
 def _check_range(pages: array, limit: int, what: str) -> None:
@@ -134,5 +158,5 @@ def buffer_name(layout: KvLayout, index: int) -> str:
 
 __all__ = [
     "BufferSpec", "CopyError", "CopyJob", "DeviceBuffers", "DeviceOpenError",
-    "buffer_name", "element_width", "page_runs",
+    "buffer_name", "check_overlap", "element_width", "page_runs",
 ]

@@ -20,8 +20,8 @@ import torch
 from radixkv.layout import KvLayout
 
 from .device import (
-    BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_name, element_width,
-    page_runs,
+    BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_name, check_overlap,
+    element_width, page_runs,
 )
 
 SHM_DIR = "/dev/shm"
@@ -32,7 +32,8 @@ _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 class ShmDeviceBuffers(DeviceBuffers):
     """Open `specs` (handle = segment name, utf-8) as `layout.num_buffers` buffers of
     `num_pages` pages. Raises DeviceOpenError naming the segment and the sizes
-    expected and found. Copies complete inside `submit_*`; `CopyJob.wait` is a no-op."""
+    expected and found. Copies complete inside `submit_*`; `CopyJob.wait` is a no-op.
+    An engine event (`after`) is accepted and ignored: nothing runs asynchronously here."""
 
     def __init__(self, layout: KvLayout, num_pages: int, specs: list[BufferSpec]):
         self.layout = layout
@@ -66,7 +67,7 @@ class ShmDeviceBuffers(DeviceBuffers):
                     f"is only {have} bytes"
                 )
             placed.append((name, spec.offset))
-        _check_overlap(placed, need, self.layout)
+        check_overlap([(n, off, off + need) for n, off in placed], self.layout, "segment")
         width = element_width(self.layout.chunk_bytes, *(off for _, off in placed))
         self._dtype = _WIDE[width]
         self._width = width
@@ -80,11 +81,11 @@ class ShmDeviceBuffers(DeviceBuffers):
 
     # -- copies ------------------------------------------------------------------------
 
-    def submit_load(self, host_pool, host_pages: bytes, device_pages: bytes) -> CopyJob:
+    def submit_load(self, host_pool, host_pages: bytes, device_pages: bytes, after: bytes = b"") -> CopyJob:
         self._copy(host_pool, host_pages, device_pages, to_host=False)
         return CopyJob()
 
-    def submit_store(self, device_pages: bytes, host_pool, host_pages: bytes) -> CopyJob:
+    def submit_store(self, device_pages: bytes, host_pool, host_pages: bytes, after: bytes = b"") -> CopyJob:
         self._copy(host_pool, host_pages, device_pages, to_host=True)
         return CopyJob()
 
@@ -179,17 +180,6 @@ def _map_segment(name: str) -> mmap.mmap:
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-
-
-def _check_overlap(placed, need: int, layout: KvLayout) -> None:
-    order = sorted(range(len(placed)), key=lambda i: placed[i])
-    for a, b in zip(order, order[1:]):
-        (na, oa), (nb, ob) = placed[a], placed[b]
-        if na == nb and oa + need > ob:
-            raise DeviceOpenError(
-                f"buffers {a} ({buffer_name(layout, a)}) and {b} ({buffer_name(layout, b)}) overlap "
-                f"in segment {na!r}: offsets {oa} and {ob}, each needs {need} bytes"
-            )
 
 
 def _segment_tensor(m: mmap.mmap, width: int) -> torch.Tensor:
