@@ -74,7 +74,7 @@ class HostSpace:
             node = state.host_leaves.pop()
             if node is None:
                 break
-            if self.storage.on and not node.full.stored:
+            if self.storage.on and not node.full.stored and not node.full.shards_missing:
                 if storing < num_pages - freed:
                     to_store.append(node)
                     storing += state.pages(node)

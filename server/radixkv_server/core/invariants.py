@@ -137,7 +137,7 @@ def _check_pins(transfers, node: Node, err: Report) -> None:
         t = transfers.get(tid)
         if t is None:
             err(f"node {node.id}: pin names finished transfer {tid}")
-        elif t.kind is not TransferKind.LOAD or (node not in t.nodes and node not in t.shared):
+        elif t.kind not in _PINNING or (node not in t.nodes and node not in t.shared):
             err(f"node {node.id}: pin names transfer {tid}, which neither loads it nor depends on it")
 
 
@@ -179,6 +179,8 @@ def _check_transfers(state, seen: _Seen, err: Report) -> None:
             for n in t.nodes:
                 if n.full.store != tid:
                     err(f"transfer {tid}: stores node {n.id}, whose store is {n.full.store}")
+        elif t.kind in (TransferKind.SAVE, TransferKind.ENGINE_LOAD):
+            _check_engine_copy(state.tree, tid, t, err)
         elif t.kind is TransferKind.FETCH:
             seen.reserved += count(t.host_pages)
             for p in unpack(t.host_pages):
@@ -189,6 +191,20 @@ def _check_transfers(state, seen: _Seen, err: Report) -> None:
             for n in t.nodes:
                 if n.full.backup != tid:
                     err(f"transfer {tid}: copies node {n.id}, whose backup is {n.full.backup}")
+
+
+_PINNING = (TransferKind.LOAD, TransferKind.SAVE, TransferKind.ENGINE_LOAD)
+
+
+def _check_engine_copy(tree, tid: int, t, err: Report) -> None:
+    """An engine-managed save or load pins the nodes it copies until its copy is done
+    (a save) or its ack (a load); it never touches a device residency."""
+    pinned = not t.copied or t.kind is TransferKind.ENGINE_LOAD
+    for n in t.nodes:
+        if (tid in n.full.pins) != pinned:
+            err(f"transfer {tid} ({t.kind.value}): node {n.id} pinned {tid in n.full.pins}, expected {pinned}")
+        if n.id not in tree.nodes:
+            err(f"transfer {tid}: node {n.id} left the tree")
 
 
 def _check_load(tree, tid: int, t, seen: _Seen, err: Report) -> None:

@@ -32,6 +32,9 @@ class ComponentState:
     - `store`: id of the host->storage transfer reading `host_pages`; `stored`: the
       storage tier holds this node's pages; `evicting_host`: the host copy leaves once
       `store` completes (host eviction with storage write-back).
+    - `shards_missing` (engine-managed namespaces): bitmask of tensor-parallel ranks whose
+      shard of `host_pages` has not arrived; the host copy is complete (matchable,
+      storable) only at 0. Always 0 elsewhere, and for pages fetched from storage.
     """
 
     device_pages: bytes | None = None
@@ -44,6 +47,7 @@ class ComponentState:
     store: int | None = None
     stored: bool = False
     evicting_host: bool = False
+    shards_missing: int = 0
 
     @property
     def on_device(self) -> bool:

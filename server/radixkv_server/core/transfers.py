@@ -12,6 +12,8 @@ class TransferKind(enum.Enum):
     WRITE_BACK = "write_back"  # device -> host before the device pages are freed (eviction)
     STORE = "store"            # host -> storage
     FETCH = "fetch"            # storage -> host (prefetch into reserved host pages)
+    SAVE = "save"              # engine-managed: engine pages -> host shard; finished by the ACK
+    ENGINE_LOAD = "engine_load"  # engine-managed: host shard -> engine pages; finished by the ACK
 
 
 @dataclass(eq=False)

@@ -105,6 +105,7 @@ class RadixTree:
         t.store = s.store
         t.stored = s.stored
         t.evicting_host = s.evicting_host
+        t.shards_missing = s.shards_missing
         top.hit_count = node.hit_count
         top.last_access = node.last_access
         return top

@@ -1,0 +1,64 @@
+"""Engine-managed namespaces in the core: saves, loads and tensor-parallel shards
+(randomized sequences: engine_machine.py), and the rules a user notices directly."""
+
+import pytest
+from hypothesis import HealthCheck, settings
+from radixkv_server.core import CacheConfig, HierarchicalCache, InvalidRequest, NotReady
+from radixkv_server.core.engine_tier import EngineTier
+from radixkv_server.core.pages import pack
+
+from engine_machine import PAGE, EngineTierMachine, RankCopier, prompt_bytes
+from harness import MemoryCopier
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+TestEngineTier = EngineTierMachine.TestCase
+TestEngineTier.settings = SETTINGS
+
+
+def make(tp=2, host_pages=8):
+    cache = HierarchicalCache(CacheConfig(page_size=PAGE, write_policy="write_back"), MemoryCopier(),
+                              num_device_pages=0, host_pages=host_pages)
+    copier = RankCopier()
+    return cache, EngineTier(cache.state, cache.host_space, copier, tp), copier
+
+
+def test_a_prefix_matches_only_once_every_rank_saved_it():
+    cache, tier, copier = make(tp=2)
+    prompt = prompt_bytes([1, 2])
+    _, node, t0 = tier.save(prompt, pack([0, 1]), b"", owner="r0", rank=0)
+    copier.complete(tier, t0, False)
+    assert tier.complete_tokens(cache.match(prompt).host_node) == 0, "rank 1's shard is missing"
+    _, _, again = tier.save(prompt, pack([5, 6]), b"", owner="r0", rank=0)
+    assert again == 0, "rank 0's shard is on host already: nothing to copy"
+    _, _, t1 = tier.save(prompt, pack([0, 1]), b"", owner="r1", rank=1)
+    copier.complete(tier, t1, False)
+    assert tier.complete_tokens(cache.match(prompt).host_node) == 4
+    assert tier.check_invariants() == []
+
+
+def test_a_failed_load_returns_its_pages_and_ranks_ack_their_own():
+    cache, tier, copier = make(tp=1)
+    prompt = prompt_bytes([1, 2, 3])
+    _, _, t = tier.save(prompt, pack([0, 1, 2]), b"", owner="a", rank=0)
+    copier.complete(tier, t, False)
+    tier.finish(t, owner="a")
+    node = cache.match(prompt).host_node
+    r = tier.load(node, pack([7, 8, 9]), 1, owner="b")
+    assert (r.loaded_tokens, r.unused_pages) == (4, pack([9]))
+    with pytest.raises(NotReady):
+        tier.finish(r.transfer, owner="b")
+    copier.complete(tier, r.transfer, True)
+    done = tier.finish(r.transfer, owner="b")
+    assert done.error and done.failed_pages == pack([7, 8])
+    assert tier.check_invariants() == []
+
+
+def test_bad_requests_change_nothing():
+    cache, tier, _ = make(tp=2)
+    with pytest.raises(InvalidRequest):
+        tier.save(prompt_bytes([1]), pack([0]), b"", owner="x", rank=2)
+    with pytest.raises(InvalidRequest):
+        tier.save(prompt_bytes([1, 2]), pack([0]), b"", owner="x", rank=0)
+    assert len(cache.tree.nodes) == 0 and tier.check_invariants() == []
