@@ -32,13 +32,14 @@ class _Flight:
     """One copy in flight. `submitted` resolves to (events, error) once enqueued,
     `done` to the error string (or None) once finished; neither ever holds an exception."""
 
-    __slots__ = ("transfer", "to_host", "host_pages", "device_pages", "submitted", "done", "future")
+    __slots__ = ("transfer", "to_host", "host_pages", "device_pages", "after", "submitted", "done", "future")
 
-    def __init__(self, loop, transfer: int, to_host: bool, host_pages: bytes, device_pages: bytes):
+    def __init__(self, loop, transfer: int, to_host: bool, host_pages: bytes, device_pages: bytes, after: bytes):
         self.transfer = transfer
         self.to_host = to_host
         self.host_pages = host_pages
         self.device_pages = device_pages
+        self.after = after  # the engine's event the copy waits for (b"": none)
         self.submitted = loop.create_future()
         self.done = loop.create_future()
         self.future = None  # the thread pool's future
@@ -62,6 +63,7 @@ class CopyEngine:
         self._waiters = {d: ThreadPoolExecutor(1, thread_name_prefix=f"radixkv-{d}-wait") for d in _DIRS}
         self._flights: dict[int, _Flight] = {}
         self._closed = False
+        self.engine_event = b""  # the latest engine event (order_after); every copy waits for it
         # Counters (read by metrics), for finished copies only. Seconds run from submit to
         # completion per copy and are summed, so copies that overlap both count.
         self.num_loads = self.num_backups = self.num_failed = 0
@@ -70,19 +72,27 @@ class CopyEngine:
 
     # -- Copier ------------------------------------------------------------------------
 
+    def order_after(self, event: bytes) -> None:
+        """Every copy started from now on runs after the engine's interprocess event
+        `event` (IPC handle bytes; see `device` ENGINE EVENTS), until a newer one comes.
+        Copies the core starts later (a write-through backup on a match) wait for the
+        latest event too: recorded later on the engine's stream, it covers earlier work."""
+        if event:
+            self.engine_event = bytes(event)
+
     def load(self, transfer: int, host_pages: bytes, device_pages: bytes) -> None:
         """Start copying host pages to device pages (page i to page i). Returns at once."""
-        self._start(transfer, False, host_pages, device_pages)
+        self._start(transfer, False, host_pages, device_pages, self.engine_event)
 
     def backup(self, transfer: int, device_pages: bytes, host_pages: bytes) -> None:
         """Start copying device pages to host pages (page i to page i). Returns at once."""
-        self._start(transfer, True, host_pages, device_pages)
+        self._start(transfer, True, host_pages, device_pages, self.engine_event)
 
-    def _start(self, transfer: int, to_host: bool, host_pages: bytes, device_pages: bytes) -> None:
+    def _start(self, transfer: int, to_host: bool, host_pages: bytes, device_pages: bytes, after: bytes) -> None:
         if transfer in self._flights:
             # Two copies under one id would report twice; the core never does this.
             raise ValueError(f"transfer {transfer} already has a copy in flight")
-        flight = _Flight(self._loop, transfer, to_host, bytes(host_pages), bytes(device_pages))
+        flight = _Flight(self._loop, transfer, to_host, bytes(host_pages), bytes(device_pages), bytes(after))
         self._flights[transfer] = flight
         if self._closed:
             self._loop.call_soon(self._finish, flight, "copy engine is closed", 0.0)
@@ -96,10 +106,11 @@ class CopyEngine:
         if self._delay:
             time.sleep(self._delay)
         try:
+            after = {"after": flight.after} if flight.after else {}  # backends from before engine events work on
             if flight.to_host:
-                job = self._device.submit_store(flight.device_pages, self._host, flight.host_pages)
+                job = self._device.submit_store(flight.device_pages, self._host, flight.host_pages, **after)
             else:
-                job = self._device.submit_load(self._host, flight.host_pages, flight.device_pages)
+                job = self._device.submit_load(self._host, flight.host_pages, flight.device_pages, **after)
         except Exception as e:  # any failure becomes the transfer's error, never the loop's
             self._to_loop(self._finish, flight, _describe(e), time.perf_counter() - start)
             return

@@ -17,20 +17,35 @@ are in place; the engine opens the handles (`radixkv.kvbuffers.CudaKvBuffers`) a
 waits on event i before reading layer i. Events come from a fixed ring, so the engine
 opens each handle once. Reusing an event is safe: all loads share one stream, so a
 later record of the same event completes only after the earlier copies did.
+
+Ordering with the engine. Opening the buffers synchronizes once (torch's IPC open makes
+only the current stream wait on the exporter's event). A copy given the engine's event
+(`after`) makes its stream wait on it before its first kernel. A copy that fails while
+being enqueued waits for what it already queued before it fails (`enqueue_or_drain`):
+the transfer must not settle while kernels still write its pages. Scratch for the
+gathers is preallocated, one buffer per stream (`SCRATCH_BYTES`), used under that
+stream's lock, so a copy never allocates device memory beyond its index arrays.
 """
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from radixkv.layout import KvLayout
 
-from .device import BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_name, element_width
+from . import cuda_devices, cuda_host
+from .cuda_host import pin_host, unpin_host
+from .device import (
+    BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_name, check_overlap, element_width,
+)
 
 log = logging.getLogger(__name__)
 
-_HOST_REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
-EVENT_RING = 64          # load-backs whose events may be outstanding before reuse
-MAX_TEMP_BYTES = 256 << 20  # device scratch per layer step; bigger batches go in groups
+EVENT_RING = 64            # load-backs whose events may be outstanding before reuse
+SCRATCH_BYTES = 32 << 20   # preallocated device scratch per stream; bigger batches go in groups
+MAX_ENGINE_EVENTS = 1024   # engine events kept open (an engine reuses a few)
+T = TypeVar("T")
 
 
 def _torch():
@@ -44,81 +59,76 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def pin_host(ptr: int, nbytes: int, device: int | None = None) -> None:
-    """Page-lock [ptr, ptr + nbytes) (cudaHostRegister, portable and mapped) under
-    `device`'s context. Raises RuntimeError with the CUDA error code on failure."""
-    torch = _torch()
-    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_FLAGS)
-    if _code(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error {_code(err)} ({err})")
-
-
-def unpin_host(ptr: int, device: int | None = None) -> None:
-    """Undo `pin_host`. Logs (does not raise) a failure: teardown must go on."""
-    torch = _torch()
-    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
-        err = torch.cuda.cudart().cudaHostUnregister(ptr)
-    if _code(err) != 0:
-        log.warning("cudaHostUnregister failed: CUDA error %s", _code(err))
-
-
-def _code(err) -> int:
-    return int(err)  # a cudaError enum from torch's cudart bindings
+def enqueue_or_drain(stream, enqueue: Callable[[], T]) -> T:
+    """`enqueue()` (which queues kernels on `stream`) or, if it raises, wait for the
+    stream to finish what was already queued, then raise CopyError: a failed transfer
+    settles only once no kernel of it still writes its pages."""
+    try:
+        return enqueue()
+    except Exception as e:
+        try:
+            stream.synchronize()
+        except Exception as sync_error:  # a broken context runs no more kernels either
+            log.warning("CUDA stream did not synchronize after a failed enqueue: %s", sync_error)
+        raise CopyError(f"CUDA copy could not be enqueued: {type(e).__name__}: {e}") from e
 
 
 class CudaDeviceBuffers(DeviceBuffers):
-    """Open `specs` (handles from `radixkv.kvbuffers.CudaKvBuffers.export`) on CUDA
-    device `device`. Raises DeviceOpenError when CUDA is missing, a handle does not
-    decode or open, or a region is too small."""
+    """Open `specs` (handles from `radixkv.kvbuffers.CudaKvBuffers.export`) on the
+    engine's GPU: `device_uuid` when given (found among this process's GPUs), else
+    ordinal `device`. Raises DeviceOpenError when CUDA is missing, the GPU is not
+    visible, a handle does not decode or open, a region is too small, or buffers overlap."""
 
-    def __init__(self, layout: KvLayout, num_pages: int, specs: list[BufferSpec], device: int):
+    def __init__(self, layout: KvLayout, num_pages: int, specs: list[BufferSpec], device: int,
+                 device_uuid: str = ""):
         torch = _torch()
         if not torch.cuda.is_available():
             raise DeviceOpenError("backend 'cuda' needs torch with CUDA and a visible GPU; use 'shm' on CPU machines")
-        if not 0 <= device < torch.cuda.device_count():
+        if device_uuid:
+            device = cuda_devices.ordinal_for_uuid(device_uuid, cuda_devices.visible_uuids())
+        elif not 0 <= device < torch.cuda.device_count():
             raise DeviceOpenError(f"CUDA device {device} does not exist ({torch.cuda.device_count()} visible)")
         self.layout = layout
         self.num_pages = num_pages
         self.device = device
+        self.by_uuid = bool(device_uuid)
+        self.device_uuid = cuda_devices.device_uuid(device)
         self._dev = torch.device("cuda", device)
-        self._lock = threading.Lock()  # event ring: worker threads take slots concurrently
+        self._lock = threading.Lock()  # event ring and engine events: worker threads share them
         self._ring: list[tuple[list, list[bytes]]] = []
         self._next_slot = 0
+        self._engine_events: dict[bytes, object] = {}
         self._host_views: dict[int, object] = {}  # host pool data_ptr -> CUDA view (or None)
         with torch.cuda.device(device):
             self._views = self._open(specs)
+            torch.cuda.current_stream(device).synchronize()  # the open's wait on the exporter's event
             self._load_stream = torch.cuda.Stream(device, priority=-1)  # loads go first
             self._store_stream = torch.cuda.Stream(device)
+            per = max(1, SCRATCH_BYTES // (layout.buffers_per_layer * layout.chunk_bytes))
+            self._scratch = {  # stream -> (lock, [per, buffers per layer, cols]); see enqueue_or_drain
+                s: (threading.Lock(), torch.empty((per, layout.buffers_per_layer, self._cols), dtype=self._dtype,
+                                                  device=self._dev))
+                for s in (self._load_stream, self._store_stream)}
 
     def _open(self, specs: list[BufferSpec]) -> list:
-        from radixkv.kvbuffers import decode_cuda_handle
         torch = _torch()
         need = self.layout.buffer_bytes(self.num_pages)
         storages: dict[bytes, object] = {}
         spans = []
         for i, spec in enumerate(specs):
-            where = f"buffer {i} ({buffer_name(self.layout, i)})"
             st = storages.get(spec.handle)
             if st is None:
-                try:
-                    args = decode_cuda_handle(spec.handle)
-                except ValueError as e:
-                    raise DeviceOpenError(f"{where}: {e}") from None
-                if args[0] != self.device:
-                    raise DeviceOpenError(f"{where}: exported from cuda:{args[0]}, but the engine's device is cuda:{self.device}")
-                try:
-                    st = torch.UntypedStorage._new_shared_cuda(*args)
-                except RuntimeError as e:
-                    raise DeviceOpenError(f"{where}: cannot open the CUDA IPC handle (engine gone, or another host?): {e}") from None
-                storages[spec.handle] = st
+                st = storages[spec.handle] = self._open_handle(spec.handle, f"buffer {i} ({buffer_name(self.layout, i)})")
             if spec.size < need or spec.offset + need > st.nbytes():
                 raise DeviceOpenError(
-                    f"{where}: needs {need} bytes ({self.num_pages} pages x {self.layout.chunk_bytes}) at offset "
-                    f"{spec.offset}; spec size {spec.size}, shared storage {st.nbytes()} bytes"
+                    f"buffer {i} ({buffer_name(self.layout, i)}): needs {need} bytes ({self.num_pages} pages x "
+                    f"{self.layout.chunk_bytes}) at offset {spec.offset}; spec size {spec.size}, shared storage "
+                    f"{st.nbytes()} bytes"
                 )
             spans.append((st, spec.offset))
-        width = element_width(self.layout.chunk_bytes, *(off + st.data_ptr() for st, off in spans))
+        addresses = [st.data_ptr() + off for st, off in spans]  # one address space: overlap is absolute
+        check_overlap([(None, a, a + need) for a in addresses], self.layout, f"cuda:{self.device}")
+        width = element_width(self.layout.chunk_bytes, *addresses)
         self._dtype = _wide(torch, width)
         self._cols = self.layout.chunk_bytes // width
         views = []
@@ -128,15 +138,31 @@ class CudaDeviceBuffers(DeviceBuffers):
         self._storages = list(storages.values())
         return views
 
+    def _open_handle(self, handle: bytes, where: str):
+        """One exported storage, opened on our device. Its ordinal is the exporter's own:
+        with a UUID it may differ from ours (other CUDA_VISIBLE_DEVICES) and is replaced."""
+        from radixkv.kvbuffers import decode_cuda_handle
+        torch = _torch()
+        try:
+            args = decode_cuda_handle(handle)
+        except ValueError as e:
+            raise DeviceOpenError(f"{where}: {e}") from None
+        if not self.by_uuid and args[0] != self.device:
+            raise DeviceOpenError(f"{where}: exported from cuda:{args[0]}, but the engine's device is cuda:{self.device}")
+        try:
+            return torch.UntypedStorage._new_shared_cuda(self.device, *args[1:])
+        except RuntimeError as e:
+            raise DeviceOpenError(f"{where}: cannot open the CUDA IPC handle (engine gone, or another host?): {e}") from None
+
     # -- copies ------------------------------------------------------------------------
 
-    def submit_load(self, host_pool, host_pages: bytes, device_pages: bytes) -> CopyJob:
-        return self._submit(host_pool, host_pages, device_pages, to_host=False)
+    def submit_load(self, host_pool, host_pages: bytes, device_pages: bytes, after: bytes = b"") -> CopyJob:
+        return self._submit(host_pool, host_pages, device_pages, False, after)
 
-    def submit_store(self, device_pages: bytes, host_pool, host_pages: bytes) -> CopyJob:
-        return self._submit(host_pool, host_pages, device_pages, to_host=True)
+    def submit_store(self, device_pages: bytes, host_pool, host_pages: bytes, after: bytes = b"") -> CopyJob:
+        return self._submit(host_pool, host_pages, device_pages, True, after)
 
-    def _submit(self, host_pool, host_pages: bytes, device_pages: bytes, to_host: bool) -> CopyJob:
+    def _submit(self, host_pool, host_pages: bytes, device_pages: bytes, to_host: bool, after: bytes) -> CopyJob:
         torch = _torch()
         views = self._views
         if views is None:
@@ -148,41 +174,38 @@ class CudaDeviceBuffers(DeviceBuffers):
             return CopyJob()  # nothing to copy (and torch.frombuffer refuses empty buffers)
         stream = self._store_stream if to_host else self._load_stream
         events, handles = ([], []) if to_host else self._take_slot()
-        try:
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                h3 = self._host_view(host_pool)
-                if h3 is None:
-                    self._copy_chunks(host_pool, host, dev, views, events, stream, to_host)
-                else:
-                    hidx, didx = self._index(host_pages), self._index(device_pages)
-                    if to_host:
-                        self._store(h3, views, hidx, didx)
-                    else:
-                        self._load(h3, views, hidx, didx, events, stream)
-                done = torch.cuda.Event(blocking=True)
-                done.record(stream)
-        except RuntimeError as e:
-            raise CopyError(f"CUDA copy could not be enqueued: {e}") from e
+        lock, scratch = self._scratch[stream]
+
+        def enqueue():
+            if after:
+                stream.wait_event(self._engine_event(after))
+            h3 = self._host_view(host_pool)
+            if h3 is None:
+                self._copy_chunks(host_pool, host, dev, views, events, stream, to_host)
+            elif to_host:
+                store_pages(self.layout, h3, views, self._index(host_pages), self._index(device_pages), scratch)
+            else:
+                load_pages(self.layout, h3, views, self._index(host_pages), self._index(device_pages), scratch,
+                           lambda layer: events[layer].record(stream))
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+            return done
+
+        with lock, torch.cuda.device(self.device), torch.cuda.stream(stream):
+            done = enqueue_or_drain(stream, enqueue)
         return CopyJob(list(handles), lambda: _synchronize(done, self.device))
 
-    def _load(self, h3, views, hidx, didx, events, stream) -> None:
-        bpl = self.layout.buffers_per_layer
-        for layer in range(self.layout.num_layers):
-            src_layer = h3.narrow(1, layer * bpl, bpl)
-            for lo, hi in self._groups(len(hidx), bpl):
-                src = src_layer.index_select(0, hidx[lo:hi])  # reads host pages over PCIe
-                for j in range(bpl):
-                    views[layer * bpl + j].index_copy_(0, didx[lo:hi], src[:, j])
-            events[layer].record(stream)
-
-    def _store(self, h3, views, hidx, didx) -> None:
+    def _engine_event(self, handle: bytes):
+        """The engine's interprocess event, opened once per handle (kept open, bounded)."""
         torch = _torch()
-        bpl = self.layout.buffers_per_layer
-        for layer in range(self.layout.num_layers):
-            dst_layer = h3.narrow(1, layer * bpl, bpl)
-            for lo, hi in self._groups(len(hidx), bpl):
-                tmp = torch.stack([views[layer * bpl + j].index_select(0, didx[lo:hi]) for j in range(bpl)], dim=1)
-                dst_layer.index_copy_(0, hidx[lo:hi], tmp)  # writes host pages over PCIe
+        with self._lock:
+            ev = self._engine_events.get(handle)
+            if ev is None:
+                ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
+                if len(self._engine_events) >= MAX_ENGINE_EVENTS:
+                    self._engine_events.pop(next(iter(self._engine_events)))
+                self._engine_events[handle] = ev
+            return ev
 
     def _copy_chunks(self, host_pool, host, dev, views, events, stream, to_host: bool) -> None:
         """Fallback without a device view of the host pool: one copy per (page, buffer)."""
@@ -198,31 +221,34 @@ class CudaDeviceBuffers(DeviceBuffers):
             if events:
                 events[layer].record(stream)
 
-    def _groups(self, n: int, bpl: int):
-        per = max(1, MAX_TEMP_BYTES // (bpl * self.layout.chunk_bytes))
-        return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
-
     def _index(self, pages: bytes):
         torch = _torch()
         idx = torch.frombuffer(bytearray(pages), dtype=torch.int32).long().pin_memory()
         return idx.to(self._dev, non_blocking=True)  # pinned: does not wait for the stream
 
     def _host_view(self, host_pool):
-        """The host pool as a CUDA tensor [pages, buffers, cols] (zero-copy), or None."""
+        """The host pool as a CUDA tensor [pages, buffers, cols] at the device address the
+        driver gives for it (zero-copy), or None (copy chunk by chunk)."""
         torch = _torch()
         key = host_pool.tensor.data_ptr()
         if key in self._host_views:
             return self._host_views[key]
         view = None
         if host_pool.pinned:
-            try:
-                st = torch._C._construct_storage_from_data_pointer(key, self._dev, host_pool.nbytes)
-                flat = torch.empty(0, dtype=torch.uint8, device=self._dev).set_(st, 0, (host_pool.nbytes,))
-                view = flat.view(self._dtype).view(host_pool.num_pages, self.layout.num_buffers, self._cols)
-            except (AttributeError, RuntimeError) as e:
-                log.warning("no device view of the host pool (%s); copying page by page", e)
+            can, driver_ptr = cuda_host.mapped_pointer(key, self.device)
+            ptr = cuda_host.choose_device_pointer(key, can, driver_ptr)
+            if ptr is None:
+                log.warning("no device address for the pinned host pool (host pointer usable: %s); copying "
+                            "chunk by chunk", can)
+            else:
+                try:
+                    st = torch._C._construct_storage_from_data_pointer(ptr, self._dev, host_pool.nbytes)
+                    flat = torch.empty(0, dtype=torch.uint8, device=self._dev).set_(st, 0, (host_pool.nbytes,))
+                    view = flat.view(self._dtype).view(host_pool.num_pages, self.layout.num_buffers, self._cols)
+                except (AttributeError, RuntimeError) as e:
+                    log.warning("no device view of the host pool (%s); copying chunk by chunk", e)
         else:
-            log.warning("host pool is not pinned; CUDA copies go page by page through pageable memory")
+            log.warning("host pool is not pinned; CUDA copies go chunk by chunk through pageable memory")
         self._host_views[key] = view
         return view
 
@@ -253,9 +279,46 @@ class CudaDeviceBuffers(DeviceBuffers):
         self._storages = []
         self._host_views.clear()
         self._ring = []
+        self._engine_events.clear()
+        self._scratch = {}
 
     def __repr__(self) -> str:
         return f"CudaDeviceBuffers(device=cuda:{self.device}, pages={self.num_pages})"
+
+
+def load_pages(layout: KvLayout, h3, views, hidx, didx, scratch, layer_done: Callable[[int], None]) -> None:
+    """Host pages `hidx` of `h3` ([pages, buffers, cols]) into device pages `didx` of
+    every buffer in `views`, layer by layer: one gather into `scratch` ([per, buffers per
+    layer, cols]) and one scatter per buffer for each group of `per` pages, then
+    `layer_done(layer)`. Device-agnostic (the CPU tests run it on CPU tensors)."""
+    torch = _torch()
+    bpl = layout.buffers_per_layer
+    for layer in range(layout.num_layers):
+        src_layer = h3.narrow(1, layer * bpl, bpl)
+        for lo, hi in _groups(len(hidx), scratch.shape[0]):
+            src = torch.index_select(src_layer, 0, hidx[lo:hi], out=scratch[:hi - lo])  # host pages over PCIe
+            for j in range(bpl):
+                views[layer * bpl + j].index_copy_(0, didx[lo:hi], src[:, j])
+        layer_done(layer)
+
+
+def store_pages(layout: KvLayout, h3, views, hidx, didx, scratch) -> None:
+    """Device pages `didx` of every buffer into host pages `hidx` of `h3`: per group of
+    pages, one gather per buffer into `scratch`, one scatter of whole pages to host."""
+    torch = _torch()
+    bpl = layout.buffers_per_layer
+    for layer in range(layout.num_layers):
+        dst_layer = h3.narrow(1, layer * bpl, bpl)
+        for lo, hi in _groups(len(hidx), scratch.shape[0]):
+            tmp = scratch[:hi - lo]
+            for j in range(bpl):
+                torch.index_select(views[layer * bpl + j], 0, didx[lo:hi], out=tmp[:, j])
+            dst_layer.index_copy_(0, hidx[lo:hi], tmp)  # writes host pages over PCIe
+
+
+def _groups(n: int, per: int) -> list[tuple[int, int]]:
+    """[lo, hi) slices of n pages, at most `per` each (what one scratch buffer holds)."""
+    return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
 
 def _wide(torch, width: int):
@@ -274,4 +337,5 @@ def _synchronize(event, device: int) -> None:
         raise CopyError(f"CUDA copy failed: {e}") from e
 
 
-__all__ = ["CudaDeviceBuffers", "EVENT_RING", "cuda_available", "pin_host", "unpin_host"]
+__all__ = ["CudaDeviceBuffers", "EVENT_RING", "SCRATCH_BYTES", "cuda_available", "enqueue_or_drain", "load_pages", "pin_host",
+           "store_pages", "unpin_host"]

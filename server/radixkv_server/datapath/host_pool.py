@@ -23,8 +23,9 @@ PIN_MODES = ("auto", "always", "never")
 
 
 class HostPool:
-    """`num_pages` host pages for `layout`. `pin`: "auto" pins when CUDA is available,
-    "always" pins or raises RuntimeError, "never" does not. `device` is the CUDA device
+    """`num_pages` host pages for `layout`. `pin`: "auto" pins when CUDA is available
+    and goes on unpinned (logging why) when pinning is refused, "always" pins or raises
+    RuntimeError, "never" does not. `device` is the CUDA device
     whose context registers the memory (the engine's device; default the current one);
     when given, a pinned pool is allocated on that GPU's NUMA node where there are several.
     Raises ValueError on a bad size or pin mode."""
@@ -46,7 +47,7 @@ class HostPool:
             self.numa_node = node if moved else None
             self.tensor: torch.Tensor | None = torch.empty((num_pages, layout.page_bytes), dtype=torch.uint8)
             if pin_it:
-                self._pin(required=pin == "always")
+                self._pin(pin)
 
     @staticmethod
     def pages_for_bytes(layout: KvLayout, nbytes: int) -> int:
@@ -71,14 +72,18 @@ class HostPool:
             return None
         return numa.gpu_node(self._device)
 
-    def _pin(self, required: bool) -> None:
-        from . import cuda
+    def _pin(self, mode: str) -> None:
+        from . import cuda, cuda_host
         if not cuda.cuda_available():
-            if required:
+            if mode == "always":
                 raise RuntimeError("host pool pin='always' but CUDA is not available")
             return
         ptr = self.tensor.data_ptr()
-        cuda.pin_host(ptr, self.nbytes, self._device)
+        try:
+            cuda_host.pin_host(ptr, self.nbytes, self._device)
+        except RuntimeError as e:  # e.g. RLIMIT_MEMLOCK in a container, or no room to lock
+            log.warning(cuda_host.pin_refused(mode, e, self.nbytes))
+            return
         self._pinned_ptr = ptr
         self.pinned = True
         where = "" if self.numa_node is None else f" on NUMA node {self.numa_node}"
@@ -91,8 +96,8 @@ class HostPool:
         if self.tensor is None:
             return
         if self.pinned:
-            from . import cuda
-            cuda.unpin_host(self._pinned_ptr, self._device)
+            from . import cuda_host
+            cuda_host.unpin_host(self._pinned_ptr, self._device)
             self.pinned = False
             log.info("host pool: unpinned %.2f GiB", self.nbytes / 2**30)
         self.tensor = None

@@ -12,11 +12,12 @@ from .cuda import CudaDeviceBuffers
 from .device import BufferSpec, DeviceBuffers, DeviceOpenError, buffer_name
 from .shm import ShmDeviceBuffers
 
-Opener = Callable[[KvLayout, int, list[BufferSpec], int], DeviceBuffers]
+Opener = Callable[..., DeviceBuffers]  # (layout, num_pages, specs, device, device_uuid=...)
 
 
 
-def _open_shm(layout: KvLayout, num_pages: int, specs: list[BufferSpec], device: int) -> DeviceBuffers:
+def _open_shm(layout: KvLayout, num_pages: int, specs: list[BufferSpec], device: int,
+              device_uuid: str = "") -> DeviceBuffers:
     return ShmDeviceBuffers(layout, num_pages, specs)  # no device: shared memory is host memory
 
 
@@ -27,9 +28,10 @@ BACKENDS: dict[str, Opener] = {
 
 
 def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
-                        buffers: list[BufferSpec], device: int = 0) -> DeviceBuffers:
+                        buffers: list[BufferSpec], device: int = 0, device_uuid: str = "") -> DeviceBuffers:
     """Open the engine's buffers: one BufferSpec per buffer, layer-major (layer 0 K,
-    layer 0 V, ...). `device` is the engine's CUDA device (ignored for "shm").
+    layer 0 V, ...). The engine's GPU (ignored for "shm") is `device_uuid` when given,
+    else the ordinal `device` (the daemon's numbering must then match the engine's).
     Raises DeviceOpenError naming what is wrong: unknown backend, wrong buffer count,
     a segment or handle that cannot be opened, a region too small."""
     opener = BACKENDS.get(backend)
@@ -47,7 +49,7 @@ def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
     for i, s in enumerate(specs):
         if s.offset < 0 or s.size < 0:
             raise DeviceOpenError(f"buffer {i} ({buffer_name(layout, i)}): negative offset or size {s}")
-    return opener(layout, num_pages, specs, device)
+    return opener(layout, num_pages, specs, device, device_uuid=device_uuid)
 
 
 __all__ = ["BACKENDS", "open_device_buffers"]
