@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
@@ -26,6 +26,7 @@ from .service.auth import AuthError, TokenAuth, load_token, server_credentials
 from .service.daemon import Daemon
 from .storage import open_storage
 from .service.servicer import RadixKVServicer
+from .service.wire import guarded
 
 log = logging.getLogger("radixkv.server")
 
@@ -33,8 +34,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RadixKV"].full_name
 
 
 class _HealthServicer(health.aio.HealthServicer):
-    """grpc's health servicer, except that Watch streams end once shutdown has begun,
-    after telling the watcher NOT_SERVING. Otherwise a single watcher (grpc client-side
+    """grpc's health servicer, with List, and Watch streams that end once shutdown has
+    begun, after telling the watcher NOT_SERVING. Otherwise a single watcher (grpc client-side
     health checking, a proxy) would hold server.stop() for the whole grace period."""
 
     def __init__(self):
@@ -44,6 +45,12 @@ class _HealthServicer(health.aio.HealthServicer):
     async def enter_graceful_shutdown(self) -> None:
         await super().enter_graceful_shutdown()
         self._shutting_down.set()
+
+    async def List(self, request, context):
+        """Every service's status (grpc's aio servicer leaves List to a base method that
+        raises NotImplementedError, logged with a traceback)."""
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
 
     async def Watch(self, request, context):
         sent = []
@@ -160,11 +167,14 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         interceptors=[TokenAuth(token)] if token else None,
     )
-    pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon), server)
+    # Every service is added through the guard: bytes that do not parse are refused
+    # INVALID_ARGUMENT before any handler runs (service/wire.py).
+    services = guarded(server, lambda method: metrics.rpc_requests.labels(method, "INVALID_ARGUMENT").inc())
+    pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon), services)
     health_servicer = _HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, services)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # enable_server_reflection, aio
+        reflection.aio.ReflectionServicer((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), services)
 
     addresses = _resolve_listen(config)  # once: a fallback is logged once
     sockets = [p for p in (_bind(server, a, tls) for a in addresses) if p]
