@@ -100,6 +100,8 @@ class DaemonConfig:
     kv_events_hash_seed: str = _opt("vllm-none-hash", "block-hash seed of KV events (vLLM's NONE_HASH "
                                     "seed; a fleet's PYTHONHASHSEED)")
     fault_copy_delay: float = _opt(0.0, "testing only: seconds each page copy waits before it starts")
+    fault_fail_loads: float = _opt(0.0, "testing only: fraction (0-1) of host->device load copies that "
+                                   "fail (1: every one), as a broken GPU copy would")
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "log lines as key=value text or JSON", choices=("text", "json"))
 
@@ -114,6 +116,8 @@ class DaemonConfig:
         for name in ("shutdown_grace", "lease_timeout", "ack_timeout", "fault_copy_delay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.fault_fail_loads <= 1:
+            raise ValueError(f"fault_fail_loads must be in [0, 1], got {self.fault_fail_loads}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
