@@ -79,6 +79,8 @@ class Metrics:
 def snapshot(daemon) -> dict:
     """The state the collector exports, read in one go (call on the event loop)."""
     out = {"sessions": len(daemon.sessions), "namespaces": {}, "storage": None}
+    events = getattr(daemon, "events", None)
+    out["events"] = events.stats() if events is not None else None
     if daemon.storage is not None:
         out["storage"] = {
             "stats": daemon.storage.stats.snapshot(),
@@ -237,3 +239,27 @@ class _StateCollector(Collector):
             nbytes.add_metric(["read"], st.get_bytes)
             nbytes.add_metric(["write"], st.put_bytes)
             yield from (up, pages, nbytes)
+        if snap["events"] is not None:
+            yield from _event_families(snap["events"])
+
+
+# EventHub.stats() key -> (metric, help); docs/events.md lists them.
+_EVENT_COUNTERS = {
+    "published": ("radixkv_kv_event_batches_published", "KV event batches published (ZMQ and WatchEvents)"),
+    "dropped": ("radixkv_kv_event_batches_dropped", "KV event batches dropped for want of queue room "
+                "(each followed by a resync of its namespace)"),
+    "send_errors": ("radixkv_kv_event_send_errors", "KV event batches a ZMQ socket refused"),
+    "replays": ("radixkv_kv_event_replays", "ZMQ replay requests answered"),
+    "lagged_subscribers": ("radixkv_kv_event_subscribers_lagged", "WatchEvents streams cut off for "
+                           "falling behind"),
+}
+_EVENT_GAUGES = {
+    "queue_depth": ("radixkv_kv_event_queue_depth", "KV event batches waiting for the publisher thread"),
+    "subscribers": ("radixkv_kv_event_watchers", "WatchEvents streams open"),
+}
+
+
+def _event_families(stats: dict):
+    for table, family in ((_EVENT_COUNTERS, CounterMetricFamily), (_EVENT_GAUGES, GaugeMetricFamily)):
+        for key, (name, help_text) in table.items():
+            yield family(name, help_text, value=stats[key])

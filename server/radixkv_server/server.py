@@ -1,8 +1,9 @@
 """serve(): the gRPC server around one Daemon, from start to a clean exit.
 
 Shutdown order (SIGTERM/SIGINT): health NOT_SERVING -> refuse new sessions -> finish
-copies in flight -> server.stop(grace) -> close sessions (finish load-backs, release
-leases) -> close device handles and unpin host pools -> remove socket files.
+copies in flight -> end WatchEvents streams, server.stop(grace) -> close sessions (finish
+load-backs, release leases) -> close device handles and unpin host pools -> publish the
+last KV events (namespaces cleared) and stop the event publisher -> remove socket files.
 """
 
 import asyncio
@@ -20,6 +21,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
 from .config import DEFAULT_SOCKET, DaemonConfig
+from .events import EventHub, EventsConfig
 from .logs import log_event
 from .metrics import Metrics
 from .service.auth import AuthError, TokenAuth, load_token, server_credentials
@@ -138,6 +140,20 @@ def _bind(server: grpc.aio.Server, address: str, tls: grpc.ServerCredentials | N
     return path
 
 
+def _open_events(config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> EventHub | None:
+    """The KV-event hub, when ZMQ events or WatchEvents are on (None otherwise: the core's
+    residency seam then costs nothing)."""
+    if not (config.kv_events_endpoint or config.kv_events_watch):
+        return None
+    try:
+        hub = EventHub(EventsConfig.from_daemon(config), call_later=loop.call_later)
+    except ValueError as e:
+        raise StartupError(f"kv events: {e}") from None
+    log_event(log, "kv_events.started", endpoint=config.kv_events_endpoint or "-",
+              replay=config.kv_events_replay_endpoint or "-", watch=config.kv_events_watch)
+    return hub
+
+
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     """Run until `stop` is set or SIGTERM/SIGINT arrives; returns the exit code."""
     loop = asyncio.get_running_loop()
@@ -158,7 +174,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         tls = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     except AuthError as e:
         raise StartupError(str(e)) from None
-    daemon = Daemon(config, metrics, storage)
+    events = _open_events(config, loop)
+    daemon = Daemon(config, metrics, storage, events)
     metrics.watch(daemon, loop)
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", config.max_message_size),
@@ -186,6 +203,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         metrics.serve(config.metrics_host, config.metrics_port)
     except OSError as e:
         await server.stop(None)
+        if events is not None:
+            events.close()
         raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -200,6 +219,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     await server.stop(config.shutdown_grace)
     log_event(log, "grpc.stopped")
     await daemon.close()
+    if events is not None:
+        events.close()
+        log_event(log, "kv_events.stopped", **events.stats())
     if storage is not None:
         storage.close()
     metrics.close()

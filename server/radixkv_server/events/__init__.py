@@ -14,9 +14,9 @@ from .config import EventsConfig
 from .fanout import (
     AsyncSubscription, Broadcast, PublishedBatch, ReplayUnavailable, SubscriberLagged, Subscription,
 )
-from .hub import EventHub, NamespaceEvents
+from .hub import EventHub, NamespaceEvents, resident
 
 __all__ = [
     "AsyncSubscription", "Broadcast", "EventHub", "EventsConfig", "NamespaceEvents",
-    "PublishedBatch", "ReplayUnavailable", "SubscriberLagged", "Subscription",
+    "PublishedBatch", "ReplayUnavailable", "SubscriberLagged", "Subscription", "resident",
 ]

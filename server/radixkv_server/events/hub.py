@@ -53,6 +53,16 @@ def _record(tier: str, change: str, node) -> tuple:
     return (kind, medium, node.extra_key, path)
 
 
+def resident(tree) -> Iterable[tuple[str, object]]:
+    """A snapshot function's answer for a core tree: ("device", node) for every node whose
+    pages are on the device, ("host", node) for every node with a valid host copy."""
+    for node in tree.iter_nodes():
+        if node.full.device_pages is not None:
+            yield "device", node
+        if node.full.host_valid:
+            yield "host", node
+
+
 class NamespaceEvents:
     """The residency listener of one namespace (one attachment: one tree)."""
 

@@ -11,6 +11,7 @@ import time
 import uuid
 
 from ..config import DaemonConfig
+from ..events import resident
 from ..logs import log_event
 from . import registration
 from .errors import exhausted, not_found, precondition, unavailable
@@ -22,10 +23,11 @@ log = logging.getLogger("radixkv.daemon")
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig, metrics=None, storage=None):
+    def __init__(self, config: DaemonConfig, metrics=None, storage=None, events=None):
         self.config = config
         self.metrics = metrics
         self.storage = storage  # StorageBackend shared by every namespace, or None
+        self.events = events    # events.EventHub (KV events for routers), or None: off
         self.instance = uuid.uuid4().hex[:12]
         self.started = time.monotonic()
         self.namespaces: dict[str, Namespace] = {}
@@ -71,6 +73,7 @@ class Daemon:
                 if ns is None:
                     ns = await Namespace.open(ns_config, device, reg.backend, metrics=self.metrics, storage=self.storage)
                     self.namespaces[reg.namespace] = ns
+                    self._listen(ns)
                     warm, dropped = False, 0
                 else:
                     warm, dropped = True, await ns.attach(device, reg.backend)
@@ -164,7 +167,15 @@ class Daemon:
             await asyncio.gather(*self._background, return_exceptions=True)
         for ns in list(self.namespaces.values()):
             await ns.close()
+            if ns.cache.residency_listener is not None:
+                ns.cache.residency_listener.clear()  # routers forget what it held
         self.namespaces.clear()
+
+    def _listen(self, ns: Namespace) -> None:
+        """Report a new namespace's residency changes as KV events (when they are on)."""
+        if self.events is not None:
+            ns.cache.residency_listener = self.events.attach(
+                ns.name, ns.layout.page_size, snapshot=lambda: resident(ns.cache.tree))
 
     def uptime(self) -> float:
         return time.monotonic() - self.started

@@ -22,6 +22,7 @@ from .acks import AckStream
 from .daemon import Daemon
 from .errors import ServiceError, invalid, status_of
 from .inspection import inspect_namespace, namespace_stats
+from .watch import watch
 
 log = logging.getLogger("radixkv.rpc")
 
@@ -143,6 +144,12 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         return pb.CheckInvariantsResponse(
             violations=[pb.Violation(namespace=n, message=m) for n, m in violations],
             namespaces_checked=len(namespaces))
+
+    @rpc
+    async def WatchEvents(self, request, context):
+        """Stream KV event batches (see the proto and watch.py); errors end it with a status."""
+        async for batch in watch(self.daemon, request):
+            await context.write(batch)
 
     @rpc
     async def Echo(self, request, context):

@@ -1,0 +1,90 @@
+"""WatchEvents: one reader of the daemon's KV events over gRPC (docs/events.md).
+
+The stream reads an in-process subscription of the event hub (`events.fanout`): the same
+numbered batches the ZMQ publisher sends, converted to `KvEventBatch` messages. Its buffer
+is bounded (`--kv-events-subscriber-buffer`): a reader that falls that far behind is cut
+off with ABORTED naming the from_seq to resume with, so it never slows the publisher or
+an engine. The stream ends (OK) when the daemon begins shutting down.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from radixkv.v1 import radixkv_pb2 as pb
+
+from ..events import AsyncSubscription, PublishedBatch, ReplayUnavailable, SubscriberLagged, Subscription
+from ..events.builder import TIER_MEDIUM
+from .errors import ServiceError, precondition, unavailable
+
+_TIER_OF = {medium: tier for tier, medium in TIER_MEDIUM.items()}
+_KIND = {"BlockStored": pb.KvEvent.BLOCK_STORED, "BlockRemoved": pb.KvEvent.BLOCK_REMOVED,
+         "AllBlocksCleared": pb.KvEvent.ALL_BLOCKS_CLEARED}
+
+
+async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEventBatch]:
+    """The batches of `request.namespace` ("" every one; daemon-wide batches always come),
+    from `request.from_seq` when set. FAILED_PRECONDITION when events are off,
+    OUT_OF_RANGE when the replay buffer no longer (or not yet) holds from_seq, ABORTED
+    when the reader fell behind, UNAVAILABLE once shutdown has begun."""
+    hub = daemon.events
+    if hub is None:
+        raise precondition("KV events are off: start the daemon with --kv-events-watch true "
+                           "(or a --kv-events-endpoint)")
+    if not daemon.accepting:
+        raise unavailable("the daemon is shutting down")
+    from_seq = request.from_seq if request.HasField("from_seq") else None
+    try:
+        sub = hub.subscribe(from_seq)
+    except ReplayUnavailable as e:
+        raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
+    try:
+        async for item in _until_stopping(sub, daemon.stopping):
+            if not request.namespace or item.namespace in (request.namespace, ""):
+                yield batch_message(item, daemon.instance)
+    except SubscriberLagged as e:
+        raise ServiceError(grpc.StatusCode.ABORTED,
+                           f"this stream fell more than {hub.config.subscriber_buffer} batches behind; "
+                           f"resubscribe with from_seq={e.missed_from} (OUT_OF_RANGE if the replay buffer "
+                           f"no longer holds it: then start over after Inspect)") from None
+
+
+async def _until_stopping(sub: Subscription, stopping: asyncio.Event) -> AsyncIterator[PublishedBatch]:
+    """The subscription's batches until `stopping` is set; always unsubscribes."""
+    stream = AsyncSubscription(sub)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        while True:
+            item = sub.get_nowait()  # raises SubscriberLagged once cut off
+            if item is None:
+                nxt = asyncio.ensure_future(anext(stream))
+                await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    return
+                item = nxt.result()
+            yield item
+    finally:
+        stop.cancel()
+        stream.close()
+
+
+def batch_message(item: PublishedBatch, instance: str) -> pb.KvEventBatch:
+    return pb.KvEventBatch(seq=item.seq, namespace=item.namespace, ts=item.batch.ts,
+                           events=[_event(e) for e in item.batch.events], daemon_instance=instance)
+
+
+def _event(event) -> pb.KvEvent:
+    kind = _KIND[type(event).__name__]
+    if kind == pb.KvEvent.ALL_BLOCKS_CLEARED:
+        return pb.KvEvent(kind=kind)
+    out = pb.KvEvent(kind=kind, tier=_TIER_OF.get(event.medium, ""), medium=event.medium or "",
+                     block_hashes=event.block_hashes)
+    if kind == pb.KvEvent.BLOCK_STORED:
+        if event.parent_block_hash is not None:
+            out.parent_block_hash = event.parent_block_hash
+        out.token_ids.extend(event.token_ids)
+        out.block_size = event.block_size
+        if event.extra_keys:
+            out.extra_key = event.extra_keys[0][0]
+    return out
