@@ -33,11 +33,16 @@ ALIGN = 64  # each buffer starts on a 64-byte boundary inside the segment
 class BufferSpec(NamedTuple):
     """Where one buffer lives: `handle` names the memory (shm segment name in utf-8, or an
     encoded CUDA IPC handle), the buffer starts `offset` bytes into it and spans `size`
-    bytes. The daemon uses this same class (it may import `radixkv`, never the reverse)."""
+    bytes. Page p of the buffer is the `page_bytes` bytes at `offset + p * page_stride`
+    (0: the layout's per-buffer chunk, and contiguous pages), so any engine layout is
+    described as whole opaque pages. The daemon uses this same class (it may import
+    `radixkv`, never the reverse)."""
 
     handle: bytes
     offset: int
     size: int
+    page_stride: int = 0
+    page_bytes: int = 0
 
 
 def torch_dtype(layout: KvLayout) -> torch.dtype:

@@ -18,6 +18,7 @@ loop. No lock is needed.
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,7 @@ class CopyEngine:
     propagated. Call every method on the loop's thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, device_buffers: DeviceBuffers, host_pool, on_done,
-                 workers: int = 2, delay: float = 0.0):
+                 workers: int = 2, delay: float = 0.0, fail_loads: float = 0.0):
         if workers < 1:
             raise ValueError(f"copy engine needs >= 1 worker, got {workers}")
         self._loop = loop
@@ -59,6 +60,7 @@ class CopyEngine:
         self._host = host_pool
         self._on_done = on_done
         self._delay = delay  # fault injection (tests): each copy waits this long first
+        self._fail_loads = fail_loads  # fault injection (tests): this fraction of loads fail
         self._submitters = {d: ThreadPoolExecutor(workers, thread_name_prefix=f"radixkv-{d}") for d in _DIRS}
         self._waiters = {d: ThreadPoolExecutor(1, thread_name_prefix=f"radixkv-{d}-wait") for d in _DIRS}
         self._flights: dict[int, _Flight] = {}
@@ -106,6 +108,8 @@ class CopyEngine:
         if self._delay:
             time.sleep(self._delay)
         try:
+            if not flight.to_host and self._fail_loads and random.random() < self._fail_loads:
+                raise CopyError("injected fault (--fault-fail-loads): this load copy failed")
             after = {"after": flight.after} if flight.after else {}  # backends from before engine events work on
             if flight.to_host:
                 job = self._device.submit_store(flight.device_pages, self._host, flight.host_pages, **after)

@@ -149,8 +149,39 @@ def element_width(*sizes: int) -> int:
     return 1
 
 
+def buffer_geometry(layout: KvLayout, specs: list[BufferSpec]) -> tuple[int, list[int]]:
+    """(page bytes per buffer, page stride of each buffer) for `specs`. Without
+    `page_bytes`, the layout's `num_buffers` buffers of `chunk_bytes` each; with it,
+    any number of buffers of one `page_bytes`, adding up to the layout's page. A stride
+    of 0 means contiguous pages. Raises DeviceOpenError saying what does not fit."""
+    sizes = {s.page_bytes for s in specs}
+    if sizes == {0} or not specs:
+        if len(specs) != layout.num_buffers:
+            raise DeviceOpenError(
+                f"{len(specs)} buffers given, layout needs {layout.num_buffers} "
+                f"({layout.num_layers} layers x {layout.buffers_per_layer} for {layout.kv_format!r}, "
+                "layer-major: layer 0 K, layer 0 V, layer 1 K, ...), or buffers with page_bytes set")
+        chunk = layout.chunk_bytes
+    elif len(sizes) != 1 or 0 in sizes:
+        raise DeviceOpenError(f"buffers give different page_bytes {sorted(sizes)}: set one page_bytes on every buffer")
+    else:
+        chunk = sizes.pop()
+        if chunk * len(specs) != layout.page_bytes:
+            raise DeviceOpenError(
+                f"{len(specs)} buffers x page_bytes {chunk} = {chunk * len(specs)} bytes per page, but the "
+                f"layout's page is {layout.page_bytes} bytes ({layout.num_buffers} x {layout.chunk_bytes})")
+    strides = [s.page_stride or chunk for s in specs]
+    for i, stride in enumerate(strides):
+        if stride < chunk:
+            raise DeviceOpenError(f"buffer {i}: page_stride {stride} is less than its page_bytes {chunk} (pages would overlap)")
+    return chunk, strides
+
+
 def buffer_name(layout: KvLayout, index: int) -> str:
-    """Human name of buffer `index`: "layer 3 K", "layer 3 V", "layer 3 KV" (mla)."""
+    """Human name of buffer `index`: "layer 3 K", "layer 3 V", "layer 3 KV" (mla);
+    "buffer 7" past the layout's buffers (buffers described by page_bytes)."""
+    if index >= layout.num_buffers:
+        return f"buffer {index}"
     layer, j = divmod(index, layout.buffers_per_layer)
     part = "KV" if layout.buffers_per_layer == 1 else "KV"[j]
     return f"layer {layer} {part}"
@@ -158,5 +189,5 @@ def buffer_name(layout: KvLayout, index: int) -> str:
 
 __all__ = [
     "BufferSpec", "CopyError", "CopyJob", "DeviceBuffers", "DeviceOpenError",
-    "buffer_name", "check_overlap", "element_width", "page_runs",
+    "buffer_geometry", "buffer_name", "check_overlap", "element_width", "page_runs",
 ]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from radixkv.layout import KvLayout
 
 from .cuda import CudaDeviceBuffers
-from .device import BufferSpec, DeviceBuffers, DeviceOpenError, buffer_name
+from .device import BufferSpec, DeviceBuffers, DeviceOpenError, buffer_geometry, buffer_name
 from .shm import ShmDeviceBuffers
 
 Opener = Callable[..., DeviceBuffers]  # (layout, num_pages, specs, device, device_uuid=...)
@@ -39,16 +39,15 @@ def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
         raise DeviceOpenError(f"unknown device backend {backend!r}; choose one of {list(BACKENDS)}")
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
         raise DeviceOpenError(f"num_pages must be an int >= 1, got {num_pages!r}")
-    if len(buffers) != layout.num_buffers:
-        raise DeviceOpenError(
-            f"{len(buffers)} buffers given, layout needs {layout.num_buffers} "
-            f"({layout.num_layers} layers x {layout.buffers_per_layer} for {layout.kv_format!r}, "
-            "layer-major: layer 0 K, layer 0 V, layer 1 K, ...)"
-        )
-    specs = [BufferSpec(bytes(b[0]), int(b[1]), int(b[2])) for b in buffers]
+    specs = [BufferSpec(bytes(b[0]), *(int(x) for x in b[1:5])) for b in buffers]
     for i, s in enumerate(specs):
-        if s.offset < 0 or s.size < 0:
-            raise DeviceOpenError(f"buffer {i} ({buffer_name(layout, i)}): negative offset or size {s}")
+        if min(s.offset, s.size, s.page_stride, s.page_bytes) < 0:
+            raise DeviceOpenError(f"buffer {i} ({buffer_name(layout, i)}): negative offset, size, stride or page bytes {s}")
+    chunk, strides = buffer_geometry(layout, specs)  # the count and page geometry fit the layout
+    if backend == "cuda" and (chunk != layout.chunk_bytes or any(s != chunk for s in strides)):
+        raise DeviceOpenError(
+            "backend 'cuda' copies the layout's own buffers only (one per layer and K/V, contiguous "
+            "pages); buffers with their own page_stride/page_bytes are supported on 'shm' for now")
     return opener(layout, num_pages, specs, device, device_uuid=device_uuid)
 
 

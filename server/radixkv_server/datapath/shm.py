@@ -20,8 +20,8 @@ import torch
 from radixkv.layout import KvLayout
 
 from .device import (
-    BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_name, check_overlap,
-    element_width, page_runs,
+    BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_geometry, buffer_name,
+    check_overlap, element_width, page_runs,
 )
 
 SHM_DIR = "/dev/shm"
@@ -48,34 +48,39 @@ class ShmDeviceBuffers(DeviceBuffers):
             raise
 
     def _open(self, specs: list[BufferSpec]) -> None:
-        need = self.layout.buffer_bytes(self.num_pages)
-        placed = []  # (segment name, offset) per buffer
+        chunk, strides = buffer_geometry(self.layout, specs)
+        placed = []  # (segment name, offset, page stride) per buffer
         for i, spec in enumerate(specs):
             name = _segment_name(spec.handle, i, self.layout)
             if name not in self._maps:
                 self._maps[name] = _map_segment(name)
             have = len(self._maps[name])
+            need = (self.num_pages - 1) * strides[i] + chunk
             where = f"buffer {i} ({buffer_name(self.layout, i)}) in segment {name!r}"
             if spec.size < need:
                 raise DeviceOpenError(
                     f"{where}: spec size {spec.size} bytes, need {need} "
-                    f"({self.num_pages} pages x {self.layout.chunk_bytes} bytes per page)"
+                    f"({self.num_pages} pages of {chunk} bytes, {strides[i]} bytes apart)"
                 )
             if spec.offset + need > have:
                 raise DeviceOpenError(
                     f"{where}: needs bytes {spec.offset}..{spec.offset + need} but the segment "
                     f"is only {have} bytes"
                 )
-            placed.append((name, spec.offset))
-        check_overlap([(n, off, off + need) for n, off in placed], self.layout, "segment")
-        width = element_width(self.layout.chunk_bytes, *(off for _, off in placed))
+            placed.append((name, spec.offset, strides[i]))
+        # Buffers of contiguous pages must not share bytes; strided ones interleave by
+        # design (FlashInfer's K and V pages alternate): their description is trusted.
+        dense = [(n, off, off + self.num_pages * chunk) if stride == chunk else (i, 0, 0)
+                 for i, (n, off, stride) in enumerate(placed)]
+        check_overlap(dense, self.layout, "segment")
+        width = element_width(chunk, *(off for _, off, _ in placed), *strides)
         self._dtype = _WIDE[width]
         self._width = width
         segs = {n: _segment_tensor(m, width) for n, m in self._maps.items()}
-        cols = self.layout.chunk_bytes // width
+        cols = chunk // width
         self._views = [
-            segs[n][off // width: off // width + self.num_pages * cols].view(self.num_pages, cols)
-            for n, off in placed
+            segs[n].as_strided((self.num_pages, cols), (stride // width, 1), off // width)
+            for n, off, stride in placed
         ]
         self._stacks = _stacks(placed, segs, self.num_pages, cols, width)
 
@@ -188,12 +193,13 @@ def _segment_tensor(m: mmap.mmap, width: int) -> torch.Tensor:
 
 
 def _stacks(placed, segs, num_pages: int, cols: int, width: int) -> list[tuple[int, torch.Tensor]]:
-    """Group consecutive buffers that sit in one segment at one fixed stride into one
-    [m, num_pages, cols] view, so a run of pages copies all of them in one call."""
+    """Group consecutive buffers that sit in one segment at one fixed distance (and one
+    page stride) into one [m, num_pages, cols] view, so a run of pages copies all of
+    them in one call."""
     groups: list[list[int]] = []
-    for i, (name, off) in enumerate(placed):
+    for i, (name, off, pstride) in enumerate(placed):
         g = groups[-1] if groups else None
-        if g is not None and placed[g[0]][0] == name:
+        if g is not None and placed[g[0]][0] == name and placed[g[0]][2] == pstride:
             stride = off - placed[g[-1]][1]
             first = placed[g[1]][1] - placed[g[0]][1] if len(g) > 1 else stride
             if stride > 0 and stride == first:
@@ -202,9 +208,9 @@ def _stacks(placed, segs, num_pages: int, cols: int, width: int) -> list[tuple[i
         groups.append([i])
     out = []
     for g in groups:
-        name, off0 = placed[g[0]]
+        name, off0, pstride = placed[g[0]]
         stride = (placed[g[1]][1] - off0) // width if len(g) > 1 else num_pages * cols
-        st = segs[name].as_strided((len(g), num_pages, cols), (stride, cols, 1), off0 // width)
+        st = segs[name].as_strided((len(g), num_pages, cols), (stride, pstride // width, 1), off0 // width)
         out.append((g[0], st))
     return out
 

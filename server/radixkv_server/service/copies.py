@@ -58,7 +58,8 @@ class Copies:
         self.device = device
         self.backend = backend
         self.engine = CopyEngine(self._loop, device, self._host_pool, self._copied,
-                                 workers=self._config.copy_workers, delay=self._config.copy_delay)
+                                 workers=self._config.copy_workers, delay=self._config.copy_delay,
+                                 fail_loads=self._config.fail_loads)
 
     def release_device(self) -> None:
         """Stop the copy threads and close the buffers (a CUDA IPC mapping keeps the

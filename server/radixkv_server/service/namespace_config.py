@@ -19,3 +19,4 @@ class NamespaceConfig:
     storage_workers: int       # threads doing storage I/O
     storage_queue_pages: int   # pages queued for storage writes before new ones are refused
     copy_delay: float = 0.0    # fault injection for tests (DaemonConfig.fault_copy_delay)
+    fail_loads: float = 0.0    # fault injection for tests (DaemonConfig.fault_fail_loads)

@@ -82,7 +82,8 @@ def namespace_config(config: DaemonConfig, reg: Registration, policy: str, stora
         name=reg.namespace, layout=reg.layout, cache=cache_config(config, reg, policy, storage_on),
         host_pages=host_pages(config, reg), pin_device=reg.device if reg.backend == "cuda" else None,
         copy_workers=config.copy_workers, storage_workers=config.storage_workers,
-        storage_queue_pages=config.storage_queue_pages, copy_delay=config.fault_copy_delay)
+        storage_queue_pages=config.storage_queue_pages, copy_delay=config.fault_copy_delay,
+        fail_loads=config.fault_fail_loads)
 
 
 def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_on: bool) -> CacheConfig:
