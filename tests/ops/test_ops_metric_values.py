@@ -1,0 +1,182 @@
+"""Every documented cache counter holds the value a known workload makes it hold.
+
+A real daemon process, scraped over HTTP, its /metrics text parsed with prometheus-client's
+parser. Each workload is small and its expected values are worked out by hand in the
+comments (pages of PAGE_SIZE tokens, PAGE_BYTES bytes each), never read back from the
+daemon: zeroing or mis-wiring any counter in the daemon fails one of these tests.
+"""
+
+import os
+import shutil
+
+from prometheus_client.parser import text_string_to_metric_families
+from radixkv.types import pack
+from radixkv.v1 import radixkv_pb2 as pb
+from tests.support.daemon import wait_for
+from tests.support.engine import LAYOUT
+
+from rawengine import PAGE_SIZE, RPC_TIMEOUT_S, RawEngine, fresh_tokens
+
+PAGE_BYTES = LAYOUT.page_bytes
+PAGE = PAGE_SIZE  # tokens per page
+P = 4 * PAGE  # every prompt here is 4 pages
+DEADLINE_S = 20.0
+
+
+def series(text: str, namespace: str) -> dict:
+    """{(name, ((label, value), ...)): value} for the samples of `namespace` (and the
+    daemon-wide samples, which have no namespace label)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("namespace", namespace) == namespace:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "namespace"))
+                out[(s.name, labels)] = s.value
+    return out
+
+
+def value(daemon, namespace: str, name: str, **labels) -> float:
+    """One sample of a fresh scrape (0 when the series is absent)."""
+    return series(daemon.scrape(), namespace).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def evicted(reason: str) -> tuple:
+    tier = "host" if reason in ("duplicate", "capacity") else "device"
+    return ("radixkv_evicted_tokens_total", (("reason", reason), ("tier", tier)))
+
+
+def counter(name: str) -> tuple:
+    return (name, ())
+
+
+def wait_value(daemon, namespace: str, name: str, want: float, **labels) -> None:
+    wait_for(lambda: value(daemon, namespace, name, **labels) == want, DEADLINE_S,
+             f"{name}{labels or ''} == {want}")
+
+
+def evict_all(engine: RawEngine, daemon, namespace: str, written_back_before: int, write_backs: int) -> None:
+    """Evict everything the cache holds on device, then wait until `write_backs` more
+    tokens were written back (the copies finish after Evict answers)."""
+    engine.evict(engine.pool.num_pages)
+    wait_value(daemon, namespace, "radixkv_evicted_tokens_total", written_back_before + write_backs,
+               tier="device", reason="write_back")
+
+
+def test_device_and_host_counters_of_a_known_workload(daemon):
+    """A host pool of 4 pages, write-back, prompts of 4 pages: every eviction reason,
+    load-backs, duplicates, inserts and matches, each with a value worked out by hand."""
+    ns = "ops/values"
+    e = RawEngine(daemon.target, ns, host_pool_pages=4, write_policy="write_back")
+    try:
+        a, b, c, d = (fresh_tokens(P) for _ in range(4))
+        assert e.insert(a) == 0 and e.insert(b) == 0                    # inserted 2P
+        # Evict both (8 pages) at once: the first claims the whole host pool (its write-back
+        # in flight locks it), so the second has no host room and nothing there to evict.
+        evict_all(e, daemon, ns, 0, P)                                  # write_back P, dropped P
+        assert e.insert(c) == 0                                         # inserted 3P
+        # c needs the host's 4 pages: the written-back prompt (host only) is evicted.
+        evict_all(e, daemon, ns, P, P)                                  # capacity P, write_back 2P
+        assert e.load_back(c) == P                                      # matched 1 (host hit P), loaded P
+        # c is now on device and host (a duplicate). Lease it so eviction passes it by:
+        # d's write-back then needs host room, which only c's duplicate copy can give.
+        lease = e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(c))],
+                                             lease=True), timeout=RPC_TIMEOUT_S).results[0].lease
+        assert lease                                                    # matched 2 (device hit P)
+        assert e.insert(d) == 0                                         # inserted 4P
+        e.evict(4)
+        wait_value(daemon, ns, "radixkv_evicted_tokens_total", 3 * P, tier="device", reason="write_back")
+        e.stub.Release(pb.ReleaseRequest(session=e.session, leases=[lease]), timeout=RPC_TIMEOUT_S)
+        # duplicate P, write_back 3P. Now c is on device only, d on host only: evicting c
+        # evicts d from the host for room.
+        evict_all(e, daemon, ns, 3 * P, P)                              # capacity 2P, write_back 4P
+        assert e.load_back(c) == P                                      # matched 3 (host P), loaded 2P
+        e.evict(e.pool.num_pages)                                       # c has a host copy: host_copy P
+        assert e.match(a).device_tokens == 0                            # matched 4 (miss P)
+        got = series(daemon.scrape(), ns)
+        want = {
+            counter("radixkv_inserted_tokens_total"): 4 * P,
+            counter("radixkv_matched_prompts_total"): 4,
+            ("radixkv_hit_tokens_total", (("tier", "device"),)): P,
+            ("radixkv_hit_tokens_total", (("tier", "host"),)): 2 * P,
+            counter("radixkv_miss_tokens_total"): P,
+            counter("radixkv_load_back_tokens_total"): 2 * P,
+            counter("radixkv_load_back_bytes_total"): 2 * 4 * PAGE_BYTES,
+            counter("radixkv_load_back_failed_tokens_total"): 0,
+            counter("radixkv_backup_tokens_total"): 4 * P,
+            counter("radixkv_backup_bytes_total"): 4 * 4 * PAGE_BYTES,
+            evicted("write_back"): 4 * P,
+            evicted("dropped"): P,
+            evicted("host_copy"): P,
+            evicted("duplicate"): P,
+            evicted("capacity"): 2 * P,
+            counter("radixkv_dropped_write_back_tokens_total"): P,
+            counter("radixkv_duplicate_reclaimed_tokens_total"): P,
+            # State after the workload: c on host only (4 pages), nothing on device.
+            counter("radixkv_host_pool_used_bytes"): 4 * PAGE_BYTES,
+            counter("radixkv_host_pool_capacity_bytes"): 4 * PAGE_BYTES,
+            counter("radixkv_device_pages"): 64,
+            ("radixkv_device_pages_held", (("state", "evictable"),)): 0,
+            ("radixkv_device_pages_held", (("state", "protected"),)): 0,
+            counter("radixkv_tree_nodes"): 1,
+            counter("radixkv_tracked_duplicates"): 0,
+            counter("radixkv_load_back_pins"): 0,
+            counter("radixkv_sessions"): 1,
+            counter("radixkv_namespaces"): 1,
+            ("radixkv_rpc_requests_total", (("code", "OK"), ("method", "LoadBack"))): 2,
+            ("radixkv_rpc_requests_total", (("code", "OK"), ("method", "Insert"))): 4,
+        }
+        assert {k: got.get(k) for k in want} == want
+        e.close()
+    finally:
+        e.release_memory()
+
+
+def test_storage_counters_of_a_known_workload(daemon_factory, tmp_path):
+    """Stored by one daemon, prefetched by the next on the same page directory; a write
+    that fails once the directory is gone is counted as failed."""
+    pages = tmp_path / "pages"
+    flags = ("--storage", f"file://{pages}", "--storage-policy", "write_through")
+    ns = "ops/storage-values"
+    a, b = fresh_tokens(P), fresh_tokens(2 * P)
+    first = daemon_factory(*flags)
+    e = RawEngine(first.target, ns, host_pool_pages=16)
+    try:
+        e.insert(a)
+        evict_all(e, first, ns, 0, P)                                   # written back, then stored: P
+        wait_value(first, ns, "radixkv_stored_tokens_total", P)
+        e.close()
+    finally:
+        e.release_memory()
+    assert first.stop() == 0
+
+    second = daemon_factory(*flags)
+    e = RawEngine(second.target, ns, host_pool_pages=16)
+    try:
+        m = e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(a))],
+                                         include_storage=True), timeout=RPC_TIMEOUT_S).results[0]
+        assert m.storage_tokens == P                                    # storage hit P
+        progress = list(e.stub.Prefetch(pb.PrefetchRequest(session=e.session, tokens=pack(a),
+                                                           policy="wait_complete"), timeout=RPC_TIMEOUT_S))
+        assert progress[-1].state == pb.PrefetchProgress.DONE and progress[-1].host_tokens_added == P
+        assert e.load_back(a) == P
+        # The page directory goes away (a regular file in its place): the next store fails.
+        shutil.rmtree(pages)
+        pages.write_text("not a directory")
+        e.insert(b)
+        evict_all(e, second, ns, 0, 2 * P)                              # store of 2P fails
+        wait_value(second, ns, "radixkv_store_failed_tokens_total", 2 * P)
+        got = series(second.scrape(), ns)
+        want = {
+            counter("radixkv_prefetched_tokens_total"): P,
+            ("radixkv_hit_tokens_total", (("tier", "storage"),)): P,
+            counter("radixkv_stored_tokens_total"): 0,
+            counter("radixkv_store_failed_tokens_total"): 2 * P,
+            counter("radixkv_load_back_tokens_total"): P,
+            ("radixkv_storage_pages_total", (("operation", "get"), ("result", "hit"))): 4,
+            ("radixkv_storage_bytes_total", (("direction", "write"),)): 0,
+        }
+        assert {k: got.get(k) for k in want} == want
+        e.close()
+    finally:
+        e.release_memory()
+    os.remove(pages)
