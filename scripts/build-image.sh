@@ -27,7 +27,7 @@ fi
 # pip settings for the builder: the CA bundle and the host's http(s) indexes. Local
 # (file://) indexes and find-links folders do not exist inside the build; the torch
 # wheel they hold is staged below instead.
-pip_setting() {  # pip_setting KEY: the value pip resolves on this host (env wins), or empty
+pip_setting() {  # pip_setting KEY: the value pip uses on this host (its precedence), or empty
   { "$VENV_PY" -m pip config list 2>/dev/null || true; } | "$PY" -c '
 import sys
 key, found = sys.argv[1], {}
@@ -36,7 +36,7 @@ for line in sys.stdin:
     scope, _, k = name.rpartition(".")
     if k == key:
         found[scope] = value.strip("\x27")
-print(found.get(":env:") or found.get("global") or found.get("user") or found.get("site") or "")
+print(next((found[s] for s in (":env:", "site", "user", "global") if found.get(s)), ""))
 ' "$1"
 }
 CA_BUNDLE=${CA_BUNDLE:-$(pip_setting cert)}
@@ -91,7 +91,7 @@ if ! DOCKER_BUILDKIT=0 docker build -t "$IMAGE" "${build_args[@]}" \
   echo "error: docker build failed; full log: $log" >&2
   exit 1
 fi
-# The image this one replaces (and its build layers) would stay behind untagged, ~1 GB each.
+# The image this one replaces would stay behind untagged, with the layers only it uses.
 if [[ -n $previous && $previous != $(docker image inspect -f '{{.Id}}' "$IMAGE") ]]; then
   docker image rm "$previous" >/dev/null 2>&1 || true
 fi
