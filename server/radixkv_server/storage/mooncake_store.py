@@ -66,7 +66,7 @@ class MooncakeStorage(StorageBackend):
     def __init__(self, master: str, *, segment_bytes: int = 512 << 20, buffer_bytes: int = 64 << 20,
                  protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", hostname: str = "127.0.0.1",
                  rdma_devices: str = "", timeout: float = 2.0, prefix: str = "radixkv:", replicas: int = 1,
-                 max_batch: int = 32, call_threads: int = 4):
+                 max_batch: int = 128, call_threads: int = 4):
         _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max_batch, call_threads)
         super().__init__(f"mooncake://{master}")
         self.master = master
