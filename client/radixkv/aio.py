@@ -133,11 +133,11 @@ class AsyncClient(ClientBase):
     async def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
                        backend: str = "shm", device: int = 0, write_policy: str = "",
                        host_pool_pages: int = 0, replace_existing: bool = False, engine: str = "",
-                       model: str = "") -> Registration:
+                       model: str = "", device_uuid: str = "") -> Registration:
         return await self._run(self._session.register(
             namespace, layout, buffers, num_device_pages, backend=backend, device=device,
             write_policy=write_policy, host_pool_pages=host_pool_pages,
-            replace_existing=replace_existing, engine=engine, model=model))
+            replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid))
 
     async def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
         return await self._run(self._session.reconnect(timeout))
@@ -169,12 +169,13 @@ class AsyncClient(ClientBase):
                                                       timeout=timeout))
 
     async def insert(self, tokens, device_pages, *, extra_key: bytes = b"", chunked: bool = False,
-                     release_lease: int = 0, lease: bool = False) -> InsertResult:
+                     release_lease: int = 0, lease: bool = False, engine_event=None) -> InsertResult:
         return await self._run(self._session.insert(tokens, device_pages, extra_key=extra_key,
-                                                    chunked=chunked, release_lease=release_lease, lease=lease))
+                                                    chunked=chunked, release_lease=release_lease, lease=lease,
+                                                    engine_event=engine_event))
 
-    async def load_back(self, node: int, device_pages) -> LoadBackResult:
-        return await self._run(self._session.load_back(node, device_pages))
+    async def load_back(self, node: int, device_pages, *, engine_event=None) -> LoadBackResult:
+        return await self._run(self._session.load_back(node, device_pages, engine_event))
 
     async def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         return await self._session.acks().wait(transfer_ids, timeout)
@@ -182,8 +183,8 @@ class AsyncClient(ClientBase):
     async def release(self, leases: Iterable[int]) -> None:
         await self._run(self._session.release(leases))
 
-    async def evict(self, num_pages: int) -> EvictResult:
-        return await self._run(self._session.evict(num_pages))
+    async def evict(self, num_pages: int, *, engine_event=None) -> EvictResult:
+        return await self._run(self._session.evict(num_pages, engine_event))
 
     async def stats(self, namespace: str = "") -> pb.StatsResponse:
         return await self._run(self._session.stats(namespace))

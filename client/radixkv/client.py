@@ -63,15 +63,17 @@ class Client(ClientBase):
     def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
                  backend: str = "shm", device: int = 0, write_policy: str = "",
                  host_pool_pages: int = 0, replace_existing: bool = False, engine: str = "",
-                 model: str = "") -> Registration:
+                 model: str = "", device_uuid: str = "") -> Registration:
         """Attach to `namespace` with the engine's device `buffers` ((handle, offset, size)
-        each, layer-major; `ShmKvBuffers.specs()` or `CudaKvBuffers.export(...)`). The
-        buffers must stay alive until `close` returns. One session per client: raises
+        each, layer-major; `ShmKvBuffers.specs()` or `CudaKvBuffers.export(...)`, which is
+        exported afresh for every automatic re-registration). The buffers must stay alive
+        until `close` returns. On "cuda" the GPU is sent by UUID too (`device_uuid`,
+        default: that of cuda:`device` here). One session per client: raises
         FailedPrecondition when already registered."""
         return self._run(self._session.register(
             namespace, layout, buffers, num_device_pages, backend=backend, device=device,
             write_policy=write_policy, host_pool_pages=host_pool_pages,
-            replace_existing=replace_existing, engine=engine, model=model))
+            replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid))
 
     def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
         """Make sure the session is alive, registering again (with backoff) if it was lost.
@@ -121,17 +123,21 @@ class Client(ClientBase):
         return self._run(self._session.prefetch(tokens, extra_key=extra_key, policy=policy, timeout=timeout))
 
     def insert(self, tokens, device_pages, *, extra_key: bytes = b"", chunked: bool = False,
-               release_lease: int = 0, lease: bool = False) -> InsertResult:
+               release_lease: int = 0, lease: bool = False, engine_event=None) -> InsertResult:
         """Hand finished KV to the cache: `device_pages[i]` holds page i of `tokens`
         (whole pages). Free the returned redundant pages; the others are the cache's
-        until `evict` returns them. `release_lease` releases a match lease afterwards."""
+        until `evict` returns them. `release_lease` releases a match lease afterwards.
+        `engine_event` (CUDA; `CudaKvBuffers.record_event`): the daemon's copies wait on
+        the GPU for it, so the pages need not be synchronized on the CPU first."""
         return self._run(self._session.insert(tokens, device_pages, extra_key=extra_key, chunked=chunked,
-                                              release_lease=release_lease, lease=lease))
+                                              release_lease=release_lease, lease=lease, engine_event=engine_event))
 
-    def load_back(self, node: int, device_pages) -> LoadBackResult:
+    def load_back(self, node: int, device_pages, *, engine_event=None) -> LoadBackResult:
         """Copy the host-only part of `node`'s path (a match's `host_node`) into
-        `device_pages`. Wait for `transfer` and `depends_on` before reading."""
-        return self._run(self._session.load_back(node, device_pages))
+        `device_pages`. Wait for `transfer` and `depends_on` before reading.
+        `engine_event`: the copy overwrites the pages only after it (kernels still
+        reading them from an earlier use)."""
+        return self._run(self._session.load_back(node, device_pages, engine_event))
 
     def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         """Acknowledge the load-backs and wait until each finished: {id: outcome}.
@@ -145,9 +151,10 @@ class Client(ClientBase):
         """Release leases taken by `match(lease=True)` or `insert(lease=True)` (0s are skipped)."""
         self._run(self._session.release(leases))
 
-    def evict(self, num_pages: int) -> EvictResult:
-        """Free up to `num_pages` device pages; the freed pages are the engine's again."""
-        return self._run(self._session.evict(num_pages))
+    def evict(self, num_pages: int, *, engine_event=None) -> EvictResult:
+        """Free up to `num_pages` device pages; the freed pages are the engine's again.
+        `engine_event`: write-backs read the pages only after it."""
+        return self._run(self._session.evict(num_pages, engine_event))
 
     # -- operators ---------------------------------------------------------------------
 

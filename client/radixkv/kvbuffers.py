@@ -172,11 +172,17 @@ class CudaKvBuffers:
         return min(t.numel() * t.element_size() for t in tensors) // layout.chunk_bytes
 
     @staticmethod
-    def export(layout: KvLayout, tensors: list[torch.Tensor], device: int) -> list[BufferSpec]:
+    def export(layout: KvLayout, tensors: list[torch.Tensor], device: int) -> "CudaExport":
         """BufferSpecs for `tensors`, one per buffer in layer-major order, each a contiguous
         CUDA tensor on `device` with the layout's dtype, token-major. The handle shares the
-        tensor's storage through CUDA IPC (call `export` again for each Register: every
-        export is one consumer reference). Raises ValueError naming the bad tensor."""
+        tensor's storage through CUDA IPC; every export is one consumer reference, which
+        torch counts, so each Register needs its own: the client re-exports the returned
+        list (`CudaExport.fresh`) for every automatic re-registration, and an engine that
+        registers again itself calls `export` again. Raises ValueError naming the bad tensor."""
+        return CudaExport(layout, tensors, device)
+
+    @staticmethod
+    def _specs(layout: KvLayout, tensors: list[torch.Tensor], device: int) -> list[BufferSpec]:
         if len(tensors) != layout.num_buffers:
             raise ValueError(f"{len(tensors)} tensors given, layout needs {layout.num_buffers} (layer-major)")
         dtype = torch_dtype(layout)
@@ -197,6 +203,26 @@ class CudaKvBuffers:
                 handle = handles[storage.data_ptr()] = encode_cuda_handle(storage._share_cuda_())
             specs.append(BufferSpec(handle, t.storage_offset() * t.element_size(), t.numel() * t.element_size()))
         return specs
+
+    @staticmethod
+    def record_event(stream: "torch.cuda.Stream | None" = None) -> "torch.cuda.Event":
+        """Record an interprocess event on `stream` (default: the current stream) and
+        return it, to pass as `engine_event` to insert, evict or load_back: the daemon's
+        copy waits for it on the GPU, so nothing need be synchronized on the CPU. Record
+        it after the last kernel that writes (insert) or reads (load_back, evict) the
+        pages. Events come from a ring of `ENGINE_EVENT_RING` per device, kept alive for
+        the process (the daemon opens each handle once); re-recording one only makes a
+        late copy wait a little longer, never less."""
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        device = stream.device.index
+        ring, at = _ENGINE_EVENTS.setdefault(device, ([], [0]))
+        if len(ring) < ENGINE_EVENT_RING:
+            with torch.cuda.device(device):
+                ring.append(torch.cuda.Event(interprocess=True))
+        ev = ring[at[0] % len(ring)]
+        at[0] += 1
+        ev.record(stream)
+        return ev
 
     @staticmethod
     def events(handles: list[bytes], device: int) -> list["torch.cuda.Event"]:
@@ -233,8 +259,33 @@ class CudaKvBuffers:
         return events
 
 
+class CudaExport(list):
+    """The BufferSpecs of one export (a list), able to export the same tensors again
+    (`fresh`): the client calls it for each re-registration. Holds the tensors."""
+
+    def __init__(self, layout: KvLayout, tensors: list[torch.Tensor], device: int):
+        super().__init__(CudaKvBuffers._specs(layout, tensors, device))
+        self._args = (layout, list(tensors), device)
+
+    def fresh(self) -> list[BufferSpec]:
+        """New BufferSpecs for the same tensors: a new IPC reference each."""
+        return CudaKvBuffers._specs(*self._args)
+
+
+def device_uuid(device: int) -> str:
+    """"GPU-<uuid>" of this process's cuda:`device`, or "" without CUDA (the daemon then
+    takes the ordinal). The daemon maps it to its own ordinal (which differs when the
+    two processes see different CUDA_VISIBLE_DEVICES)."""
+    if not torch.cuda.is_available() or not 0 <= device < torch.cuda.device_count():
+        return ""
+    uuid = str(torch.cuda.get_device_properties(device).uuid).lower()
+    return uuid if uuid.startswith("gpu-") else "GPU-" + uuid
+
+
 _OPENED_EVENTS: dict[tuple[int, bytes], "torch.cuda.Event"] = {}
 _MAX_OPENED_EVENTS = 65536
+ENGINE_EVENT_RING = 32
+_ENGINE_EVENTS: dict[int, tuple[list, list[int]]] = {}  # device -> (events, [next slot])
 
 _CUDA_FIELDS = ("device", "handle", "size", "offset", "ref_handle", "ref_offset", "event_handle", "event_sync")
 _CUDA_BYTES = ("handle", "ref_handle", "event_handle")
@@ -303,6 +354,6 @@ def _close_quietly(obj) -> None:
 
 
 __all__ = [
-    "BufferSpec", "CudaKvBuffers", "ShmKvBuffers", "decode_cuda_handle", "encode_cuda_handle",
-    "torch_dtype",
+    "BufferSpec", "CudaExport", "CudaKvBuffers", "ShmKvBuffers", "decode_cuda_handle", "device_uuid",
+    "encode_cuda_handle", "torch_dtype",
 ]

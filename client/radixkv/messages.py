@@ -58,14 +58,36 @@ def buffer_pb(spec) -> pb.DeviceBuffer:
 
 def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
                      backend: str, device: int, write_policy: str, host_pool_pages: int,
-                     replace_existing: bool, engine: str, model: str) -> pb.RegisterRequest:
+                     replace_existing: bool, engine: str, model: str, device_uuid: str = "") -> pb.RegisterRequest:
+    """`device_uuid`: the engine's GPU by UUID; for backend "cuda" it defaults to the UUID
+    of cuda:`device` in this process, so the daemon finds the same GPU whatever its own
+    CUDA_VISIBLE_DEVICES (see `radixkv.kvbuffers.device_uuid`)."""
     if num_device_pages < 0 or host_pool_pages < 0:
         raise InvalidArgument("num_device_pages and host_pool_pages must be >= 0")
+    if backend == "cuda" and not device_uuid:
+        from .kvbuffers import device_uuid as uuid_of  # torch and CUDA only where CUDA is used
+
+        device_uuid = uuid_of(device)
     return pb.RegisterRequest(
         namespace=namespace, layout=layout_pb(layout), backend=backend, device=device,
         buffers=[buffer_pb(b) for b in buffers], num_device_pages=num_device_pages,
         write_policy=write_policy, host_pool_pages=host_pool_pages,
-        replace_existing=replace_existing, engine=engine, model=model)
+        replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid)
+
+
+def event_bytes(event) -> bytes:
+    """An engine event for Insert, Evict or LoadBack as IPC handle bytes: None (none), the
+    handle bytes, or a `torch.cuda.Event(interprocess=True)` (see
+    `CudaKvBuffers.record_event`)."""
+    if event is None:
+        return b""
+    if isinstance(event, (bytes, bytearray)):
+        return bytes(event)
+    handle = getattr(event, "ipc_handle", None)
+    if handle is None:
+        raise InvalidArgument(f"engine_event must be IPC handle bytes or an interprocess torch.cuda.Event, "
+                              f"got {type(event).__name__}")
+    return bytes(handle())
 
 
 def match_request(session: str, prompts: Iterable, lease: bool, include_storage: bool = False) -> pb.MatchRequest:
@@ -88,24 +110,26 @@ def prefetch_request(session: str, tokens, *, extra_key: bytes, policy: str,
 
 
 def insert_request(session: str, tokens, device_pages, *, extra_key: bytes, chunked: bool,
-                   release_lease: int, lease: bool) -> pb.InsertRequest:
+                   release_lease: int, lease: bool, engine_event=None) -> pb.InsertRequest:
     return pb.InsertRequest(session=session, tokens=as_packed(tokens),
                             device_pages=as_packed(device_pages), extra_key=bytes(extra_key),
-                            chunked=chunked, release_lease=release_lease, lease=lease)
+                            chunked=chunked, release_lease=release_lease, lease=lease,
+                            engine_event=event_bytes(engine_event))
 
 
-def load_back_request(session: str, node: int, device_pages) -> pb.LoadBackRequest:
-    return pb.LoadBackRequest(session=session, node=node, device_pages=as_packed(device_pages))
+def load_back_request(session: str, node: int, device_pages, engine_event=None) -> pb.LoadBackRequest:
+    return pb.LoadBackRequest(session=session, node=node, device_pages=as_packed(device_pages),
+                              engine_event=event_bytes(engine_event))
 
 
 def release_request(session: str, leases: Iterable[int]) -> pb.ReleaseRequest:
     return pb.ReleaseRequest(session=session, leases=[int(x) for x in leases if x])
 
 
-def evict_request(session: str, num_pages: int) -> pb.EvictRequest:
+def evict_request(session: str, num_pages: int, engine_event=None) -> pb.EvictRequest:
     if num_pages < 0:
         raise InvalidArgument(f"num_pages must be >= 0, got {num_pages}")
-    return pb.EvictRequest(session=session, num_pages=num_pages)
+    return pb.EvictRequest(session=session, num_pages=num_pages, engine_event=event_bytes(engine_event))
 
 
 def transfer_ids(ids: Iterable[int]) -> list[int]:

@@ -121,6 +121,7 @@ class Session:
         self.registration: Registration | None = None
         self.closed = False
         self._register_request: pb.RegisterRequest | None = None
+        self._buffers = None  # as given to register: exported afresh for each re-registration
         self._acks = None
         self._open_acks = open_acks
         self._recovery = Recovery(reconnect) if reconnect is not None else None
@@ -167,6 +168,7 @@ class Session:
         req = msg.register_request(namespace, layout, buffers, num_device_pages, **options)
         reg = Registration.from_pb((yield from self._call("Register", req)))
         self._register_request = req
+        self._buffers = buffers
         self._attach(reg)
         return reg
 
@@ -218,8 +220,8 @@ class Session:
         req = msg.insert_request(self.id, tokens, device_pages, **options)
         return InsertResult.from_pb((yield from self._call("Insert", req)))
 
-    def load_back(self, node: int, device_pages) -> Plan[LoadBackResult]:
-        req = msg.load_back_request(self.id, node, device_pages)
+    def load_back(self, node: int, device_pages, engine_event=None) -> Plan[LoadBackResult]:
+        req = msg.load_back_request(self.id, node, device_pages, engine_event)
         result = LoadBackResult.from_pb((yield from self._call("LoadBack", req)))
         self.acks().issue(result.transfer)
         return result
@@ -229,8 +231,9 @@ class Session:
         if req.leases:
             yield from self._call("Release", req)
 
-    def evict(self, num_pages: int) -> Plan[EvictResult]:
-        return EvictResult.from_pb((yield from self._call("Evict", msg.evict_request(self.id, num_pages))))
+    def evict(self, num_pages: int, engine_event=None) -> Plan[EvictResult]:
+        req = msg.evict_request(self.id, num_pages, engine_event)
+        return EvictResult.from_pb((yield from self._call("Evict", req)))
 
     # -- operators ---------------------------------------------------------------------
 
@@ -269,6 +272,19 @@ class Session:
                     yield from self._recover()
             raise
 
+    def _registration_again(self) -> pb.RegisterRequest:
+        """The Register to send again. Buffers that can be exported afresh (`fresh()`, as
+        `CudaKvBuffers.export` gives) are: each CUDA IPC export is one reference torch
+        counts, and a handle sent twice would be released twice."""
+        fresh = getattr(self._buffers, "fresh", None)
+        if fresh is None:
+            return self._register_request
+        req = pb.RegisterRequest()
+        req.CopyFrom(self._register_request)
+        del req.buffers[:]
+        req.buffers.extend(msg.buffer_pb(b) for b in fresh())
+        return req
+
     def _attach(self, reg: Registration) -> None:
         msg.forget_stale_events(self._register_request)
         self.registration = reg
@@ -304,7 +320,7 @@ class Session:
             raise Unavailable(f"session lost ({rec.reason}); next reconnect attempt in "
                               f"{rec.wait_time(now):.2f}s")
         try:  # as first registered: replace_existing only if the engine asked for it then
-            new = Registration.from_pb((yield Rpc("Register", self._register_request, self.timeout)))
+            new = Registration.from_pb((yield Rpc("Register", self._registration_again(), self.timeout)))
         except Unavailable as err:
             rec.failed(time.monotonic())
             raise Unavailable(f"session lost ({rec.reason}); reconnect attempt {rec.attempts} failed: "

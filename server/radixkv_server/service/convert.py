@@ -42,7 +42,20 @@ def registration(request: pb.RegisterRequest, default_page_size: int) -> Registr
         buffers=[BufferSpec(b.handle, b.offset, b.size) for b in request.buffers],
         num_device_pages=request.num_device_pages, write_policy=request.write_policy,
         host_pool_pages=request.host_pool_pages, replace_existing=request.replace_existing,
-        engine=request.engine, model=request.model)
+        engine=request.engine, model=request.model, device_uuid=request.device_uuid)
+
+
+IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+
+
+def engine_event(request) -> bytes:
+    """The engine's interprocess event of an Insert, Evict or LoadBack (b"": none);
+    INVALID_ARGUMENT when it is not a CUDA IPC event handle (64 bytes)."""
+    ev = request.engine_event
+    if ev and len(ev) != IPC_EVENT_HANDLE_BYTES:
+        raise invalid(f"engine_event is {len(ev)} bytes; a CUDA IPC event handle is {IPC_EVENT_HANDLE_BYTES} "
+                      "(torch.cuda.Event(interprocess=True).ipc_handle())")
+    return ev
 
 
 def prompts(request: pb.MatchRequest, limit: int) -> list[Prompt]:

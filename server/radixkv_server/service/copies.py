@@ -73,6 +73,12 @@ class Copies:
             self.device.close()
             self.device = None
 
+    def order_after(self, engine_event: bytes) -> None:
+        """Copies started from now on wait for the engine's interprocess event (CUDA;
+        ignored by shared memory). See `CopyEngine.order_after`."""
+        if self.engine is not None and engine_event:
+            self.engine.order_after(engine_event)
+
     @property
     def loaded_bytes(self) -> int:
         """Bytes copied host->device since the namespace was created."""

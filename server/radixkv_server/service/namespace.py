@@ -83,6 +83,11 @@ class Namespace:
             self.cache.counters.storage_hit_tokens += sum(stored)
         return [MatchAnswer(r, lease_id, n) for (r, lease_id), n in zip(matched, stored)]
 
+    def order_after(self, engine_event: bytes) -> None:
+        """The engine's event from an Insert, Evict or LoadBack: copies started from now
+        on (by that call or later) run after it on the GPU. Call before the operation."""
+        self.copies.order_after(engine_event)
+
     async def insert(self, session: Session, request: InsertRequest) -> InsertAnswer:
         """Hand finished KV to the cache (waiting for copies the core names first), then
         release `release_lease` and take a lease if asked. NOT_FOUND for a lease the

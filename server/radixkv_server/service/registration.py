@@ -11,6 +11,7 @@ from ..config import DaemonConfig
 from ..core import CacheConfig
 from ..core.page_keys import namespace_salt
 from ..datapath import BACKENDS, BufferSpec, DeviceOpenError, open_device_buffers
+from ..datapath.cuda_devices import ordinal_for_uuid, visible_uuids
 from .errors import exhausted, invalid, precondition
 from .namespace import Namespace
 from .namespace_config import NamespaceConfig
@@ -32,6 +33,7 @@ class Registration:
     replace_existing: bool = False
     engine: str = ""
     model: str = ""
+    device_uuid: str = ""  # cuda: the engine's GPU by UUID (then `device` is the engine's ordinal only)
 
     @property
     def model_name(self) -> str:
@@ -80,10 +82,23 @@ def namespace_config(config: DaemonConfig, reg: Registration, policy: str, stora
     RESOURCE_EXHAUSTED for a host pool past the per-namespace limit."""
     return NamespaceConfig(
         name=reg.namespace, layout=reg.layout, cache=cache_config(config, reg, policy, storage_on),
-        host_pages=host_pages(config, reg), pin_device=reg.device if reg.backend == "cuda" else None,
+        host_pages=host_pages(config, reg), pin_device=pin_device(reg),
         copy_workers=config.copy_workers, storage_workers=config.storage_workers,
         storage_queue_pages=config.storage_queue_pages, copy_delay=config.fault_copy_delay,
         fail_loads=config.fault_fail_loads)
+
+
+def pin_device(reg: Registration) -> int | None:
+    """The daemon's ordinal of the engine's GPU (cuda; None otherwise), which the host
+    pool is pinned for. INVALID_ARGUMENT when the UUID names no GPU the daemon sees."""
+    if reg.backend != "cuda":
+        return None
+    if not reg.device_uuid:
+        return reg.device
+    try:
+        return ordinal_for_uuid(reg.device_uuid, visible_uuids())
+    except DeviceOpenError as e:
+        raise invalid(f"cannot open the engine's device buffers: {e}") from None
 
 
 def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_on: bool) -> CacheConfig:
@@ -117,6 +132,6 @@ async def open_device(reg: Registration):
     try:
         return await loop.run_in_executor(
             None, open_device_buffers, reg.backend, reg.layout, reg.num_device_pages,
-            reg.buffers, reg.device)
+            reg.buffers, reg.device, reg.device_uuid)
     except DeviceOpenError as e:
         raise invalid(f"cannot open the engine's device buffers: {e}") from None

@@ -74,7 +74,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         return pb.RegisterResponse(
             session=done.session.id, host_pool_pages=ns.host_pool.num_pages,
             write_policy=ns.config.cache.write_policy.value, warm=done.warm,
-            dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance)
+            dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance,
+            device_uuid=getattr(ns.copies.device, "device_uuid", ""))
 
     @rpc
     async def Close(self, request, context):
@@ -95,12 +96,14 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     @rpc
     async def Insert(self, request, context):
         session = self.daemon.session(request.session)
+        session.namespace.order_after(convert.engine_event(request))
         answer = await session.namespace.insert(session, convert.insert_request(request))
         return convert.insert_response(answer)
 
     @rpc
     async def LoadBack(self, request, context):
         session = self.daemon.session(request.session)
+        session.namespace.order_after(convert.engine_event(request))
         answer = await session.namespace.load_back(session, request.node, request.device_pages)
         return convert.load_back_response(answer)
 
@@ -113,6 +116,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     @rpc
     async def Evict(self, request, context):
         session = self.daemon.session(request.session)
+        session.namespace.order_after(convert.engine_event(request))
         return convert.evict_response(await session.namespace.evict(request.num_pages))
 
     @rpc
