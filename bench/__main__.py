@@ -1,4 +1,4 @@
-"""python -m bench [--quick | --full | --tiny] [--only core,rpc,copy,workload,storage] [--out DIR]"""
+"""python -m bench [--quick | --full | --tiny] [--only core,rpc,copy,workload,storage,events] [--out DIR]"""
 
 import argparse
 import importlib
@@ -11,8 +11,9 @@ from . import machine, report
 from .profiling import Profiler
 from .timing import progress
 
-SECTIONS = ("core", "rpc", "copy", "workload", "storage")
-MODULES = {"core": "core", "rpc": "rpc", "copy": "copying", "workload": "workload", "storage": "storage"}
+SECTIONS = ("core", "rpc", "copy", "workload", "storage", "events")
+MODULES = {"core": "core", "rpc": "rpc", "copy": "copying", "workload": "workload", "storage": "storage",
+           "events": "events"}
 REPO = Path(__file__).resolve().parent.parent
 
 
