@@ -17,8 +17,10 @@ SECTIONS = {  # section -> a figure every tiny run must print
     "copy": "copy.load_scattered.64KiB",
     "workload": "workload.byte_mismatches",
     "storage": "storage.file.prefetch",
+    "events": "events.match.p50",
 }
-TITLES = {"core": "## Core", "rpc": "## RPC", "copy": "## Copy", "workload": "## Workload", "storage": "## Storage"}
+TITLES = {"core": "## Core", "rpc": "## RPC", "copy": "## Copy", "workload": "## Workload", "storage": "## Storage",
+          "events": "## KV events"}
 
 
 def test_figure_line_round_trips():
