@@ -6,8 +6,14 @@ and `gpu_daemon` (start(*flags) -> GpuDaemon: a real daemon subprocess on a temp
 unix socket (tests/support/daemon.py), stopped with SIGTERM at teardown, which must
 exit 0 and log no traceback). Each daemon's log is appended to $RADIXKV_GPU_DAEMON_LOGS
 when set (scripts/gpu-check.sh brings it back).
+
+Every test is bounded: past $RADIXKV_GPU_TEST_TIMEOUT seconds (default 120; 0: none)
+every thread's stack is printed and the run ends (`faulthandler`, no plugin needed: a
+hung CUDA call cannot be interrupted from Python anyway). gpu-check.sh then kills what
+the run left (daemons, engine processes: its process group).
 """
 
+import faulthandler
 import os
 
 import pytest
@@ -16,12 +22,21 @@ import torch
 from tests.support.daemon import DaemonProcess, stop_all
 
 START_TIMEOUT_S = 60.0  # torch with CUDA imports slowly on a cold machine
+TEST_TIMEOUT_S = float(os.environ.get("RADIXKV_GPU_TEST_TIMEOUT", "120"))
 
 
 @pytest.fixture(autouse=True)
 def _needs_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture(autouse=True)
+def _bounded(_needs_cuda):
+    if TEST_TIMEOUT_S > 0:
+        faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture

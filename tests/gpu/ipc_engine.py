@@ -8,7 +8,11 @@ IPC handle), fill chunk (buffer b, page p) with `pattern(layout, b, p)` and retu
 `CudaKvBuffers.export` specs, also kept in `specs` (earlier tensors are freed: close the
 data path that opened them first); `expect(events, dst, src)` makes it wait on a
 load-back's IPC events and count device pages `dst[i]` that do not hold the pattern of
-page `src[i]`. The bytes name their page, not their tokens: these tests move pages
+page `src[i]` (with `layer`: wait on that layer's event only, check that layer's
+buffers); `write_late(pages, salt)` queues a slow kernel, then overwrites those pages
+with `pattern(..., salt)`, records an interprocess event after it and returns its handle
+without synchronizing (the daemon's copy must wait for it); `reexport()` exports the
+same tensors again. The bytes name their page, not their tokens: these tests move pages
 directly, without a daemon. (Engines that talk to a daemon build on
 `tests/support/engine.py` instead.)
 """
@@ -48,25 +52,45 @@ def filled_buffers(lay: KvLayout, num_pages: int, device, one_storage: bool = Fa
     return tensors
 
 
-def count_bad(lay: KvLayout, tensors: list[torch.Tensor], dst, src) -> int:
-    """Pages `dst[i]` (of any buffer) that do not hold the pattern of page `src[i]`."""
+def count_bad(lay: KvLayout, tensors: list[torch.Tensor], dst, src, buffers=None) -> int:
+    """Pages `dst[i]` (of `buffers`, default all) that do not hold the pattern of page `src[i]`."""
     device = tensors[0].device
     d, s = torch.tensor(dst, device=device), torch.tensor(src, device=device)
     bad = 0
     for b, t in enumerate(tensors):
+        if buffers is not None and b not in buffers:
+            continue
         got = t.view(torch.uint8).view(-1, lay.chunk_bytes).index_select(0, d)
         bad += int((got != pattern(lay, b, s)).any(dim=1).sum())
     return bad
 
 
+SLOW_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s of GPU clock before a late write
+
+
+def _write_late(lay: KvLayout, tensors, stream, pages: list[int], salt: int) -> bytes:
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLOW_CYCLES)
+        idx = torch.tensor(pages, device=stream.device)
+        for b, t in enumerate(tensors):
+            t.view(torch.uint8).view(-1, lay.chunk_bytes).index_copy_(0, idx, pattern(lay, b, idx + salt))
+    return bytes(CudaKvBuffers.record_event(stream).ipc_handle())
+
+
 def _main(conn, device: int) -> None:
     torch.cuda.set_device(device)
     stream = torch.cuda.Stream(device)
-    lay, tensors = None, []
+    lay, tensors, exported = None, [], None
     while True:
         msg = conn.recv()
         if msg[0] == "exit":
             return
+        if msg[0] == "write_late":
+            conn.send(_write_late(lay, tensors, stream, msg[1], msg[2]))
+            continue
+        if msg[0] == "reexport":
+            conn.send(list(exported.fresh()))
+            continue
         if msg[0] == "alloc":
             _, kwargs, num_pages, one_storage = msg
             tensors = []
@@ -75,12 +99,18 @@ def _main(conn, device: int) -> None:
             lay = KvLayout(**kwargs)
             tensors = filled_buffers(lay, num_pages, device, one_storage)
             torch.cuda.synchronize(device)
-            conn.send(CudaKvBuffers.export(lay, tensors, device))
+            exported = CudaKvBuffers.export(lay, tensors, device)
+            conn.send(list(exported))
             continue
-        _, handles, dst, src = msg  # "expect"
+        _, handles, dst, src, layer = msg  # "expect"
         with torch.cuda.stream(stream):
-            CudaKvBuffers.wait_events(handles, stream)
-            bad = count_bad(lay, tensors, dst, src)
+            if layer is None:
+                CudaKvBuffers.wait_events(handles, stream)
+                bad = count_bad(lay, tensors, dst, src)
+            else:
+                stream.wait_event(CudaKvBuffers.events([handles[layer]], device)[0])
+                bpl = lay.buffers_per_layer
+                bad = count_bad(lay, tensors, dst, src, range(layer * bpl, (layer + 1) * bpl))
         conn.send(bad)
 
 
@@ -98,8 +128,21 @@ class IpcEngine:
         self.specs = self.conn.recv()
         return self.specs
 
-    def expect(self, handles, dst, src) -> int:
-        self.conn.send(("expect", list(handles), list(dst), list(src)))
+    def expect(self, handles, dst, src, layer: int | None = None) -> int:
+        self.conn.send(("expect", list(handles), list(dst), list(src), layer))
+        return self._recv("check its pages")
+
+    def write_late(self, pages, salt: int) -> bytes:
+        self.conn.send(("write_late", list(pages), salt))
+        return self._recv("queue a late write")
+
+    def reexport(self):
+        self.conn.send(("reexport",))
+        return self._recv("export again")
+
+    def _recv(self, what: str):
+        if not self.conn.poll(READY_TIMEOUT_S):
+            raise TimeoutError(f"engine process did not {what}")
         return self.conn.recv()
 
     def close(self) -> None:
