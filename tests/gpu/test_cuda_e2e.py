@@ -258,3 +258,40 @@ def test_sim_process_in_cuda_mode_runs_clean(gpu_daemon, device, policy):
     assert load_backs > 0 and int(facts["host_tokens"]) > 0 and int(facts["evicted_pages"]) > 0
     assert waits == load_backs * 2  # every load-back came with one event per layer, each waited on
     assert "device pages (SimBuffers(cuda:" in out
+
+
+SLOW_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s of GPU clock, far longer than an RPC
+
+
+def test_engine_events_order_the_daemons_copies(gpu_daemon, device):
+    """The engine never synchronizes on the CPU: its writes, queued behind a slow kernel,
+    precede the event it sends with Insert and Evict, so the write-back must read the
+    written bytes; its last use of the load-back's target pages (a late scribble)
+    precedes the LoadBack's event, so the load must land after it."""
+    d = gpu_daemon(*HOST_FLAGS)
+    eng = GpuEngine(d.target, device, "write_back", num_pages=256)
+    try:
+        pages = 64
+        toks = tokens_of(pages, salt=3)
+        keys = page_keys(toks, LAYOUT.page_size)
+        src = list(range(pages))
+        with torch.cuda.stream(eng.stream):
+            torch.cuda._sleep(SLOW_CYCLES)
+            eng.kv.write(src, keys)  # queued, not done, when Insert and Evict arrive
+        eng.client.insert(toks, src, engine_event=CudaKvBuffers.record_event(eng.stream))
+        ev = eng.client.evict(pages, engine_event=CudaKvBuffers.record_event(eng.stream))
+        assert ev.written_back_pages == pages
+
+        (m,) = eng.client.match([toks])
+        dst = list(range(255, 255 - pages, -1))
+        idx = torch.tensor(dst, device=device)
+        with torch.cuda.stream(eng.stream):
+            torch.cuda._sleep(SLOW_CYCLES)
+            for b in range(LAYOUT.num_buffers):
+                eng.page_view(b)[idx] = 0xA5  # the engine's last use of the pages, still queued
+        lb = eng.client.load_back(m.host_node, dst, engine_event=CudaKvBuffers.record_event(eng.stream))
+        CudaKvBuffers.wait_events(list(lb.layer_events), eng.stream)
+        assert eng.mismatches(dst, keys, eng.stream) == (0, 0)
+        assert eng.client.wait([lb.transfer], timeout=60)[lb.transfer].ok
+    finally:
+        eng.close()
