@@ -68,6 +68,25 @@ def test_a_reader_that_falls_behind_is_cut_off_not_waited_for():
     assert b.num_subscribers == 2
 
 
+def test_a_replay_longer_than_the_buffer_is_served_then_the_buffer_bounds_live_batches():
+    b = Broadcast(ring_size=100, capacity=4)
+    publish(b, 30)
+    sub = b.subscribe(from_seq=2)  # 28 batches of backlog, a buffer of 4
+    assert [sub.get_nowait().seq for _ in range(20)] == list(range(2, 22))
+    publish(b, 12)  # 8 backlog batches unread + room for 4 live ones: the 5th cuts it off
+    assert drain_until_lagged(sub) == (list(range(22, 34)), 34)
+
+
+def drain_until_lagged(sub):
+    seqs = []
+    with pytest.raises(SubscriberLagged) as err:
+        while True:
+            item = sub.get_nowait()
+            assert item is not None, "never cut off"
+            seqs.append(item.seq)
+    return seqs, err.value.missed_from
+
+
 def test_wait_blocks_until_a_batch_or_the_timeout():
     b = Broadcast(ring_size=10, capacity=10)
     sub = b.subscribe()

@@ -50,7 +50,8 @@ class Subscription:
     def __init__(self, owner: "Broadcast", capacity: int):
         self._owner = owner
         self._items: deque[PublishedBatch] = deque()
-        self._capacity = capacity
+        self._capacity = capacity  # room for live batches; a replay's backlog comes on top
+        self._backlog = 0          # replayed batches not read yet (they never cut a reader off)
         self._missed_from: int | None = None
         self.on_ready: Callable[[], None] | None = None  # called (publisher thread) on news
 
@@ -58,7 +59,7 @@ class Subscription:
         """Caller holds the owner's lock."""
         if self._missed_from is not None:
             return
-        if len(self._items) >= self._capacity:
+        if len(self._items) >= self._capacity + self._backlog:
             self._missed_from = item.seq  # what it holds stays readable; then the signal
             self._owner.num_lagged += 1
         else:
@@ -70,6 +71,7 @@ class Subscription:
         """The next batch, or None if none is waiting. Raises SubscriberLagged once cut off."""
         with self._owner._lock:
             if self._items:
+                self._backlog = max(0, self._backlog - 1)
                 return self._items.popleft()
             if self._missed_from is not None:
                 raise SubscriberLagged(self._missed_from)
@@ -121,7 +123,9 @@ class Broadcast:
     def subscribe(self, from_seq: int | None = None, capacity: int | None = None) -> Subscription:
         """A subscription to every batch from `from_seq` on (None: from the next one).
 
-        Raises ReplayUnavailable when `from_seq` is outside [oldest in ring, next_seq].
+        Raises ReplayUnavailable when `from_seq` is outside [oldest in ring, next_seq]. The
+        replayed backlog (references to ring entries) may exceed the subscription's
+        capacity; the capacity bounds how far it falls behind the live batches after it.
         """
         sub = Subscription(self, capacity or self._capacity)
         with self._lock:
@@ -130,9 +134,8 @@ class Broadcast:
                 if not oldest <= from_seq <= self.next_seq:
                     raise ReplayUnavailable(from_seq, oldest, self.next_seq)
                 backlog = [b for b in self._ring if b.seq >= from_seq]
-                if len(backlog) > sub._capacity:
-                    raise ReplayUnavailable(from_seq, backlog[-sub._capacity].seq, self.next_seq)
                 sub._items.extend(backlog)
+                sub._backlog = len(backlog)
             self._subs.add(sub)
         return sub
 
