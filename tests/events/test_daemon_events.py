@@ -1,0 +1,153 @@
+"""KV events from a real daemon process: routers following it over ZMQ and over
+WatchEvents rebuild exactly what the daemon holds per tier, through device and host
+evictions, storage stores and a daemon restart; a stalled reader costs engines nothing.
+"""
+
+import random
+
+import grpc
+import pytest
+
+from radixkv.types import pack
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
+from tests.support.daemon import DaemonProcess, stop_all, wait_for
+from tests.support.engine import LAYOUT, PS, EngineDouble
+
+from .followers import WORKER, WatchFollower, ZmqFollower, daemon_blocks, prefix_blocks
+from .helpers import ipc_endpoints
+
+NS = "model/tp0"
+HOST_PAGES = 48  # fewer than the engine's 128 device pages: host evictions happen
+SETTLE_S = 30.0
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported:\n{text[-2000:]}")
+
+
+def workload(engine: EngineDouble, rnd: random.Random, prompts: list, steps: int) -> None:
+    """Prefills sharing prefixes (evicting device pages when short, writing back to a
+    host pool too small to keep them all), explicit evictions and load-backs."""
+    for _ in range(steps):
+        r = rnd.random()
+        if r < 0.6 or not prompts:
+            group = rnd.randrange(4)
+            head = [100_000 * group + t for t in range(rnd.randint(1, 4) * PS)]
+            tail = [rnd.randrange(1, 50_000) for _ in range(rnd.randint(1, 4) * PS)]
+            prompts.append(head + tail)
+            engine.prefill(prompts[-1])
+        elif r < 0.8:
+            engine.evict(rnd.randint(1, 16))
+        else:
+            n, mismatches = engine.load(rnd.choice(prompts))
+            assert mismatches == (0, 0)
+
+
+def converged(follower, client, prompts) -> bool:
+    """The follower's index equals the daemon's state: block counts per tier (Inspect)
+    and, for every prompt, its device and device+host prefixes (Match)."""
+    if follower.last_seq is None:
+        return False
+    try:
+        return _equal(follower, client, prompts)
+    except RuntimeError:  # the follower's thread changed the index meanwhile: look again
+        return False
+
+
+def _equal(follower, client, prompts) -> bool:
+    inspect = client.inspect(NS, max_nodes=100_000)
+    gpu, cpu, _ = follower.index.num_blocks(WORKER, NS)
+    if (gpu, cpu) != daemon_blocks(inspect, PS):
+        return False
+    for tokens, m in zip(prompts, client.match([pack(p) for p in prompts])):
+        if prefix_blocks(follower.index, NS, tokens, ("GPU",)) != m.device_tokens // PS:
+            return False
+        if prefix_blocks(follower.index, NS, tokens, ("GPU", "CPU")) != (m.device_tokens + m.host_tokens) // PS:
+            return False
+    return True
+
+
+@pytest.fixture
+def events_daemon(tmp_path):
+    pub, replay = ipc_endpoints("d")
+    d = DaemonProcess("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay,
+                      "--kv-events-watch", "true", "--write-policy", "write_back",
+                      "--host-pool-size", str(HOST_PAGES * LAYOUT.page_bytes),
+                      "--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through",
+                      metrics=True)
+    d.start()
+    d.endpoints = (pub, replay)
+    yield d
+    stop_all([d])
+
+
+def test_routers_rebuild_the_daemons_tiers_over_zmq_and_watch_events(events_daemon):
+    d = events_daemon
+    zmq_router = ZmqFollower(PS, *d.endpoints)
+    watch_router = WatchFollower(PS, d.target)
+    rnd = random.Random(13)
+    prompts: list = []
+    engine = EngineDouble.connect(d.target, NS)
+    try:
+        workload(engine, rnd, prompts, 120)
+        stats = engine.counters()
+        assert stats["device_evicted_tokens"] and stats["host_evicted_tokens"] and stats["stored_tokens"], stats
+        for router in (zmq_router, watch_router):
+            wait_for(lambda: converged(router, engine.client, prompts), SETTLE_S,
+                     f"{type(router).__name__} to match the daemon")
+            assert router.index.num_blocks(WORKER, NS)[2] > 0  # storage stores were announced
+        engine.close()
+        d.restart()  # SIGKILL and start: no goodbye, only the new run's AllBlocksCleared at seq 0
+        prompts.clear()
+        engine = EngineDouble.connect(d.target, NS)
+        workload(engine, rnd, prompts, 80)
+        for router in (zmq_router, watch_router):
+            wait_for(lambda: converged(router, engine.client, prompts), SETTLE_S,
+                     f"{type(router).__name__} to match the restarted daemon")
+        assert zmq_router.fleet.feeds[WORKER].num_restarts >= 1
+        assert watch_router.codes and grpc.StatusCode.UNAVAILABLE in watch_router.codes
+    finally:
+        engine.close()
+        zmq_router.close()
+        watch_router.close()
+
+
+def test_a_stalled_watcher_is_cut_off_and_counted_while_engines_go_on(tmp_path):
+    """A WatchEvents reader that reads nothing: engine calls all complete, the reader
+    is cut off (ABORTED with the seq to resume from) and the drop metric counts."""
+    d = DaemonProcess("--kv-events-watch", "true", "--kv-events-subscriber-buffer", "4", metrics=True)
+    d.start()
+    engine = EngineDouble.connect(d.target, NS)
+    # A small flow-control window, so the daemon's writes block once the reader stops reading.
+    channel = grpc.insecure_channel(d.target, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                       ("grpc.http2.bdp_probe", 0)])
+    try:
+        stalled = pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest())
+        wait_for(lambda: metric(d.scrape(), "radixkv_kv_event_watchers") == 1, 10, "the watcher")
+        rnd = random.Random(1)
+        workload(engine, rnd, [], 60)  # every call returns (a timeout would raise)
+        assert metric(d.scrape(), "radixkv_kv_event_subscribers_lagged_total") == 1
+        # What it had buffered (in the daemon and in gRPC's windows) stays readable, in
+        # order, then the status names the first batch it missed.
+        seqs = []
+        with pytest.raises(grpc.RpcError) as e:
+            for msg in stalled:
+                seqs.append(msg.seq)
+        assert e.value.code() == grpc.StatusCode.ABORTED
+        resume = int(e.value.details().split("from_seq=")[1].split()[0])
+        assert seqs == list(range(seqs[0], resume))
+        again = pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(from_seq=resume))
+        assert next(again).seq == resume  # resumed with no gap: the ring still holds it
+        again.cancel()
+        with pytest.raises(grpc.RpcError) as e:
+            next(pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(from_seq=10**9)))
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "cannot replay from seq 1000000000: the replay buffer holds [0, " in e.value.details()
+    finally:
+        engine.close()
+        channel.close()
+        stop_all([d])
