@@ -267,6 +267,9 @@ TABLE = [
     Row("Inspect", "unknown namespace", unary("Inspect", lambda c: pb.InspectRequest(namespace="nope")), C.NOT_FOUND, r"no namespace"),
     Row("CheckInvariants", "unknown namespace", unary("CheckInvariants", lambda c: pb.CheckInvariantsRequest(namespace="nope")),
         C.NOT_FOUND, r"no namespace"),
+    Row("WatchEvents", "KV events off (no --kv-events-watch or endpoint)",
+        lambda c: status(lambda: list(c["stub"].WatchEvents(pb.WatchEventsRequest(from_seq=0)))),
+        C.FAILED_PRECONDITION, r"KV events are off: start the daemon with --kv-events-watch"),
     Row("Echo", "message over the size limit", unary("Echo", lambda c: pb.EchoRequest(payload=HUGE)), C.RESOURCE_EXHAUSTED,
         r"larger than max"),
 ]
