@@ -1,5 +1,7 @@
 """serve(): the gRPC server around one Daemon, from start to a clean exit.
 
+SIGHUP reloads the token file and the TLS certificates (logged; the daemon serves on).
+
 Shutdown order (SIGTERM/SIGINT): health NOT_SERVING -> refuse new sessions -> finish
 copies in flight -> end WatchEvents streams, server.stop(grace) -> close sessions (finish
 load-backs, release leases) -> close device handles and unpin host pools -> publish the
@@ -24,10 +26,11 @@ from .config import DEFAULT_SOCKET, DaemonConfig
 from .events import EventHub, EventsConfig
 from .logs import log_event
 from .metrics import Metrics
-from .service.auth import AuthError, TokenAuth, load_token, server_credentials
+from .service.auth import AuthError, ReloadableTls, TokenAuth
 from .service.daemon import Daemon
 from .storage import open_storage
 from .service.servicer import RadixKVServicer
+from .service.tenants import TokenFileError, Tokens
 from .service.wire import guarded
 
 log = logging.getLogger("radixkv.server")
@@ -154,12 +157,21 @@ def _open_events(config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> Event
     return hub
 
 
+def _reload(reloadable: list) -> None:
+    """SIGHUP: read the token file and the TLS certificates again (each logs how it went)."""
+    log_event(log, "daemon.reload", what=",".join(type(x).__name__ for x in reloadable) or "nothing")
+    for x in reloadable:
+        x.reload()
+
+
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     """Run until `stop` is set or SIGTERM/SIGINT arrives; returns the exit code."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloadable: list = []  # what SIGHUP reads again, once opened below
+    loop.add_signal_handler(signal.SIGHUP, _reload, reloadable)
 
     metrics = Metrics()
     storage = None
@@ -170,10 +182,12 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
             raise StartupError(f"--storage {config.storage!r}: {e}") from None
         log_event(log, "storage.opened", store=storage.name, policy=config.storage_policy)
     try:
-        token = load_token(config.auth_token, config.auth_token_file)
-        tls = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    except AuthError as e:
+        tokens = Tokens(config.auth_token, config.auth_token_file)
+        reloadable_tls = ReloadableTls.open(config.tls_cert, config.tls_key, config.tls_client_ca)
+    except (AuthError, TokenFileError) as e:
         raise StartupError(str(e)) from None
+    reloadable.extend(x for x in (tokens, reloadable_tls) if x is not None)
+    tls = reloadable_tls.credentials() if reloadable_tls is not None else None
     events = _open_events(config, loop)
     daemon = Daemon(config, metrics, storage, events)
     metrics.watch(daemon, loop)
@@ -182,12 +196,12 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
                  ("grpc.max_send_message_length", config.max_message_size),
                  ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        interceptors=[TokenAuth(token)] if token else None,
+        interceptors=[TokenAuth(tokens)] if tokens.required else None,
     )
     # Every service is added through the guard: bytes that do not parse are refused
     # INVALID_ARGUMENT before any handler runs (service/wire.py).
     services = guarded(server, lambda method: metrics.rpc_requests.labels(method, "INVALID_ARGUMENT").inc())
-    pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon), services)
+    pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon, tokens), services)
     health_servicer = _HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, services)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # enable_server_reflection, aio

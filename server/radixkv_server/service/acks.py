@@ -12,6 +12,10 @@ connection drops, the stream is cancelled and the session closed.
 Memory stays bounded: at most `max_acks_in_flight` acks per stream are unanswered
 (waiting for copies, or answers not yet written); past that the reader stops reading
 and gRPC flow control holds the engine back.
+
+A load-back the daemon finished itself (ack_timeout, see expiry.py) is told on the
+stream at once, unasked (`expired`, `unsolicited`); its late ack gets the same answer,
+with the failed copy's pages (the engine's again) in both.
 """
 
 import asyncio
@@ -25,18 +29,21 @@ from ..logs import log_event
 from . import convert
 from .daemon import Daemon
 from .errors import ServiceError, status_of
+from .tenants import EVERYTHING, Grant
 
 log = logging.getLogger("radixkv.acks")
 
 
 class AckStream:
-    def __init__(self, daemon: Daemon, context):
+    def __init__(self, daemon: Daemon, context, grant: Grant = EVERYTHING):
         self.daemon = daemon
         self.context = context
+        self.grant = grant  # the caller's token: the session's namespace must be granted
         self.session = None
         self.replies: asyncio.Queue = asyncio.Queue()
         self.acks: set[asyncio.Task] = set()
         self.slots = asyncio.Semaphore(daemon.config.max_acks_in_flight)
+        self.ended = False
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._write())
@@ -65,10 +72,13 @@ class AckStream:
             reason = "ack stream cancelled (engine gone?)"
             raise
         finally:
+            self.ended = True
             stopping.cancel()
             if not writer.done():
                 writer.cancel()
             if self.session is not None:
+                if self.session.ack_stream is self:
+                    self.session.ack_stream = None
                 self.daemon.close_in_background(self.session, reason)
 
     async def _room(self, stopping: asyncio.Task) -> bool:
@@ -86,13 +96,16 @@ class AckStream:
 
     def _accept(self, request) -> None:
         """Start handling one ack. Raises ServiceError (ending the stream with that
-        status) when the first message names no usable session."""
+        status) when the first message names no usable session, or one of a namespace
+        the caller's token does not grant."""
         if self.session is None:
             session = self.daemon.session(request.session)
+            self.grant.check(session.namespace.name)
             if session.has_ack_stream:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"session {session.id} already has an ack stream")
             session.has_ack_stream = True
+            session.ack_stream = self
             self.session = session
         if request.session and request.session != self.session.id:
             self.replies.put_nowait(pb.AckResponse(
@@ -110,6 +123,10 @@ class AckStream:
         try:
             result = await self.session.namespace.ack(self.session, transfer)
         except (CacheError, ServiceError) as e:
+            expired = self.session.expired_load(transfer)
+            if expired is not None:
+                self.replies.put_nowait(expired_response(transfer, *expired, unsolicited=False))
+                return
             code, message = status_of(e)
             self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=code.value[0], message=message))
             return
@@ -123,7 +140,35 @@ class AckStream:
                       transfer=transfer, reason=result.error)
         self.replies.put_nowait(convert.ack_response(transfer, result))
 
+    def expired(self, transfer: int, result, why: str) -> None:
+        """Tell the engine now that the daemon finished its load-back `transfer` (expired)."""
+        if not self.ended:
+            self.replies.put_nowait(_Unasked(expired_response(transfer, why, result, unsolicited=True)))
+
     async def _write(self) -> None:
         while (reply := await self.replies.get()) is not None:
+            if isinstance(reply, _Unasked):  # answers no ack: holds no slot
+                await self.context.write(reply.reply)
+                continue
             await self.context.write(reply)
             self.slots.release()
+
+
+class _Unasked:
+    """A reply the daemon sends without an ack for it."""
+
+    __slots__ = ("reply",)
+
+    def __init__(self, reply):
+        self.reply = reply
+
+
+def expired_response(transfer: int, why: str, result, unsolicited: bool) -> pb.AckResponse:
+    """What an expired load-back the daemon finished means for the engine: its tokens are
+    not loaded; a failed copy's pages are the engine's again (the others stay cached)."""
+    pages = result.failed_pages
+    fate = (f"; its copy failed ({result.error}): its {len(pages) // 4} device pages are the engine's again"
+            if result.error is not None else "; its device pages stay with the cache")
+    return pb.AckResponse(transfer=transfer, code=grpc.StatusCode.NOT_FOUND.value[0],
+                          message=f"transfer {transfer} {why}{fate}", load_failed=True,
+                          failed_pages=pages, expired=True, unsolicited=unsolicited)

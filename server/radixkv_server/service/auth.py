@@ -1,11 +1,16 @@
-"""Who may call: an optional shared token, and TLS credentials for TCP listeners.
+"""Who may call: optional tokens, and TLS credentials for TCP listeners.
 
-With a token configured every RPC must carry `authorization: Bearer <token>` metadata
-or is refused UNAUTHENTICATED before its handler runs. Health checks stay open so that
-probes (kubelet, container HEALTHCHECK) need no secret; they reveal only SERVING or not.
+With tokens configured (`tenants.Tokens`: an inline token, or a token file whose tokens
+may each grant only some namespaces) every RPC must carry `authorization: Bearer
+<token>` metadata with one of them, or is refused UNAUTHENTICATED before its handler
+runs; what the token grants is checked by the servicer (tenants.py). Health checks stay
+open so that probes (kubelet, container HEALTHCHECK) need no secret; they reveal only
+SERVING or not.
+
+TLS certificates are read again on SIGHUP (`ReloadableTls`): new connections get the
+new certificate and client CA; connections already open keep theirs.
 """
 
-import hmac
 import logging
 
 import grpc
@@ -29,46 +34,66 @@ def read_file(path: str, what: str) -> bytes:
         raise AuthError(f"cannot read {what} {path}: {e.strerror}") from None
 
 
-def load_token(token: str, token_file: str) -> str:
-    """The configured token ('' when none): given inline, or the first line of a file."""
-    if token_file:
-        lines = read_file(token_file, "auth token file").decode("utf-8", "replace").splitlines()
-        token = lines[0].strip() if lines else ""
-        if not token:
-            raise AuthError(f"auth token file {token_file} is empty")
-    return token
-
-
 def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials | None:
     """TLS credentials for TCP listeners; with `client_ca`, clients must present a
     certificate that CA signed (mutual TLS). None when TLS is off."""
-    if not cert:
-        return None
-    root = read_file(client_ca, "TLS client CA") if client_ca else None
-    return grpc.ssl_server_credentials(
-        [(read_file(key, "TLS key"), read_file(cert, "TLS certificate"))],
-        root_certificates=root, require_client_auth=root is not None)
+    tls = ReloadableTls.open(cert, key, client_ca)
+    return tls.credentials() if tls is not None else None
+
+
+class ReloadableTls:
+    """TLS credentials whose certificate, key and client CA are read again by `reload`
+    (SIGHUP). gRPC asks for a newer configuration at each new connection's handshake;
+    connections already open keep theirs. Mutual TLS stays on or off as started."""
+
+    def __init__(self, cert: str, key: str, client_ca: str):
+        self._files = (cert, key, client_ca)
+        self._current = self._read()
+        self._fresh = None  # read by `reload`, handed to gRPC at the next handshake
+
+    @classmethod
+    def open(cls, cert: str, key: str, client_ca: str) -> "ReloadableTls | None":
+        """None when TLS is off (no certificate). AuthError for a file it cannot read."""
+        return cls(cert, key, client_ca) if cert else None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self._current, self._fetch, require_client_authentication=bool(self._files[2]))
+
+    def reload(self) -> bool:
+        """Read the files again; on an error keep the certificates in use and log it.
+        True when the new ones will be used."""
+        try:
+            self._fresh = self._read()
+        except AuthError as e:
+            log_event(log, "tls.reload_failed", logging.ERROR, error=str(e))
+            return False
+        log_event(log, "tls.reloaded", cert=self._files[0], client_ca=self._files[2] or "-")
+        return True
+
+    def _fetch(self):
+        """Called by gRPC (any thread) before a handshake: the new configuration once."""
+        fresh, self._fresh = self._fresh, None
+        return fresh
+
+    def _read(self):
+        cert, key, client_ca = self._files
+        root = read_file(client_ca, "TLS client CA") if client_ca else None
+        return grpc.ssl_server_certificate_configuration(
+            [(read_file(key, "TLS key"), read_file(cert, "TLS certificate"))], root_certificates=root)
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
-    """Refuse RPCs without `authorization: Bearer <token>` (health checks excepted)."""
+    """Refuse RPCs without `authorization: Bearer <token>` naming one of `tokens`
+    (health checks excepted). `tokens` may be reloaded meanwhile."""
 
-    def __init__(self, token: str):
-        if not token:
-            raise ValueError("TokenAuth needs a non-empty token")
-        self._expected = f"Bearer {token}".encode()
-
-    def _authorized(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
-        return False
+    def __init__(self, tokens):
+        self._tokens = tokens  # tenants.Tokens
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_PREFIXES) or \
-                self._authorized(details.invocation_metadata):
+                self._tokens.grant(details.invocation_metadata) is not None:
             return handler
         log_event(log, "rpc.unauthenticated", logging.DEBUG, method=details.method)
         return _refusing(handler)

@@ -6,6 +6,12 @@ it, logged (`lease.expired`, `load_back.expired`), counted (Stats counters
 `leases_expired` / `load_backs_expired`, metric `radixkv_expirations_total`) and
 remembered, so the engine's later Release or ack gets NOT_FOUND saying it expired. The
 session itself lives on, and nothing else waits for the stuck engine.
+
+An expired load-back is finished once its copy completed; what that means for the
+engine's device pages is then told to the engine, so no page is lost on either side:
+an AckResponse with `expired` set (NOT_FOUND, `load_failed`; `failed_pages` when the
+copy failed: those pages are the engine's again, the others stay with the cache) is
+pushed at once on the session's ack stream (`unsolicited`), and answers its late ack.
 """
 
 import asyncio
@@ -65,8 +71,19 @@ class Expiry:
                     self._expired(session, "load_back", tid,
                                   f"expired: not acknowledged within ack_timeout={self.ack_timeout:g}s; "
                                   "treat its tokens as not loaded")
-                    # As a close does: once the copy completed (an ack racing it is no error).
-                    self.daemon.run_in_background(ns.finish(tid, None, missing_ok=True))
+                    self.daemon.run_in_background(self._finish_load(session, tid))
+
+    @staticmethod
+    async def _finish_load(session, transfer: int) -> None:
+        """As a close does: once the copy completed; then tell the engine. An ack that
+        raced the expiry and finished it first got the answer itself."""
+        result = await session.namespace.finish(transfer, None, missing_ok=True)
+        if result is not None:
+            session.finished_expired_load(transfer, result)
+            if result.error is not None:
+                log_event(log, "load_back.expired_failed", logging.WARNING, namespace=session.namespace.name,
+                          session=session.id[:8], id=transfer, reason=result.error,
+                          pages_returned=len(result.failed_pages) // 4)
 
     def _expired(self, session, kind: str, ident: int, why: str) -> None:
         session.remember_expired(kind, ident, why)

@@ -2,7 +2,8 @@
 the session's namespace for engine operations), convert back. Nothing else.
 
 Caller errors become status codes through `errors.status_of` (one place); anything
-else is a bug, logged with its traceback and answered INTERNAL.
+else is a bug, logged with its traceback and answered INTERNAL. What the caller's token
+grants (tenants.py) is checked before every handler.
 """
 
 import asyncio
@@ -20,8 +21,9 @@ from ..logs import log_event
 from . import convert
 from .acks import AckStream
 from .daemon import Daemon
-from .errors import ServiceError, invalid, status_of
+from .errors import ServiceError, invalid, status_of, unauthenticated
 from .inspection import inspect_namespace, namespace_stats
+from .tenants import EVERYTHING, Grant, Tokens, authorize, visible
 from .watch import watch
 
 log = logging.getLogger("radixkv.rpc")
@@ -37,6 +39,8 @@ def rpc(method):
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
+            if self.tokens.scoped:
+                authorize(self.grant(context), self.daemon.sessions, name, request)
             return await method(self, request, context)
         except (CacheError, ServiceError) as e:
             code, message = status_of(e)
@@ -64,8 +68,18 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     """Each engine RPC: find the session (UNAUTHENTICATED if gone), convert the request,
     call the session's namespace, convert the answer."""
 
-    def __init__(self, daemon: Daemon):
+    def __init__(self, daemon: Daemon, tokens: Tokens | None = None):
         self.daemon = daemon
+        self.tokens = tokens if tokens is not None else Tokens()
+
+    def grant(self, context) -> Grant:
+        """What the caller's token grants (every namespace when no token grants less)."""
+        if not self.tokens.scoped:
+            return EVERYTHING
+        grant = self.tokens.grant(context.invocation_metadata())
+        if grant is None:  # the token file was reloaded since the call was admitted
+            raise unauthenticated("missing or wrong token: send 'authorization: Bearer <token>' metadata")
+        return grant
 
     @rpc
     async def Register(self, request, context):
@@ -128,21 +142,32 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
 
     @rpc
     async def Stats(self, request, context):
+        """The namespaces the caller may see, with what their sessions hold."""
+        grant = self.grant(context)
+        sessions = self.daemon.sessions.all()
         return pb.StatsResponse(
-            namespaces=[namespace_stats(ns) for ns in self.daemon.selected(request.namespace)],
-            sessions=len(self.daemon.sessions), version=__version__,
+            namespaces=[self._stats(ns) for ns in visible(grant, self.daemon.namespaces, request.namespace)],
+            sessions=sum(1 for s in sessions if grant.allows(s.namespace.name)), version=__version__,
             uptime_seconds=self.daemon.uptime(), daemon_instance=self.daemon.instance)
+
+    def _stats(self, ns) -> pb.NamespaceStats:
+        stats = namespace_stats(ns)
+        held = self.daemon.sessions.holdings(ns)
+        stats.leases, stats.oldest_lease_seconds = held.leases, held.oldest_lease_seconds
+        stats.load_backs_unacked = held.unacked_loads
+        return stats
 
     @rpc
     async def Inspect(self, request, context):
         if not request.namespace:
             raise invalid("namespace is required")
-        return inspect_namespace(self.daemon.namespace(request.namespace), request.max_nodes or 100)
+        [ns] = visible(self.grant(context), self.daemon.namespaces, request.namespace)
+        return inspect_namespace(ns, request.max_nodes or 100)
 
     @rpc
     async def CheckInvariants(self, request, context):
-        namespaces = self.daemon.selected(request.namespace)
-        violations = self.daemon.check_invariants(request.namespace)
+        namespaces = visible(self.grant(context), self.daemon.namespaces, request.namespace)
+        violations = [v for ns in namespaces for v in self.daemon.check_invariants(ns.name)]
         for name, message in violations:
             log_event(log, "invariant.violated", logging.ERROR, namespace=name, violation=message)
         return pb.CheckInvariantsResponse(
@@ -164,6 +189,6 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         """Read acks until the engine half-closes (or the daemon stops); answer each
         once its transfer is finished, in completion order. The session closes when
         the stream ends, however it ends."""
-        await AckStream(self.daemon, context).run()
+        await AckStream(self.daemon, context, self.grant(context)).run()
 
 

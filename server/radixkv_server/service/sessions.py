@@ -37,6 +37,17 @@ class Session:
     lease_times: dict[int, float] = field(default_factory=dict)
     unacked: dict[int, float] = field(default_factory=dict)
     expired: OrderedDict = field(default_factory=OrderedDict)  # (kind, id) -> why
+    # Engine-managed namespaces: "engine" (a rank's buffers) or "scheduler" (no buffers),
+    # the tensor-parallel rank, the engine instance it belongs to, and its device pages.
+    role: str = "engine"
+    rank: int = 0
+    instance: str = ""
+    device_pages: int = 0
+    # Expired load-backs the daemon finished: transfer -> FinishResult (failed_pages are
+    # the engine's again), for the late ack. `ack_stream`: the session's open AckStream
+    # (acks.py), told at once of each; None while it has none.
+    expired_loads: OrderedDict = field(default_factory=OrderedDict)
+    ack_stream: object = None
 
     def check_open(self) -> None:
         """FAILED_PRECONDITION once the session began closing (after an `await`)."""
@@ -125,9 +136,33 @@ class Session:
         while len(self.expired) > REMEMBER_EXPIRED:
             self.expired.popitem(last=False)
 
+    def finished_expired_load(self, transfer: int, result) -> None:
+        """The daemon finished expired load-back `transfer` (`result`: a FinishResult):
+        remember it for a late ack and tell the ack stream, if one is open."""
+        self.expired_loads[transfer] = result
+        while len(self.expired_loads) > REMEMBER_EXPIRED:
+            self.expired_loads.popitem(last=False)
+        if self.ack_stream is not None:
+            self.ack_stream.expired(transfer, result, self.expired_reason("load_back", transfer) or "expired")
+
+    def expired_load(self, transfer: int):
+        """(why, FinishResult) of an expired load-back the daemon finished, else None."""
+        result = self.expired_loads.get(transfer)
+        why = self.expired_reason("load_back", transfer)
+        return None if result is None or why is None else (why, result)
+
     def expired_reason(self, kind: str, ident: int) -> str | None:
         """Why lease or load-back `ident` expired ("lease" / "load_back"), if it did."""
         return self.expired.get((kind, ident))
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What the sessions of one namespace hold now (Stats, metrics)."""
+
+    leases: int = 0
+    oldest_lease_seconds: float = 0.0  # age of the oldest lease (0: none)
+    unacked_loads: int = 0             # load-backs answered, not acknowledged yet
 
 
 class SessionRegistry:
@@ -145,6 +180,24 @@ class SessionRegistry:
 
     def all(self) -> list[Session]:
         return list(self._live.values())
+
+    def peek(self, session_id: str) -> Session | None:
+        """The live session with this id, or None (no error: for checks before a call)."""
+        return self._live.get(session_id)
+
+    def holdings(self, namespace) -> Holdings:
+        """Leases and unacknowledged load-backs of the sessions attached to `namespace`."""
+        now = time.monotonic()
+        leases = unacked = 0
+        oldest = now
+        for s in self._live.values():
+            if s.namespace is namespace:
+                leases += len(s.leases)
+                unacked += len(s.unacked)
+                # lease_times is in time order; released leases leave it lazily
+                taken = next((t for lease, t in s.lease_times.items() if lease in s.leases), now)
+                oldest = min(oldest, taken)
+        return Holdings(leases, now - oldest, unacked)
 
     def new(self, namespace, engine: str) -> Session:
         session = Session(secrets.token_hex(16), namespace, engine, lease_ids=self._lease_ids)

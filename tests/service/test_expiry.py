@@ -1,0 +1,110 @@
+"""Load-backs that expire (--ack-timeout): what becomes of the engine's device pages is
+told to the engine, so no page is lost on either side.
+
+A load-back whose copy failed (--fault-fail-loads 1) and which the engine never
+acknowledged: the daemon finishes it, takes those pages out of the tree, and pushes an
+unasked answer on the session's ack stream (expired, NOT_FOUND, load_failed, the pages
+in failed_pages); the late ack gets the same answer. One whose copy succeeded: the
+answer says its pages stay with the cache, and Evict hands them back later.
+"""
+
+import grpc
+
+from radixkv.types import pack, unpack
+from radixkv.v1 import radixkv_pb2 as pb
+from tests.support.daemon import wait_for
+from tests.support.engine import EngineDouble, prompt
+
+from faultkit import RawSession, stub_for, tokens, violations
+
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+TIMEOUT = "0.4"
+
+
+def stuck_load(stub, namespace: str) -> tuple[RawSession, pb.LoadBackResponse]:
+    """A raw session with 4 pages on host (evicted from the device), loading them back
+    into pages 8-11 and never acking."""
+    s = RawSession(stub, namespace)
+    p = tokens(0, 4)
+    s.insert(p, [0, 1, 2, 3])
+    assert len(stub.Evict(pb.EvictRequest(session=s.id, num_pages=4)).freed_pages) == 16
+    m = s.match(p)
+    lb = s.load_back(m.host_node, [8, 9, 10, 11])
+    assert lb.transfer and lb.loaded_tokens == 16
+    return s, lb
+
+
+def held(stub, namespace: str) -> int:
+    [ns] = stub.Stats(pb.StatsRequest(namespace=namespace)).namespaces
+    return ns.device_pages_held
+
+
+def test_failed_copy_expired_pages_reach_the_engine(daemon_factory):
+    d = daemon_factory("--ack-timeout", TIMEOUT, "--fault-fail-loads", "1")
+    channel, stub = stub_for(d.target)
+    s, lb = stuck_load(stub, "exp/fail")
+    try:
+        pushed = s.acks.reply(timeout=10)  # told unasked, once the daemon finished it
+        assert (pushed.transfer, pushed.code, pushed.expired, pushed.unsolicited, pushed.load_failed) == \
+            (lb.transfer, NOT_FOUND, True, True, True), pushed
+        assert pushed.failed_pages == pack([8, 9, 10, 11])
+        assert "not acknowledged within ack_timeout=0.4s" in pushed.message
+        assert "its 4 device pages are the engine's again" in pushed.message
+        late = s.ack(lb.transfer)  # the engine wakes up and acks: the same answer
+        assert (late.code, late.expired, late.unsolicited, late.failed_pages) == \
+            (NOT_FOUND, True, False, pack([8, 9, 10, 11])), late
+        # The pages are truly the engine's: the cache holds none of them, and the engine
+        # can hand them to the cache again.
+        assert held(stub, "exp/fail") == 0
+        assert s.insert(tokens(500, 4), [8, 9, 10, 11]).cached_tokens == 0
+        assert held(stub, "exp/fail") == 4
+        assert violations(stub) == []
+        log = d.log()
+        assert "event=load_back.expired " in log and "event=load_back.expired_failed" in log
+    finally:
+        s.close()
+        channel.close()
+
+
+def test_successful_copy_expired_pages_stay_cached(daemon_factory):
+    d = daemon_factory("--ack-timeout", TIMEOUT)
+    channel, stub = stub_for(d.target)
+    s, lb = stuck_load(stub, "exp/ok")
+    try:
+        pushed = s.acks.reply(timeout=10)
+        assert (pushed.transfer, pushed.expired, pushed.unsolicited, pushed.failed_pages) == \
+            (lb.transfer, True, True, b""), pushed
+        assert "its device pages stay with the cache" in pushed.message
+        assert held(stub, "exp/ok") == 4
+        freed = stub.Evict(pb.EvictRequest(session=s.id, num_pages=100)).freed_pages
+        assert sorted(unpack(freed)) == [8, 9, 10, 11]
+        assert violations(stub) == []
+    finally:
+        s.close()
+        channel.close()
+
+
+def test_client_engine_loses_no_page(daemon_factory):
+    """The Python client records the pushed answer: `wait` returns it without an ack,
+    and an engine that gives `failed_pages` back to its pool and evicts everything has
+    every page again."""
+    d = daemon_factory("--ack-timeout", TIMEOUT, "--fault-fail-loads", "1")
+    engine = EngineDouble.connect(d.target, "exp/client", num_pages=32, write_policy="write_back")
+    try:
+        tokens_ = prompt(1, pages=4)
+        engine.prefill(tokens_)
+        engine.evict(4)
+        [m] = engine.client.match([pack(tokens_)])
+        given = engine.allocate(m.host_tokens // engine.page_size)
+        lb = engine.client.load_back(m.host_node, given)
+        engine.pool.to_cache(given, "LoadBack")
+        wait_for(lambda: engine.client.stats("exp/client").namespaces[0].counters["load_backs_expired"] == 1,
+                 10, "the load-back to expire")
+        outcome = wait_for(lambda: engine.client.wait([lb.transfer], timeout=10)[lb.transfer], 10, "its outcome")
+        assert not outcome.ok and outcome.expired and list(outcome.failed_pages) == given, outcome
+        engine.pool.from_cache(outcome.failed_pages, "expired load")
+        engine.evict(engine.pool.num_pages)
+        assert engine.pool.num_free == engine.pool.num_pages and engine.pool.errors == 0, engine.pool.messages
+        assert engine.client.check_invariants() == []
+    finally:
+        engine.close()

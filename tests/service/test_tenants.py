@@ -1,0 +1,130 @@
+"""Tenants kept apart by their tokens (a real daemon with a token file).
+
+Each token grants some namespaces (glob patterns) or all of them (an operator). An
+engine cannot register into, match in, load into, evict from or ack for a namespace its
+token does not grant, even holding another tenant's session id; operators' RPCs show a
+tenant only what it may see, and never name another tenant's namespaces.
+"""
+
+import grpc
+import pytest
+
+from radixkv import errors
+from radixkv.client import Client
+from radixkv.types import pack
+from radixkv.v1 import radixkv_pb2 as pb
+from tests.support.engine import EngineDouble, prompt
+
+from faultkit import stub_for
+
+OPERATOR, ALICE, BOB = "op-0d7e", "alice-93be", "bob-5a6f"
+TOKEN_FILE = f"""# tokens for the tenant tests
+{OPERATOR}
+{ALICE}   alice/*            # alice's models
+{BOB}     bob/*  shared-?    # bob's, and one shared pattern
+"""
+C = grpc.StatusCode
+
+
+def auth(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def code_of(fn) -> tuple[grpc.StatusCode, str]:
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return C.OK, ""
+
+
+@pytest.fixture
+def tenants(daemon_factory, tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text(TOKEN_FILE)
+    d = daemon_factory("--auth-token-file", str(path))
+    engines, sessions = {}, {}
+    for token, namespace in ((ALICE, "alice/m1"), (BOB, "bob/m1")):
+        engine = EngineDouble(num_pages=32)
+        reg = engine.register(Client(d.target, timeout=10, token=token), namespace, write_policy="write_back")
+        engines[namespace], sessions[namespace] = engine, reg.session
+    channel, stub = stub_for(d.target)
+    yield dict(daemon=d, stub=stub, alice=engines["alice/m1"], bob=engines["bob/m1"],
+               alice_session=sessions["alice/m1"])
+    channel.close()
+    for e in engines.values():
+        e.close()
+
+
+def test_register_only_where_granted(tenants):
+    alice = tenants["alice"]
+    with Client(tenants["daemon"].target, timeout=10, token=ALICE) as c:
+        with pytest.raises(errors.PermissionDenied,
+                           match=r"this token does not grant namespace 'bob/x' \(it grants: alice/\*\)"):
+            c.register("bob/x", alice.layout, alice.buffers.specs, 32)
+    with Client(tenants["daemon"].target, timeout=10, token=BOB) as c:
+        with pytest.raises(errors.PermissionDenied, match="'shared-xy'"):
+            c.register("shared-xy", alice.layout, alice.buffers.specs, 32)  # '?' is one character
+    assert [ns.namespace for ns in Client(tenants["daemon"].target, token=OPERATOR).stats().namespaces] == \
+        ["alice/m1", "bob/m1"]
+
+
+def test_another_tenants_session_is_refused(tenants):
+    """Bob holding Alice's session id gets PERMISSION_DENIED for every call, and Alice's
+    namespace is untouched (her engine's pages and counters)."""
+    stub, alice, bob = tenants["stub"], tenants["alice"], tenants["bob"]
+    alice.prefill(prompt(1, pages=4))
+    sid = tenants["alice_session"]
+    before = stub.Inspect(pb.InspectRequest(namespace="alice/m1"), metadata=auth(OPERATOR)).digest
+    calls = {
+        "Match": lambda: stub.Match(pb.MatchRequest(session=sid, prompts=[pb.Prompt(tokens=pack(prompt(1)))]),
+                                    metadata=auth(BOB)),
+        "Evict": lambda: stub.Evict(pb.EvictRequest(session=sid, num_pages=4), metadata=auth(BOB)),
+        "Insert": lambda: stub.Insert(pb.InsertRequest(session=sid, tokens=pack(prompt(9, 1)), device_pages=pack([30])),
+                                      metadata=auth(BOB)),
+        "LoadBack": lambda: stub.LoadBack(pb.LoadBackRequest(session=sid, node=1, device_pages=pack([30])),
+                                          metadata=auth(BOB)),
+        "Release": lambda: stub.Release(pb.ReleaseRequest(session=sid, leases=[1]), metadata=auth(BOB)),
+        "Close": lambda: stub.Close(pb.CloseRequest(session=sid), metadata=auth(BOB)),
+        "Prefetch": lambda: list(stub.Prefetch(pb.PrefetchRequest(session=sid, tokens=pack(prompt(1))),
+                                               metadata=auth(BOB))),
+        "Acks": lambda: list(stub.Acks(iter([pb.AckRequest(session=sid)]), metadata=auth(BOB))),
+    }
+    for name, call in calls.items():
+        code, message = code_of(call)
+        assert code == C.PERMISSION_DENIED and "does not grant namespace 'alice/m1'" in message, (name, code, message)
+    assert stub.Inspect(pb.InspectRequest(namespace="alice/m1"), metadata=auth(OPERATOR)).digest == before
+    assert alice.client.match([pack(prompt(1, pages=4))])[0].device_tokens == 16  # still hers, still working
+    assert bob.client.match([pack(prompt(1, pages=4))])[0].device_tokens == 0  # namespaces are apart
+
+
+def test_operator_rpcs_show_only_what_the_caller_may_see(tenants):
+    stub, alice = tenants["stub"], tenants["alice"]
+    stats = stub.Stats(pb.StatsRequest(), metadata=auth(ALICE))
+    assert [ns.namespace for ns in stats.namespaces] == ["alice/m1"] and stats.sessions == 1
+    assert stub.CheckInvariants(pb.CheckInvariantsRequest(), metadata=auth(ALICE)).namespaces_checked == 1
+    assert stub.CheckInvariants(pb.CheckInvariantsRequest(), metadata=auth(OPERATOR)).namespaces_checked == 2
+    for call in (lambda: stub.Stats(pb.StatsRequest(namespace="bob/m1"), metadata=auth(ALICE)),
+                 lambda: stub.Inspect(pb.InspectRequest(namespace="bob/m1"), metadata=auth(ALICE)),
+                 lambda: stub.CheckInvariants(pb.CheckInvariantsRequest(namespace="bob/m1"), metadata=auth(ALICE))):
+        code, message = code_of(call)
+        assert code == C.PERMISSION_DENIED and "'bob/m1'" in message, (code, message)
+    code, message = code_of(lambda: stub.Inspect(pb.InspectRequest(namespace="alice/none"), metadata=auth(ALICE)))
+    assert code == C.NOT_FOUND and message == "no namespace 'alice/none'; known: ['alice/m1']"
+    # An unknown namespace of another tenant is refused the same way as a known one.
+    code, _ = code_of(lambda: stub.Stats(pb.StatsRequest(namespace="bob/none"), metadata=auth(ALICE)))
+    assert code == C.PERMISSION_DENIED
+    # Leases show in Stats.
+    alice.prefill(prompt(2, pages=2))
+    [m] = alice.client.match([pack(prompt(2, pages=2))], lease=True)
+    [ns] = stub.Stats(pb.StatsRequest(namespace="alice/m1"), metadata=auth(ALICE)).namespaces
+    assert ns.leases == 1 and ns.oldest_lease_seconds > 0
+    alice.client.release([m.lease])
+    [ns] = stub.Stats(pb.StatsRequest(namespace="alice/m1"), metadata=auth(ALICE)).namespaces
+    assert ns.leases == 0 and ns.oldest_lease_seconds == 0
+
+
+def test_tenant_log_has_no_tokens(tenants):
+    log = tenants["daemon"].log()
+    assert all(t not in log for t in (OPERATOR, ALICE, BOB))
+    assert "Traceback" not in log
