@@ -41,19 +41,24 @@ def layout_pb(layout: KvLayout) -> pb.KvLayout:
 
 
 def buffer_pb(spec) -> pb.DeviceBuffer:
-    """A `DeviceBuffer` from a message or a `(handle, offset, size)` tuple; a str handle
-    (a shared-memory segment name) is sent as UTF-8."""
+    """A `DeviceBuffer` from a message, a `BufferSpec`, or a `(handle, offset, size[,
+    page_stride, page_bytes])` tuple; a str handle (a shared-memory segment name) is
+    sent as UTF-8."""
     if isinstance(spec, pb.DeviceBuffer):
         return spec
     try:
-        handle, offset, size = spec
+        handle, offset, size, *rest = spec
+        page_stride, page_bytes = (list(rest) + [0, 0])[:2] if len(rest) <= 2 else (None, None)
     except (TypeError, ValueError):
-        raise InvalidArgument(f"a buffer is (handle, offset, size), got {spec!r}") from None
+        page_stride = None
+    if page_stride is None:
+        raise InvalidArgument(f"a buffer is (handle, offset, size[, page_stride, page_bytes]), got {spec!r}")
     if isinstance(handle, str):
         handle = os.fsencode(handle)
-    if not isinstance(handle, (bytes, bytearray)) or offset < 0 or size < 0:
+    if not isinstance(handle, (bytes, bytearray)) or min(offset, size, page_stride, page_bytes) < 0:
         raise InvalidArgument(f"bad buffer spec {spec!r}")
-    return pb.DeviceBuffer(handle=bytes(handle), offset=offset, size=size)
+    return pb.DeviceBuffer(handle=bytes(handle), offset=offset, size=size, page_stride=page_stride,
+                           page_bytes=page_bytes)
 
 
 def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,

@@ -142,6 +142,21 @@ TABLE = [
     Row("Register", "unknown dtype", reg(layout=layout(dtype="fp13")), C.INVALID_ARGUMENT, r"dtype 'fp13' is not one of"),
     Row("Register", "layout says 3 layers, 4 buffers given", reg(layout=layout(num_layers=3)), C.INVALID_ARGUMENT,
         r"layout needs 6 device buffers \(3 layers x 2\), got 4"),
+    Row("Register", "buffers' page_bytes do not add up to the layout's page", reg(buffers=lambda bs: [
+        pb.DeviceBuffer(handle=b.handle, offset=b.offset, size=b.size, page_bytes=100) for b in bs]),
+        C.INVALID_ARGUMENT, r"4 buffers x page_bytes 100 = 400 bytes per page, but the layout's page is"),
+    Row("Register", "page_stride below page_bytes", reg(buffers=lambda bs: [
+        pb.DeviceBuffer(handle=b.handle, offset=b.offset, size=b.size, page_stride=8) for b in bs]),
+        C.INVALID_ARGUMENT, r"page_stride 8 is less than its page_bytes"),
+    Row("Register", "tp_size on a managed-device namespace", reg(tp_size=2), C.INVALID_ARGUMENT,
+        r"role, tp_rank and tp_size are for engine-managed namespaces"),
+    Row("Register", "tp_rank past tp_size", reg(device_tier=pb.ENGINE_MANAGED, tp_size=2, tp_rank=2),
+        C.INVALID_ARGUMENT, r"tp_rank 2 out of range 0..1"),
+    Row("Register", "scheduler session with buffers", reg(device_tier=pb.ENGINE_MANAGED, role=pb.SCHEDULER),
+        C.INVALID_ARGUMENT, r"a SCHEDULER session sends no buffers"),
+    Row("Register", "unknown device tier", reg(device_tier=7), C.INVALID_ARGUMENT, r"device_tier 7 / role 0: unknown value"),
+    Row("Register", "engine-managed session on a managed-device namespace",
+        reg(namespace="bad/a", device_tier=pb.ENGINE_MANAGED), C.FAILED_PRECONDITION, r"has the other device tier"),
     Row("Register", "handle that cannot be opened", reg(buffers=lambda bs: [pb.DeviceBuffer(handle=b"no-such-seg", size=b.size) for b in bs]),
         C.INVALID_ARGUMENT, r"cannot open the engine's device buffers: shared-memory segment 'no-such-seg' not found"),
     Row("Register", "handle not a segment name", reg(buffers=lambda bs: [pb.DeviceBuffer(handle=b"../etc/passwd", size=b.size) for b in bs]),
@@ -219,6 +234,9 @@ TABLE = [
         session=B(c), node=c["stale"], device_pages=pack([8, 9]))), C.NOT_FOUND, r"is not in the cache \(evicted or never existed\)"),
     Row("LoadBack", "node of another namespace", unary("LoadBack", lambda c: pb.LoadBackRequest(
         session=B(c), node=c["foreign"], device_pages=pack([8, 9, 10, 11]))), C.NOT_FOUND, r"is not in the cache"),
+    Row("LoadBack", "lease and start_page on a managed-device namespace", unary("LoadBack", lambda c: pb.LoadBackRequest(
+        session=A(c), node=c["host_node"], device_pages=pack([8]), lease=1, start_page=1)), C.INVALID_ARGUMENT,
+        r"lease and start_page are for engine-managed namespaces"),
     Row("LoadBack", "page out of range", unary("LoadBack", lambda c: pb.LoadBackRequest(
         session=A(c), node=c["host_node"], device_pages=pack([8, 9, 10, 99]))), C.INVALID_ARGUMENT, r"device page 99 is out of range"),
     Row("LoadBack", "negative page", unary("LoadBack", lambda c: pb.LoadBackRequest(

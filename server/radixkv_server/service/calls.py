@@ -28,6 +28,7 @@ class MatchAnswer:
     result: MatchResult
     lease: int = 0
     storage_tokens: int = 0
+    complete_tokens: int = 0  # engine-managed: host tokens every rank's shard arrived for
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +42,14 @@ class InsertRequest:
     chunked: bool = False
     release_lease: int = 0
     lease: bool = False
+    async_: bool = False  # engine-managed: answer with the save's transfer at once
 
 
 @dataclass(frozen=True, slots=True)
 class InsertAnswer:
     result: InsertResult
     lease: int = 0
+    transfer: int = 0  # engine-managed async save: acknowledge it before reusing the pages
 
 
 @dataclass(frozen=True, slots=True)

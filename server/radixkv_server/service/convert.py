@@ -39,10 +39,23 @@ def registration(request: pb.RegisterRequest, default_page_size: int) -> Registr
     return Registration(
         namespace=request.namespace, layout=layout_from_pb(request.layout, default_page_size),
         backend=request.backend or "shm", device=request.device,
-        buffers=[BufferSpec(b.handle, b.offset, b.size) for b in request.buffers],
+        buffers=[BufferSpec(b.handle, b.offset, b.size, b.page_stride, b.page_bytes) for b in request.buffers],
         num_device_pages=request.num_device_pages, write_policy=request.write_policy,
         host_pool_pages=request.host_pool_pages, replace_existing=request.replace_existing,
-        engine=request.engine, model=request.model, device_uuid=request.device_uuid)
+        engine=request.engine, model=request.model, device_uuid=request.device_uuid,
+        **engine_managed_fields(request))
+
+
+def engine_managed_fields(request: pb.RegisterRequest) -> dict:
+    """Register's engine-managed fields as Registration keywords (INVALID_ARGUMENT for an
+    unknown enum number)."""
+    tiers = {pb.MANAGED: "managed", pb.ENGINE_MANAGED: "engine_managed"}
+    roles = {pb.ENGINE: "engine", pb.SCHEDULER: "scheduler"}
+    if request.device_tier not in tiers or request.role not in roles:
+        raise invalid(f"device_tier {request.device_tier} / role {request.role}: unknown value "
+                      "(DeviceTier MANAGED=0, ENGINE_MANAGED=1; SessionRole ENGINE=0, SCHEDULER=1)")
+    return dict(device_tier=tiers[request.device_tier], role=roles[request.role], tp_rank=request.tp_rank,
+                tp_size=request.tp_size or 1, instance=request.instance)
 
 
 IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
@@ -74,19 +87,20 @@ def match_response(answers: list[MatchAnswer]) -> pb.MatchResponse:
         pb.MatchResult(
             device_pages=a.result.device_pages, device_tokens=a.result.device_tokens,
             host_tokens=a.result.host_tokens, device_node=a.result.device_node, host_node=a.result.host_node,
-            depends_on=a.result.depends_on, lease=a.lease, storage_tokens=a.storage_tokens)
+            depends_on=a.result.depends_on, lease=a.lease, storage_tokens=a.storage_tokens,
+            complete_tokens=a.complete_tokens)
         for a in answers])
 
 
 def insert_request(request: pb.InsertRequest) -> InsertRequest:
     return InsertRequest(request.tokens, request.device_pages, request.extra_key, request.chunked,
-                         request.release_lease, request.lease)
+                         request.release_lease, request.lease, getattr(request, "async"))
 
 
 def insert_response(answer: InsertAnswer) -> pb.InsertResponse:
     r = answer.result
     return pb.InsertResponse(cached_tokens=r.cached_tokens, redundant_pages=r.redundant_pages,
-                             node=r.node, lease=answer.lease)
+                             node=r.node, lease=answer.lease, transfer=answer.transfer)
 
 
 def load_back_response(answer: LoadBackAnswer) -> pb.LoadBackResponse:

@@ -13,7 +13,7 @@ import uuid
 from ..config import DaemonConfig
 from ..events import resident
 from ..logs import log_event
-from . import registration
+from . import engine_registration, registration
 from .errors import exhausted, not_found, precondition, unavailable
 from .expiry import Expiry
 from .namespace import Namespace
@@ -56,6 +56,9 @@ class Daemon:
         if not self.accepting:
             raise unavailable("the daemon is shutting down; register with its successor")
         registration.validate(reg)
+        if reg.engine_managed:  # shared by many sessions: see engine_registration
+            async with self._register_lock:
+                return await engine_registration.register(self, reg)
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
             if ns is not None:

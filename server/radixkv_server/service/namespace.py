@@ -25,7 +25,7 @@ from .calls import (
     PrefetchState, PrefetchStep, Prompt,
 )
 from .copies import Copies
-from .errors import not_found, precondition
+from .errors import invalid, not_found, precondition
 from .namespace_config import NamespaceConfig
 from .sessions import Session
 
@@ -102,9 +102,14 @@ class Namespace:
             self.cache.unlock(session.pop_lease(request.release_lease))
         return InsertAnswer(result, self._lease(session, result.node) if request.lease else 0)
 
-    async def load_back(self, session: Session, node: int, device_pages: bytes) -> LoadBackAnswer:
+    async def load_back(self, session: Session, node: int, device_pages: bytes, lease: int = 0,
+                        start_page: int = 0) -> LoadBackAnswer:
         """Start copying `node`'s host-only path into `device_pages`; the session owes an
-        ack for the transfer. On CUDA, answers once the copy is enqueued (with its events)."""
+        ack for the transfer. On CUDA, answers once the copy is enqueued (with its events).
+        `lease` and `start_page` are for engine-managed namespaces only (INVALID_ARGUMENT)."""
+        if lease or start_page:
+            raise invalid("LoadBack: lease and start_page are for engine-managed namespaces; a managed-device "
+                          "load re-plans from the tree's device prefix")
         result = self.cache.load_back(node, device_pages, owner=session.id)
         if not result.transfer:
             return LoadBackAnswer(result)

@@ -11,6 +11,7 @@ from ..config import DaemonConfig
 from ..core import CacheConfig
 from ..core.page_keys import namespace_salt
 from ..datapath import BACKENDS, BufferSpec, DeviceOpenError, open_device_buffers
+from ..datapath.device import buffer_geometry
 from ..datapath.cuda_devices import ordinal_for_uuid, visible_uuids
 from .errors import exhausted, invalid, precondition
 from .namespace import Namespace
@@ -34,6 +35,15 @@ class Registration:
     engine: str = ""
     model: str = ""
     device_uuid: str = ""  # cuda: the engine's GPU by UUID (then `device` is the engine's ordinal only)
+    device_tier: str = "managed"  # or "engine_managed" (see engine_registration)
+    role: str = "engine"          # engine-managed: "engine" (a rank's buffers) or "scheduler"
+    tp_rank: int = 0
+    tp_size: int = 1
+    instance: str = ""
+
+    @property
+    def engine_managed(self) -> bool:
+        return self.device_tier == "engine_managed"
 
     @property
     def model_name(self) -> str:
@@ -60,15 +70,42 @@ def validate(reg: Registration) -> None:
                       "starting with a letter or digit")
     if reg.backend not in BACKENDS:  # the data path's table of device backends
         raise invalid(f"backend {reg.backend!r}: use one of {list(BACKENDS)}")
+    if reg.engine_managed:
+        validate_engine_managed(reg)
+        if reg.role == "scheduler":
+            return
+    elif reg.role != "engine" or reg.tp_size != 1 or reg.tp_rank:
+        raise invalid("role, tp_rank and tp_size are for engine-managed namespaces (device_tier ENGINE_MANAGED); "
+                      "a managed-device namespace has one ENGINE session with all of the KV")
     if reg.num_device_pages < 1:
         raise invalid("num_device_pages must be >= 1")
-    if len(reg.buffers) != reg.layout.num_buffers:
+    if not any(b.page_bytes for b in reg.buffers) and len(reg.buffers) != reg.layout.num_buffers:
         raise invalid(f"layout needs {reg.layout.num_buffers} device buffers "
-                      f"({reg.layout.num_layers} layers x {reg.layout.buffers_per_layer}), got {len(reg.buffers)}")
+                      f"({reg.layout.num_layers} layers x {reg.layout.buffers_per_layer}), got {len(reg.buffers)} "
+                      "(or describe each buffer's page_bytes)")
+    try:
+        buffer_geometry(reg.layout, reg.buffers)
+    except DeviceOpenError as e:
+        raise invalid(f"buffers: {e}") from None
+
+
+def validate_engine_managed(reg: Registration) -> None:
+    """INVALID_ARGUMENT for an engine-managed registration that can never succeed."""
+    if reg.tp_size < 1 or not 0 <= reg.tp_rank < reg.tp_size:
+        raise invalid(f"tp_rank {reg.tp_rank} out of range 0..{reg.tp_size - 1} (tp_size {reg.tp_size})")
+    if reg.tp_size > 64:
+        raise invalid(f"tp_size {reg.tp_size}: at most 64 ranks share a namespace")
+    if reg.role == "scheduler" and (reg.buffers or reg.num_device_pages or reg.tp_rank):
+        raise invalid("a SCHEDULER session sends no buffers, num_device_pages or tp_rank (it matches and "
+                      "leases only; each rank registers an ENGINE session with its buffers)")
 
 
 def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
     """FAILED_PRECONDITION when an existing namespace holds KV the engine cannot use."""
+    if getattr(ns, "engine_managed", False) != reg.engine_managed:
+        tier = "engine-managed" if reg.engine_managed else "managed-device"
+        raise precondition(f"namespace {ns.name} has the other device tier: this registration asks for "
+                           f"{tier}; every session of a namespace uses the tier of its first one")
     if ns.layout != reg.layout:
         raise precondition(f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
                            "use a new namespace name for this one")

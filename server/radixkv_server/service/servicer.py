@@ -118,7 +118,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     async def LoadBack(self, request, context):
         session = self.daemon.session(request.session)
         session.namespace.order_after(convert.engine_event(request))
-        answer = await session.namespace.load_back(session, request.node, request.device_pages)
+        answer = await session.namespace.load_back(session, request.node, request.device_pages,
+                                                   lease=request.lease, start_page=request.start_page)
         return convert.load_back_response(answer)
 
     @rpc

@@ -1,0 +1,67 @@
+"""Registering a session on an engine-managed namespace (device_tier ENGINE_MANAGED).
+
+Any number of sessions share such a namespace: each engine instance's SCHEDULER session
+and its ENGINE rank sessions. Every session presents the namespace's layout and
+`tp_size` (FAILED_PRECONDITION otherwise, naming both); the first one creates the
+namespace. Called by `Daemon.register` under its registration lock.
+"""
+
+import dataclasses
+import logging
+
+from ..logs import log_event
+from . import registration
+from .engine_namespace import SCHEDULER, EngineNamespace, host_layout
+from .errors import exhausted, precondition
+
+log = logging.getLogger("radixkv.daemon")
+
+
+def check_compatible(ns, reg: registration.Registration) -> None:
+    """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns`."""
+    registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
+    if ns.tp_size != reg.tp_size:
+        raise precondition(f"namespace {ns.name} is sharded over tp_size {ns.tp_size} ranks, this session says "
+                           f"tp_size {reg.tp_size}: every engine sharing a namespace uses one tensor-parallel size")
+
+
+def namespace_config(daemon, reg: registration.Registration):
+    """The new namespace's config: host pages hold `tp_size` shards (sized and salted so)."""
+    wide = dataclasses.replace(reg, layout=host_layout(reg.layout, reg.tp_size))
+    cfg = registration.namespace_config(daemon.config, wide, reg.write_policy or daemon.config.write_policy,
+                                        daemon.storage is not None)
+    return dataclasses.replace(cfg, layout=reg.layout)
+
+
+async def register(daemon, reg: registration.Registration) -> registration.Registered:
+    """Attach a SCHEDULER or ENGINE session to the engine-managed namespace `reg` names,
+    creating it for the first one. Errors change nothing."""
+    ns = daemon.namespaces.get(reg.namespace)
+    if ns is not None:
+        check_compatible(ns, reg)
+    elif len(daemon.namespaces) >= daemon.config.max_namespaces:
+        raise exhausted(f"namespace limit reached ({daemon.config.max_namespaces}); raise --max-namespaces")
+    if len(daemon.sessions) >= daemon.config.max_sessions:
+        raise exhausted(f"session limit reached ({daemon.config.max_sessions}); raise --max-sessions")
+    config = namespace_config(daemon, reg) if ns is None else None
+    device = None if reg.role == SCHEDULER else await registration.open_device(reg)
+    try:
+        warm = ns is not None
+        if ns is None:
+            ns = await EngineNamespace.open_engine(config, reg.tp_size, metrics=daemon.metrics, storage=daemon.storage)
+            daemon.namespaces[reg.namespace] = ns
+        session = daemon.sessions.new(ns, reg.engine)
+        session.role, session.rank, session.instance = reg.role, reg.tp_rank, reg.instance
+        session.device_pages = reg.num_device_pages
+        ns.add_session(session, device)
+    except BaseException:
+        if device is not None:
+            device.close()
+        raise
+    log_event(log, "session.registered", namespace=ns.name, session=session.id[:8], engine=reg.engine,
+              device_tier="engine_managed", role=reg.role, tp_rank=reg.tp_rank, tp_size=reg.tp_size,
+              instance=reg.instance, device_pages=reg.num_device_pages, warm=warm)
+    return registration.Registered(session, warm, 0)
+
+
+__all__ = ["register"]

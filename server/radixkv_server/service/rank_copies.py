@@ -1,0 +1,90 @@
+"""RankCopies: the copies of an engine-managed namespace, one copy engine per rank session.
+
+The core's `EngineTier` calls `save` / `load_into` naming the session (owner) whose
+engine pages are copied; each ENGINE session attached its own device buffers, copied
+through its rank's `HostShard` of the namespace's host pool (the whole pool when the
+namespace is not sharded). Completions come back on the event loop to `on_done`
+(the tier's `copied`), then wake whoever waits for that transfer.
+
+The event loop owns all of it; copy threads only call back onto the loop.
+"""
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+from ..datapath import CopyEngine, DeviceBuffers, HostPool, HostShard
+from .namespace_config import NamespaceConfig
+
+
+class RankCopies:
+    """`on_done(transfer, error)` is called on the loop once per copy started."""
+
+    def __init__(self, config: NamespaceConfig, host_pool: HostPool, tp_size: int,
+                 on_done: Callable[[int, str | None], None]):
+        self._config = config
+        self._pool = host_pool
+        self._tp_size = tp_size
+        self._on_done = on_done
+        self._loop = asyncio.get_running_loop()
+        self._engines: dict[str, tuple[CopyEngine, DeviceBuffers]] = {}
+        self._owner: dict[int, str] = {}  # transfer copying -> session id
+        self._waiters: dict[int, asyncio.Event] = {}
+        self.loaded_bytes = self.saved_bytes = 0  # of copy engines already detached
+
+    def attach(self, owner: str, device: DeviceBuffers, rank: int) -> None:
+        """Copy `owner`'s pages with these buffers, into rank `rank`'s slice of each host page."""
+        host = self._pool if self._tp_size == 1 else HostShard(self._pool, self._config.layout, rank, self._tp_size)
+        engine = CopyEngine(self._loop, device, host, self._copied, workers=self._config.copy_workers,
+                            delay=self._config.copy_delay, fail_loads=self._config.fail_loads)
+        self._engines[owner] = (engine, device)
+
+    # -- the EngineTier's EngineCopier ------------------------------------------------------
+
+    def save(self, transfer: int, owner: object, device_pages: bytes, host_pages: bytes) -> None:
+        self._owner[transfer] = owner
+        self._engines[owner][0].backup(transfer, device_pages, host_pages)
+
+    def load_into(self, transfer: int, owner: object, host_pages: bytes, device_pages: bytes) -> None:
+        self._owner[transfer] = owner
+        self._engines[owner][0].load(transfer, host_pages, device_pages)
+
+    def _copied(self, transfer: int, error: str | None) -> None:
+        self._owner.pop(transfer, None)
+        try:
+            self._on_done(transfer, error)
+        finally:
+            event = self._waiters.pop(transfer, None)
+            if event is not None:
+                event.set()
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    async def wait(self, transfers: Iterable[int]) -> None:
+        """Return once every named copy has completed (ids not copying count as done)."""
+        for tid in transfers:
+            if tid in self._owner:
+                await self._waiters.setdefault(tid, asyncio.Event()).wait()
+
+    async def drain(self, owner: str | None = None) -> None:
+        """Return once no copy (of `owner`, or of anyone) is in flight."""
+        while busy := [t for t, o in self._owner.items() if owner is None or o == owner]:
+            await self.wait(busy)
+
+    async def detach(self, owner: str) -> None:
+        """Wait for `owner`'s copies, then stop its copy threads and close its buffers."""
+        await self.drain(owner)
+        pair = self._engines.pop(owner, None)
+        if pair is not None:
+            engine, device = pair
+            self.loaded_bytes += engine.load_bytes
+            self.saved_bytes += engine.backup_bytes
+            engine.close()
+            device.close()
+
+    async def close(self) -> None:
+        """Detach every rank session. Idempotent."""
+        for owner in list(self._engines):
+            await self.detach(owner)
+
+
+__all__ = ["RankCopies"]
