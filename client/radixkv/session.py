@@ -196,6 +196,7 @@ class Session:
         the shell to close next (None if there is none). The caller checks `closed`
         first: closing is idempotent."""
         self.closed = True
+        self._buffers = None  # a CUDA export holds the engine's tensors: let them go
         if self.registration is not None:
             try:
                 yield Rpc("Close", pb.CloseRequest(session=self.registration.session), self.timeout)

@@ -93,7 +93,7 @@ def _main(conn, device: int) -> None:
             continue
         if msg[0] == "alloc":
             _, kwargs, num_pages, one_storage = msg
-            tensors = []
+            tensors, exported = [], None  # the export holds the tensors too
             torch.cuda.empty_cache()
             CudaKvBuffers.forget_events()  # the other side opens a new event ring
             lay = KvLayout(**kwargs)
