@@ -88,15 +88,16 @@ def redis_cluster():
     cluster.cleanup()
 
 
-@pytest.fixture(params=["file", "redis", "redis_cluster", "mooncake"])
+@pytest.fixture(params=["file", "redis", "redis_cluster", "mooncake", "mooncake_direct"])
 def store(request, tmp_path):
     """Each backend kind in turn, on a fresh store (or a fresh key prefix of a shared one)."""
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
     if request.param == "file":
         store = Store("file", f"file://{tmp_path}/pages", None)
-    elif request.param == "mooncake":
+    elif request.param.startswith("mooncake"):  # fetch=staged (default) or direct (in place)
         master = request.getfixturevalue("mooncake_store")
-        store = Store("mooncake", f"mooncake://{master.address}?segment=0&prefix={prefix}", None)
+        fetch = "direct" if request.param == "mooncake_direct" else "staged"
+        store = Store("mooncake", f"mooncake://{master.address}?segment=0&prefix={prefix}&fetch={fetch}", None)
     elif request.param == "redis_cluster":
         cluster = request.getfixturevalue("redis_cluster")
         store = Store("redis_cluster", f"{cluster.url}?prefix={prefix}", None)

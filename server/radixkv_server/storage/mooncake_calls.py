@@ -140,3 +140,36 @@ def both(first: Future, second: Future) -> Future:
     first.add_done_callback(one)
     second.add_done_callback(one)
     return out
+
+
+class Staging:
+    """Up to `count` staging buffers of `nbytes` each, for copying gets; `on_new(buffer)`
+    registers a new one with the store. A buffer whose call timed out comes back only
+    when the store lets go of it (the caller gives it back then). Thread-safe."""
+
+    def __init__(self, count: int, on_new):
+        self._count, self._on_new = count, on_new
+        self._free: list[np.ndarray] = []
+        self._made = 0
+        self._lock = threading.Lock()  # worker threads take and give buffers
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A buffer of at least nbytes, or None when all are in use (or a new one cannot
+        be registered): the caller then reads in place instead."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes:
+                    return self._free.pop(i)
+            if self._made >= self._count:
+                return None
+            self._made += 1
+        buf = np.empty(nbytes, dtype=np.uint8)
+        if not self._on_new(buf):
+            with self._lock:
+                self._made -= 1
+            return None
+        return buf
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)

@@ -2,11 +2,14 @@
 
 Each daemon joins the store as a client of one `mooncake_master`: it lends
 `segment_bytes` of its own memory to the pool (0: it only borrows) and keeps a
-`buffer_bytes` local buffer for copying calls. Pages move without staging copies: the
-host pool is registered with the store (`attach_memory`), and one batched call moves a
-batch of pages, each object being two parts: the 20-byte record header (from a small
-registered arena) and the payload (the host page itself). A fetched payload lands in its
-host page and is checksummed there.
+`buffer_bytes` local buffer for copying calls. The host pool is registered with the
+store (`attach_memory`); a store moves a batch of pages in one call, each object in two
+parts: the 20-byte record header (from a small registered arena) and the payload (the
+host page itself, no copy). A fetch (`fetch="staged"`, the default) reads whole records
+in one batched call into a registered staging buffer, checks each and copies it into
+its host page: measured here, Mooncake 0.3.13 moves one-part objects ~35% faster than
+two-part ones, more than the copy costs. `fetch="direct"` reads header and payload
+straight into the host page instead (no copy).
 
 What the store does, and what this backend makes of it (measured with the PyPI wheel
 `mooncake-transfer-engine-non-cuda` 0.3.13, TCP, metadata `P2PHANDSHAKE`):
@@ -37,7 +40,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Read, StorageBackend, StorageTimeout, StorageUnavailable
-from .mooncake_calls import Call, Caller, address, both
+from .mooncake_calls import Call, Caller, Staging, address, both
 from .record import HEADER_BYTES, header
 
 log = logging.getLogger(__name__)
@@ -66,8 +69,11 @@ class MooncakeStorage(StorageBackend):
     def __init__(self, master: str, *, segment_bytes: int = 512 << 20, buffer_bytes: int = 64 << 20,
                  protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", hostname: str = "127.0.0.1",
                  rdma_devices: str = "", timeout: float = 2.0, prefix: str = "radixkv:", replicas: int = 1,
-                 max_batch: int = 128, call_threads: int = 4):
+                 max_batch: int = 128, call_threads: int = 4, fetch: str = "staged"):
         _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max_batch, call_threads)
+        if fetch not in ("staged", "direct"):
+            raise ValueError(f"Mooncake fetch must be staged or direct, got {fetch!r}")
+        self.fetch = fetch
         super().__init__(f"mooncake://{master}")
         self.master = master
         self.prefix = prefix
@@ -77,6 +83,7 @@ class MooncakeStorage(StorageBackend):
         self._replicas = replicas
         self._calls = Caller(self.name, timeout, call_threads, max_batch)
         self._headers = self._calls.slots
+        self._staging = Staging(call_threads, self._register_staging)
         self._lock = threading.Lock()  # guards the connection state below
         self._store = None             # a MooncakeDistributedStore once setup() succeeded
         self._connecting = None        # the Future of a setup() in flight
@@ -114,6 +121,10 @@ class MooncakeStorage(StorageBackend):
 
     def _get_into(self, keys: list[bytes], pages: list) -> list[Read]:
         store = self._client()
+        if self.fetch == "staged":
+            reads = self._get_staged(store, keys, pages)
+            if reads is not None:
+                return reads
         if not all(self._attached(p) for p in pages):
             return super()._get_into(keys, pages)  # copying path
         spans = [(i, min(i + self.max_batch, len(keys))) for i in range(0, len(keys), self.max_batch)]
@@ -136,6 +147,58 @@ class MooncakeStorage(StorageBackend):
                 break
             call = following
         return reads + [Read.MISS] * (len(keys) - len(reads))
+
+    def _get_staged(self, store, keys: list[bytes], pages: list) -> list[Read] | None:
+        """Whole records into a registered staging buffer (one part per object: the
+        store's fastest get), each checked and copied into its page. None when no
+        staging buffer is free or the pages differ in size (then pages are read in place)."""
+        size = memoryview(pages[0]).nbytes
+        if any(memoryview(p).nbytes != size for p in pages):
+            return None
+        record = HEADER_BYTES + size
+        buf = self._staging.take(record * min(len(keys), self.max_batch))
+        if buf is None:
+            return None
+        reads: list[Read] = []
+        try:
+            for lo in range(0, len(keys), self.max_batch):
+                got = self._staged_chunk(store, buf, record, keys[lo:lo + self.max_batch], pages[lo:lo + self.max_batch])
+                reads += got
+                if any(r is not Read.HIT for r in got):
+                    break
+        except StorageTimeout as exc:  # the store may still write the buffer
+            exc.settled.add_done_callback(lambda _: self._staging.give(buf))
+            raise
+        except BaseException:
+            self._staging.give(buf)
+            raise
+        self._staging.give(buf)
+        return reads + [Read.MISS] * (len(keys) - len(reads))
+
+    def _staged_chunk(self, store, buf, record: int, keys: list[bytes], pages: list) -> list[Read]:
+        base = buf.ctypes.data
+        names = [self.store_key(k) for k in keys]
+        codes = self._calls.run("get", store.batch_get_into, names, [base + i * record for i in range(len(keys))],
+                                [record] * len(keys))
+        self._raise_if_master_down(codes, "get")
+        reads = []
+        for i, (key, page, code) in enumerate(zip(keys, pages, codes)):
+            if code == record:
+                reads.append(self._place(key, memoryview(buf[i * record:(i + 1) * record]), page))
+            else:  # absent, of another size (-600: larger than the page), or its owner is gone
+                self._note_owner_gone(code)
+                reads.append(Read.MISS)
+        return reads
+
+    def _register_staging(self, buf) -> bool:
+        with self._lock:
+            store = self._store
+        if store is None:
+            return False
+        code = store.register_buffer(buf.ctypes.data, buf.nbytes)
+        if code != 0:
+            log.warning("storage %s: registering a %d-byte staging buffer answered %d", self.name, buf.nbytes, code)
+        return code == 0
 
     def _start_get(self, store, keys, pages, lo: int, hi: int) -> Call:
         slots = self._calls.take_slots(hi - lo, "get")

@@ -5,7 +5,8 @@ from .mooncake_store import MooncakeStorage
 
 URL_OPTIONS = {"segment": "segment_bytes", "buffer": "buffer_bytes", "protocol": "protocol",
                "metadata": "metadata", "hostname": "hostname", "devices": "rdma_devices",
-               "timeout": "timeout", "prefix": "prefix", "replicas": "replicas", "batch": "max_batch"}
+               "timeout": "timeout", "prefix": "prefix", "replicas": "replicas", "batch": "max_batch",
+               "fetch": "fetch"}
 
 
 def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
@@ -13,7 +14,10 @@ def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
     segment (bytes this daemon lends, e.g. 4GiB; 0 lends none), buffer (local buffer for
     copying calls), protocol (tcp | rdma), devices (RDMA devices, e.g. mlx5_0), metadata
     (default P2PHANDSHAKE, or an etcd/http metadata URL), hostname (this node's address
-    as peers reach it), timeout (seconds per call), prefix (key prefix), replicas, batch."""
+    as peers reach it), timeout (seconds per call), prefix (key prefix), replicas, batch,
+    fetch (staged: whole records through a registered staging buffer, then checked and
+    copied into the host page, the default and the faster with 0.3.13; direct: header
+    and payload as two parts straight into the host page, no copy)."""
     unknown = sorted(set(options) - set(URL_OPTIONS))
     if unknown:
         raise ValueError(f"unknown Mooncake option(s) {unknown} in {url}; use {sorted(URL_OPTIONS)}")
