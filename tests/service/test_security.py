@@ -6,6 +6,8 @@ import asyncio
 import datetime
 import ipaddress
 import os
+import shutil
+import signal
 import stat
 import tempfile
 
@@ -23,7 +25,7 @@ from radixkv.client import Client
 from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.sim.kv import KvPattern, page_keys
 from radixkv_server.config import load_config
-from tests.support.daemon import DaemonProcess, free_port, stop_all
+from tests.support.daemon import DaemonProcess, free_port, stop_all, wait_for
 
 from faultkit import LAYOUT, NUM_PAGES, tokens
 
@@ -137,6 +139,7 @@ def pki(tmp_path_factory):
         ("server", ca_key, "radixkv test CA", [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
         ("engine", ca_key, "radixkv test CA", [x509.DNSName("engine")]),
         ("rogue", rogue_key, "rogue CA", [x509.DNSName("engine")]),
+        ("server2", rogue_key, "rogue CA", [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
     ]:
         key = ec.generate_private_key(ec.SECP256R1())
         write(f"{name}.key", key)
@@ -224,6 +227,44 @@ def test_shared_token(daemons, tmp_path):
     finally:
         buffers.close()
     assert TOKEN not in d.log()  # the resolved config is logged without it
+
+
+def test_sighup_reloads_the_token_file(daemons, tmp_path):
+    """New tokens take effect on SIGHUP, logged; the daemon serves on; a broken file
+    keeps the tokens in use (logged as an error)."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text(TOKEN + "\n")
+    d = daemons("--auth-token-file", str(token_file))
+    assert reaches(d.target, token=TOKEN) is True
+    token_file.write_text("a-new-token\n")
+    d.signal(signal.SIGHUP)
+    wait_for(lambda: "event=auth.reloaded" in d.log(), 10, "the token file reloaded")
+    assert d.alive and reaches(d.target, token=TOKEN) == "UNAUTHENTICATED"
+    assert reaches(d.target, token="a-new-token") is True
+    token_file.write_text("# nothing\n")
+    d.signal(signal.SIGHUP)
+    wait_for(lambda: "event=auth.reload_failed" in d.log(), 10, "the empty token file refused")
+    assert d.alive and reaches(d.target, token="a-new-token") is True
+    assert "a-new-token" not in d.log() and "event=daemon.reload " in d.log()
+
+
+def test_sighup_reloads_tls_certificates(daemons, pki, tmp_path):
+    """New connections get the certificate read on SIGHUP."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    shutil.copy(pki["server.pem"], cert)
+    shutil.copy(pki["server.key"], key)
+    port = free_port()
+    d = daemons("--tls-cert", str(cert), "--tls-key", str(key), listen=f"127.0.0.1:{port}",
+                probe={"tls": Tls(ca_file=pki["ca.pem"])})
+    target = f"127.0.0.1:{port}"
+    assert reaches(target, tls=Tls(ca_file=pki["ca.pem"])) is True
+    shutil.copy(pki["server2.pem"], cert)  # signed by the other CA
+    shutil.copy(pki["server2.key"], key)
+    d.signal(signal.SIGHUP)
+    wait_for(lambda: "event=tls.reloaded" in d.log(), 10, "the certificates reloaded")
+    assert reaches(target, tls=Tls(ca_file=pki["rogue-ca.pem"])) is True
+    assert reaches(target, tls=Tls(ca_file=pki["ca.pem"])) == "UNAVAILABLE"
+    assert d.alive
 
 
 def test_bad_security_config_is_refused_at_start(tmp_path):
