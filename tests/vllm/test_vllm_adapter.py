@@ -53,7 +53,7 @@ def test_describe_gives_one_buffer_per_layer_and_a_block_as_a_page(shm_kv):
     memory = describe(views, alloc.segment.tensor, b"seg", TOKENS)
     page = HEADS * TOKENS * CONTENT * 4
     assert memory.num_blocks == BLOCKS and memory.page_bytes == page == memory.block_stride
-    assert [b.offset for b in memory.buffers] == [0, BLOCKS * page]
+    assert [offset for _, offset, _ in memory.buffers] == [0, BLOCKS * page]
     assert memory.layout.chunk_bytes == page and memory.layout.num_buffers == LAYERS
 
 
@@ -89,7 +89,7 @@ def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_pref
         assert hit.tokens == 2 * TOKENS and hit.lease
         for v in views.values():
             v[3].fill_(-1)  # vLLM's own copy of page 0 (a local prefix-cache hit)
-        assert adapter.load(tokens, [3, 7], 1, hit.node, hit.lease) == 1
+        assert adapter.load(tokens, [3, 7], 1, hit.lease) == 1
         for layer, v in enumerate(views.values()):
             assert torch.equal(v[7], torch.full_like(v[7], 20 + layer))
             assert torch.equal(v[3], torch.full_like(v[3], -1))  # never written

@@ -89,7 +89,7 @@ def test_a_namespace_with_another_layout_stops_vllm_at_startup(engines, daemon):
         from radixkv.kvbuffers import ShmKvBuffers
         bufs = ShmKvBuffers.create(other, 8)
         try:
-            c.register("tiny", other, bufs.specs(), 8)
+            c.register("tiny", other, [(b.handle, b.offset, b.size) for b in bufs.specs()], 8)
             c.close()
         finally:
             bufs.close()

@@ -10,13 +10,10 @@ KV cache in shared memory (`get_mem_pool_context`), registers it with the daemon
 (`register_kv_caches`), loads hits into the blocks the scheduler chose before the
 forward (`start_load_kv`) and inserts newly full blocks after it (`wait_for_save`),
 reporting blocks that failed to load (`get_block_ids_with_load_errors`) so vLLM
-recomputes them. The scheduler instance answers lookups asynchronously and plans loads
-and saves (`radixkv.vllm.scheduler`). docs/vllm.md describes the mapping.
-
-Today's daemon allows one session per namespace, so the scheduler instance uses the
-session of the worker in its own process (tensor_parallel_size 1, where vLLM runs the
-worker inside the engine core); with workers in other processes it reports no hits
-until the daemon serves engine-managed namespaces (docs/vllm.md).
+recomputes them; it also runs the scheduler's lookups on its session and reports them
+(`build_connector_worker_meta`). The scheduler instance makes no daemon call: it answers
+vLLM asynchronously and plans lookups, loads and saves (`radixkv.vllm.scheduler`).
+docs/vllm.md describes the mapping.
 """
 
 import logging
@@ -26,11 +23,11 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from . import daemon
 from .config import ConnectorConfig
+from .daemon import DaemonAdapter
 from .kvmemory import ShmAllocation, describe
-from .metadata import RadixKVMetadata
-from .scheduler import SchedulerSide
+from .metadata import RadixKVMetadata, RadixKVWorkerMetadata
+from .scheduler import Lookups, SchedulerSide
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
@@ -43,13 +40,14 @@ class RadixKVConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config,
                                                  vllm_config.model_config.served_model_name)
-        self.engine_id = tc.engine_id
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank, self.tp_size = _tp_rank(vllm_config)
-        self._adapter: daemon.DaemonAdapter | None = None
+        self._adapter: DaemonAdapter | None = None
+        self._lookups: Lookups | None = None
         self._allocation: ShmAllocation | None = None
         self._scheduler: SchedulerSide | None = None
-        self._scheduler_checked = False
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.block_size, self.tp_size, lambda: self._kv_cache_manager)
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
             log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
@@ -74,7 +72,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         memory = describe(kv_caches, seg.tensor, seg.name.encode(), self.block_size)
         ns = self.config.namespace if self.tp_size == 1 else f"{self.config.namespace}/tp{self.tp_rank}"
         cfg = ConnectorConfig(**{**self.config.__dict__, "namespace": ns})
-        adapter = daemon.DaemonAdapter(cfg, engine=f"vllm pid {os.getpid()} rank {self.tp_rank}")
+        adapter = DaemonAdapter(cfg, engine=f"vllm pid {os.getpid()} rank {self.tp_rank}")
         try:
             adapter.attach(memory)
         except BaseException:
@@ -82,15 +80,21 @@ class RadixKVConnector(KVConnectorBase_V1):
             seg.unlink()
             raise
         self._adapter = adapter
-        daemon.publish(self.engine_id, adapter)
+        self._lookups = Lookups(adapter)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Load this step's hits into their blocks (synchronously, before the forward)."""
+        """Queue the scheduler's lookups, drop released leases, then load this step's hits
+        into their blocks (synchronously: vLLM runs this before a forward with loads)."""
         meta = self._meta()
         if meta is None or self._adapter is None:
             return
+        for req_id, tokens in meta.lookups.items():
+            self._lookups.poll(req_id, tokens)
+        for req_id in meta.releases:
+            self._lookups.release(req_id)
         for spec in meta.loads:
-            got = self._adapter.load(spec.tokens, spec.block_ids, spec.local_blocks, spec.node, spec.lease)
+            lease = self._lookups.take(spec.req_id).lease
+            got = self._adapter.load(spec.tokens, spec.block_ids, spec.local_blocks, lease)
             failed = spec.load_blocks[got:]
             if failed:
                 self._load_errors.update(failed)
@@ -113,11 +117,19 @@ class RadixKVConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def build_connector_worker_meta(self) -> RadixKVWorkerMetadata | None:
+        """The lookups this worker answered since its last report."""
+        if self._lookups is None:
+            return None
+        done = self._lookups.completed()
+        if not done:
+            return None
+        return RadixKVWorkerMetadata({req: {self.tp_rank: tokens} for req, tokens in done.items()})
+
     def shutdown(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
+        if self._lookups is not None:
+            self._lookups.close()
         if self._adapter is not None:
-            daemon.withdraw(self.engine_id)
             self._adapter.close()
         if self._allocation is not None and self._allocation.segment is not None:
             self._allocation.segment.unlink()
@@ -125,25 +137,22 @@ class RadixKVConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        side = self._side()
-        if side is None:
-            return 0, False
-        return side.matched(request, num_computed_tokens)
+        return self._scheduler.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        side = self._side()
-        if side is not None:
-            side.allocated(request, blocks, num_external_tokens)
+        self._scheduler.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> RadixKVMetadata:
-        side = self._side()
-        return side.build(scheduler_output) if side is not None else RadixKVMetadata()
+        return self._scheduler.build(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, RadixKVWorkerMetadata):
+            self._scheduler.answered(meta)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves finish within the step that filled a block, so blocks free at once."""
-        side = self._side()
-        if side is not None:
-            side.finished(request)
+        self._scheduler.finished(request)
         return False, None
 
     # -- internals ---------------------------------------------------------------------
@@ -151,19 +160,6 @@ class RadixKVConnector(KVConnectorBase_V1):
     def _meta(self) -> RadixKVMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, RadixKVMetadata) else None
-
-    def _side(self) -> SchedulerSide | None:
-        """The scheduler state, once a worker of this engine registered in this process."""
-        if self._scheduler is None and not self._scheduler_checked:
-            adapter = daemon.attached(self.engine_id)
-            if adapter is None:
-                self._scheduler_checked = True
-                log.warning("radixkv: no worker of engine %s in this process (tensor parallel "
-                            "workers run apart): lookups report no hits until the daemon serves "
-                            "engine-managed namespaces", self.engine_id)
-                return None
-            self._scheduler = SchedulerSide(adapter, self.block_size, lambda: self._kv_cache_manager)
-        return self._scheduler
 
 
 def _tp_rank(vllm_config) -> tuple[int, int]:

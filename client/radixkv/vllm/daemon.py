@@ -13,7 +13,8 @@ one session per namespace), so `DaemonAdapter` emulates the engine-managed contr
 - `load` first labels the blocks vLLM already holds (its own prefix-cache hit) with an
   Insert, so LoadBack writes only the blocks after them, never a block vLLM shares;
 - every call sequence runs under one lock, so a Match never sees another sequence's
-  transient device pages.
+  transient device pages;
+- the scheduler has no session: workers look prefixes up for it (`radixkv.vllm.scheduler`).
 
 When the daemon grows the engine-managed mode, only this module changes. Failures never
 reach vLLM as exceptions after startup: a lookup that fails is a miss, a load that fails
@@ -51,9 +52,8 @@ MISS = Hit(0, 0, 0)
 
 
 class DaemonAdapter:
-    """One worker's session on the daemon, shared with the scheduler-side connector of
-    the same process (see `attached`). Thread-safe: the scheduler looks up from its own
-    thread while the worker loads and saves."""
+    """One worker's session on the daemon. Thread-safe: the worker's lookup thread
+    matches while the worker loads and saves."""
 
     def __init__(self, config: ConnectorConfig, engine: str):
         self.config = config
@@ -133,38 +133,47 @@ class DaemonAdapter:
 
     # -- worker side -------------------------------------------------------------------
 
-    def load(self, tokens: bytes, block_ids, local_blocks: int, node: int, lease: int) -> int:
+    def load(self, tokens: bytes, block_ids, local_blocks: int, lease: int) -> int:
         """Copy the cached pages of `tokens` after the first `local_blocks` into the blocks
         `block_ids[local_blocks:]`; returns how many of those pages arrived (a prefix of
-        them, 0 on any failure). Blocks before `local_blocks` are read-only here. Releases
-        the lookup's `lease` in every case."""
+        them, 0 on any failure). Blocks before `local_blocks` are read-only here. Matches
+        `tokens` again first, so the load ends exactly at their end (ranks may have hit
+        more than the hit all of them share). Releases the lookup's `lease` in every case."""
         page = self.memory.layout.page_size
         want = len(block_ids) - local_blocks
         with self._lock:
-            if self.broken:
-                self._release([lease])
-                return 0
+            leases = [lease]
             try:
+                if self.broken:
+                    return 0
+                [m] = self._client.match([tokens], lease=True)
+                leases.append(m.lease)
+                if m.device_tokens:
+                    return 0  # the tree should hold no vLLM block between calls
                 if local_blocks:
                     self._insert(tokens[:local_blocks * page * 4], block_ids[:local_blocks])
-                result = self._client.load_back(node, array("i", block_ids[local_blocks:]))
-                self._held += want - len(result.unused_pages)
-                if result.transfer:
-                    outcome = self._client.wait([result.transfer])[result.transfer]
-                    if not outcome.ok:
-                        log.warning("radixkv: load of %d pages failed: %s", want, outcome.reason)
-                        return 0
-                loaded = result.loaded_tokens // page
-                if result.device_tokens != (local_blocks + loaded) * page:
-                    log.warning("radixkv: load planned against blocks vLLM does not own; ignored")
-                    return 0
-                return min(loaded, want)
+                return self._load_back(m.host_node, block_ids, local_blocks, want)
             except RadixKVError as e:
                 log.warning("radixkv: load of %d pages failed: %s", want, e)
                 return 0
             finally:
-                self._release([lease])  # a leased path cannot leave the device
+                self._release(leases)  # a leased path cannot leave the device
                 self._forget_device()
+
+    def _load_back(self, node: int, block_ids, local_blocks: int, want: int) -> int:
+        page = self.memory.layout.page_size
+        result = self._client.load_back(node, array("i", block_ids[local_blocks:]))
+        self._held += want - len(result.unused_pages)
+        if result.transfer:
+            outcome = self._client.wait([result.transfer])[result.transfer]
+            if not outcome.ok:
+                log.warning("radixkv: load of %d pages failed: %s", want, outcome.reason)
+                return 0
+        loaded = result.loaded_tokens // page
+        if result.device_tokens != (local_blocks + loaded) * page:
+            log.warning("radixkv: load planned against blocks vLLM does not own; ignored")
+            return 0
+        return min(loaded, want)
 
     def save(self, tokens: bytes, block_ids) -> bool:
         """Insert whole pages of `tokens` from `block_ids` and wait until the daemon holds
@@ -219,22 +228,4 @@ class DaemonAdapter:
                 log.warning("radixkv: releasing %d leases failed: %s", len(leases), e)
 
 
-# Adapters of the workers living in this process, by vLLM engine id: the scheduler-side
-# connector of the same engine (same process when tensor_parallel_size is 1) uses it.
-_ATTACHED: dict[str, DaemonAdapter] = {}
-
-
-def publish(engine_id: str, adapter: DaemonAdapter) -> None:
-    _ATTACHED[engine_id] = adapter
-
-
-def attached(engine_id: str) -> DaemonAdapter | None:
-    """The worker adapter of engine `engine_id` in this process, if any."""
-    return _ATTACHED.get(engine_id)
-
-
-def withdraw(engine_id: str) -> None:
-    _ATTACHED.pop(engine_id, None)
-
-
-__all__ = ["DaemonAdapter", "Hit", "MISS", "attached", "publish", "withdraw"]
+__all__ = ["DaemonAdapter", "Hit", "MISS"]

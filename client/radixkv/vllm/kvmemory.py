@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from radixkv.kvbuffers import BufferSpec
 from radixkv.layout import KvLayout
 
 SHM_DIR = "/dev/shm"
@@ -133,7 +132,7 @@ class KvMemory:
     today's daemon accepts). `layer_names`: vLLM's names, in buffer order."""
 
     layout: KvLayout
-    buffers: tuple[BufferSpec, ...]
+    buffers: tuple[tuple[bytes, int, int], ...]  # (handle, offset, size) per layer
     num_blocks: int
     block_stride: int
     page_bytes: int
@@ -176,7 +175,7 @@ def describe(kv_caches: dict[str, torch.Tensor], base: torch.Tensor, handle: byt
     layout = KvLayout(num_layers=len(names), num_kv_heads=heads,
                       head_dim=first.shape[3] if first.dim() == 4 else page_bytes // (heads * tokens * item),
                       dtype=dtype, page_size=tokens, kv_format="mla")
-    specs = tuple(BufferSpec(handle, off, num_blocks * block_stride) for off, _ in buffers)
+    specs = tuple((handle, off, num_blocks * block_stride) for off, _ in buffers)
     return KvMemory(layout, specs, num_blocks, block_stride, page_bytes, names)
 
 

@@ -1,13 +1,16 @@
-"""The scheduler side of the connector: lookups that never block, load and save plans.
+"""Lookups that never block vLLM's scheduler, and the scheduler's load and save plans.
 
 vLLM asks `get_num_new_matched_tokens` for each waiting request, possibly several times.
-The first ask queues the prompt and answers None ("ask again next step"); one thread
-sends every queued prompt in one batched Match and files the answers; a later ask gets
-the hit. So the scheduler never waits on an RPC, and a step costs one Match at most.
+The first ask records the prompt and answers None ("ask again next step"). The next
+step's metadata carries the prompt to every worker; each worker's `Lookups` thread sends
+its queued prompts in one batched Match on its own daemon session and reports the hit in
+a later step's worker metadata; once every tensor-parallel rank has answered, the hit is
+the smallest of their answers (a prefix counts only when every rank holds it), and the
+next ask gets it. The scheduler itself never calls the daemon.
 
-A hit holds a lease (the daemon keeps the pages) until it is loaded, or the request
-finishes, or vLLM decides not to load it: `Lookups.release` is idempotent and every exit
-path calls it.
+A worker's hit holds a lease (the daemon keeps the pages) until the load, or until the
+scheduler releases it: when vLLM decides not to load it, or the request finishes.
+Releases are idempotent and every exit path sends one.
 """
 
 import logging
@@ -15,13 +18,13 @@ import threading
 from array import array
 
 from .daemon import MISS, DaemonAdapter, Hit
-from .metadata import LoadSpec, RadixKVMetadata, SaveSpec
+from .metadata import LoadSpec, RadixKVMetadata, RadixKVWorkerMetadata, SaveSpec
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
 
 class Lookups:
-    """Asynchronous, batched Match per request id."""
+    """A worker's asynchronous, batched Match per request id (one thread)."""
 
     def __init__(self, adapter: DaemonAdapter):
         self._adapter = adapter
@@ -29,7 +32,8 @@ class Lookups:
         self._queued: dict[str, bytes] = {}
         self._inflight: set[str] = set()  # in the Match being sent now
         self._hits: dict[str, Hit] = {}
-        self._dropped: set[str] = set()  # finished while its Match was in flight
+        self._dropped: set[str] = set()  # released while its Match was in flight
+        self._done: dict[str, int] = {}  # answered since the last `completed()`
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="radixkv-lookups", daemon=True)
         self._thread.start()
@@ -92,7 +96,14 @@ class Lookups:
                         stale.append(hit.lease)
                     else:
                         self._hits[req_id] = hit
+                        self._done[req_id] = hit.tokens
             self._adapter.release(stale)
+
+    def completed(self) -> dict[str, int]:
+        """Request id -> hit tokens of the lookups answered since the last call."""
+        with self._cond:
+            done, self._done = self._done, {}
+            return done
 
 
 class SchedulerSide:
@@ -102,18 +113,22 @@ class SchedulerSide:
     every save), so each full block is inserted once, at the end of the step that
     filled it."""
 
-    def __init__(self, adapter: DaemonAdapter, block_size: int, kv_cache_manager_fn):
+    def __init__(self, block_size: int, tp_size: int, kv_cache_manager_fn):
         self.block_size = block_size
+        self.tp_size = tp_size
         self._kv_manager = kv_cache_manager_fn  # () -> vLLM's KVCacheManager (bound late)
-        self.lookups = Lookups(adapter)
         self._requests: dict = {}
         self._computed: dict[str, int] = {}
         self._saved: dict[str, int] = {}
+        self._asking: dict[str, bytes] = {}  # lookups for the next step's metadata
+        self._waiting: dict[str, dict[int, int]] = {}  # sent: answers per rank so far
+        self._hits: dict[str, int] = {}
+        self._releases: list[str] = []
         self._loads: list[LoadSpec] = []
 
     def matched(self, request, num_computed: int) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens: (tokens to load beyond `num_computed`, False), or
-        (None, False) while the lookup is in flight. Loads are synchronous: the worker
+        (None, False) while the lookup is on its way. Loads are synchronous: the worker
         finishes them before the forward that reads them."""
         req_id = request.request_id
         self._requests[req_id] = request
@@ -123,32 +138,37 @@ class SchedulerSide:
         cacheable = (request.num_tokens - 1) // bs * bs
         if cacheable <= num_computed:
             return 0, False
-        hit = self.lookups.poll(req_id, _packed(request.all_token_ids, cacheable))
+        hit = self._hits.get(req_id)
         if hit is None:
+            if req_id not in self._waiting:
+                self._asking[req_id] = _packed(request.all_token_ids, cacheable)
             return None, False
         self._computed[req_id] = num_computed
-        return max(0, min(hit.tokens, cacheable) - num_computed), False
+        return max(0, min(hit, cacheable) - num_computed), False
 
     def allocated(self, request, blocks, num_external: int) -> None:
         """update_state_after_alloc: plan the load into the blocks vLLM allocated."""
         req_id = request.request_id
+        if self._hits.pop(req_id, None) is None:
+            return
         if num_external <= 0:
             self._saved.setdefault(req_id, 0)
-            self.lookups.release(req_id)
+            self._releases.append(req_id)
             return
-        hit = self.lookups.take(req_id)
         bs = self.block_size
         local = self._computed.get(req_id, 0)
         end = local + num_external
         block_ids = tuple(blocks.get_block_ids()[0][:end // bs])
-        tokens = _packed(request.all_token_ids, end)
-        self._loads.append(LoadSpec(req_id, tokens, block_ids, local // bs, hit.node, hit.lease))
+        self._loads.append(LoadSpec(req_id, _packed(request.all_token_ids, end), block_ids, local // bs))
         self._saved[req_id] = end
 
     def build(self, scheduler_output) -> RadixKVMetadata:
-        """build_connector_meta: this step's loads, and the full blocks it computes."""
-        meta = RadixKVMetadata(loads=self._loads)
-        self._loads = []
+        """build_connector_meta: lookups to start, leases to drop, this step's loads,
+        and the full blocks it computes."""
+        meta = RadixKVMetadata(lookups=self._asking, releases=self._releases, loads=self._loads)
+        for req_id in self._asking:
+            self._waiting[req_id] = {}
+        self._asking, self._releases, self._loads = {}, [], []
         steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         steps += list(zip(cached.req_ids, cached.num_computed_tokens))
@@ -158,15 +178,26 @@ class SchedulerSide:
                 meta.saves.append(save)
         return meta
 
+    def answered(self, meta: RadixKVWorkerMetadata) -> None:
+        """update_connector_output: file the workers' answers; a hit is complete once
+        every rank answered, and is the least of them."""
+        for req_id, ranks in meta.hits.items():
+            answers = self._waiting.get(req_id)
+            if answers is None:
+                continue  # finished meanwhile: its release is already on its way
+            answers.update(ranks)
+            if len(answers) >= self.tp_size:
+                del self._waiting[req_id]
+                self._hits[req_id] = min(answers.values())
+
     def finished(self, request) -> None:
-        """request_finished (and aborts, preemption-then-finish): drop every trace."""
+        """request_finished (and aborts): drop every trace, release the workers' leases."""
         req_id = request.request_id
-        self.lookups.release(req_id)
+        self._asking.pop(req_id, None)
+        if self._waiting.pop(req_id, None) is not None or self._hits.pop(req_id, None) is not None:
+            self._releases.append(req_id)
         for table in (self._requests, self._computed, self._saved):
             table.pop(req_id, None)
-
-    def close(self) -> None:
-        self.lookups.close()
 
     def _save_spec(self, req_id: str, end: int) -> SaveSpec | None:
         request = self._requests.get(req_id)
