@@ -133,11 +133,13 @@ class AsyncClient(ClientBase):
     async def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
                        backend: str = "shm", device: int = 0, write_policy: str = "",
                        host_pool_pages: int = 0, replace_existing: bool = False, engine: str = "",
-                       model: str = "", device_uuid: str = "") -> Registration:
+                       model: str = "", device_uuid: str = "", device_tier: str = "managed",
+                       role: str = "engine", tp_rank: int = 0, tp_size: int = 1, instance: str = "") -> Registration:
         return await self._run(self._session.register(
             namespace, layout, buffers, num_device_pages, backend=backend, device=device,
             write_policy=write_policy, host_pool_pages=host_pool_pages,
-            replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid))
+            replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid,
+            device_tier=device_tier, role=role, tp_rank=tp_rank, tp_size=tp_size, instance=instance))
 
     async def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
         return await self._run(self._session.reconnect(timeout))
@@ -169,13 +171,15 @@ class AsyncClient(ClientBase):
                                                       timeout=timeout))
 
     async def insert(self, tokens, device_pages, *, extra_key: bytes = b"", chunked: bool = False,
-                     release_lease: int = 0, lease: bool = False, engine_event=None) -> InsertResult:
+                     release_lease: int = 0, lease: bool = False, engine_event=None,
+                     async_: bool = False) -> InsertResult:
         return await self._run(self._session.insert(tokens, device_pages, extra_key=extra_key,
                                                     chunked=chunked, release_lease=release_lease, lease=lease,
-                                                    engine_event=engine_event))
+                                                    engine_event=engine_event, async_=async_))
 
-    async def load_back(self, node: int, device_pages, *, engine_event=None) -> LoadBackResult:
-        return await self._run(self._session.load_back(node, device_pages, engine_event))
+    async def load_back(self, node: int, device_pages, *, engine_event=None, lease: int = 0,
+                        start_page: int = 0) -> LoadBackResult:
+        return await self._run(self._session.load_back(node, device_pages, engine_event, lease, start_page))
 
     async def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         return await self._session.acks().wait(transfer_ids, timeout)

@@ -63,17 +63,25 @@ class Client(ClientBase):
     def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
                  backend: str = "shm", device: int = 0, write_policy: str = "",
                  host_pool_pages: int = 0, replace_existing: bool = False, engine: str = "",
-                 model: str = "", device_uuid: str = "") -> Registration:
+                 model: str = "", device_uuid: str = "", device_tier: str = "managed",
+                 role: str = "engine", tp_rank: int = 0, tp_size: int = 1, instance: str = "") -> Registration:
         """Attach to `namespace` with the engine's device `buffers` ((handle, offset, size)
         each, layer-major; `ShmKvBuffers.specs()` or `CudaKvBuffers.export(...)`, which is
         exported afresh for every automatic re-registration). The buffers must stay alive
         until `close` returns. On "cuda" the GPU is sent by UUID too (`device_uuid`,
         default: that of cuda:`device` here). One session per client: raises
-        FailedPrecondition when already registered."""
+        FailedPrecondition when already registered.
+
+        Engine-managed namespaces (vLLM): `device_tier="engine_managed"`; `role="scheduler"`
+        (no buffers, 0 pages: match, release, prefetch) or `"engine"` (one rank's buffers:
+        insert with `async_`, load_back with `lease`/`start_page`); `tp_rank`/`tp_size`
+        shard each page over the ranks; `instance` names the engine (logs). Any number of
+        sessions share such a namespace, all with one layout and tp_size."""
         return self._run(self._session.register(
             namespace, layout, buffers, num_device_pages, backend=backend, device=device,
             write_policy=write_policy, host_pool_pages=host_pool_pages,
-            replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid))
+            replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid,
+            device_tier=device_tier, role=role, tp_rank=tp_rank, tp_size=tp_size, instance=instance))
 
     def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
         """Make sure the session is alive, registering again (with backoff) if it was lost.
@@ -123,24 +131,32 @@ class Client(ClientBase):
         return self._run(self._session.prefetch(tokens, extra_key=extra_key, policy=policy, timeout=timeout))
 
     def insert(self, tokens, device_pages, *, extra_key: bytes = b"", chunked: bool = False,
-               release_lease: int = 0, lease: bool = False, engine_event=None) -> InsertResult:
+               release_lease: int = 0, lease: bool = False, engine_event=None, async_: bool = False) -> InsertResult:
         """Hand finished KV to the cache: `device_pages[i]` holds page i of `tokens`
         (whole pages). Free the returned redundant pages; the others are the cache's
         until `evict` returns them. `release_lease` releases a match lease afterwards.
         `engine_event` (CUDA; `CudaKvBuffers.record_event`): the daemon's copies wait on
-        the GPU for it, so the pages need not be synchronized on the CPU first."""
+        the GPU for it, so the pages need not be synchronized on the CPU first.
+        Engine-managed namespaces copy the pages to host and never keep them: with
+        `async_` the result's `transfer` is the copy (`wait` for it before reusing the
+        pages); without, the call returns once copied."""
         return self._run(self._session.insert(tokens, device_pages, extra_key=extra_key, chunked=chunked,
-                                              release_lease=release_lease, lease=lease, engine_event=engine_event))
+                                              release_lease=release_lease, lease=lease, engine_event=engine_event,
+                                              async_=async_))
 
-    def load_back(self, node: int, device_pages, *, engine_event=None) -> LoadBackResult:
+    def load_back(self, node: int, device_pages, *, engine_event=None, lease: int = 0,
+                  start_page: int = 0) -> LoadBackResult:
         """Copy the host-only part of `node`'s path (a match's `host_node`) into
         `device_pages`. Wait for `transfer` and `depends_on` before reading.
         `engine_event`: the copy overwrites the pages only after it (kernels still
-        reading them from an earlier use)."""
-        return self._run(self._session.load_back(node, device_pages, engine_event))
+        reading them from an earlier use). Engine-managed: `lease` is the (scheduler's)
+        match lease on the path, `start_page` the path's pages the engine holds already;
+        the complete host pages from there are copied into `device_pages`."""
+        return self._run(self._session.load_back(node, device_pages, engine_event, lease, start_page))
 
     def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
-        """Acknowledge the load-backs and wait until each finished: {id: outcome}.
+        """Acknowledge the load-backs (and engine-managed saves) and wait until each
+        finished: {id: outcome}.
 
         Any id of this session may be given (a match's or load-back's `depends_on` too);
         0 is skipped. Waiting again returns the same outcome. A lost daemon or stream

@@ -63,12 +63,19 @@ def buffer_pb(spec) -> pb.DeviceBuffer:
 
 def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
                      backend: str, device: int, write_policy: str, host_pool_pages: int,
-                     replace_existing: bool, engine: str, model: str, device_uuid: str = "") -> pb.RegisterRequest:
+                     replace_existing: bool, engine: str, model: str, device_uuid: str = "",
+                     device_tier: str = "managed", role: str = "engine", tp_rank: int = 0, tp_size: int = 1,
+                     instance: str = "") -> pb.RegisterRequest:
     """`device_uuid`: the engine's GPU by UUID; for backend "cuda" it defaults to the UUID
     of cuda:`device` in this process, so the daemon finds the same GPU whatever its own
-    CUDA_VISIBLE_DEVICES (see `radixkv.kvbuffers.device_uuid`)."""
+    CUDA_VISIBLE_DEVICES (see `radixkv.kvbuffers.device_uuid`). `device_tier`
+    ("managed" or "engine_managed"), `role` ("engine" or "scheduler"), `tp_rank`,
+    `tp_size` and `instance`: see RegisterRequest in the proto."""
     if num_device_pages < 0 or host_pool_pages < 0:
         raise InvalidArgument("num_device_pages and host_pool_pages must be >= 0")
+    if device_tier not in DEVICE_TIERS or role not in ROLES:
+        raise InvalidArgument(f"device_tier {device_tier!r} / role {role!r}: use one of {list(DEVICE_TIERS)} / "
+                              f"{list(ROLES)}")
     if backend == "cuda" and not device_uuid:
         from .kvbuffers import device_uuid as uuid_of  # torch and CUDA only where CUDA is used
 
@@ -77,7 +84,13 @@ def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_de
         namespace=namespace, layout=layout_pb(layout), backend=backend, device=device,
         buffers=[buffer_pb(b) for b in buffers], num_device_pages=num_device_pages,
         write_policy=write_policy, host_pool_pages=host_pool_pages,
-        replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid)
+        replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid,
+        device_tier=DEVICE_TIERS[device_tier], role=ROLES[role], tp_rank=tp_rank, tp_size=tp_size,
+        instance=instance)
+
+
+DEVICE_TIERS = {"managed": pb.MANAGED, "engine_managed": pb.ENGINE_MANAGED}
+ROLES = {"engine": pb.ENGINE, "scheduler": pb.SCHEDULER}
 
 
 def event_bytes(event) -> bytes:
@@ -115,16 +128,23 @@ def prefetch_request(session: str, tokens, *, extra_key: bytes, policy: str,
 
 
 def insert_request(session: str, tokens, device_pages, *, extra_key: bytes, chunked: bool,
-                   release_lease: int, lease: bool, engine_event=None) -> pb.InsertRequest:
-    return pb.InsertRequest(session=session, tokens=as_packed(tokens),
-                            device_pages=as_packed(device_pages), extra_key=bytes(extra_key),
-                            chunked=chunked, release_lease=release_lease, lease=lease,
-                            engine_event=event_bytes(engine_event))
+                   release_lease: int, lease: bool, engine_event=None, async_: bool = False) -> pb.InsertRequest:
+    """`async_` (engine-managed): the answer carries the save's transfer at once."""
+    req = pb.InsertRequest(session=session, tokens=as_packed(tokens),
+                           device_pages=as_packed(device_pages), extra_key=bytes(extra_key),
+                           chunked=chunked, release_lease=release_lease, lease=lease,
+                           engine_event=event_bytes(engine_event))
+    setattr(req, "async", bool(async_))  # `async` is a Python keyword
+    return req
 
 
-def load_back_request(session: str, node: int, device_pages, engine_event=None) -> pb.LoadBackRequest:
+def load_back_request(session: str, node: int, device_pages, engine_event=None, lease: int = 0,
+                      start_page: int = 0) -> pb.LoadBackRequest:
+    """`lease`, `start_page`: engine-managed loads (the scheduler's lease; pages held already)."""
+    if lease < 0 or start_page < 0:
+        raise InvalidArgument("lease and start_page must be >= 0")
     return pb.LoadBackRequest(session=session, node=node, device_pages=as_packed(device_pages),
-                              engine_event=event_bytes(engine_event))
+                              engine_event=event_bytes(engine_event), lease=lease, start_page=start_page)
 
 
 def release_request(session: str, leases: Iterable[int]) -> pb.ReleaseRequest:

@@ -219,10 +219,14 @@ class Session:
 
     def insert(self, tokens, device_pages, **options) -> Plan[InsertResult]:
         req = msg.insert_request(self.id, tokens, device_pages, **options)
-        return InsertResult.from_pb((yield from self._call("Insert", req)))
+        result = InsertResult.from_pb((yield from self._call("Insert", req)))
+        if result.transfer:  # an engine-managed async save: acknowledged like a load
+            self.acks().issue(result.transfer)
+        return result
 
-    def load_back(self, node: int, device_pages, engine_event=None) -> Plan[LoadBackResult]:
-        req = msg.load_back_request(self.id, node, device_pages, engine_event)
+    def load_back(self, node: int, device_pages, engine_event=None, lease: int = 0,
+                  start_page: int = 0) -> Plan[LoadBackResult]:
+        req = msg.load_back_request(self.id, node, device_pages, engine_event, lease, start_page)
         result = LoadBackResult.from_pb((yield from self._call("LoadBack", req)))
         self.acks().issue(result.transfer)
         return result

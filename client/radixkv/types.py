@@ -92,7 +92,9 @@ class MatchResult:
     host only: allocate `host_tokens // page_size` pages and `load_back(host_node, pages)`.
     `lease` (0 if none) protects the path from eviction until released.
     `storage_tokens` (asked for with include_storage) follow on the storage tier only:
-    `prefetch` brings them to host.
+    `prefetch` brings them to host. `complete_tokens` (engine-managed namespaces): of the
+    matched host tokens, those every tensor-parallel rank's shard arrived for (what a
+    load can copy).
     """
 
     device_pages: array
@@ -103,11 +105,12 @@ class MatchResult:
     depends_on: tuple[int, ...]
     lease: int
     storage_tokens: int = 0
+    complete_tokens: int = 0
 
     @classmethod
     def from_pb(cls, m: pb.MatchResult) -> "MatchResult":
         return cls(unpack(m.device_pages), m.device_tokens, m.host_tokens, m.device_node,
-                   m.host_node, tuple(m.depends_on), m.lease, m.storage_tokens)
+                   m.host_node, tuple(m.depends_on), m.lease, m.storage_tokens, m.complete_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,16 +134,19 @@ class PrefetchProgress:
 class InsertResult:
     """`cached_tokens` were cached before this insert. `redundant_pages` are the
     caller's again (free them); every other page given now belongs to the cache until
-    an `evict` returns it. `lease` is set when the insert asked for one."""
+    an `evict` returns it. `lease` is set when the insert asked for one.
+    `transfer` (engine-managed, asked with `async_`): the save copying the pages to host;
+    the pages stay the engine's, but must not be reused before `wait([transfer])`."""
 
     cached_tokens: int
     redundant_pages: array
     node: int
     lease: int
+    transfer: int = 0
 
     @classmethod
     def from_pb(cls, m: pb.InsertResponse) -> "InsertResult":
-        return cls(m.cached_tokens, unpack(m.redundant_pages), m.node, m.lease)
+        return cls(m.cached_tokens, unpack(m.redundant_pages), m.node, m.lease, m.transfer)
 
 
 @dataclass(frozen=True, slots=True)
