@@ -111,6 +111,7 @@ def snapshot(daemon) -> dict:
             "nodes": len(cache.tree.nodes) - len(cache.tree.roots),
             "duplicates": len(cache.duplicates),
             "attached": ns.session is not None,
+            "held": daemon.sessions.holdings(ns),
         }
     return out
 
@@ -171,6 +172,10 @@ class _StateCollector(Collector):
             "dp": GaugeMetricFamily("radixkv_device_pages", "Engine device pages registered", labels=["namespace"]),
             "tf": GaugeMetricFamily("radixkv_transfers_in_flight", "Copies in flight, by kind",
                                     labels=["namespace", "kind"]),
+            "lease": GaugeMetricFamily("radixkv_leases", "Leases engines hold (Match or Insert with lease)",
+                                       labels=["namespace"]),
+            "unacked": GaugeMetricFamily("radixkv_load_backs_unacked", "Load-backs answered, not acknowledged yet",
+                                         labels=["namespace"]),
             "pin": GaugeMetricFamily("radixkv_load_back_pins", "Pins held by unacknowledged load-backs",
                                      labels=["namespace"]),
             "nodes": GaugeMetricFamily("radixkv_tree_nodes", "Radix tree nodes", labels=["namespace"]),
@@ -215,6 +220,8 @@ class _StateCollector(Collector):
             for kind, n in s["transfers"].items():
                 f["tf"].add_metric([name, kind], n)
             f["pin"].add_metric([name], s["pins"])
+            f["lease"].add_metric([name], s["held"].leases)
+            f["unacked"].add_metric([name], s["held"].unacked_loads)
             f["nodes"].add_metric([name], s["nodes"])
             f["dup"].add_metric([name], s["duplicates"])
         for name, s in snap["namespaces"].items():

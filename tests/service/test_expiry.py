@@ -12,7 +12,7 @@ import grpc
 
 from radixkv.types import pack, unpack
 from radixkv.v1 import radixkv_pb2 as pb
-from tests.support.daemon import wait_for
+from tests.support.daemon import DaemonProcess, stop_all, wait_for
 from tests.support.engine import EngineDouble, prompt
 
 from faultkit import RawSession, stub_for, tokens, violations
@@ -108,3 +108,29 @@ def test_client_engine_loses_no_page(daemon_factory):
         assert engine.client.check_invariants() == []
     finally:
         engine.close()
+
+
+def test_leases_and_unacked_loads_show_in_stats_and_metrics():
+    """What a stuck engine holds is visible before it expires: Stats (leases, the oldest
+    one's age, load-backs not acknowledged) and the radixkv_leases /
+    radixkv_load_backs_unacked gauges."""
+    d = DaemonProcess(metrics=True).start()
+    channel, stub = stub_for(d.target)
+    try:
+        s, lb = stuck_load(stub, "exp/held")
+        m = s.match(tokens(0, 4), lease=True)
+        assert m.lease
+        [ns] = stub.Stats(pb.StatsRequest(namespace="exp/held")).namespaces
+        assert (ns.leases, ns.load_backs_unacked) == (1, 1) and ns.oldest_lease_seconds > 0
+        text = d.scrape()
+        assert 'radixkv_leases{namespace="exp/held"} 1.0' in text
+        assert 'radixkv_load_backs_unacked{namespace="exp/held"} 1.0' in text
+        assert s.ack(lb.transfer).code == 0
+        stub.Release(pb.ReleaseRequest(session=s.id, leases=[m.lease]))
+        [ns] = stub.Stats(pb.StatsRequest(namespace="exp/held")).namespaces
+        assert (ns.leases, ns.load_backs_unacked, ns.oldest_lease_seconds) == (0, 0, 0)
+        assert 'radixkv_leases{namespace="exp/held"} 0.0' in d.scrape()
+        s.close()
+    finally:
+        channel.close()
+        stop_all([d])
