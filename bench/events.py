@@ -2,7 +2,8 @@
 publishes. Two daemon subprocesses in the same run, one with events off and one
 publishing on ZMQ (and serving WatchEvents), each with a warm namespace of 2k-token
 prompts (write_through, so an insert stores its new page on device, then on host: two
-events). Match and Insert are timed call by call, alternating between the two daemons;
+events). Match is timed call by call alone, then alternating with Insert, on
+each daemon in turn;
 a ZMQ subscriber in this process counts what the events-on daemon publishes. Then a
 burst of back-to-back inserts on the events-on daemon gives the publish rate.
 """
@@ -25,14 +26,17 @@ from .timing import percentile, progress
 ROUNDS = {"tiny": 2, "quick": 5, "full": 10}
 CALLS = {"tiny": 20, "quick": 200, "full": 400}  # per op per round per daemon
 BURST_S = {"tiny": 0.5, "quick": 3.0, "full": 6.0}
-TARGETS = {"match": 1.1}  # Match changes no residency: events should cost it nothing
+TARGETS: dict[str, float] = {}  # the issue sets no number: the ratios are reported
 
 
 class Counter:
-    """A ZMQ SUB counting batches, events and stored blocks, on its own thread."""
+    """A ZMQ SUB receiving on its own thread; it only keeps the payloads (decoding them
+    there would take this process's GIL from the timed client calls). `snapshot` decodes
+    and counts batches, events and stored blocks."""
 
     def __init__(self, endpoint: str):
-        self.batches = self.events = self.blocks = 0
+        self._payloads: list[bytes] = []
+        self._counted = (0, 0, 0, 0)  # payloads counted, batches, events, blocks
         self._stop = threading.Event()
         self._sock = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -43,16 +47,17 @@ class Counter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self._sock.poll(50):
-                continue
-            _, _, payload = self._sock.recv_multipart()
-            batch = decode_batch(payload)
-            self.batches += 1
-            self.events += len(batch.events)
-            self.blocks += sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+            if self._sock.poll(50):
+                self._payloads.append(self._sock.recv_multipart()[2])
 
     def snapshot(self) -> tuple[int, int, int]:
-        return self.batches, self.events, self.blocks
+        n, batches, events, blocks = self._counted
+        for payload in self._payloads[n:len(self._payloads)]:
+            batch = decode_batch(payload)
+            n, batches, events = n + 1, batches + 1, events + len(batch.events)
+            blocks += sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+        self._counted = (n, batches, events, blocks)
+        return batches, events, blocks
 
     def close(self) -> None:
         self._stop.set()
@@ -94,7 +99,7 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
                  "on": Side("bench-ev-on", on.unix, PROMPTS[mode], 1)}
         try:
             ops = {k: _ops(s, rng) for k, s in sides.items()}
-            lat = {(k, op): [] for k in sides for op in ("match", "insert")}
+            lat = {(k, op): [] for k in sides for op in ("match", "mixed_match", "insert")}
             for k in sides:  # warm-up: connections, caches
                 for op in ("match", "insert"):
                     for _ in range(10):
@@ -102,9 +107,11 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
             for r in range(ROUNDS[mode]):
                 progress(f"events: round {r + 1}/{ROUNDS[mode]}")
                 for k in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                    for i in range(CALLS[mode]):
+                    for _ in range(CALLS[mode]):  # Match alone: no residency change, no event
+                        lat[(k, "match")].append(ops[k]["match"]())
+                    for i in range(CALLS[mode]):  # beside inserts: their events are being built
                         for op in (("match", "insert") if i % 2 == 0 else ("insert", "match")):
-                            lat[(k, op)].append(ops[k][op]())
+                            lat[(k, "mixed_match" if op == "match" else op)].append(ops[k][op]())
             burst = _burst(ops["on"], counter, BURST_S[mode])
             _report(sec, lat, burst)
         finally:
@@ -116,7 +123,7 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
 
 def _report(sec: Section, lat, burst: dict) -> None:
     rows = []
-    for op in ("match", "insert"):
+    for op in ("match", "mixed_match", "insert"):
         off50, on50 = percentile(lat[("off", op)], 50) * 1e6, percentile(lat[("on", op)], 50) * 1e6
         off99, on99 = percentile(lat[("off", op)], 99) * 1e6, percentile(lat[("on", op)], 99) * 1e6
         rows.append([op, len(lat[("on", op)]), f"{fmt(off50)} / {fmt(on50)} us", f"{fmt(on50 / off50)}x",
@@ -131,8 +138,10 @@ def _report(sec: Section, lat, burst: dict) -> None:
     sec.tables.append(Table(
         "Engine calls with events off / on (same run, alternating daemons)",
         ["operation", "calls each", "p50 off / on", "p50 ratio", "p99 off / on", "p99 ratio"], rows,
-        "match: one 2k-token prompt, full device hit (no residency change, so no event). insert: a "
-        "cached 2k prompt plus one new page, write_through (device stored, then host stored: 2 events)."))
+        "match: one 2k-token prompt, full device hit (no residency change, so no event), in rounds of "
+        "Match alone. mixed_match: the same Match alternating with inserts, whose events the publisher "
+        "thread builds meanwhile in the same process. insert: a cached 2k prompt plus one new page, "
+        "write_through (device stored, then host stored: 2 events)."))
     sec.tables.append(Table(
         "Events published during back-to-back inserts (events on)",
         ["inserts", "seconds", "inserts/s", "batches/s", "events/s", "blocks stored/s"],
