@@ -33,14 +33,11 @@ What the store does, and what this backend makes of it (measured with the PyPI w
 """
 
 import logging
-import os
-import socket
 import threading
-import time
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from .base import Read, StorageBackend, StorageTimeout, StorageUnavailable
 from .mooncake_calls import Call, Caller, Staging, address, both
+from .mooncake_join import Membership
 from .record import HEADER_BYTES, header
 
 log = logging.getLogger(__name__)
@@ -52,7 +49,6 @@ NOT_FOUND = -704           # OBJECT_NOT_FOUND
 TRANSFER_FAIL = -800       # the segment holding the object did not answer
 RPC_FAIL = (-900, -901)    # the master did not answer
 MIN_SEGMENT = 16 << 20     # the store refuses smaller segments and local buffers
-RETRY_INTERVAL_S = 1.0     # after a failed setup(), the next call waits this long to retry
 
 
 class MooncakeStorage(StorageBackend):
@@ -83,13 +79,9 @@ class MooncakeStorage(StorageBackend):
         self._replicas = replicas
         self._calls = Caller(self.name, timeout, call_threads, max_batch)
         self._headers = self._calls.slots
-        self._staging = Staging(call_threads, self._register_staging)
-        self._lock = threading.Lock()  # guards the connection state below
-        self._store = None             # a MooncakeDistributedStore once setup() succeeded
-        self._connecting = None        # the Future of a setup() in flight
-        self._failed_at = 0.0
-        self._ranges: list[tuple[int, int]] = [(self._headers.base, self._headers.memory.nbytes)]
-        self._registered: set[int] = set()
+        self._member = Membership(self.name, master, timeout, self._setup_args, self._calls.submit,
+                                  [(self._headers.base, self._headers.memory.nbytes)])
+        self._staging = Staging(call_threads, self._member.register_new)
         self._owner_gone_logged = False
 
     def store_key(self, key: bytes) -> str:
@@ -97,12 +89,11 @@ class MooncakeStorage(StorageBackend):
         return self.prefix + key.hex()
 
     def attach_memory(self, address: int, nbytes: int) -> None:
-        with self._lock:
-            if (address, nbytes) not in self._ranges:
-                self._ranges.append((address, nbytes))
-            store = self._store
-        if store is not None:
-            self._register(store)
+        self._member.attach(address, nbytes)
+
+    def _client(self):
+        """The joined store; StorageUnavailable while joining is in progress or failed."""
+        return self._member.client()
 
     # -- primitives -------------------------------------------------------------------
 
@@ -189,16 +180,6 @@ class MooncakeStorage(StorageBackend):
                 self._note_owner_gone(code)
                 reads.append(Read.MISS)
         return reads
-
-    def _register_staging(self, buf) -> bool:
-        with self._lock:
-            store = self._store
-        if store is None:
-            return False
-        code = store.register_buffer(buf.ctypes.data, buf.nbytes)
-        if code != 0:
-            log.warning("storage %s: registering a %d-byte staging buffer answered %d", self.name, buf.nbytes, code)
-        return code == 0
 
     def _start_get(self, store, keys, pages, lo: int, hi: int) -> Call:
         slots = self._calls.take_slots(hi - lo, "get")
@@ -318,8 +299,7 @@ class MooncakeStorage(StorageBackend):
 
     def _close(self) -> None:
         self._calls.close()
-        with self._lock:
-            store, self._store = self._store, None
+        store = self._member.leave()
         if store is None:
             return
         # Unmounting a segment waits out readers' leases (10 s): bounded here; a close still
@@ -335,9 +315,7 @@ class MooncakeStorage(StorageBackend):
     # -- helpers ----------------------------------------------------------------------
 
     def _attached(self, buffer) -> bool:
-        start = address(buffer)
-        end = start + memoryview(buffer).nbytes
-        return any(a <= start and end <= a + n for a, n in self._ranges)
+        return self._member.attached(address(buffer), memoryview(buffer).nbytes)
 
     def _config(self):
         from mooncake.store import ReplicateConfig
@@ -354,72 +332,6 @@ class MooncakeStorage(StorageBackend):
             self._owner_gone_logged = True
             log.warning("storage %s: pages whose segment owner stopped answering read as misses "
                         "(code %d) until the master drops that owner", self.name, code)
-
-    # -- joining the store ---------------------------------------------------------------
-
-    def _client(self):
-        """The joined store, or StorageUnavailable while joining is in progress or failed."""
-        with self._lock:
-            if self._store is not None:
-                return self._store
-            if self._connecting is None:
-                if time.monotonic() - self._failed_at < RETRY_INTERVAL_S:
-                    raise StorageUnavailable(self.name, "connect", detail="joining the store failed; retrying soon")
-                self._connecting = self._calls.submit(self._join)
-            connecting = self._connecting
-        try:
-            connecting.result(self.timeout)
-        except FutureTimeout:
-            raise StorageUnavailable(self.name, "connect", detail=(
-                f"the master did not answer within {self.timeout:g}s; still trying")) from None
-        with self._lock:
-            if self._store is None:
-                raise StorageUnavailable(self.name, "connect", detail=f"cannot join the store at {self.master}")
-            return self._store
-
-    def _join(self) -> None:
-        # setup() holds the GIL while it retries (seconds, every thread of the daemon
-        # frozen): call it only once the master accepts connections.
-        if not self._master_listens():
-            with self._lock:
-                self._connecting = None
-                self._failed_at = time.monotonic()
-            return
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
-        # The store's INFO lines stay out of the daemon's log; MC_LOG_LEVEL=INFO in the
-        # daemon's environment brings them back.
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-        from mooncake.store import MooncakeDistributedStore
-        store = MooncakeDistributedStore()
-        code = store.setup(*self._setup_args)
-        with self._lock:
-            self._connecting = None
-            if code != 0:
-                self._failed_at = time.monotonic()
-                log.warning("storage %s: joining the store failed (setup answered %d)", self.name, code)
-                return
-            self._store = store
-        self._register(store)
-        log.info("storage %s: joined, lending %d bytes", self.name, self._setup_args[2])
-
-    def _master_listens(self) -> bool:
-        host, _, port = self.master.rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout).close()
-            return True
-        except OSError as exc:
-            log.warning("storage %s: the master does not accept connections (%s); retrying with later calls",
-                        self.name, exc)
-            return False
-
-    def _register(self, store) -> None:
-        with self._lock:
-            todo = [(a, n) for a, n in self._ranges if a not in self._registered]
-            self._registered.update(a for a, _ in todo)
-        for a, n in todo:
-            code = store.register_buffer(a, n)
-            if code != 0:
-                log.warning("storage %s: registering %d bytes answered %d", self.name, n, code)
 
 
 def _close_store(store, name: str) -> None:

@@ -1,0 +1,124 @@
+"""Joining a Mooncake Store lazily, and the memory registered with it (for MooncakeStorage)."""
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from .base import StorageUnavailable
+
+log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")
+RETRY_INTERVAL_S = 1.0  # after a failed setup(), the next call waits this long to retry
+
+
+class Membership:
+    """This node's membership of the store: `client()` joins on first use (on a call
+    thread, via `submit`) and then returns the joined MooncakeDistributedStore; memory
+    ranges attached before or after joining are registered with it. Thread-safe."""
+
+    def __init__(self, name: str, master: str, timeout: float, setup_args: tuple, submit,
+                 ranges: list[tuple[int, int]]):
+        self.name, self.master, self.timeout, self.setup_args = name, master, timeout, setup_args
+        self._submit = submit
+        self._lock = threading.Lock()  # guards the state below
+        self._store = None             # a MooncakeDistributedStore once setup() succeeded
+        self._connecting = None        # the Future of a setup() in flight
+        self._failed_at = 0.0
+        self._ranges = list(ranges)
+        self._registered: set[int] = set()
+
+    def attach(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            if (address, nbytes) not in self._ranges:
+                self._ranges.append((address, nbytes))
+            store = self._store
+        if store is not None:
+            self._register(store)
+
+    def attached(self, start: int, nbytes: int) -> bool:
+        return any(a <= start and start + nbytes <= a + n for a, n in self._ranges)
+
+    def register_new(self, buf) -> bool:
+        """Register a staging buffer; False while not joined or when the store refuses."""
+        with self._lock:
+            store = self._store
+        if store is None:
+            return False
+        code = store.register_buffer(buf.ctypes.data, buf.nbytes)
+        if code != 0:
+            log.warning("storage %s: registering a %d-byte staging buffer answered %d", self.name, buf.nbytes, code)
+        return code == 0
+
+    def leave(self):
+        """The joined store, forgotten (for closing it), or None."""
+        with self._lock:
+            store, self._store = self._store, None
+        return store
+
+    def client(self):
+        """The joined store, or StorageUnavailable while joining is in progress or failed."""
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            if self._connecting is None:
+                if time.monotonic() - self._failed_at < RETRY_INTERVAL_S:
+                    raise StorageUnavailable(self.name, "connect", detail="joining the store failed; retrying soon")
+                self._connecting = self._submit(self._join)
+            connecting = self._connecting
+        try:
+            connecting.result(self.timeout)
+        except FutureTimeout:
+            raise StorageUnavailable(self.name, "connect", detail=(
+                f"the master did not answer within {self.timeout:g}s; still trying")) from None
+        with self._lock:
+            if self._store is None:
+                raise StorageUnavailable(self.name, "connect", detail=f"cannot join the store at {self.master}")
+            return self._store
+
+    def _join(self) -> None:
+        # setup() holds the GIL while it retries (seconds, every thread of the daemon
+        # frozen): call it only once the master accepts connections.
+        if not self._master_listens():
+            with self._lock:
+                self._connecting = None
+                self._failed_at = time.monotonic()
+            return
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+        # The store's INFO lines stay out of the daemon's log; MC_LOG_LEVEL=INFO in the
+        # daemon's environment brings them back.
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        from mooncake.store import MooncakeDistributedStore
+        store = MooncakeDistributedStore()
+        code = store.setup(*self.setup_args)
+        with self._lock:
+            self._connecting = None
+            if code != 0:
+                self._failed_at = time.monotonic()
+                log.warning("storage %s: joining the store failed (setup answered %d)", self.name, code)
+                return
+            self._store = store
+        self._register(store)
+        log.info("storage %s: joined, lending %d bytes", self.name, self.setup_args[2])
+
+    def _master_listens(self) -> bool:
+        host, _, port = self.master.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout).close()
+            return True
+        except OSError as exc:
+            log.warning("storage %s: the master does not accept connections (%s); retrying with later calls",
+                        self.name, exc)
+            return False
+
+    def _register(self, store) -> None:
+        with self._lock:
+            todo = [(a, n) for a, n in self._ranges if a not in self._registered]
+            self._registered.update(a for a, _ in todo)
+        for a, n in todo:
+            code = store.register_buffer(a, n)
+            if code != 0:
+                log.warning("storage %s: registering %d bytes answered %d", self.name, n, code)
+
+
