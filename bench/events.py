@@ -148,4 +148,5 @@ def _report(sec: Section, lat, burst: dict) -> None:
         [[burst["calls"], fmt(burst["wall"]), fmt(burst["calls"] / burst["wall"]),
           fmt(burst["batches"] / burst["wall"]), fmt(per_s), fmt(burst["blocks"] / burst["wall"])]],
         "Counted by a ZMQ subscriber in the bench process (vLLM-format batches decoded), so the rate "
-        "is what a router receives; one insert call is one batch of up to two events."))
+        "is what a router receives; an insert's two events (device, then host once its backup finished) "
+        "often share a batch with the next call's."))
