@@ -119,3 +119,17 @@ def test_a_restarted_daemon_with_file_storage_serves_the_prefix_from_storage(eng
     assert warm.tokens == cold.tokens
     after = counters(second.target)
     assert after["prefetched_tokens"] >= CACHEABLE and after["loaded_tokens"] == CACHEABLE
+
+
+def test_hits_with_the_engine_core_and_worker_in_processes_of_their_own(engines, daemon, monkeypatch):
+    """vLLM's multiprocessing layout (as `vllm serve` runs): the scheduler and the worker
+    live in different processes, and the worker's session answers the scheduler's lookups."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    p = prompt(1024, seed=6)
+    llm = engines.start(daemon.target)
+    [cold] = generate(llm, [p])
+    engines.stop(llm)
+    restarted = engines.start(daemon.target)
+    [warm] = generate(restarted, [p])
+    assert warm.cached_tokens == 1023 // BLOCK * BLOCK
+    assert warm.tokens == cold.tokens
