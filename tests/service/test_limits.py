@@ -91,7 +91,9 @@ def test_overload_is_refused_without_memory_growth(daemon_factory):
 def test_ack_stream_back_pressure_loses_nothing(daemon_factory):
     """An engine that sends acks but does not read the answers: with 8 acks in flight at
     most, the daemon stops reading its stream (flow control holds the engine) instead of
-    queueing answers; once the engine reads, every ack is answered, the session intact."""
+    queueing answers; once the engine reads, every ack is answered, the session intact.
+    Through a process only the outcome shows; that reading stops at the 9th ack is checked
+    in tests/service_inproc/test_ack_back_pressure.py."""
     d = daemon_factory("--max-acks-in-flight", "8")
     channel, stub = stub_for(d.target)
     s = RawSession(stub, "bp/tp0", read_acks=False)
