@@ -28,10 +28,10 @@ def documented_commands() -> list[str]:
 
 @pytest.fixture(scope="module")
 def storage_daemon():
-    """A daemon with a file storage tier (so the storage metrics exist too) and an
-    engine attached to the documented namespace."""
+    """A daemon with a file storage tier and KV events (so the storage and event metrics
+    exist too) and an engine attached to the documented namespace."""
     store = tempfile.TemporaryDirectory(prefix="rkv-ops-l3-")
-    d = DaemonProcess("--storage", store.name, metrics=True, split_logs=True)
+    d = DaemonProcess("--storage", store.name, "--kv-events-watch", "true", metrics=True, split_logs=True)
     try:
         d.start()
         engine = RawEngine(d.target, NAMESPACE)
