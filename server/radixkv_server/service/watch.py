@@ -53,6 +53,7 @@ async def _until_stopping(sub: Subscription, stopping: asyncio.Event) -> AsyncIt
     """The subscription's batches until `stopping` is set; always unsubscribes."""
     stream = AsyncSubscription(sub)
     stop = asyncio.ensure_future(stopping.wait())
+    nxt = None
     try:
         while True:
             item = sub.get_nowait()  # raises SubscriberLagged once cut off
@@ -66,6 +67,8 @@ async def _until_stopping(sub: Subscription, stopping: asyncio.Event) -> AsyncIt
             yield item
     finally:
         stop.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()  # the reader went away mid-wait (a deadline): else a pending task is destroyed
         stream.close()
 
 
