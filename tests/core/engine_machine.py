@@ -68,7 +68,8 @@ class EngineTierMachine(RuleBasedStateMachine):
         super().__init__()
         config = CacheConfig(page_size=PAGE, write_policy="write_back", storage=self.storage,
                              storage_salt=b"test-salt")
-        self.cache = HierarchicalCache(config, MemoryCopier(), num_device_pages=0, host_pages=HOST_PAGES)
+        self.storage_copier = MemoryCopier()  # stores of complete nodes under host pressure
+        self.cache = HierarchicalCache(config, self.storage_copier, num_device_pages=0, host_pages=HOST_PAGES)
         self.copier = RankCopier()
         self.tier = EngineTier(self.cache.state, self.cache.host_space, self.copier, TP)
         self.next_page = [0] * TP  # each rank allocates fresh device pages (never reused)
@@ -142,6 +143,11 @@ class EngineTierMachine(RuleBasedStateMachine):
     def evict_host(self, n):
         self.cache.evict_host(n)
 
+    @precondition(lambda self: self.storage_copier.pending)
+    @rule(fail=st.booleans())
+    def complete_store(self, fail):
+        self.storage_copier.complete(self.cache, min(self.storage_copier.pending), fail)
+
     @precondition(lambda self: self.leases)
     @rule(pick=st.integers(0, 1000))
     def release(self, pick):
@@ -174,7 +180,10 @@ class EngineTierMachine(RuleBasedStateMachine):
             self.tier.finish(tid)
         for node in self.leases:
             self.cache.unlock(node)
-        assert not self.cache.transfers
         self.cache.evict_host(HOST_PAGES)
+        while self.storage_copier.pending:
+            self.storage_copier.complete_all(self.cache)
+            self.cache.evict_host(HOST_PAGES)
+        assert not self.cache.transfers
         assert self.tier.check_invariants() == []
         assert self.cache.host.num_free == HOST_PAGES, "every host page comes back once nothing holds it"

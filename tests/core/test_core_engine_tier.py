@@ -15,6 +15,8 @@ SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
 
 TestEngineTier = EngineTierMachine.TestCase
 TestEngineTier.settings = SETTINGS
+TestEngineTierStorage = type("EngineTierStorageMachine", (EngineTierMachine,), {"storage": "write_back"}).TestCase
+TestEngineTierStorage.settings = SETTINGS
 
 
 def make(tp=2, host_pages=8):
@@ -62,3 +64,19 @@ def test_bad_requests_change_nothing():
     with pytest.raises(InvalidRequest):
         tier.save(prompt_bytes([1, 2]), pack([0]), b"", owner="x", rank=0)
     assert len(cache.tree.nodes) == 0 and tier.check_invariants() == []
+
+
+def test_host_pressure_stores_complete_nodes_and_drops_incomplete_ones():
+    cache = HierarchicalCache(CacheConfig(page_size=PAGE, write_policy="write_back", storage="write_back",
+                                          storage_salt=b"s"), MemoryCopier(), num_device_pages=0, host_pages=4)
+    copier = RankCopier()
+    tier = EngineTier(cache.state, cache.host_space, copier, 2)
+    whole, half = prompt_bytes([1, 2]), prompt_bytes([3, 2])
+    for rank in (0, 1):
+        copier.complete(tier, tier.save(whole, pack([0, 1]), b"", owner=rank, rank=rank)[2], False)
+    copier.complete(tier, tier.save(half, pack([2, 3]), b"", owner=0, rank=0)[2], False)
+    cache.evict_host(4)
+    stores = [t for t in cache.transfers.values() if t.kind.value == "store"]
+    assert [n.key for t in stores for n in t.nodes] == [whole], "only the complete prefix goes to storage"
+    assert cache.match(half).host_tokens == 0, "the incomplete node left without being stored"
+    assert tier.check_invariants() == []
