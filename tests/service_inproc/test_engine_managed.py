@@ -32,6 +32,8 @@ def test_a_second_instance_loads_what_the_first_saved_in_any_layout():
             loaded = await b.load(hit.result.host_node, [20, 21, 22], lease=hit.lease)
             assert loaded.loaded_tokens == 12 and (await b.ack(loaded.transfer)).error is None
             assert b.page_bytes([20, 21, 22]) == a.page_bytes([3, 4, 5]), "instance b got a's bytes"
+            page = 3 * 4 * LAYOUT.chunk_bytes
+            assert (a.ns.copies.backed_up_bytes, a.ns.copies.loaded_bytes) == (page, page), "Stats count rank copies"
             again = await b.save(tokens, [20, 21, 22])
             assert again.transfer == 0 and again.result.cached_tokens == 12, "already on host: nothing copied"
             sched_b.ns.release(sched_b.session, [hit.lease])

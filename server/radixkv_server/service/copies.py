@@ -39,6 +39,7 @@ class Copies:
         self.device: DeviceBuffers | None = None
         self.backend = ""  # of the attached buffers: "shm" or "cuda"
         self.engine: CopyEngine | None = None
+        self.others = None  # engine-managed: the rank sessions' RankCopies, counted in the byte totals
         self.storage: StorageMover | None = None
         if storage_backend is not None:
             self.storage = StorageMover(
@@ -81,13 +82,15 @@ class Copies:
 
     @property
     def loaded_bytes(self) -> int:
-        """Bytes copied host->device since the namespace was created."""
-        return self._past_bytes["load"] + (self.engine.load_bytes if self.engine else 0)
+        """Bytes copied host->device since the namespace was created (with `others`)."""
+        other = self.others.loaded_bytes if self.others is not None else 0
+        return self._past_bytes["load"] + (self.engine.load_bytes if self.engine else 0) + other
 
     @property
     def backed_up_bytes(self) -> int:
-        """Bytes copied device->host since the namespace was created."""
-        return self._past_bytes["backup"] + (self.engine.backup_bytes if self.engine else 0)
+        """Bytes copied device->host since the namespace was created (with `others`)."""
+        other = self.others.saved_bytes if self.others is not None else 0
+        return self._past_bytes["backup"] + (self.engine.backup_bytes if self.engine else 0) + other
 
     # -- the core's Copier: start a copy, timed for the metrics ----------------------------
 

@@ -64,6 +64,7 @@ class EngineNamespace(Namespace):
         self.tp_size = tp_size
         self.sessions: dict[str, Session] = {}
         self.ranks = RankCopies(config, host_pool, tp_size, self._copied)
+        self.copies.others = self.ranks
         self.tier = EngineTier(self.cache.state, self.cache.host_space, self.ranks, tp_size)
 
     @classmethod

@@ -29,7 +29,7 @@ class RankCopies:
         self._engines: dict[str, tuple[CopyEngine, DeviceBuffers]] = {}
         self._owner: dict[int, str] = {}  # transfer copying -> session id
         self._waiters: dict[int, asyncio.Event] = {}
-        self.loaded_bytes = self.saved_bytes = 0  # of copy engines already detached
+        self._past = {"load": 0, "save": 0}  # bytes of copy engines already detached
 
     def attach(self, owner: str, device: DeviceBuffers, rank: int) -> None:
         """Copy `owner`'s pages with these buffers, into rank `rank`'s slice of each host page."""
@@ -37,6 +37,16 @@ class RankCopies:
         engine = CopyEngine(self._loop, device, host, self._copied, workers=self._config.copy_workers,
                             delay=self._config.copy_delay, fail_loads=self._config.fail_loads)
         self._engines[owner] = (engine, device)
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes copied host -> engine pages, by every rank session so far."""
+        return self._past["load"] + sum(e.load_bytes for e, _ in self._engines.values())
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes copied engine pages -> host, by every rank session so far."""
+        return self._past["save"] + sum(e.backup_bytes for e, _ in self._engines.values())
 
     # -- the EngineTier's EngineCopier ------------------------------------------------------
 
@@ -76,8 +86,8 @@ class RankCopies:
         pair = self._engines.pop(owner, None)
         if pair is not None:
             engine, device = pair
-            self.loaded_bytes += engine.load_bytes
-            self.saved_bytes += engine.backup_bytes
+            self._past["load"] += engine.load_bytes
+            self._past["save"] += engine.backup_bytes
             engine.close()
             device.close()
 
