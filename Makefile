@@ -78,6 +78,14 @@ bench-full: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m tests.soak $(ARGS)
 
+# The fuzzing campaign (tests/fuzz): every RPC and stream fed generated and mutated
+# messages beside a valid engine that verifies its bytes, for MINUTES (a 45 s run is part
+# of `make test`). Prints the figures; fails unless clean.
+MINUTES ?= 10
+.PHONY: fuzz
+fuzz: $(STAMP)
+	$(BIN)/python -m tests.fuzz --minutes $(MINUTES)
+
 # The daemon image (docs/image.md): `make image` builds $(IMAGE) here, `make test-image`
 # builds it and runs tests/image against it, `make image-run` starts it and waits for
 # healthy, `make image-push REGISTRY=host/path` tags and pushes it. BASE_IMAGE,
