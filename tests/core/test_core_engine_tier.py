@@ -17,6 +17,9 @@ TestEngineTier = EngineTierMachine.TestCase
 TestEngineTier.settings = SETTINGS
 TestEngineTierStorage = type("EngineTierStorageMachine", (EngineTierMachine,), {"storage": "write_back"}).TestCase
 TestEngineTierStorage.settings = SETTINGS
+TestEngineTierStorageThrough = type("EngineTierStorageThroughMachine", (EngineTierMachine,),
+                                    {"storage": "write_through"}).TestCase
+TestEngineTierStorageThrough.settings = SETTINGS
 
 
 def make(tp=2, host_pages=8):
@@ -79,4 +82,17 @@ def test_host_pressure_stores_complete_nodes_and_drops_incomplete_ones():
     stores = [t for t in cache.transfers.values() if t.kind.value == "store"]
     assert [n.key for t in stores for n in t.nodes] == [whole], "only the complete prefix goes to storage"
     assert cache.match(half).host_tokens == 0, "the incomplete node left without being stored"
+    assert tier.check_invariants() == []
+
+
+def test_storage_write_through_stores_a_node_once_every_rank_saved_it():
+    cache = HierarchicalCache(CacheConfig(page_size=PAGE, write_policy="write_back", storage="write_through",
+                                          storage_salt=b"s"), MemoryCopier(), num_device_pages=0, host_pages=4)
+    copier = RankCopier()
+    tier = EngineTier(cache.state, cache.host_space, copier, 2)
+    prompt = prompt_bytes([1, 2])
+    copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=0, rank=0)[2], False)
+    assert not any(t.kind.value == "store" for t in cache.transfers.values()), "rank 1's shard is missing"
+    copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=1, rank=1)[2], False)
+    assert [t.kind.value for t in cache.transfers.values()].count("store") == 1
     assert tier.check_invariants() == []

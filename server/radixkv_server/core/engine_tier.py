@@ -209,8 +209,8 @@ class EngineTier:
 
     def copied(self, transfer: int, error: str | None = None) -> None:
         """A save's or load's copy finished. A save's rank shard arrives (its bits set when
-        `error` is None) and its nodes are unpinned at once; a load keeps its pins until
-        the ack. Raises UnknownTransfer for a copy reported twice or never started."""
+        `error` is None) and its nodes are unpinned at once (nodes it completes are stored
+        under storage write-through); a load keeps its pins until the ack. Raises UnknownTransfer for a copy reported twice or never started."""
         state = self.state
         t = state.transfers.get(transfer)
         if t is None or t.copied or t.kind not in ENGINE_KINDS:
@@ -222,13 +222,16 @@ class EngineTier:
                 state.counters.failed_load_tokens += t.num_pages * state.config.page_size
             return
         bit = 1 << self.ranks.pop(transfer)
+        completed = []
         for n in t.nodes:
             state.unpin(n, transfer)
             if error is None and n.full.shards_missing & bit:
                 n.full.shards_missing &= ~bit
                 if not n.full.shards_missing:
                     state._emit("host", "stored", n)
+                    completed.append(n)
         t.nodes = []
+        self.host_space.storage.store_written_through(completed)  # storage write-through: complete nodes only
 
     def finish(self, transfer: int, owner: object = None) -> FinishResult:
         """Acknowledge a save or load once copied: a load's sources are unpinned. Raises
