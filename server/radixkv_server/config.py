@@ -83,7 +83,8 @@ class DaemonConfig:
                               "signed (mutual TLS)")
     auth_token: str = _opt("", "shared token: every RPC but health checks must carry "
                            "'authorization: Bearer <token>' (prefer --auth-token-file)")
-    auth_token_file: str = _opt("", "file holding the shared token (first line)")
+    auth_token_file: str = _opt("", "file of tokens, one a line, each followed by the namespace globs it "
+                                "grants (none: all); reread on SIGHUP (docs/reliability.md)")
     kv_events_endpoint: str = _opt("", "ZMQ PUB address for KV events in vLLM's format, e.g. tcp://*:5557 "
                                    "(empty: off; docs/events.md)")
     kv_events_replay_endpoint: str = _opt("", "ZMQ ROUTER address replaying KV event batches by seq, "
