@@ -121,3 +121,51 @@ def test_an_injected_load_fault_is_a_failed_load_with_its_pages(daemon_factory, 
         assert eng.client.check_invariants() == []
     finally:
         eng.close()
+
+
+def test_a_restarted_daemon_serves_every_shard_from_file_storage(daemon_factory, tmp_path):
+    flags = ("--storage", f"file://{tmp_path}", "--storage-policy", "write_through")
+    first = daemon_factory(*flags)
+    r0, r1 = Rank(first.target, "st", tp_rank=0, tp_size=2), Rank(first.target, "st", tp_rank=1, tp_size=2)
+    prompt = tokens(7, 2)
+    try:
+        for r in (r0, r1):
+            r.fill([0, 1], seed=21)
+            r.save(prompt, [0, 1])
+        sched = scheduler(first.target, "st", tp_size=2)
+        wait_for_stored(sched, "st", 8)
+        sched.close()
+    finally:
+        for r in (r0, r1):
+            r.client.close()
+    assert first.stop() == 0
+    target = daemon_factory(*flags).target
+    sched = scheduler(target, "st", tp_size=2)
+    fresh = [Rank(target, "st", tp_rank=r, tp_size=2) for r in (0, 1)]
+    try:
+        (miss,) = sched.match([prompt], include_storage=True)
+        assert (miss.host_tokens, miss.storage_tokens) == (0, 8)
+        assert sched.prefetch(prompt, policy="wait_complete")[-1].state == "done"
+        (hit,) = sched.match([prompt], lease=True)
+        assert hit.complete_tokens == 8, "pages fetched from storage hold every rank's shard"
+        for old, new in zip((r0, r1), fresh):
+            load = new.client.load_back(hit.host_node, [3, 4], lease=hit.lease)
+            assert new.client.wait([load.transfer], timeout=10)[load.transfer].ok
+            assert new.read([3, 4]) == old.read([0, 1]), f"rank {new.rank}'s shard came back from storage"
+        sched.release([hit.lease])
+    finally:
+        for r in (*fresh, r0, r1):
+            r.buffers.close()
+        for r in fresh:
+            r.client.close()
+        sched.close()
+
+
+def wait_for_stored(client: Client, namespace: str, tokens: int) -> None:
+    """Until the namespace counts `tokens` stored tokens (the write-through store runs after the save)."""
+    from tests.support.daemon import wait_for
+
+    def stored():
+        (ns,) = client.stats(namespace).namespaces
+        return ns.counters["stored_tokens"] >= tokens
+    wait_for(stored, 10, f"{tokens} tokens stored")
