@@ -143,8 +143,8 @@ def run(mode: str, plot_dir=None, profiler=None, only: tuple[str, ...] = ()) -> 
     nbytes = total_pages * layout.page_bytes
     rows = []
     for label, factory in open_stores(layout.page_bytes, nbytes):
-        if only and label not in only:
-            continue
+        if (only and label not in only) or (mode == "tiny" and label.endswith("@3")):
+            continue  # tiny mode (the smoke test) skips the scaling runs
         work = workdir()
         progress(f"storage: {label}: storing {total_pages} pages of {layout.page_bytes // 1024} KiB")
         store = factory(work)
@@ -166,11 +166,13 @@ def run(mode: str, plot_dir=None, profiler=None, only: tuple[str, ...] = ()) -> 
         rows.append([label, fmt(total_pages / ours), f"{fmt(theirs / ours)}x", fmt(total_pages / stored_s),
                      f"{fmt(raw_put_s / stored_s)}x", f"{fmt(ours / len(prompts) * 1e3)} ms"])
     sec.notes.append(
-        "Prefetch lands pages in the host pool in place: the file backend reads each record with one readv "
-        "(header into a small buffer, payload straight into the host page), Mooncake moves header and "
-        "payload as two parts of one object straight into a registered host pool, Redis copies each GET "
-        "reply once into its page; every payload is checksummed where it lies. Stores hand the backend "
-        "views of the pool's pages. Store time includes the daemon's Insert RPCs and device-to-host copies.")
+        "Prefetch: the file backend reads each record with one readv (header into a small buffer, payload "
+        "straight into the host page) and checks it in place; Redis and Redis Cluster copy each GET reply "
+        "once into its page; Mooncake reads whole records with one batched call into a registered staging "
+        "buffer, then checks and copies each into its page (one-part gets are ~35% faster than two-part "
+        "in-place ones with the 0.3.13 wheel). Stores hand the backend views of the pool's pages (Mooncake "
+        "sends header and page as two parts, no copy). Store time includes the daemon's Insert RPCs and "
+        "device-to-host copies; Mooncake stores also probe which pages are present first.")
     sec.tables.append(Table(
         f"{len(prompts)} prompts x {PROMPT_PAGES} pages of {layout.page_bytes // 1024} KiB "
         f"({nbytes / 2**20:.0f} MiB), prefetch: median of {ROUNDS[mode]} rounds, store: one run",
