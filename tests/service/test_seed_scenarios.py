@@ -14,6 +14,7 @@ from tests.support.daemon import wait_for
 from tests.support.engine import PS, EngineDouble
 
 DEADLINE_S = 20.0  # each bounded wait
+COPY_DELAY_S = 0.5  # --fault-copy-delay: A's load is still copying when B's is asked for
 
 SHARED = list(range(100, 100 + 4 * PS))
 A = SHARED + list(range(500, 500 + 2 * PS))
@@ -37,24 +38,27 @@ def nodes(engine):
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_overlapping_load_backs_acked_in_either_order(daemon, policy, reverse):
+def test_overlapping_load_backs_acked_in_either_order(daemon_factory, policy, reverse):
+    """By construction: A's load copies SHARED and A's tail; B's, asked for while A's
+    copy is still delayed, copies only B's tail and relies on A's for SHARED, so SHARED
+    is pinned by both loads until each one's ACK removes its own pin."""
+    daemon = daemon_factory("--fault-copy-delay", str(COPY_DELAY_S)).target
     engine = EngineDouble.connect(daemon, write_policy=policy)
     try:
         host_only_tree(engine)
         [ma, mb] = engine.client.match([A, B])
         la = engine.client.load_back(ma.host_node, engine.allocate(ma.host_tokens // PS))
         lb = engine.client.load_back(mb.host_node, engine.allocate(mb.host_tokens // PS))
-        assert la.loaded_tokens == len(A) and lb.loaded_tokens == 2 * PS
+        assert (la.loaded_tokens, lb.loaded_tokens) == (len(A), len(B) - len(SHARED))
+        assert tuple(lb.depends_on) == (la.transfer,) and tuple(la.depends_on) == ()
         shared = next(n for n in nodes(engine).values() if n.depth == 1)
-        # B's load relies on A's for the shared node when A's copy was still running
-        # (the usual case on a GPU; shared-memory copies here may already be done).
-        overlapping = lb.depends_on == (la.transfer,)
-        assert set(shared.pins) == ({la.transfer, lb.transfer} if overlapping else {la.transfer})
+        assert shared.tokens == len(SHARED)
+        assert set(shared.pins) == {la.transfer, lb.transfer}
 
         first, second = (lb, la) if reverse else (la, lb)
         assert engine.client.wait([first.transfer])[first.transfer].ok
         left = nodes(engine)[shared.id]
-        assert set(left.pins) == set(shared.pins) - {first.transfer}  # each ACK removes only its own
+        assert set(left.pins) == {second.transfer}  # each ACK removes only its own
         assert engine.client.wait([second.transfer])[second.transfer].ok
 
         after = nodes(engine)
