@@ -4,6 +4,7 @@ evictions, storage stores and a daemon restart; a stalled reader costs engines n
 """
 
 import random
+import time
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ from .helpers import ipc_endpoints
 NS = "model/tp0"
 HOST_PAGES = 48  # fewer than the engine's 128 device pages: host evictions happen
 SETTLE_S = 30.0
+SHUTDOWN_GRACE_S = 10.0  # the daemon's default --shutdown-grace
 
 
 def metric(text: str, name: str) -> float:
@@ -125,6 +127,7 @@ def test_a_stalled_watcher_is_cut_off_and_counted_while_engines_go_on(tmp_path):
     # A small flow-control window, so the daemon's writes block once the reader stops reading.
     channel = grpc.insecure_channel(d.target, options=[("grpc.http2.lookahead_bytes", 1024),
                                                        ("grpc.http2.bdp_probe", 0)])
+    reader = grpc.insecure_channel(d.target)
     try:
         stalled = pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest())
         wait_for(lambda: metric(d.scrape(), "radixkv_kv_event_watchers") == 1, 10, "the watcher")
@@ -147,7 +150,18 @@ def test_a_stalled_watcher_is_cut_off_and_counted_while_engines_go_on(tmp_path):
             next(pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(from_seq=10**9)))
         assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
         assert "cannot replay from seq 1000000000: the replay buffer holds [0, " in e.value.details()
+        # A watcher open at shutdown does not hold it: its stream ends (OK) and the daemon
+        # exits cleanly well within --shutdown-grace. (One that stopped reading would,
+        # like any call in progress: its writes wait on flow control.)
+        live = pb_grpc.RadixKVStub(reader).WatchEvents(pb.WatchEventsRequest())
+        wait_for(lambda: metric(d.scrape(), "radixkv_kv_event_watchers") == 1, 10, "the live watcher")
+        engine.close()
+        t0 = time.monotonic()
+        assert d.stop() == 0
+        assert time.monotonic() - t0 < SHUTDOWN_GRACE_S
+        list(live)  # ended with OK (an error status would raise)
     finally:
         engine.close()
         channel.close()
+        reader.close()
         stop_all([d])

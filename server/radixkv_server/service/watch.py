@@ -4,7 +4,9 @@ The stream reads an in-process subscription of the event hub (`events.fanout`): 
 numbered batches the ZMQ publisher sends, converted to `KvEventBatch` messages. Its buffer
 is bounded (`--kv-events-subscriber-buffer`): a reader that falls that far behind is cut
 off with ABORTED naming the from_seq to resume with, so it never slows the publisher or
-an engine. The stream ends (OK) when the daemon begins shutting down.
+an engine. The stream ends (OK) when the daemon begins shutting down; one whose reader
+stopped reading (its writes wait on gRPC flow control) holds the server's stop for up to
+--shutdown-grace, as any call in progress does.
 """
 
 import asyncio
