@@ -2,7 +2,7 @@
 checks that a cache failure never becomes wrong output.
 
     python -m tests.soak.engine --target T --namespace N --policy write_back --seed 1 \\
-        --stats /tmp/x/e1.json --stop /tmp/x/stop
+        --stats /tmp/x/e1.json --stop /tmp/x/stop --ready /tmp/x/e1.ready
 
 Each step matches a small batch of prompts (shared system prompts, random suffixes,
 two extra keys) with leases, loads host hits back, waits for every transfer the
@@ -15,7 +15,11 @@ Faults it survives: `SessionLost`/`DaemonRestarted` (drop the whole device view:
 page is the engine's again), `Unavailable` (wait for the daemon with `reconnect`).
 With --stall it also misbehaves like a stuck engine now and then (never acknowledges
 a load-back, forgets a lease), which the daemon's ack/lease timeouts must clean up.
-Counts go to --stats (JSON, rewritten every half second, so a SIGKILL loses little).
+Counts go to --stats (JSON, rewritten every half second, so a SIGKILL loses little),
+with the message of every client error no fault explains (`error_messages`, the first
+MAX_ERROR_MESSAGES): the soak's verdict fails on any of them and prints them. --ready
+names a file created once the engine has registered, so the soak injects its faults
+only into engines that are up (an engine process may take seconds to import torch).
 """
 
 import argparse
@@ -24,7 +28,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from radixkv.client import Client
 from radixkv.errors import NotFound, RadixKVError, SessionLost, Unavailable
@@ -39,6 +43,7 @@ LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", pa
 NUM_PAGES = 160
 HOST_PAGES = 384
 PS = LAYOUT.page_size
+MAX_ERROR_MESSAGES = 10
 
 
 @dataclass
@@ -59,8 +64,9 @@ class Counts:
     stalls: int = 0                  # load-backs never acknowledged, leases never released
     expired: int = 0                 # own leases the daemon had expired when used
     protocol_errors: int = 0
-    errors: int = 0
-    last_error: str = ""
+    fault_errors: int = 0            # calls failed while the daemon went away (session lost after)
+    errors: int = 0                  # client errors no fault explains: each one fails the soak
+    error_messages: list = field(default_factory=list)  # their messages (the first few)
 
 
 class ChaosEngine(EngineDouble):
@@ -106,14 +112,18 @@ class ChaosEngine(EngineDouble):
             self.counts.unavailable += 1
             self.wait_for_daemon()
         except RadixKVError as e:
+            if self.wait_for_daemon():
+                self.counts.fault_errors += 1  # the daemon went away meanwhile (e.g. CANCELLED at SIGTERM)
+                return
             self.counts.errors += 1
-            self.counts.last_error = str(e)[:300]
-            self.wait_for_daemon()
+            if len(self.counts.error_messages) < MAX_ERROR_MESSAGES:
+                self.counts.error_messages.append(f"{type(e).__name__}: {str(e)[:300]}")
 
-    def wait_for_daemon(self) -> None:
-        """After a failed call: block until there is a session again. A new one means the
-        device view is gone; the same one means the failed call's effect is unknown, so
-        the pages this step had in use are set aside for good (never reused)."""
+    def wait_for_daemon(self) -> bool:
+        """After a failed call: block until there is a session again; True when the old
+        one was lost (the daemon restarted: that explains the failure). A new one means
+        the device view is gone; the same one means the failed call's effect is unknown,
+        so the pages this step had in use are set aside for good (never reused)."""
         while not os.path.exists(self.stop_file):
             try:
                 lost = self.client.reconnect(timeout=5)
@@ -123,9 +133,11 @@ class ChaosEngine(EngineDouble):
                 continue
             if lost is not None:
                 self.lost(lost)
-            elif self.pool.num_in_use:
+                return True
+            if self.pool.num_in_use:
                 self.counts.ambiguous += 1  # in-use pages stay in use: leaked on purpose
-            return
+            return False
+        return False
 
     def lost(self, e: SessionLost) -> None:
         self.counts.session_losses += 1
@@ -270,10 +282,13 @@ def main(argv=None) -> int:
     p.add_argument("--stats", required=True)
     p.add_argument("--stop", required=True, help="stop once this file exists")
     p.add_argument("--max-seconds", type=float, default=3600)
+    p.add_argument("--ready", default="", help="create this file once registered")
     a = p.parse_args(argv)
     import torch
     torch.set_num_threads(1)
     engine = ChaosEngine(a.target, a.namespace, a.policy, a.seed, a.stall)
+    if a.ready:
+        open(a.ready, "w").close()
     try:
         engine.run(a.stop, a.stats, a.max_seconds)
     finally:

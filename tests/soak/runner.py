@@ -10,8 +10,16 @@ now and then act stuck (the daemons run with lease and ack timeouts). Every
 stop, invariants once more, both daemons must shut down cleanly (exit 0) and never
 have logged a traceback.
 
+The schedule is event-based: the clock (and the first fault) starts only once every
+engine reported itself registered (its readiness file), so a short run on a loaded
+machine, where an engine takes 10-20 s to import torch, still faults engines that are
+up and lets them see the daemon restart. The run goes on past its time until the
+minimum faults (min_daemon_faults, min_engine_kills) happened and, after the last one,
+an engine reported seeing a daemon restart (both bounded by OVERTIME_S).
+
 The run is clean when: zero byte mismatches, zero invariant violations, no engine
-protocol or page-accounting error, no engine crash, bytes were verified and loads made
+protocol or page-accounting error, no client error that no fault explains (each one's
+message is listed among the problems), no engine crash, bytes were verified and loads made
 on both daemons, the faults happened, and (runs of 2 minutes or more) the steady
 daemon's RSS after warm-up grew less than max(16 MiB, 10%).
 """
@@ -38,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("write_through", "write_through_selective", "write_back")
 DAEMON_FLAGS = ("--lease-timeout", "5", "--ack-timeout", "5", "--copy-workers", "1")
 MiB = 1 << 20
+READY_TIMEOUT_S = 180.0  # every engine registered (imports torch first: slow on a loaded machine)
+OVERTIME_S = 120.0  # past `seconds`, how long the minimum faults and their being seen may take
 
 
 @dataclass
@@ -52,6 +62,8 @@ class SoakConfig:
     stall: float = 0.01              # per-step chance of a stuck-engine misstep
     warmup: float = 60.0
     verbose: bool = True
+    min_daemon_faults: int = 1       # the run goes on past `seconds` until this many happened
+    min_engine_kills: int = 1
 
     def scaled(self) -> "SoakConfig":
         """Short runs get proportionally frequent faults (several even in 20 s)."""
@@ -96,6 +108,9 @@ class Soak:
 
     # -- processes ---------------------------------------------------------------------
 
+    def ready_file(self, slot: EngineSlot) -> str:
+        return os.path.join(self.dir, f"{slot.name}-{slot.incarnation}.ready")
+
     def spawn(self, slot: EngineSlot) -> None:
         slot.incarnation += 1
         stats = os.path.join(self.dir, f"{slot.name}-{slot.incarnation}.json")
@@ -105,7 +120,7 @@ class Soak:
             [sys.executable, "-m", "tests.soak.engine", "--target", self.daemons[slot.daemon].target,
              "--namespace", slot.namespace, "--policy", slot.policy, "--stall", str(self.cfg.stall),
              "--seed", str(self.rng.randrange(1 << 30)), "--stats", stats, "--stop", self.stop_file,
-             "--max-seconds", str(self.cfg.seconds + 120)],
+             "--max-seconds", str(self.cfg.seconds + READY_TIMEOUT_S + 120), "--ready", self.ready_file(slot)],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
@@ -121,6 +136,19 @@ class Soak:
             return Path(self.dir, name).read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+    def wait_engines_ready(self) -> None:
+        """Block until every engine's current incarnation has registered; an engine that
+        exits first is restarted (check_engines). Fails after READY_TIMEOUT_S."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not all(os.path.exists(self.ready_file(s)) for s in self.engines):
+            self.check_engines()
+            if time.monotonic() > deadline:
+                late = [s.name for s in self.engines if not os.path.exists(self.ready_file(s))]
+                tails = "\n".join(self.tail(f"{s.name}-{s.incarnation}.log", 1500) for s in self.engines
+                                  if s.name in late)
+                raise RuntimeError(f"engines {late} not registered within {READY_TIMEOUT_S}s:\n{tails}")
+            time.sleep(0.1)  # polling the readiness files against the deadline
 
     # -- faults ------------------------------------------------------------------------
 
@@ -189,6 +217,7 @@ class Soak:
                 slot = EngineSlot(f"{name}-e{i}", name, f"soak-{name}/e{i}", policy)
                 self.engines.append(slot)
                 self.spawn(slot)
+        self.wait_engines_ready()
         self.started = time.monotonic()
         end = self.started + cfg.seconds
         # The first fault of each kind comes early at a fixed point, so even a short run
@@ -196,7 +225,12 @@ class Soak:
         next_engine = self.started + min(cfg.engine_kill_every, 0.15 * cfg.seconds)
         next_daemon = self.started + min(cfg.daemon_fault_every, 0.3 * cfg.seconds)
         next_sample = self.started
-        while (now := time.monotonic()) < end:
+        while (now := time.monotonic()) < end or not self.minimums_met():
+            if now >= end:  # time is up, a minimum is not: inject what is missing now
+                if now > end + OVERTIME_S:
+                    self.problems.append(f"minimum faults not injected within {OVERTIME_S}s: {self.faults}")
+                    break
+                next_daemon, next_engine = self.overdue(now, next_daemon, next_engine)
             if now >= next_sample:
                 self.sample()
                 next_sample += cfg.sample_every
@@ -207,8 +241,43 @@ class Soak:
                 self.engine_fault()
                 next_engine = time.monotonic() + self.rng.expovariate(1 / cfg.engine_kill_every)
             self.check_engines()
-            time.sleep(max(0.0, min(0.1, end - time.monotonic())))  # the schedule's tick
+            time.sleep(0.1)  # the schedule's tick
+        self.wait_restarts_seen()
         return self.finish()
+
+    def daemon_faults(self) -> int:
+        return self.faults["daemon_sigkill"] + self.faults["daemon_sigterm"]
+
+    def minimums_met(self) -> bool:
+        return (self.daemon_faults() >= self.cfg.min_daemon_faults
+                and self.faults["engine_sigkill"] >= self.cfg.min_engine_kills)
+
+    def overdue(self, now: float, next_daemon: float, next_engine: float) -> tuple[float, float]:
+        if self.daemon_faults() < self.cfg.min_daemon_faults:
+            next_daemon = min(next_daemon, now)
+        if self.faults["engine_sigkill"] < self.cfg.min_engine_kills:
+            next_engine = min(next_engine, now)
+        return next_daemon, next_engine
+
+    def engine_totals(self, key: str) -> int:
+        total = 0
+        for slot in self.engines:
+            for path in slot.stats_files:
+                try:
+                    total += json.loads(Path(path).read_text()).get(key, 0)
+                except (OSError, ValueError):
+                    pass  # not written yet, or killed before its first write
+        return total
+
+    def wait_restarts_seen(self) -> None:
+        """After the last fault: wait (bounded) until some engine reported a daemon restart,
+        so "engines saw the restarts" judges the daemon, not the clock."""
+        deadline = time.monotonic() + OVERTIME_S
+        while self.daemon_faults() and not self.engine_totals("daemon_restarts"):
+            self.check_engines()
+            if time.monotonic() > deadline:
+                return  # the verdict's check fails and says so
+            time.sleep(0.2)  # polling the engines' stats files against the deadline
 
     def finish(self) -> dict:
         Path(self.stop_file).touch()
@@ -243,10 +312,11 @@ class Soak:
                     counts = json.loads(Path(path).read_text())
                 except (OSError, ValueError):
                     continue  # killed before its first write
-                counts.pop("last_error", None)
                 messages = counts.pop("pool_messages", [])
                 if messages:
                     self.problems.append(f"{slot.name}: page accounting: {messages}")
+                for message in counts.pop("error_messages", []):
+                    self.problems.append(f"{slot.name}: client error: {message}")
                 for k, v in counts.items():
                     totals[k] = totals.get(k, 0) + v
                     per_daemon.setdefault(slot.daemon, {}).setdefault(k, 0)
@@ -257,7 +327,7 @@ class Soak:
             "daemon_starts": {n: d.starts for n, d in self.daemons.items()}, "daemon_exit_codes": exits,
             "daemon_counters": self.counters,
             "invariant_violations": self.violations[:20], "num_violations": len(self.violations),
-            "problems": self.problems[:20], "rss": self.rss_verdict(), "samples": self.samples,
+            "problems": self.problems[:40], "rss": self.rss_verdict(), "samples": self.samples,
         }
         out["ok"] = self.verdict(out)
         return out
@@ -281,6 +351,7 @@ class Soak:
             "no byte mismatches": t.get("byte_mismatches", 0) == 0,
             "no invariant violations": not self.violations,
             "no protocol or accounting errors": t.get("protocol_errors", 0) == 0 and t.get("pool_errors", 0) == 0,
+            "no unexplained client errors": t.get("errors", 0) == 0,
             "no problems": not self.problems,
             "bytes verified on every daemon": all(d.get("bytes_verified", 0) > 0 for d in out["per_daemon"].values())
             and len(out["per_daemon"]) == len(self.daemons),
@@ -319,7 +390,8 @@ def summary(out: dict) -> list[str]:
         f"{t.get('load_backs', 0)} load-backs ({t.get('failed_loads', 0)} reported failed)",
         f"faults: {out['faults']} (daemon starts {out['daemon_starts']}); engines saw "
         f"{t.get('session_losses', 0)} lost sessions ({t.get('daemon_restarts', 0)} daemon restarts), "
-        f"{t.get('unavailable', 0)} unavailable calls, {t.get('stalls', 0)} stuck-engine missteps",
+        f"{t.get('unavailable', 0)} unavailable calls, {t.get('stalls', 0)} stuck-engine missteps, "
+        f"{t.get('errors', 0)} unexplained client errors (listed as problems)",
         f"verified: {t.get('prefix_pages_verified', 0)} pages, {t.get('bytes_verified', 0)} bytes "
         f"({t.get('device_hit_pages', 0)} device-hit pages, {t.get('host_loaded_pages', 0)} loaded from host)",
         f"daemon counters at the end (since each one's last start): {out['daemon_counters']}",
