@@ -1,0 +1,27 @@
+"""Evict frees exactly the pages asked for when enough are evictable: counted over many
+small leaves (one page each), where an off-by-one per leaf adds up, and over one leaf
+larger than the request (a node leaves whole: its pages, not fewer)."""
+
+from radixkv.types import unpack
+
+from tests.service_inproc.inproc import Engine, prompt, run, running_daemon
+
+
+def test_evict_frees_exactly_the_pages_asked_for():
+    async def scenario():
+        async with running_daemon() as daemon:
+            e = await Engine.register(daemon, "t/evict-count", write_policy="write_through")
+            for i in range(6):                                   # six one-page prompts, no shared prefix
+                await e.insert(prompt(1000 * (i + 1), 1), [i])
+            await e.ns.copies.drain()                            # backups done: host copies exist
+            first = await e.evict(4)
+            assert len(unpack(first.freed_pages)) == 4 and first.written_back_pages == 0
+            rest = await e.evict(100)
+            assert sorted(unpack(first.freed_pages) + unpack(rest.freed_pages)) == list(range(6))
+            await e.insert(prompt(50_000, 3), [10, 11, 12])      # one node of three pages
+            await e.ns.copies.drain()
+            whole = await e.evict(1)
+            assert sorted(unpack(whole.freed_pages)) == [10, 11, 12]
+            assert e.ns.check_invariants() == []
+            await e.close()
+    run(scenario())
