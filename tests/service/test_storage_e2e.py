@@ -2,6 +2,7 @@
 Cluster or Mooncake Store, byte-exact round trips through prefetch and load-back."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -261,3 +262,36 @@ def test_redis_cluster_master_killed_while_daemons_run(daemon_factory):
             reader.close()
     finally:
         cluster.cleanup()
+
+
+def test_mooncake_frozen_segment_owner_never_blocks_the_reader(mooncake_master, daemon_factory):
+    a, b = daemon_factory(*mooncake_flags(mooncake_master)), daemon_factory(*mooncake_flags(mooncake_master))
+    writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
+    try:
+        writer.prefill(prompt(6))
+        wait_stored(writer, 8 * PS)
+        os.kill(a.pid, signal.SIGSTOP)  # alive but silent: the store's own call would hang ~60 s
+        try:
+            ([m], seconds) = timed(lambda: reader.client.match([prompt(6)], include_storage=True))
+            assert seconds < ENGINE_BOUND_S
+            progress, seconds = timed(lambda: reader.client.prefetch(prompt(6), policy="best_effort"))
+            assert seconds < ENGINE_BOUND_S
+            wait_for(lambda: "storage.fetch_timeout" in b.log(), DEADLINE_S, "the fetch to time out")
+            assert _fetch_pending(reader)  # its host pages stay reserved while the store holds them
+            loaded, mismatches = reader.load(prompt(6))  # nothing fetched yet: nothing to load
+            assert mismatches == (0, 0) and loaded == 0
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        a.kill()  # the stuck call fails once its peer is gone; the reserved pages come back
+        wait_for(lambda: not _fetch_pending(reader), 40, "the timed-out fetch to be reported")
+        assert reader.client.check_invariants() == []
+        reader.prefill(prompt(9))  # and the reader keeps serving
+        assert reader.client.check_invariants() == []
+    finally:
+        reader.close()
+        writer.client.close()
+    assert "Traceback" not in b.log()
+
+
+def _fetch_pending(engine: EngineDouble) -> bool:
+    return engine.client.stats().namespaces[0].transfers_in_flight > 0

@@ -123,12 +123,15 @@ def test_maxmemory_eviction_in_the_middle_of_a_prefix_stops_it_there(cluster):
         except StorageUnavailable:
             pass  # OOM answers while the server evicts are fine here
     gap = first_gap() or 64
-    checker.close()
     out = np.zeros((64, PAGE), dtype=np.uint8)
     n = backend.get_into(keys, [memoryview(out[i]) for i in range(64)])
-    assert n == gap  # the run stops exactly at the evicted page (nothing is written meanwhile)
+    # Reads over maxmemory may evict more (Redis evicts before each command), never less,
+    # and nothing writes these keys: the run ends at or before the gap, at a page that is gone.
+    assert n <= gap
     assert np.array_equal(out[:n], data[:n])
-    assert backend.exists_prefix(keys) == gap
+    assert not checker.exists(backend.redis_key(keys[n]))
+    assert backend.exists_prefix(keys) <= n
+    checker.close()
     backend.close()
 
 

@@ -119,7 +119,8 @@ class StorageMover:
             # The store may still write these pages: they stay reserved until it returns.
             log_event(log, "storage.fetch_timeout", logging.WARNING, namespace=self.namespace,
                       transfer=transfer, error=str(e), note="pages stay reserved until the store answers")
-            e.settled.add_done_callback(lambda _: self._to_loop(self._fetched, transfer, 0, str(e)))
+            message = str(e)  # `e` is unbound once this block ends
+            e.settled.add_done_callback(lambda _: self._to_loop(self._fetched, transfer, 0, message))
             return
         except Exception as e:
             error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
