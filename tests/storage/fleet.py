@@ -91,7 +91,11 @@ class MooncakeMaster:
              "--rpc_address=127.0.0.1", "--rpc_thread_num=2", "--enable_metric_reporting=false"],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
         log.close()
-        poll(self._listening, START_TIMEOUT_S, f"mooncake_master on port {self.port}")
+        try:
+            poll(self._listening, START_TIMEOUT_S, f"mooncake_master on port {self.port}")
+        except BaseException:
+            self.kill()
+            raise
         return self
 
     def _listening(self) -> bool:
@@ -195,6 +199,13 @@ class RedisCluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:self.masters])
 
     def start(self) -> "RedisCluster":
+        try:
+            return self._start()
+        except BaseException:
+            self.cleanup()  # no server outlives a failed start
+            raise
+
+    def _start(self) -> "RedisCluster":
         for port in self.ports:
             self._start_node(port)
         for port in self.ports:
