@@ -21,6 +21,7 @@ method and kind, codes returned).
 """
 
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -37,7 +38,7 @@ from radixkv.client import Client
 from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb
-from tests.support.daemon import DaemonProcess, stop_all
+from tests.support.daemon import DaemonProcess
 from tests.support.engine import LAYOUT, EngineDouble, prompt
 
 from .protostrategies import messages, mutated
@@ -177,10 +178,14 @@ class Campaign:
             for s in sessions:
                 s.close()
             channel.close()
+            code = self.daemon.stop()
             log = self.daemon.log()
             self.figures.log_problems = [line for line in log.splitlines()
                                          if "level=error" in line or "Traceback" in line][:20]
-            stop_all([self.daemon])
+            if code != 0:
+                self.figures.log_problems.append(f"daemon exited with {code} on SIGTERM")
+            self.daemon.cleanup()
+            shutil.rmtree(self.storage, ignore_errors=True)
         return self.figures
 
     def _fuzz(self, channel, stub, sessions, seconds: float) -> None:

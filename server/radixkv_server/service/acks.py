@@ -49,6 +49,7 @@ class AckStream:
         writer = asyncio.create_task(self._write())
         stopping = asyncio.create_task(self.daemon.stopping.wait())
         reason = "ack stream ended"
+        read = None
         try:
             while True:
                 if not await self._room(stopping):
@@ -73,9 +74,11 @@ class AckStream:
             raise
         finally:
             self.ended = True
-            stopping.cancel()
-            if not writer.done():
-                writer.cancel()
+            for task in (stopping, read, writer):  # none left pending or unretrieved
+                if task is not None and not task.done():
+                    task.cancel()
+                elif task is not None and not task.cancelled():
+                    task.exception()
             if self.session is not None:
                 if self.session.ack_stream is self:
                     self.session.ack_stream = None
@@ -147,11 +150,14 @@ class AckStream:
 
     async def _write(self) -> None:
         while (reply := await self.replies.get()) is not None:
-            if isinstance(reply, _Unasked):  # answers no ack: holds no slot
-                await self.context.write(reply.reply)
-                continue
-            await self.context.write(reply)
-            self.slots.release()
+            unasked = isinstance(reply, _Unasked)  # answers no ack: holds no slot
+            try:
+                await self.context.write(reply.reply if unasked else reply)
+            except Exception as e:  # the engine is gone (the stream ends with it)
+                log_event(log, "acks.write_failed", logging.DEBUG, error=type(e).__name__)
+                return
+            if not unasked:
+                self.slots.release()
 
 
 class _Unasked:
