@@ -10,6 +10,10 @@ import os
 import shutil
 
 from prometheus_client.parser import text_string_to_metric_families
+from radixkv_server.core.page_keys import namespace_salt
+from radixkv_server.core.page_keys import page_keys as storage_page_keys
+from radixkv_server.service.registration import layout_fingerprint
+from radixkv_server.storage import FileStorage
 from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb
 from tests.support.daemon import wait_for
@@ -60,6 +64,16 @@ def evict_all(engine: RawEngine, daemon, namespace: str, written_back_before: in
     engine.evict(engine.pool.num_pages)
     wait_value(daemon, namespace, "radixkv_evicted_tokens_total", written_back_before + write_backs,
                tier="device", reason="write_back")
+
+
+def damage(directory, namespace: str, tokens: list[int], page: int) -> None:
+    """Flip the last bytes of page `page` of `tokens` in a file page directory."""
+    salt = namespace_salt(namespace, layout_fingerprint(LAYOUT))
+    key = storage_page_keys(salt, pack(tokens), PAGE)[page]
+    path = FileStorage(str(directory)).path_for(key)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 4)
+        f.write(b"\xde\xad\xbe\xef")
 
 
 def test_device_and_host_counters_of_a_known_workload(daemon):
@@ -132,8 +146,9 @@ def test_device_and_host_counters_of_a_known_workload(daemon):
 
 
 def test_storage_counters_of_a_known_workload(daemon_factory, tmp_path):
-    """Stored by one daemon, prefetched by the next on the same page directory; a write
-    that fails once the directory is gone is counted as failed."""
+    """Stored by one daemon, prefetched by the next on the same page directory (its last
+    page damaged on disk: read as corrupt, the prefetch stops before it); a write that
+    fails once the directory is gone is counted as failed."""
     pages = tmp_path / "pages"
     flags = ("--storage", f"file://{pages}", "--storage-policy", "write_through")
     ns = "ops/storage-values"
@@ -148,6 +163,7 @@ def test_storage_counters_of_a_known_workload(daemon_factory, tmp_path):
     finally:
         e.release_memory()
     assert first.stop() == 0
+    damage(pages, ns, a, page=3)
 
     second = daemon_factory(*flags)
     e = RawEngine(second.target, ns, host_pool_pages=16)
@@ -157,8 +173,9 @@ def test_storage_counters_of_a_known_workload(daemon_factory, tmp_path):
         assert m.storage_tokens == P                                    # storage hit P
         progress = list(e.stub.Prefetch(pb.PrefetchRequest(session=e.session, tokens=pack(a),
                                                            policy="wait_complete"), timeout=RPC_TIMEOUT_S))
-        assert progress[-1].state == pb.PrefetchProgress.DONE and progress[-1].host_tokens_added == P
-        assert e.load_back(a) == P
+        assert progress[-1].state == pb.PrefetchProgress.DONE
+        assert progress[-1].host_tokens_added == 3 * PAGE                # pages 0-2; page 3 is damaged
+        assert e.load_back(a) == 3 * PAGE
         # The page directory goes away (a regular file in its place): the next store fails.
         shutil.rmtree(pages)
         pages.write_text("not a directory")
@@ -167,13 +184,18 @@ def test_storage_counters_of_a_known_workload(daemon_factory, tmp_path):
         wait_value(second, ns, "radixkv_store_failed_tokens_total", 2 * P)
         got = series(second.scrape(), ns)
         want = {
-            counter("radixkv_prefetched_tokens_total"): P,
+            counter("radixkv_prefetched_tokens_total"): 3 * PAGE,
             ("radixkv_hit_tokens_total", (("tier", "storage"),)): P,
             counter("radixkv_stored_tokens_total"): 0,
             counter("radixkv_store_failed_tokens_total"): 2 * P,
-            counter("radixkv_load_back_tokens_total"): P,
-            ("radixkv_storage_pages_total", (("operation", "get"), ("result", "hit"))): 4,
+            counter("radixkv_load_back_tokens_total"): 3 * PAGE,
+            ("radixkv_storage_pages_total", (("operation", "get"), ("result", "hit"))): 3,
+            ("radixkv_storage_pages_total", (("operation", "get"), ("result", "corrupt"))): 1,
+            ("radixkv_storage_bytes_total", (("direction", "read"),)): 3 * PAGE_BYTES,
             ("radixkv_storage_bytes_total", (("direction", "write"),)): 0,
+            # Host: a's 3 loaded pages and b's 8 written-back ones (their store failed), of 16.
+            counter("radixkv_host_pool_used_bytes"): 11 * PAGE_BYTES,
+            counter("radixkv_host_pool_capacity_bytes"): 16 * PAGE_BYTES,
         }
         assert {k: got.get(k) for k in want} == want
         e.close()
