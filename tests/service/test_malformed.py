@@ -144,3 +144,25 @@ def test_no_traceback_and_no_error_line(ctx):
     log = ctx["daemon"].log()
     assert "Traceback" not in log and "level=error" not in log, log[-4000:]
     assert not re.search(r"UNKNOWN|Unexpected", log)
+
+
+def test_oversized_messages_on_the_streams(daemon_factory):
+    """Over --max-message-size, on both streams: RESOURCE_EXHAUSTED from gRPC itself
+    (before the daemon reads it; not logged), and the daemon serves on."""
+    d = daemon_factory("--max-message-size", "1MiB")
+    channel, stub = stub_for(d.target, **{"grpc.max_send_message_length": 8 << 20})
+    buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+    try:
+        session = stub.Register(msg.register_request(
+            "wire/big", LAYOUT, buffers.specs(), NUM_PAGES, backend="shm", device=0, write_policy="write_back",
+            host_pool_pages=64, replace_existing=False, engine="test", model="")).session
+        big = pb.AckRequest(session="x" * (2 << 20)).SerializeToString()
+        code, message = call_stream(channel, "/radixkv.v1.RadixKV/Acks",
+                                    [pb.AckRequest(session=session).SerializeToString(), big])
+        assert code == C.RESOURCE_EXHAUSTED and "larger than max" in message, (code, message)
+        code, message = _status(lambda: list(channel.unary_stream("/radixkv.v1.RadixKV/Prefetch")(big, timeout=10)))
+        assert code == C.RESOURCE_EXHAUSTED and "larger than max" in message, (code, message)
+        assert violations(stub) == []
+    finally:
+        channel.close()
+        buffers.close()
