@@ -34,17 +34,12 @@ def read_file(path: str, what: str) -> bytes:
         raise AuthError(f"cannot read {what} {path}: {e.strerror}") from None
 
 
-def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials | None:
-    """TLS credentials for TCP listeners; with `client_ca`, clients must present a
-    certificate that CA signed (mutual TLS). None when TLS is off."""
-    tls = ReloadableTls.open(cert, key, client_ca)
-    return tls.credentials() if tls is not None else None
-
-
 class ReloadableTls:
-    """TLS credentials whose certificate, key and client CA are read again by `reload`
-    (SIGHUP). gRPC asks for a newer configuration at each new connection's handshake;
-    connections already open keep theirs. Mutual TLS stays on or off as started."""
+    """TLS credentials for TCP listeners (with a client CA: mutual TLS, clients must
+    present a certificate it signed), whose certificate, key and client CA are read
+    again by `reload` (SIGHUP). gRPC asks for a newer configuration at each new
+    connection's handshake; connections already open keep theirs. Mutual TLS stays on
+    or off as started."""
 
     def __init__(self, cert: str, key: str, client_ca: str):
         self._files = (cert, key, client_ca)
