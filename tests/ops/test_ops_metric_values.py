@@ -96,6 +96,7 @@ def test_device_and_host_counters_of_a_known_workload(daemon):
         lease = e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(c))],
                                              lease=True), timeout=RPC_TIMEOUT_S).results[0].lease
         assert lease                                                    # matched 2 (device hit P)
+        assert value(daemon, ns, "radixkv_leases") == 1
         assert e.insert(d) == 0                                         # inserted 4P
         e.evict(4)
         wait_value(daemon, ns, "radixkv_evicted_tokens_total", 3 * P, tier="device", reason="write_back")
@@ -138,6 +139,14 @@ def test_device_and_host_counters_of_a_known_workload(daemon):
             counter("radixkv_namespaces"): 1,
             ("radixkv_rpc_requests_total", (("code", "OK"), ("method", "LoadBack"))): 2,
             ("radixkv_rpc_requests_total", (("code", "OK"), ("method", "Insert"))): 4,
+            ("radixkv_rpc_duration_seconds_count", (("method", "Insert"),)): 4,
+            # One copy per load-back (2) and per Evict that wrote something back (4).
+            ("radixkv_copy_duration_seconds_count", (("direction", "load"),)): 2,
+            ("radixkv_copy_duration_seconds_count", (("direction", "write_back"),)): 4,
+            ("radixkv_copy_duration_seconds_count", (("direction", "backup"),)): None,
+            counter("radixkv_leases"): 0,
+            counter("radixkv_load_backs_unacked"): 0,
+            counter("radixkv_invariant_violations_total"): None,
         }
         assert {k: got.get(k) for k in want} == want
         e.close()
@@ -176,6 +185,7 @@ def test_storage_counters_of_a_known_workload(daemon_factory, tmp_path):
         assert progress[-1].state == pb.PrefetchProgress.DONE
         assert progress[-1].host_tokens_added == 3 * PAGE                # pages 0-2; page 3 is damaged
         assert e.load_back(a) == 3 * PAGE
+        assert value(second, ns, "radixkv_storage_up") == 1
         # The page directory goes away (a regular file in its place): the next store fails.
         shutil.rmtree(pages)
         pages.write_text("not a directory")
@@ -193,6 +203,7 @@ def test_storage_counters_of_a_known_workload(daemon_factory, tmp_path):
             ("radixkv_storage_pages_total", (("operation", "get"), ("result", "corrupt"))): 1,
             ("radixkv_storage_bytes_total", (("direction", "read"),)): 3 * PAGE_BYTES,
             ("radixkv_storage_bytes_total", (("direction", "write"),)): 0,
+            counter("radixkv_storage_up"): 0,                           # its last write failed
             # Host: a's 3 loaded pages and b's 8 written-back ones (their store failed), of 16.
             counter("radixkv_host_pool_used_bytes"): 11 * PAGE_BYTES,
             counter("radixkv_host_pool_capacity_bytes"): 16 * PAGE_BYTES,
