@@ -133,3 +133,17 @@ def test_hits_with_the_engine_core_and_worker_in_processes_of_their_own(engines,
     [warm] = generate(restarted, [p])
     assert warm.cached_tokens == 1023 // BLOCK * BLOCK
     assert warm.tokens == cold.tokens
+
+
+def test_a_load_that_fails_is_recomputed_with_the_same_output(engines, daemon_factory):
+    daemon = daemon_factory("--fault-fail-loads", "1")  # every host->device copy fails
+    p = prompt(PROMPT_TOKENS, seed=7)
+    llm = engines.start(daemon.target)
+    [cold] = generate(llm, [p])
+    engines.stop(llm)
+    restarted = engines.start(daemon.target)
+    [again] = generate(restarted, [p])
+    assert again.tokens == cold.tokens
+    assert counters(daemon.target)["failed_load_tokens"] >= CACHEABLE
+    [after] = generate(restarted, [p])  # the connector still works after the failure
+    assert after.tokens == cold.tokens

@@ -166,7 +166,8 @@ class DaemonAdapter:
         self._held += want - len(result.unused_pages)
         if result.transfer:
             outcome = self._client.wait([result.transfer])[result.transfer]
-            if not outcome.ok:
+            if not outcome.ok:  # the failed load's pages came back with the outcome
+                self._held -= len(outcome.failed_pages)
                 log.warning("radixkv: load of %d pages failed: %s", want, outcome.reason)
                 return 0
         loaded = result.loaded_tokens // page
