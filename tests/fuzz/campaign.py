@@ -283,9 +283,11 @@ def report(f: Figures) -> str:
              f"valid engine: {f.pages_verified} prefix pages verified, {f.mismatches} byte mismatches, "
              f"{len(f.engine_errors)} errors",
              f"CheckInvariants: {f.invariant_checks} runs, {len(f.violations)} violations"]
-    per_method = Counter()
-    for (name, _), n in f.tried.items():
+    per_method, per_kind = Counter(), Counter()
+    for (name, kind), n in f.tried.items():
         per_method[name] += n
+        per_kind[kind] += n
+    lines.append("per kind: " + ", ".join(f"{k} {v}" for k, v in sorted(per_kind.items())))
     lines.append("per method: " + ", ".join(f"{k} {v}" for k, v in sorted(per_method.items())))
     for method, code, message, raws in f.forbidden[:5]:
         lines.append(f"FORBIDDEN {method}: {code}: {message} ({[r.hex() for r in raws]})")
