@@ -1,4 +1,4 @@
-"""python -m bench [--quick | --full | --tiny] [--only core,rpc,copy,workload,storage,events] [--out DIR]"""
+"""python -m bench [--quick | --full | --tiny] [--only core,rpc,copy,workload,storage,events,vllm] [--out DIR]"""
 
 import argparse
 import importlib
@@ -11,9 +11,9 @@ from . import machine, report
 from .profiling import Profiler
 from .timing import progress
 
-SECTIONS = ("core", "rpc", "copy", "workload", "storage", "events")
+SECTIONS = ("core", "rpc", "copy", "workload", "storage", "events", "vllm")
 MODULES = {"core": "core", "rpc": "rpc", "copy": "copying", "workload": "workload", "storage": "storage",
-           "events": "events"}
+           "events": "events", "vllm": "vllm"}
 REPO = Path(__file__).resolve().parent.parent
 
 

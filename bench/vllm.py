@@ -1,0 +1,156 @@
+"""vLLM with radixkv: real vLLM (CPU build), the tiny random Llama, a real daemon. Time to
+first token (a generate with max_tokens=1) on one 2k-token prompt for: recompute (no
+cache), a hit in vLLM's own prefix cache (the baseline), a radixkv host hit (vLLM's prefix
+cache reset before each request, so the prefix comes from the daemon's host tier) and
+vLLM's ExampleConnector (safetensors files on disk, prefix cache reset likewise). Also the
+time vLLM's scheduler spends inside radixkv's scheduler-side connector methods per step,
+measured by a subclass of the connector that times them (the connector itself is not
+instrumented).
+
+The engines run one after another in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
+vLLM's engine core, scheduler and worker live here, so the timing subclass is read
+directly). The model is tiny (2 layers, 2 KV heads of 64, float32: 2 KiB of KV per token),
+so the figures compare the connectors' fixed costs more than copy bandwidth.
+"""
+
+import tempfile
+import time
+
+from radixkv.vllm.testing import VOCAB, apply_cpu_env, engine_args, write_tiny_llama
+
+from .daemon import DaemonProcess
+from .figures import Figure, Section, Table, fmt
+from .timing import median, percentile, progress
+
+PROMPT_TOKENS = {"tiny": 512, "quick": 2048, "full": 2048}
+ROUNDS = {"tiny": 2, "quick": 15, "full": 40}
+BLOCK = 128
+TTFT_RATIO_TARGET = 1.5  # radixkv host hit within 1.5x of vLLM's own prefix-cache hit
+BLOCKED_P50_TARGET_US = 100.0
+TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished")
+
+# Filled by TimedRadixKVConnector (scheduler role): seconds spent in radixkv per step.
+STEP_BLOCKED: list[float] = []
+_current = [0.0]
+
+
+def _timed(name: str, inner):
+    def method(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            _current[0] += time.perf_counter() - t
+            if name == "build_connector_meta":  # once per scheduler step: close the step
+                STEP_BLOCKED.append(_current[0])
+                _current[0] = 0.0
+    method.__name__ = name
+    return method
+
+
+def _timed_class():
+    from radixkv.vllm import RadixKVConnector
+    return type("TimedRadixKVConnector", (RadixKVConnector,),
+                {n: _timed(n, getattr(RadixKVConnector, n)) for n in TIMED})
+
+
+def __getattr__(name: str):
+    """vLLM loads `TimedRadixKVConnector` from this module by name (lazily: vLLM is only
+    imported when the section runs)."""
+    if name == "TimedRadixKVConnector":
+        cls = _timed_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def _prompt(n: int) -> list[int]:
+    import random
+    rng = random.Random(12)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
+    """Seconds of one greedy generate of one token, and the prompt tokens vLLM reported cached."""
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=1)
+    t = time.perf_counter()
+    [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - t, out.num_cached_tokens or 0
+
+
+def _measure(model: str, kv_transfer_config: dict | None, prompt: list[int], rounds: int,
+             reset: bool) -> tuple[list[float], int]:
+    """Start an engine, run `prompt` once to fill the caches, then `rounds` timed requests
+    (each after `reset_prefix_cache()` when `reset`). Returns the times and the cached
+    tokens vLLM reported on the last timed request."""
+    from vllm import LLM
+    overrides = {"kv_transfer_config": kv_transfer_config} if kv_transfer_config else {}
+    llm = LLM(**engine_args(model, **overrides))
+    try:
+        _ttft(llm, prompt)  # fills vLLM's prefix cache and the connector's store
+        times, cached = [], 0
+        for _ in range(rounds):
+            if reset:
+                llm.reset_prefix_cache()
+            dt, cached = _ttft(llm, prompt)
+            times.append(dt)
+        return times, cached
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def run(mode: str, plot_dir=None, profiler=None) -> Section:
+    apply_cpu_env()
+    sec = Section("vllm", "vLLM (real vLLM CPU build, tiny model, real daemon)",
+                  intro=" ".join(__doc__.split("\n\n")[0].split()))
+    work = tempfile.mkdtemp(prefix="rkv-bench-vllm-")
+    model = write_tiny_llama(f"{work}/model")
+    prompt, rounds = _prompt(PROMPT_TOKENS[mode]), ROUNDS[mode]
+    times, cached = {}, {}
+    progress(f"vllm: {len(prompt)}-token prompt, {rounds} rounds per case")
+    times["recompute"], cached["recompute"] = _measure(model, None, prompt, rounds, reset=True)
+    times["vllm_prefix_hit"], cached["vllm_prefix_hit"] = _measure(model, None, prompt, rounds, reset=False)
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": f"{work}/example"}}
+    times["example_connector"], cached["example_connector"] = _measure(model, example, prompt, rounds, reset=True)
+    with DaemonProcess("--host-pool-size", "256MiB") as d:
+        radixkv = {"kv_connector": "TimedRadixKVConnector", "kv_connector_module_path": "bench.vllm",
+                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                   "kv_connector_extra_config": {"target": d.unix, "namespace": "bench-tiny"}}
+        STEP_BLOCKED.clear()
+        times["radixkv_host_hit"], cached["radixkv_host_hit"] = _measure(model, radixkv, prompt, rounds, reset=True)
+    _report(sec, times, cached, len(prompt))
+    return sec
+
+
+def _report(sec: Section, times: dict, cached: dict, tokens: int) -> None:
+    base = median(times["vllm_prefix_hit"]) * 1e3
+    rows = []
+    for case, ts in times.items():
+        ms = median(ts) * 1e3
+        rows.append([case, f"{fmt(ms)} ms", f"{fmt(percentile(ts, 90) * 1e3)} ms", f"{fmt(ms / base)}x",
+                     f"{cached[case]} / {tokens}"])
+        target, met = "", None
+        if case == "radixkv_host_hit":
+            target = f"<= {TTFT_RATIO_TARGET:g}x vllm_prefix_hit and < example_connector"
+            met = ms / base <= TTFT_RATIO_TARGET and ms < median(times["example_connector"]) * 1e3
+        if case != "vllm_prefix_hit":
+            sec.add(Figure(f"vllm.ttft.{case}", ms, "ms", "vllm_prefix_hit", base, target, met))
+    cacheable = (tokens - 1) // BLOCK * BLOCK
+    sec.tables.append(Table(
+        f"Time to first token, {tokens}-token prompt (median of {len(times['recompute'])} requests each)",
+        ["case", "p50", "p90", "vs vLLM prefix hit", "cached tokens (vLLM)"], rows,
+        f"A hit can cover {cacheable} tokens (vLLM computes at least the last prompt token). "
+        "A case whose cached tokens fall short of that did not hit, and its time says so."))
+    steps = [s * 1e6 for s in STEP_BLOCKED]
+    p50, p99 = percentile(steps, 50), percentile(steps, 99)
+    sec.add(Figure("vllm.scheduler_blocked.p50", p50, "us", "ttft_vllm_prefix_hit", base * 1e3,
+                   f"p50 <= {BLOCKED_P50_TARGET_US:g} us per step", p50 <= BLOCKED_P50_TARGET_US))
+    sec.add(Figure("vllm.scheduler_blocked.p99", p99, "us", "ttft_vllm_prefix_hit", base * 1e3))
+    sec.notes.append(
+        f"Scheduler blocked on radixkv: {len(steps)} scheduler steps of the radixkv engine, the time per "
+        f"step spent in the connector's scheduler-side methods ({', '.join(TIMED)}), summed per step "
+        f"(a step closes with build_connector_meta): p50 {fmt(p50)} us, p99 {fmt(p99)} us, "
+        f"max {fmt(max(steps) if steps else 0)} us.")
