@@ -18,9 +18,10 @@ SECTIONS = {  # section -> a figure every tiny run must print
     "workload": "workload.byte_mismatches",
     "storage": "storage.file.prefetch",
     "events": "events.match.p50",
+    "vllm": "vllm.ttft.radixkv_host_hit",  # real vLLM engines: about 90 s in tiny mode
 }
 TITLES = {"core": "## Core", "rpc": "## RPC", "copy": "## Copy", "workload": "## Workload", "storage": "## Storage",
-          "events": "## KV events"}
+          "events": "## KV events", "vllm": "## vLLM"}
 
 
 def test_figure_line_round_trips():
@@ -34,6 +35,8 @@ def test_figure_line_round_trips():
 
 @pytest.mark.parametrize("section", list(SECTIONS))
 def test_section_runs_and_reports(section, tmp_path):
+    if section == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed: `make vllm-install`")
     plots = importlib.util.find_spec("matplotlib") is not None
     cmd = [sys.executable, "-m", "bench", "--tiny", "--only", section, "--out", str(tmp_path), "--no-profile"]
     if not plots:
