@@ -102,7 +102,8 @@ def _measure(model: str, kv_transfer_config: dict | None, prompt: list[int], rou
 
 
 def run(mode: str, plot_dir=None, profiler=None) -> Section:
-    apply_cpu_env()
+    # vLLM logs to stdout by default; the bench's stdout carries only figure lines.
+    apply_cpu_env({"VLLM_LOGGING_STREAM": "ext://sys.stderr"})
     sec = Section("vllm", "vLLM (real vLLM CPU build, tiny model, real daemon)",
                   intro=" ".join(__doc__.split("\n\n")[0].split()))
     work = tempfile.mkdtemp(prefix="rkv-bench-vllm-")
@@ -153,4 +154,10 @@ def _report(sec: Section, times: dict, cached: dict, tokens: int) -> None:
         f"Scheduler blocked on radixkv: {len(steps)} scheduler steps of the radixkv engine, the time per "
         f"step spent in the connector's scheduler-side methods ({', '.join(TIMED)}), summed per step "
         f"(a step closes with build_connector_meta): p50 {fmt(p50)} us, p99 {fmt(p99)} us, "
-        f"max {fmt(max(steps) if steps else 0)} us.")
+        f"max {fmt(max(steps) if steps else 0)} us. Steps count while a request waits for its lookup "
+        f"answer (the scheduler asks again each step; those steps are nearly empty): "
+        f"{len(steps) / (len(times['radixkv_host_hit']) + 1):.0f} steps per request here.")
+    sec.notes.append(
+        "The cases run one after another (one engine at a time: vLLM keeps one KV connector per "
+        "process), not interleaved, so load changes on a shared machine fall between cases; the p90 "
+        "column shows how noisy each case was.")
