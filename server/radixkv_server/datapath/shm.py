@@ -7,9 +7,13 @@ attached to with the resource tracker, which unlinks it when the daemon exits an
 destroys the engine's KV cache. Each segment is mapped once, however many buffers
 name it.
 
-Copies move whole pages: runs of consecutive pages become one strided slice copy per
-group of evenly spaced buffers ("stack"); scattered pages use index_select /
-index_copy_ per buffer. Both release the GIL, so copy workers run in parallel.
+Copies move whole pages: each run of consecutive pages (a scattered page is a run of
+one) becomes one numpy slice assignment per group of evenly spaced buffers ("stack"),
+on numpy views of the same memory: a numpy call costs about a microsecond, a torch
+slice-and-copy_ several (four tensor views and a TensorIterator per page), which
+dominated scattered 64 KiB pages. Only when per-call copies would be tiny do scattered
+pages use index_select / index_copy_ per buffer. Both release the GIL for copies of more
+than a few hundred elements, so copy workers run in parallel.
 """
 
 import mmap
@@ -25,7 +29,7 @@ from .device import (
 )
 
 SHM_DIR = "/dev/shm"
-RUN_COPY_MIN_BYTES = 64 << 10  # below this per strided copy, index_select/index_copy_ is faster
+RUN_COPY_MIN_BYTES = 4 << 10  # below this per slice copy, index_select/index_copy_ is faster
 _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -41,6 +45,7 @@ class ShmDeviceBuffers(DeviceBuffers):
         self._maps: dict[str, mmap.mmap] = {}
         self._views: list[torch.Tensor] | None = None
         self._stacks: list[tuple[int, torch.Tensor]] | None = None
+        self._np_stacks: list | None = None
         try:
             self._open(specs)
         except BaseException:
@@ -83,6 +88,8 @@ class ShmDeviceBuffers(DeviceBuffers):
             for n, off, stride in placed
         ]
         self._stacks = _stacks(placed, segs, self.num_pages, cols, width)
+        # [num_pages, m, cols] numpy views of the stacks (page first, like the host pool).
+        self._np_stacks = [(b0, st.transpose(0, 1).numpy()) for b0, st in self._stacks]
 
     # -- copies ------------------------------------------------------------------------
 
@@ -95,7 +102,7 @@ class ShmDeviceBuffers(DeviceBuffers):
         return CopyJob()
 
     def _copy(self, host_pool, host_pages: bytes, device_pages: bytes, to_host: bool) -> None:
-        views, stacks = self._views, self._stacks
+        views, stacks = self._views, self._np_stacks
         if views is None or stacks is None:
             raise CopyError("shared-memory device buffers are closed")
         host, dev = self.check_pages(host_pool, host_pages, device_pages)
@@ -108,8 +115,8 @@ class ShmDeviceBuffers(DeviceBuffers):
         runs = page_runs(host, dev)
         calls = len(runs) * len(stacks)
         try:
-            # Runs cost one strided copy per (run, stack), scattered pages two index
-            # passes per buffer. Strided copies win unless they are many and small.
+            # Runs cost one slice copy per (run, stack), scattered pages two index
+            # passes per buffer. Slice copies win unless they are many and small.
             if calls <= 2 * len(views) or len(host) * host_pool.layout.page_bytes >= calls * RUN_COPY_MIN_BYTES:
                 _copy_runs(h3, stacks, runs, to_host)
             else:
@@ -119,7 +126,7 @@ class ShmDeviceBuffers(DeviceBuffers):
 
     def close(self) -> None:
         """Unmap the segments (the engine's segments stay). Idempotent."""
-        self._views = self._stacks = None
+        self._views = self._stacks = self._np_stacks = None
         maps, self._maps = self._maps, {}
         for m in maps.values():
             try:
@@ -132,15 +139,17 @@ class ShmDeviceBuffers(DeviceBuffers):
 
 
 def _copy_runs(h3, stacks, runs, to_host: bool) -> None:
-    for h0, d0, n in runs:
-        hv = h3[h0:h0 + n]
-        for b0, st in stacks:
-            hs = hv[:, b0:b0 + st.shape[0]]
-            ds = st[:, d0:d0 + n].transpose(0, 1)
-            if to_host:
-                hs.copy_(ds)
-            else:
-                ds.copy_(hs)
+    """Per stack (b0, [num_pages, m, cols] numpy view), one slice assignment per run:
+    host pages h0..h0+n-1, buffers b0..b0+m-1 <-> device pages d0..d0+n-1."""
+    hn = h3.numpy()
+    for b0, dn in stacks:
+        hs = hn[:, b0:b0 + dn.shape[1]]
+        if to_host:
+            for h0, d0, n in runs:
+                hs[h0:h0 + n] = dn[d0:d0 + n]
+        else:
+            for h0, d0, n in runs:
+                dn[d0:d0 + n] = hs[h0:h0 + n]
 
 
 def _copy_indexed(h3, views, hidx, didx, to_host: bool) -> None:
