@@ -69,10 +69,10 @@ $(VENV)/.bench-installed: $(STAMP)
 	@$(BIN)/python -c "import matplotlib"
 	@touch $@
 
-bench: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP)
+bench: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m bench --quick
 
-bench-full: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP)
+bench-full: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m bench --full
 
 soak: $(STAMP)
