@@ -84,6 +84,31 @@ def test_tensor_parallel_prefix_hits_only_when_every_rank_saved_and_each_rank_lo
     run(scenario())
 
 
+@pytest.mark.parametrize("start_page", [0, 1])
+def test_a_load_spanning_several_saved_nodes_copies_every_page(start_page):
+    """Saves of a growing prompt (as vLLM saves a chunked prefill) leave the path in
+    several nodes; one load from `start_page` copies all of it, not just the first node."""
+    async def scenario():
+        async with running_daemon() as daemon:
+            eng = await Rank.register(daemon, "m")
+            tokens = prompt(0, 6)
+            eng.fill(list(range(6)), seed=3)
+            for end in (2, 4, 6):  # three nodes: pages 0-1, 2-3, 4-5
+                saved = await eng.save(tokens[:end * 4 * 4], list(range(end)))
+                assert (await eng.ack(saved.transfer)).error is None
+            hit = await eng.match(tokens)
+            assert hit.complete_tokens == 24
+            blocks = list(range(20, 26 - start_page))
+            loaded = await eng.load(hit.result.host_node, blocks, lease=hit.lease, start_page=start_page)
+            assert (loaded.loaded_tokens, loaded.device_tokens) == ((6 - start_page) * 4, 24)
+            assert (await eng.ack(loaded.transfer)).error is None
+            assert eng.page_bytes(blocks) == eng.page_bytes(list(range(start_page, 6)))
+            eng.ns.release(eng.session, [hit.lease])
+            assert daemon.check_invariants("") == []
+            await eng.close()
+    run(scenario())
+
+
 def test_a_session_end_releases_only_its_own_leases_and_transfers():
     async def scenario():
         async with running_daemon() as daemon:

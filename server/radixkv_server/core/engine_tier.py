@@ -197,7 +197,8 @@ class EngineTier:
             if not _complete(n) or budget <= 0:
                 break
             m = state.pages(n)
-            lo, hi = max(start_page - page, 0), min(m, start_page + budget - page)
+            lo = max(start_page - page, 0)
+            hi = min(m, lo + budget)  # `budget` is what is left to copy
             if lo < hi:
                 nodes.append(n)
                 host.append(n.full.host_pages[lo * 4:hi * 4])
