@@ -33,6 +33,7 @@ POOL = {"tiny": 128, "quick": 512, "full": 1024}
 ROUNDS = {"tiny": 3, "quick": 9, "full": 21}
 BURST = 8
 TARGET = 0.7
+SCATTERED_TARGET = 0.8  # #15: scattered pages at least 0.8x a contiguous copy at 64 KiB and up
 
 
 def _label(kib: int) -> str:
@@ -147,7 +148,7 @@ def _measure_all(mode: str, gbps, profiler) -> None:
             t.update(rig.engine_times(ROUNDS[mode]))
             gbps[kib] = {k: rig.nbytes / v / 1e9 for k, v in t.items()}
             if profiler is not None and kib == 64 and any(
-                    gbps[kib][k] < TARGET * gbps[kib]["torch"] for k in ("load_scattered", "backup_scattered")):
+                    gbps[kib][k] < SCATTERED_TARGET * gbps[kib]["torch"] for k in ("load_scattered", "backup_scattered")):
                 sh, sd = rig.scattered
                 profiler.in_process("copy.load_scattered_64KiB", lambda: rig.dev.submit_load(rig.host, sh, sd),
                                     "bench process running scattered 64 KiB loads")
@@ -155,27 +156,36 @@ def _measure_all(mode: str, gbps, profiler) -> None:
             rig.close()
 
 
+def _target(name: str) -> float:
+    return SCATTERED_TARGET if "scattered" in name else TARGET
+
+
 def _notes(sec: Section, gbps) -> None:
     missed = [f for f in sec.figures if f.met is False]
     if not missed:
         return
-    lines = [f"- `{f.name}`: {fmt(f.ratio)}x of a plain copy, {fmt(TARGET - f.ratio)} short of {TARGET}x" for f in missed]
+    lines = [f"- `{f.name}`: {fmt(f.ratio)}x of a plain copy, {fmt(_target(f.name) - f.ratio)} short of "
+             f"{_target(f.name)}x" for f in missed]
     sec.notes.append(
         "**Missed copy targets**\n\n" + "\n".join(lines) + "\n\nWhat bounds them: a transfer moves every "
-        f"page's chunk of all {2 * LAYERS} buffers (K, V per layer). Runs of consecutive pages copy as one "
-        "strided torch copy per run; scattered pages (each its own run) cost one Python-level slice + "
-        "`copy_` per page (`shm._copy_runs`: ~4 tensor-view calls and a TensorIterator launch, several us), "
-        "so at 64 KiB pages (4 KiB per buffer chunk) the per-call overhead is comparable to the bytes "
-        "themselves; the per-page overhead shrinks relative to the payload as pages grow. See the profile "
-        "below where one was taken.")
+        f"page's chunk of all {2 * LAYERS} buffers (K, V per layer, one evenly spaced stack). Every run of "
+        "consecutive pages, a scattered page being a run of one, is one numpy slice assignment over the "
+        "whole stack (`shm._copy_runs`, about 1 us of call overhead, GIL released during the bytes), so a "
+        "scattered transfer pays that once per page on top of the bytes: at 64 KiB pages (4 KiB per buffer "
+        "chunk) the overhead is still a fair share of the ~6 us the bytes take. A vectorized gather then "
+        "scatter through a temporary (index_select / index_copy_, or numpy take / fancy assignment) moves "
+        "every byte twice, and torch's index_copy_ goes element by element: both measured slower here. "
+        "The contiguous baseline copies 2x the transfer's bytes that stay in the 32 MiB L3 between rounds, "
+        "while scattered pages are spread over a pool of up to 1 GiB. See the profile below where one was taken.")
 
 
 def _report(sec: Section, gbps, mode: str) -> None:
     for kib, g in gbps.items():
         for k in ("load_runs", "load_scattered", "backup_runs", "backup_scattered"):
-            target = f">= {TARGET}x torch at 64 KiB+" if kib >= 64 else ""
+            want = _target(k)
+            target = f">= {want}x torch at 64 KiB+" if kib >= 64 else ""
             sec.add(Figure(f"copy.{k}.{_label(kib)}", g[k], "GB/s", "torch-copy", g["torch"], target,
-                           (g[k] >= TARGET * g["torch"]) if target else None))
+                           (g[k] >= want * g["torch"]) if target else None))
         sec.add(Figure(f"copy.engine_load.{_label(kib)}", g["engine"], "GB/s", "direct", g["direct"]))
         sec.add(Figure(f"copy.engine_load_burst{BURST}.{_label(kib)}", g["engine_burst"], "GB/s", "direct",
                        g["direct_burst"]))
