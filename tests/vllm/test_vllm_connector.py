@@ -89,7 +89,8 @@ def test_a_namespace_with_another_layout_stops_vllm_at_startup(engines, daemon):
         from radixkv.kvbuffers import ShmKvBuffers
         bufs = ShmKvBuffers.create(other, 8)
         try:
-            c.register("tiny", other, [(b.handle, b.offset, b.size) for b in bufs.specs()], 8)
+            c.register("tiny", other, [(b.handle, b.offset, b.size) for b in bufs.specs()], 8,
+                       device_tier="engine_managed")
             c.close()
         finally:
             bufs.close()
@@ -135,6 +136,22 @@ def test_hits_with_the_engine_core_and_worker_in_processes_of_their_own(engines,
     assert warm.tokens == cold.tokens
 
 
+def test_a_second_instance_on_the_namespace_hits_what_the_first_computed(engines, daemon, monkeypatch):
+    """Two vLLM instances of one model, both running (engine processes of their own), share
+    one engine-managed namespace: the second serves the first's prompt from radixkv."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    p = prompt(1024, seed=8)
+    first = engines.start(daemon.target)
+    [cold] = generate(first, [p])
+    second = engines.start(daemon.target)
+    [warm] = generate(second, [p])
+    assert warm.cached_tokens == 1023 // BLOCK * BLOCK
+    assert warm.tokens == cold.tokens
+    assert counters(daemon.target)["loaded_tokens"] == 1023 // BLOCK * BLOCK
+    [again] = generate(first, [p + prompt(8, seed=9)])  # the first instance keeps working
+    assert again.cached_tokens == 1024
+
+
 def test_a_load_that_fails_is_recomputed_with_the_same_output(engines, daemon_factory):
     daemon = daemon_factory("--fault-fail-loads", "1")  # every host->device copy fails
     p = prompt(PROMPT_TOKENS, seed=7)
@@ -147,3 +164,19 @@ def test_a_load_that_fails_is_recomputed_with_the_same_output(engines, daemon_fa
     assert counters(daemon.target)["failed_load_tokens"] >= CACHEABLE
     [after] = generate(restarted, [p])  # the connector still works after the failure
     assert after.tokens == cold.tokens
+
+
+def test_a_step_whose_load_failed_saves_nothing_it_computed(engines, daemon_factory):
+    """The forward after a failed load read blocks the load left unfilled, so the blocks it
+    computed are wrong (vLLM recomputes them): none of them may reach radixkv."""
+    daemon = daemon_factory("--fault-fail-loads", "1")
+    head = prompt(1024, seed=10)
+    llm = engines.start(daemon.target)
+    generate(llm, [head])
+    engines.stop(llm)
+    assert counters(daemon.target)["inserted_tokens"] == 1024
+    restarted = engines.start(daemon.target)
+    generate(restarted, [head + prompt(1024, seed=11)])  # hits `head`; its load fails
+    after = counters(daemon.target)
+    assert after["failed_load_tokens"] >= 1024
+    assert after["inserted_tokens"] == 1024, "blocks computed over a failed load were saved"

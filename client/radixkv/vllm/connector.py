@@ -49,6 +49,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.block_size, self.tp_size, lambda: self._kv_cache_manager)
         self._load_errors: set[int] = set()
+        self._short_loads: set[str] = set()  # requests whose load this step left blocks unfilled
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
             log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
                         "(daemon restarted, page evicted) fails too; set it to 'recompute'")
@@ -70,9 +71,9 @@ class RadixKVConnector(KVConnectorBase_V1):
             raise RuntimeError("radixkv: vLLM's KV cache is not in shared memory; this connector "
                                "supports vLLM's CPU build today (CUDA: docs/vllm.md)")
         memory = describe(kv_caches, seg.tensor, seg.name.encode(), self.block_size)
-        ns = self.config.namespace if self.tp_size == 1 else f"{self.config.namespace}/tp{self.tp_rank}"
-        cfg = ConnectorConfig(**{**self.config.__dict__, "namespace": ns})
-        adapter = DaemonAdapter(cfg, engine=f"vllm pid {os.getpid()} rank {self.tp_rank}")
+        adapter = DaemonAdapter(self.config, engine=f"vllm pid {os.getpid()} rank {self.tp_rank}",
+                                tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                instance=self._kv_transfer_config.engine_id or "")
         try:
             adapter.attach(memory)
         except BaseException:
@@ -98,6 +99,7 @@ class RadixKVConnector(KVConnectorBase_V1):
             failed = spec.load_blocks[got:]
             if failed:
                 self._load_errors.update(failed)
+                self._short_loads.add(spec.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -106,12 +108,16 @@ class RadixKVConnector(KVConnectorBase_V1):
         return  # whole blocks of every layer are saved in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Insert the blocks this step filled; they are the daemon's copy on return."""
+        """Insert the blocks this step filled; they are the daemon's copy on return. A
+        request whose load this step left blocks unfilled saves nothing: its forward read
+        those blocks, so what it computed is wrong (vLLM recomputes it)."""
         meta = self._meta()
+        short, self._short_loads = self._short_loads, set()
         if meta is None or self._adapter is None:
             return
         for spec in meta.saves:
-            self._adapter.save(spec.tokens, spec.block_ids)
+            if spec.req_id not in short:
+                self._adapter.save(spec.tokens, spec.block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
