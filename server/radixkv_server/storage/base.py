@@ -223,19 +223,17 @@ class StorageBackend(ABC):
 
     def _place(self, key: bytes, blob, page) -> Read:
         """Check the record `blob` and copy its payload into `page`."""
-        try:
-            decode_into(blob, page)
-            return Read.HIT
-        except SizeMismatch:
-            return Read.MISS
-        except CorruptPage as exc:
-            log.warning("storage %s: dropping damaged page %s: %s", self.name, key.hex(), exc)
-            return Read.DAMAGED
+        return self._checked(key, decode_into, blob, page)
 
     def _verified(self, key: bytes, head, page) -> Read:
         """Check a payload read in place into `page` against its record header `head`."""
+        return self._checked(key, verify, head, page)
+
+    def _checked(self, key: bytes, check, *args) -> Read:
+        """HIT when `check(*args)` passes; a size mismatch reads as a MISS, a damaged
+        record as DAMAGED (logged once, dropped)."""
         try:
-            verify(head, page)
+            check(*args)
             return Read.HIT
         except SizeMismatch:
             return Read.MISS
