@@ -74,3 +74,28 @@ def test_engine_gpu_events_and_daemon_cpu_events_merge_by_hash():
         engine.shutdown()
         hub0.close()
         hub1.close()
+
+
+def test_daemon_restart_announcement_keeps_the_engine_gpu_blocks_seen_before_it():
+    """The daemon's startup AllBlocksCleared arriving after the engine's GPU blocks (the
+    order of two replays is a race) forgets only the tiers the daemon speaks for."""
+    engine_pub, engine_rep = ipc_endpoints("engine")
+    engine = ZmqEventPublisher(0, endpoint=engine_pub, replay_endpoint=engine_rep, topic="")
+    hub0, d0 = radixkv_daemon("w0", 4, 8)
+    engine.publish(VllmBatch(ts=time.time(), events=[VllmStored(
+        block_hashes=vllm_hashes(PROMPT)[:4], parent_block_hash=None, token_ids=PROMPT[:4 * PAGE],
+        block_size=PAGE, lora_id=None, medium="GPU", lora_name=None)]))
+    index = RoutingIndex(PAGE)
+    fleet = ZmqFleet(index, [Daemon("w0", engine_pub, engine_rep, stream="engine", topic="",
+                                    namespace=NS, media=("GPU",))], check_interval=0.2)
+    try:
+        wait_for(lambda: fleet.poll(0.02) >= 0 and index.num_blocks("w0", NS) == (4, 0, 0),
+                 30, "the engine's GPU blocks")
+        fleet.add(d0)
+        wait_for(lambda: fleet.poll(0.02) >= 0 and fleet.feeds["w0"].last_seq == 1, 30,
+                 "the daemon's clear and CPU blocks")
+        assert index.num_blocks("w0", NS) == (4, 4, 0)
+    finally:
+        fleet.close()
+        engine.shutdown()
+        hub0.close()

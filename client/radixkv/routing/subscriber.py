@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from .index import RoutingIndex
+from .index import TIERS, RoutingIndex
 from .wire import decode_batch, seq_bytes, seq_of
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class Daemon:
     stream: str = ""            # tells a worker's streams apart
     topic: str | None = None    # topic template (None: the fleet's)
     namespace: str | None = None        # see WorkerFeed
-    media: tuple[str, ...] | None = None  # see WorkerFeed
+    media: tuple[str, ...] | None = None  # see WorkerFeed (None: the tiers no sibling claims)
 
     @property
     def key(self) -> str:
@@ -237,10 +237,24 @@ class ZmqFleet:
         self._by_socket[sub] = (feed, False)
         self._daemons[daemon.key] = daemon
         self._workers[daemon.key] = (feed, sub, self._open_dealer(daemon, feed))
+        self._share_media(daemon.name)
         if daemon.replay_endpoint:
             feed.start_replay(0)
             self._request(daemon.key, 0)
         return feed
+
+    def _share_media(self, worker: str) -> None:
+        """A stream of `worker` without `media` speaks for the tiers none of its sibling
+        streams claims: a radixkv daemon's restart announcement (AllBlocksCleared) or
+        reset must not forget the GPU blocks its vLLM engine's own stream reported, or
+        they stay lost until the engine stores them again (which of the two replays
+        arrives first is a race)."""
+        keys = [k for k, d in self._daemons.items() if d.name == worker]
+        claimed = {m for k in keys for m in (self._daemons[k].media or ())}
+        rest = tuple(m for m in TIERS if m not in claimed)
+        for k in keys:
+            if self._daemons[k].media is None:
+                self._workers[k][0].media = None if not claimed else rest
 
     def _open_dealer(self, daemon: Daemon, feed: WorkerFeed) -> zmq.Socket | None:
         if not daemon.replay_endpoint:
