@@ -6,11 +6,12 @@ Dockerfile documents, and a host process joined to that container's IPC namespac
 import json
 import os
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.support.daemon import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 SOCKET_DIR = "/run/radixkv"
@@ -34,16 +35,8 @@ def inspect(ref: str) -> dict:
 
 
 def poll(condition, timeout: float, what: str, interval: float = 0.5):
-    """Call `condition()` until it returns something truthy, and return that; fail after
-    `timeout` seconds, naming `what` and the last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {value!r})", pytrace=False)
-        time.sleep(interval)
+    """`wait_for` at docker's pace: containers change state in seconds, not milliseconds."""
+    return wait_for(condition, timeout, what, interval)
 
 
 class DaemonContainer:

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from tests.soak import engine as chaos
-from tests.soak.runner import SoakConfig, run, summary
+from tests.soak.report import summary
+from tests.soak.runner import SoakConfig, run
 
 ROOT = Path(__file__).resolve().parents[2]
 

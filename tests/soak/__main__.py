@@ -8,7 +8,8 @@ import json
 import signal
 import sys
 
-from .runner import SoakConfig, run, summary
+from .report import summary
+from .runner import SoakConfig, run
 
 
 def main(argv=None) -> int:
