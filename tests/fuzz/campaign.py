@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2  # noqa: F401  (registers the health descriptors)
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from radixkv.client import Client
@@ -191,11 +191,13 @@ class Campaign:
     def _fuzz(self, channel, stub, sessions, seconds: float) -> None:
         start = time.monotonic()
         end, next_check = start + seconds, start + CHECK_EVERY_S
-        example = self._example(channel, sessions)
+        example, seeds = self._example(channel, sessions), random.Random(self.seed)
         while time.monotonic() < end:
             for s in sessions:
                 s.ensure()  # between batches: the fuzzer may have closed one
-            example()
+            # Each batch its own seed, drawn from the campaign's: reproducible, and not the
+            # same ten examples every batch (derandomize, which CI=true turns on, would be).
+            seed(seeds.getrandbits(64))(example)()
             if time.monotonic() >= next_check:
                 self._check(stub)
                 next_check = time.monotonic() + CHECK_EVERY_S
@@ -206,7 +208,7 @@ class Campaign:
         hints = self._hints(sessions)
         strategies = {m.full_name: messages(m.input_type, hints) for m in self.methods}
 
-        @settings(max_examples=BATCH, deadline=None, database=None, phases=[Phase.generate],
+        @settings(max_examples=BATCH, deadline=None, database=None, phases=[Phase.generate], derandomize=False,
                   suppress_health_check=list(HealthCheck))
         @given(st.data())
         def example(data):
