@@ -544,3 +544,49 @@ class KvEventBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     daemon_instance: str
     def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[str] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., daemon_instance: _Optional[str] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("id", "match", "load_back", "insert", "evict", "release", "echo")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BACK_FIELD_NUMBER: _ClassVar[int]
+    INSERT_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    match: MatchRequest
+    load_back: LoadBackRequest
+    insert: InsertRequest
+    evict: EvictRequest
+    release: ReleaseRequest
+    echo: EchoRequest
+    def __init__(self, id: _Optional[int] = ..., match: _Optional[_Union[MatchRequest, _Mapping]] = ..., load_back: _Optional[_Union[LoadBackRequest, _Mapping]] = ..., insert: _Optional[_Union[InsertRequest, _Mapping]] = ..., evict: _Optional[_Union[EvictRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., echo: _Optional[_Union[EchoRequest, _Mapping]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("id", "match", "load_back", "insert", "evict", "release", "echo", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BACK_FIELD_NUMBER: _ClassVar[int]
+    INSERT_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    match: MatchResponse
+    load_back: LoadBackResponse
+    insert: InsertResponse
+    evict: EvictResponse
+    release: ReleaseResponse
+    echo: EchoResponse
+    error: CallStatus
+    def __init__(self, id: _Optional[int] = ..., match: _Optional[_Union[MatchResponse, _Mapping]] = ..., load_back: _Optional[_Union[LoadBackResponse, _Mapping]] = ..., insert: _Optional[_Union[InsertResponse, _Mapping]] = ..., evict: _Optional[_Union[EvictResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., echo: _Optional[_Union[EchoResponse, _Mapping]] = ..., error: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...

@@ -104,6 +104,11 @@ class RadixKVStub:
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/radixkv.v1.RadixKV/Session',
+                request_serializer=radixkv_dot_v1_dot_radixkv__pb2.SessionRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class RadixKVServicer:
@@ -221,6 +226,20 @@ class RadixKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Engines: one session's Match, LoadBack, Insert, Evict and Release (and Echo) as
+        messages on one long-lived stream, cheaper per call than the unary RPCs (which stay).
+        Each request is answered once, in order, with the id it carried: the unary call's
+        response, or `error` (that call's status; the stream goes on). The stream belongs to
+        the session its first session-bound request names (a request may leave `session`
+        empty to mean the stream's; another session is PERMISSION_DENIED); one per session.
+        When it ends, the session is closed, as with Acks. Bytes that do not parse end it
+        with INVALID_ARGUMENT; daemon shutdown ends it with UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RadixKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -293,6 +312,11 @@ def add_RadixKVServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.WatchEventsRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_radixkv__pb2.KvEventBatch.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.SessionRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -673,6 +697,33 @@ class RadixKV:
             '/radixkv.v1.RadixKV/WatchEvents',
             radixkv_dot_v1_dot_radixkv__pb2.WatchEventsRequest.SerializeToString,
             radixkv_dot_v1_dot_radixkv__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/radixkv.v1.RadixKV/Session',
+            radixkv_dot_v1_dot_radixkv__pb2.SessionRequest.SerializeToString,
+            radixkv_dot_v1_dot_radixkv__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
