@@ -1,9 +1,12 @@
 """AsyncClient: the asyncio twin of `radixkv.client.Client`, on grpc.aio.
 
 Same methods, same results, same errors, awaited. Create and use it inside one running
-event loop; the ack stream is a task on that loop, and its state is owned by the loop
-(no locks). See `Client` for the contract of each method: both run the same plans
-(`radixkv.session`); this shell performs their steps on a grpc.aio channel.
+event loop; the ack stream is a task on that loop, and the streams' state is owned by
+the loop (no locks). With `stream=True` the engine calls go on the session stream
+(`AsyncCallStream`, `radixkv.streaming`): the lowest latency per call here; calls may
+overlap (e.g. with the engine's forward pass). See `Client` for the contract of each
+method: both run the same plans (`radixkv.session`); this shell performs their steps on
+a grpc.aio channel.
 """
 
 import asyncio
@@ -20,6 +23,7 @@ from .channel import open_aio_channel
 from .errors import DeadlineExceeded, RadixKVError, SessionLost, from_rpc_error
 from .layout import KvLayout
 from .session import SERVICE, Plan, PlanRun, Rpc, Sleep
+from .streaming import CallLedger, stream_end_reason
 from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
                     PrefetchProgress, Registration, Violation)
 
@@ -121,11 +125,139 @@ class AsyncAckStream:
                 fut.set_result(outcome)
 
 
+class AsyncCallStream:
+    """The session stream on the event loop (see `radixkv.streaming`; the bookkeeping is
+    the same `CallLedger`).
+
+    A caller reads its own answer from the stream (no reader task in between: a hop
+    through one costs tens of microseconds per call); while one reads, other callers
+    await their answers, which it resolves as they come, and a call that returns with
+    answers still owed hands the reading to a task. Any number may be in flight.
+
+    A call not answered within its timeout raises DeadlineExceeded and ends the stream
+    (the daemon answers in order: every later answer waits behind that one), and so does
+    cancelling a call while it reads: the daemon then closes the session, and the next
+    call finds it lost (recovery registers again). A stream the daemon ended is noticed
+    by the next call.
+    """
+
+    def __init__(self, stub, session: str, *, close_timeout: float = 30.0,
+                 on_broken: Callable[[str], None] | None = None):
+        self._close_timeout = close_timeout
+        self._on_broken = on_broken
+        self._ledger = CallLedger()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._loop = asyncio.get_running_loop()
+        self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time
+        self._reading = False  # a coroutine is in `read()`
+        self._reader: asyncio.Task | None = None
+        self._call = stub.Session()
+
+    async def call(self, method: str, request, timeout: float | None):
+        """Send one call and await its answer (see `CallStream.call`)."""
+        rid, message = self._ledger.request(method, request)
+        answer = self._loop.create_future()
+        self._pending[rid] = answer
+        expiry = None if timeout is None else self._loop.call_later(timeout, self._expire, answer, method, timeout)
+        try:
+            async with self._write_lock:
+                await self._call.write(message)
+            while not answer.done():
+                if self._reading:
+                    await answer  # resolved by the reader, or handed the reading (see _hand_over)
+                else:
+                    await self._read_one()
+        except asyncio.CancelledError:
+            if not answer.done():
+                self._end("a call on the session stream was cancelled")
+                raise
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._end(stream_end_reason(e))
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+            self._pending.pop(rid, None)
+            self._hand_over()
+        result = answer.result() if answer.done() else self._ledger.broken()
+        if isinstance(result, RadixKVError):
+            raise result
+        return result
+
+    async def close(self, reason: str = "the client closed") -> None:
+        """Half-close, wait for the daemon to end its side, fail what stayed unanswered."""
+        self._ledger.end(reason)
+        try:
+            async with self._write_lock:
+                await self._call.done_writing()
+            await asyncio.wait_for(self._call.code(), self._close_timeout)
+        except (asyncio.TimeoutError, grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            self._call.cancel()
+        self._fail_pending()
+
+    def abandon(self, reason: str) -> None:
+        """The session is gone: fail every unanswered call and drop the stream now."""
+        self._ledger.end(reason)
+        self._call.cancel()
+        self._fail_pending()
+
+    async def _read_one(self) -> None:
+        """Read one answer and resolve its call; at the stream's end, end the ledger."""
+        self._reading = True
+        try:
+            response = await self._call.read()
+        finally:
+            self._reading = False
+        if response is grpc.aio.EOF:
+            self._end(stream_end_reason(None))
+            return
+        answer = self._pending.pop(response.id, None)
+        if answer is not None and not answer.done():
+            answer.set_result(CallLedger.result(response))
+
+    def _hand_over(self) -> None:
+        """Answers are owed and nobody reads: a task reads until none is."""
+        if self._pending and not self._reading and self._reader is None and self._ledger.ended is None:
+            self._reader = self._loop.create_task(self._read_owed())
+
+    async def _read_owed(self) -> None:
+        try:
+            while self._pending and not self._reading and self._ledger.ended is None:
+                await self._read_one()
+        except (asyncio.CancelledError, Exception) as e:  # the waiters must hear of it
+            self._end(stream_end_reason(e))
+        finally:
+            self._reader = None
+
+    def _expire(self, answer: asyncio.Future, method: str, timeout: float) -> None:
+        if answer.done():
+            return
+        answer.set_result(DeadlineExceeded(f"{method}: no answer on the session stream within {timeout}s "
+                                           "(the stream ends with it)"))
+        self._ledger.end(f"a {method} was not answered within {timeout}s")
+        self._call.cancel()  # a read in progress ends; the other calls fail
+        self._fail_pending()
+
+    def _end(self, reason: str) -> None:
+        """The stream is over: fail what is owed; tell the session if the daemon ended it."""
+        by_daemon = self._ledger.end(reason)
+        self._call.cancel()
+        self._fail_pending()
+        if by_daemon and self._on_broken is not None:
+            self._on_broken(reason)
+
+    def _fail_pending(self) -> None:
+        pending, self._pending = self._pending, {}
+        for answer in pending.values():
+            if not answer.done():
+                answer.set_result(self._ledger.broken())
+
+
 class AsyncClient(ClientBase):
     """A grpc.aio channel to one daemon and, after `register`, one session on it."""
 
     _channel_opener = staticmethod(open_aio_channel)
     _ack_stream_class = AsyncAckStream
+    _call_stream_class = AsyncCallStream
 
     async def wait_ready(self, timeout: float = 10.0, service: str = SERVICE) -> None:
         await self._run(self._session.wait_ready(timeout, service))
@@ -150,9 +282,8 @@ class AsyncClient(ClientBase):
         if self._session.closed:
             return
         try:
-            acks = await self._run(self._session.close())
-            if acks is not None:
-                await acks.close()
+            for stream in await self._run(self._session.close()):
+                await stream.close()
         finally:
             await self._channel.close()
 
@@ -214,14 +345,18 @@ class AsyncClient(ClientBase):
                 run.fail(from_rpc_error(e))
             except grpc.aio.UsageError as e:
                 run.fail(RadixKVError(str(e)))
+            except RadixKVError as e:  # a call on the session stream
+                run.fail(e)
         return run.result
 
     async def _perform(self, step: Rpc | Sleep):
         if isinstance(step, Sleep):
             return await asyncio.sleep(step.seconds)
+        if step.on_stream:
+            return await self._session.calls().call(step.method, step.request, step.timeout)
         stub = self._health if step.health else self._stub
         call = getattr(stub, step.method)(step.request, timeout=step.timeout, wait_for_ready=step.wait_for_ready)
         return [m async for m in call] if step.stream else await call
 
 
-__all__ = ["AsyncAckStream", "AsyncClient"]
+__all__ = ["AsyncAckStream", "AsyncCallStream", "AsyncClient"]

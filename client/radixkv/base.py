@@ -27,6 +27,7 @@ class ClientBase:
 
     _channel_opener: Callable  # (target, options, tls, token) -> channel; set by each shell
     _ack_stream_class: type  # (stub, session, outcome_cache=, on_broken=) -> ack stream
+    _call_stream_class: type  # (stub, session, on_broken=) -> session stream (radixkv.streaming)
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 30.0,
                  max_message_bytes: int = msg.DEFAULT_MAX_MESSAGE_BYTES,
@@ -34,7 +35,8 @@ class ClientBase:
                  outcome_cache: int = DEFAULT_OUTCOME_CACHE,
                  tls: Tls | None = None, token: str | None = None,
                  reconnect: Backoff | None = Backoff(),
-                 on_session_lost: Callable[[SessionLost], None] | None = None):
+                 on_session_lost: Callable[[SessionLost], None] | None = None,
+                 stream: bool = False):
         self.target = target
         channel_options = msg.channel_options(max_message_bytes, options)
         self._channel = self._channel_opener(target, channel_options, tls, token)
@@ -42,7 +44,7 @@ class ClientBase:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._outcome_cache = outcome_cache
         self._session = Session(target, timeout=timeout, reconnect=reconnect, on_session_lost=on_session_lost,
-                                open_acks=self._open_acks)
+                                open_acks=self._open_acks, open_calls=self._open_calls if stream else None)
 
     @property
     def timeout(self) -> float | None:
@@ -69,6 +71,10 @@ class ClientBase:
                                       on_broken=on_broken)
         acks.open()
         return acks
+
+    def _open_calls(self, session: str, on_broken: Callable[[str], None]):
+        """A new session's Session stream (with `stream=True`)."""
+        return self._call_stream_class(self._stub, session, on_broken=on_broken)
 
 
 __all__ = ["ClientBase"]

@@ -34,6 +34,7 @@ from .channel import open_channel
 from .errors import RadixKVError, SessionLost, from_rpc_error
 from .layout import KvLayout
 from .session import DEFAULT_TARGET, SERVICE, Plan, PlanRun, Rpc, Sleep
+from .streaming import CallStream
 from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
                     PrefetchProgress, Registration, Violation)
 
@@ -41,7 +42,10 @@ from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, Matc
 class Client(ClientBase):
     """A channel to one daemon and, after `register`, one session on it.
 
-    `timeout` is the deadline of each RPC in seconds (None: none). `tls` and `token`
+    `timeout` is the deadline of each RPC in seconds (None: none). With `stream`, the
+    session's match, load_back, insert, evict, release and echo go as messages on one
+    Session stream instead of a unary RPC each (cheaper per call; `radixkv.streaming`);
+    the daemon closes the session when that stream ends. `tls` and `token`
     secure a TCP connection (see `radixkv.channel`). `reconnect`: backoff between
     attempts to register again after the session was lost (None: never; calls then keep
     failing). `on_session_lost(exc)` is called with the `SessionLost` before it is raised.
@@ -50,6 +54,7 @@ class Client(ClientBase):
 
     _channel_opener = staticmethod(open_channel)
     _ack_stream_class = AckStream
+    _call_stream_class = CallStream
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -103,9 +108,8 @@ class Client(ClientBase):
         if self._session.closed:
             return
         try:
-            acks = self._run(self._session.close())
-            if acks is not None:
-                acks.close()
+            for stream in self._run(self._session.close()):
+                stream.close()
         finally:
             self._channel.close()
 
@@ -202,11 +206,15 @@ class Client(ClientBase):
                 run.fail(from_rpc_error(e))
             except ValueError as e:  # grpc raises ValueError on a closed channel
                 run.fail(RadixKVError(str(e)))
+            except RadixKVError as e:  # a call on the session stream
+                run.fail(e)
         return run.result
 
     def _perform(self, step: Rpc | Sleep):
         if isinstance(step, Sleep):
             return time.sleep(step.seconds)
+        if step.on_stream:
+            return self._session.calls().call(step.method, step.request, step.timeout)
         stub = self._health if step.health else self._stub
         call = getattr(stub, step.method)(step.request, timeout=step.timeout, wait_for_ready=step.wait_for_ready)
         return list(call) if step.stream else call

@@ -12,6 +12,8 @@ again with the arguments of the last `register`, paced by `radixkv.reconnect.Rec
 and the call that succeeds raises `SessionLost` (`DaemonRestarted` for a new daemon).
 Ack bookkeeping is the ack stream's (`radixkv.acks`); the session only opens a new one
 per registration through the shell's `open_acks` and abandons it when the session is lost.
+So with the session stream (`radixkv.streaming`): with the shell's `open_calls`, each
+registration opens one, and the engine calls it carries are marked `Rpc.on_stream`.
 """
 
 import threading
@@ -29,6 +31,7 @@ from .errors import (DaemonRestarted, FailedPrecondition, RadixKVError, SessionL
                      Unavailable)
 from .layout import KvLayout
 from .reconnect import Backoff, Recovery
+from .streaming import STREAM_METHODS
 from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, PrefetchProgress,
                     Registration, Violation)
 
@@ -44,7 +47,8 @@ T = TypeVar("T")
 class Rpc:
     """A call for the shell to make: `method` of the RadixKV stub (of the health stub
     when `health`) with `request` and a deadline of `timeout` seconds. Its answer is the
-    response message; for a server-streaming call (`stream`), the list of messages."""
+    response message; for a server-streaming call (`stream`), the list of messages. With
+    `on_stream`, the shell sends it as a message on the session stream instead."""
 
     method: str
     request: Any
@@ -52,6 +56,7 @@ class Rpc:
     health: bool = False
     stream: bool = False
     wait_for_ready: bool | None = None
+    on_stream: bool = False  # send it on the session stream (`Session.calls()`), not as a unary call
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +114,15 @@ class Session:
 
     `open_acks(session_id, on_broken)` is the shell's: it returns an opened ack stream
     (`issue`, `abandon`, `wait`, `close`) that calls `on_broken(reason)` when the daemon
-    ends it. `on_broken` may come from another thread (the blocking client's reader):
+    ends it. `open_calls` (None: unary calls only) likewise opens a session stream
+    (`call`, `abandon`, `close`). `on_broken` may come from another thread (the blocking client's reader):
     recovery state changes hold `_lock`. Plans run one at a time per client.
     """
 
     def __init__(self, target: str, *, timeout: float | None, reconnect: Backoff | None,
                  on_session_lost: Callable[[SessionLost], None] | None,
-                 open_acks: Callable[[str, Callable[[str], None]], Any]):
+                 open_acks: Callable[[str, Callable[[str], None]], Any],
+                 open_calls: Callable[[str, Callable[[str], None]], Any] | None = None):
         self.target = target
         self.timeout = timeout
         self.registration: Registration | None = None
@@ -124,6 +131,8 @@ class Session:
         self._buffers = None  # as given to register: exported afresh for each re-registration
         self._acks = None
         self._open_acks = open_acks
+        self._calls = None
+        self._open_calls = open_calls
         self._recovery = Recovery(reconnect) if reconnect is not None else None
         self._lock = threading.Lock()
         self._on_session_lost = on_session_lost
@@ -142,6 +151,13 @@ class Session:
         if self._acks is None:
             raise FailedPrecondition("not registered: call register() first")
         return self._acks
+
+    def calls(self):
+        """The session stream. Raises FailedPrecondition before `register` or after `close`."""
+        self._check_open()
+        if self._calls is None:
+            raise FailedPrecondition("no session stream: register first, on a client made with stream=True")
+        return self._calls
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -191,10 +207,10 @@ class Session:
                 if time.monotonic() >= deadline:
                     raise Unavailable(f"no session after {timeout}s: {rec.reason}") from None
 
-    def close(self) -> Plan[Any]:
-        """Mark the client closed and end the session (Close); returns the ack stream for
-        the shell to close next (None if there is none). The caller checks `closed`
-        first: closing is idempotent."""
+    def close(self) -> Plan[list]:
+        """Mark the client closed and end the session (Close); returns the streams for
+        the shell to close next (session stream, ack stream; those there are). The
+        caller checks `closed` first: closing is idempotent."""
         self.closed = True
         self._buffers = None  # a CUDA export holds the engine's tensors: let them go
         if self.registration is not None:
@@ -202,7 +218,7 @@ class Session:
                 yield Rpc("Close", pb.CloseRequest(session=self.registration.session), self.timeout)
             except RadixKVError:
                 pass  # the daemon is gone, or already closed the session
-        return self._acks
+        return [s for s in (self._calls, self._acks) if s is not None]
 
     # -- engine operations -------------------------------------------------------------
 
@@ -268,8 +284,9 @@ class Session:
         self._check_open()
         if self._recovery is not None and self._recovery.lost:
             yield from self._recover()  # raises: SessionLost once registered again, else Unavailable
+        on_stream = self._calls is not None and method in STREAM_METHODS
         try:
-            return (yield Rpc(method, request, self.timeout))
+            return (yield Rpc(method, request, self.timeout, on_stream=on_stream))
         except (Unavailable, Unauthenticated) as err:
             if method != "Register":
                 yield from self._check_session(err)
@@ -294,9 +311,11 @@ class Session:
         msg.forget_stale_events(self._register_request)
         self.registration = reg
         self._acks = self._open_acks(reg.session, self._stream_broken)
+        if self._open_calls is not None:
+            self._calls = self._open_calls(reg.session, self._stream_broken)
 
     def _stream_broken(self, reason: str) -> None:
-        """The daemon ended the ack stream, and with it the session (any thread)."""
+        """The daemon ended the ack or session stream, and with it the session (any thread)."""
         if self._recovery is not None and not self.closed:
             with self._lock:
                 self._recovery.lose(reason, time.monotonic())
@@ -321,6 +340,8 @@ class Session:
         now = time.monotonic()
         if self._acks is not None:
             self._acks.abandon(f"the session was lost ({rec.reason})")
+        if self._calls is not None:
+            self._calls.abandon(f"the session was lost ({rec.reason})")
         if not rec.due(now):
             raise Unavailable(f"session lost ({rec.reason}); next reconnect attempt in "
                               f"{rec.wait_time(now):.2f}s")

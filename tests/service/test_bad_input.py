@@ -84,6 +84,20 @@ def streamed(build):
     return lambda c: status(lambda: list(c["stub"].Prefetch(build(c))))
 
 
+def session_stream(build):
+    """Send one SessionRequest on a new Session stream (never bound: these calls name no
+    usable session); its in-band error, or how the stream ended."""
+    def call(c):
+        try:
+            [reply] = list(c["stub"].Session(iter([build(c)]), timeout=10))
+        except grpc.RpcError as e:
+            return e.code(), e.details() or ""
+        if reply.WhichOneof("result") != "error":
+            return C.OK, ""
+        return next(code for code in C if code.value[0] == reply.error.code), reply.error.message
+    return call
+
+
 def ack_reply(build):
     """Send one ack on bad/a's own stream; the reply's code and message."""
     def call(c):
@@ -288,6 +302,21 @@ TABLE = [
     Row("WatchEvents", "KV events off (no --kv-events-watch or endpoint)",
         lambda c: status(lambda: list(c["stub"].WatchEvents(pb.WatchEventsRequest(from_seq=0)))),
         C.FAILED_PRECONDITION, r"KV events are off: start the daemon with --kv-events-watch"),
+    # -- Session (in-band answers; bound-session errors: tests/service/test_session_stream.py)
+    Row("Session", "no call set", session_stream(lambda c: pb.SessionRequest(id=1)), C.INVALID_ARGUMENT,
+        r"^a SessionRequest must set one call$"),
+    Row("Session", "unknown session", session_stream(
+        lambda c: pb.SessionRequest(id=1, match=pb.MatchRequest(session="x" * 32))), C.UNAUTHENTICATED,
+        r"unknown session 'xxxx"),
+    Row("Session", "closed session", session_stream(
+        lambda c: pb.SessionRequest(id=1, evict=pb.EvictRequest(session=c["closed"], num_pages=1))),
+        C.UNAUTHENTICATED, r"was closed \(closed by the engine\); register again"),
+    Row("Session", "no session", session_stream(
+        lambda c: pb.SessionRequest(id=1, release=pb.ReleaseRequest(leases=[1]))), C.UNAUTHENTICATED,
+        r"no session given"),
+    Row("Session", "message over the size limit", session_stream(
+        lambda c: pb.SessionRequest(id=1, echo=pb.EchoRequest(payload=HUGE))), C.RESOURCE_EXHAUSTED,
+        r"larger than max"),
     Row("Echo", "message over the size limit", unary("Echo", lambda c: pb.EchoRequest(payload=HUGE)), C.RESOURCE_EXHAUSTED,
         r"larger than max"),
 ]

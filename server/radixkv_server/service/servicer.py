@@ -18,11 +18,12 @@ from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 from .. import __version__
 from ..core.errors import CacheError
 from ..logs import log_event
-from . import convert
+from . import convert, engine_ops
 from .acks import AckStream
 from .daemon import Daemon
 from .errors import ServiceError, invalid, status_of, unauthenticated
 from .inspection import inspect_namespace, namespace_stats
+from .session_stream import SessionStream
 from .tenants import EVERYTHING, Grant, Tokens, authorize, visible
 from .watch import watch
 
@@ -65,8 +66,8 @@ def rpc(method):
 
 
 class RadixKVServicer(pb_grpc.RadixKVServicer):
-    """Each engine RPC: find the session (UNAUTHENTICATED if gone), convert the request,
-    call the session's namespace, convert the answer."""
+    """Each engine RPC: find the session (UNAUTHENTICATED if gone), then `engine_ops`
+    (convert the request, call the session's namespace, convert the answer)."""
 
     def __init__(self, daemon: Daemon, tokens: Tokens | None = None):
         self.daemon = daemon
@@ -102,37 +103,23 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
 
     @rpc
     async def Match(self, request, context):
-        session = self.daemon.session(request.session)
-        prompts = convert.prompts(request, self.daemon.config.max_prompts_per_match)
-        answers = await session.namespace.match(session, prompts, request.lease, request.include_storage)
-        return convert.match_response(answers)
+        return await engine_ops.match(self.daemon, self.daemon.session(request.session), request)
 
     @rpc
     async def Insert(self, request, context):
-        session = self.daemon.session(request.session)
-        session.namespace.order_after(convert.engine_event(request))
-        answer = await session.namespace.insert(session, convert.insert_request(request))
-        return convert.insert_response(answer)
+        return await engine_ops.insert(self.daemon, self.daemon.session(request.session), request)
 
     @rpc
     async def LoadBack(self, request, context):
-        session = self.daemon.session(request.session)
-        session.namespace.order_after(convert.engine_event(request))
-        answer = await session.namespace.load_back(session, request.node, request.device_pages,
-                                                   lease=request.lease, start_page=request.start_page)
-        return convert.load_back_response(answer)
+        return await engine_ops.load_back(self.daemon, self.daemon.session(request.session), request)
 
     @rpc
     async def Release(self, request, context):
-        session = self.daemon.session(request.session)
-        session.namespace.release(session, list(request.leases))
-        return pb.ReleaseResponse()
+        return await engine_ops.release(self.daemon, self.daemon.session(request.session), request)
 
     @rpc
     async def Evict(self, request, context):
-        session = self.daemon.session(request.session)
-        session.namespace.order_after(convert.engine_event(request))
-        return convert.evict_response(await session.namespace.evict(request.num_pages))
+        return await engine_ops.evict(self.daemon, self.daemon.session(request.session), request)
 
     @rpc
     async def Prefetch(self, request, context):
@@ -183,7 +170,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
 
     @rpc
     async def Echo(self, request, context):
-        return pb.EchoResponse(payload=request.payload)
+        return engine_ops.echo(request)
 
     @rpc
     async def Acks(self, request_iterator, context):
@@ -191,5 +178,11 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         once its transfer is finished, in completion order. The session closes when
         the stream ends, however it ends."""
         await AckStream(self.daemon, context, self.grant(context)).run()
+
+    @rpc
+    async def Session(self, request_iterator, context):
+        """Answer the session's calls sent as messages, in order (session_stream.py). The
+        session closes when the stream ends, however it ends."""
+        await SessionStream(self.daemon, context, self.grant(context)).run()
 
 

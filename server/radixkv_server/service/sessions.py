@@ -48,6 +48,7 @@ class Session:
     # (acks.py), told at once of each; None while it has none.
     expired_loads: OrderedDict = field(default_factory=OrderedDict)
     ack_stream: object = None
+    session_stream: object = None  # its open Session stream (session_stream.py), or None
 
     def check_open(self) -> None:
         """FAILED_PRECONDITION once the session began closing (after an `await`)."""

@@ -1,0 +1,153 @@
+"""The Session stream of one engine session: its calls (Match, LoadBack, Insert, Evict,
+Release, Echo) as messages on one long-lived bidirectional stream.
+
+One coroutine reads a request, answers it through `engine_ops` (the very functions the
+unary handlers call) and writes the answer, then reads the next: answers come in
+request order, each with its request's id. A call that fails is answered in-band with
+its status (`errors.status_of`, the one mapping; INTERNAL for a bug, logged) and the
+stream goes on. Bytes that do not parse end the stream with INVALID_ARGUMENT (the wire
+guard, wire.py). The daemon's shutdown ends it with UNAVAILABLE once the call in hand is
+answered.
+
+The stream belongs to the session its first session-bound request names (checked like
+a unary call: UNAUTHENTICATED for an unknown session, PERMISSION_DENIED for a namespace
+the caller's token does not grant; until then each such request is answered with its
+error and the stream stays unbound). A later request naming another session is
+PERMISSION_DENIED; an empty `session` means the stream's. A session has one Session
+stream at most. When the stream ends, however it ends, its session is closed in the
+background, as when its Acks stream ends (load-backs finished, leases released).
+"""
+
+import asyncio
+import logging
+import time
+
+import grpc
+from radixkv.v1 import radixkv_pb2 as pb
+
+from ..core.errors import CacheError
+from ..logs import log_event
+from . import engine_ops
+from .daemon import Daemon
+from .errors import ServiceError, precondition, status_of, unavailable
+from .sessions import Session
+from .tenants import EVERYTHING, Grant
+
+log = logging.getLogger("radixkv.rpc")
+
+# oneof field -> (engine operation, method name for logs and metrics)
+CALLS = {
+    "match": (engine_ops.match, "Match"),
+    "load_back": (engine_ops.load_back, "LoadBack"),
+    "insert": (engine_ops.insert, "Insert"),
+    "evict": (engine_ops.evict, "Evict"),
+    "release": (engine_ops.release, "Release"),
+}
+
+
+class SessionStream:
+    def __init__(self, daemon: Daemon, context, grant: Grant = EVERYTHING):
+        self.daemon = daemon
+        self.context = context
+        self.grant = grant  # the caller's token: the session's namespace must be granted
+        self.session: Session | None = None
+        self._reading = False
+        self._stopping = False
+        self._metrics: dict = {}  # (method, code) -> (requests counter, duration histogram)
+
+    async def run(self) -> None:
+        """Answer requests until the engine half-closes (or the daemon stops)."""
+        watcher = asyncio.create_task(self._watch_shutdown(asyncio.current_task()))
+        reason = "session stream ended"
+        try:
+            while not self._stopping:
+                self._reading = True
+                try:
+                    request = await self.context.read()
+                finally:
+                    self._reading = False
+                if request is grpc.aio.EOF:
+                    return
+                await self.context.write(await self.answer(request))
+            reason = "daemon shutting down"
+            raise unavailable("the daemon is shutting down: the session stream ends")
+        except asyncio.CancelledError:
+            if not self._stopping:
+                reason = "session stream cancelled (engine gone?)"
+                raise
+            asyncio.current_task().uncancel()  # our own cancel, of a read: end with a status
+            reason = "daemon shutting down"
+            raise unavailable("the daemon is shutting down: the session stream ends") from None
+        finally:
+            watcher.cancel()
+            if self.session is not None:
+                if self.session.session_stream is self:
+                    self.session.session_stream = None
+                self.daemon.close_in_background(self.session, reason)
+
+    async def _watch_shutdown(self, reader: asyncio.Task) -> None:
+        """On shutdown, interrupt a read in progress (a call in hand is answered first)."""
+        await self.daemon.stopping.wait()
+        self._stopping = True
+        if self._reading:
+            reader.cancel()
+
+    async def answer(self, request: pb.SessionRequest) -> pb.SessionResponse:
+        """The answer to one request: its response, or its status."""
+        kind = request.WhichOneof("call")
+        method = CALLS[kind][1] if kind in CALLS else "Echo"
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            if kind is None:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a SessionRequest must set one call")
+            if kind == "echo":
+                return pb.SessionResponse(id=request.id, echo=engine_ops.echo(request.echo))
+            call = getattr(request, kind)
+            operation = CALLS[kind][0]
+            reply = await operation(self.daemon, self._session_for(call.session), call)
+            return pb.SessionResponse(id=request.id, **{kind: reply})
+        except (CacheError, ServiceError) as e:
+            code, message = status_of(e)
+            log_event(log, "rpc.refused", logging.DEBUG, method=f"Session.{method}", code=code.name, message=message)
+        except Exception as e:  # a bug: answer it, keep the stream
+            code = grpc.StatusCode.INTERNAL
+            log.exception("internal error in Session.%s", method)
+            message = f"internal error in {method}: {type(e).__name__}"
+        finally:
+            self._count(method, code, time.perf_counter() - start)
+        return pb.SessionResponse(id=request.id, error=pb.CallStatus(code=code.value[0], message=message))
+
+    def _count(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """Count and time one call as `Session.<method>` (the children cached per stream)."""
+        metrics = self.daemon.metrics
+        if metrics is None:
+            return
+        children = self._metrics.get((method, code))
+        if children is None:
+            name = f"Session.{method}"
+            children = self._metrics[(method, code)] = (metrics.rpc_requests.labels(name, code.name),
+                                                         metrics.rpc_duration.labels(name))
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def _session_for(self, session_id: str) -> Session:
+        """The stream's session (bound by the first request naming a usable one), live."""
+        if self.session is None:
+            session = self.daemon.session(session_id)
+            self.grant.check(session.namespace.name)
+            if session.session_stream is not None:
+                raise precondition(f"session {session.id} already has a session stream")
+            session.session_stream = self
+            self.session = session
+            return session
+        if session_id and session_id != self.session.id:
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"this session stream belongs to session {self.session.id}")
+        session = self.daemon.session(self.session.id)  # UNAUTHENTICATED once it closed
+        if not self.grant.everything:
+            self.grant.check(session.namespace.name)
+        return session
+
+
+__all__ = ["CALLS", "SessionStream"]
