@@ -93,6 +93,15 @@ def test_another_tenants_session_is_refused(tenants):
     for name, call in calls.items():
         code, message = code_of(call)
         assert code == C.PERMISSION_DENIED and "does not grant namespace 'alice/m1'" in message, (name, code, message)
+    on_stream = [  # the Session stream answers each in-band, as the unary calls above
+        pb.SessionRequest(id=1, match=pb.MatchRequest(session=sid, prompts=[pb.Prompt(tokens=pack(prompt(1)))])),
+        pb.SessionRequest(id=2, evict=pb.EvictRequest(session=sid, num_pages=4)),
+        pb.SessionRequest(id=3, release=pb.ReleaseRequest(session=sid, leases=[1])),
+    ]
+    replies = list(stub.Session(iter(on_stream), metadata=auth(BOB)))
+    assert [r.id for r in replies] == [1, 2, 3]
+    for r in replies:
+        assert r.error.code == C.PERMISSION_DENIED.value[0] and "does not grant namespace 'alice/m1'" in r.error.message
     assert stub.Inspect(pb.InspectRequest(namespace="alice/m1"), metadata=auth(OPERATOR)).digest == before
     assert alice.client.match([pack(prompt(1, pages=4))])[0].device_tokens == 16  # still hers, still working
     assert bob.client.match([pack(prompt(1, pages=4))])[0].device_tokens == 0  # namespaces are apart
