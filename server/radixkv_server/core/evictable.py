@@ -77,10 +77,14 @@ class EvictableSet:
       than the last one's is appended: O(1) each, so eviction cost never depends on how
       many accesses came before it.
     - a heap of (key, sequence, node) for every other member: one live entry each,
-      tagged with a sequence number. Entries of removed members are skipped when popped
-      (and compacted away once they outnumber the live ones); an entry whose key grew
-      since it was pushed is pushed again with the current key, which keeps pop exact
-      because keys never shrink.
+      tagged with a sequence number. An entry whose key grew since it was pushed is
+      pushed again with the current key, which keeps pop exact because keys never shrink.
+      Entries of members that left the heap (discarded, or moved to `_recent` by an
+      access) go stale: pop skips one it meets on top, and while stale entries exceed
+      half the live ones plus a constant, every operation sweeps `SWEEP` heap positions
+      and removes at most `SWEEP_REMOVALS` stale entries there (O(log n) each). No call
+      ever rebuilds the heap, so no match or eviction pays for the history before it,
+      and entries stay within twice the members plus a constant.
     `pop` takes the smaller of the two heads.
     """
 
@@ -91,6 +95,7 @@ class EvictableSet:
         self._in_heap: dict[int, int] = {}  # node id -> sequence of its live heap entry
         self._heap: list[tuple[object, int, Node]] = []
         self._seq = itertools.count()
+        self._cursor = 0  # heap position the sweep examines next (root first, then down the list)
 
     def __len__(self) -> int:
         return len(self._recent) + len(self._in_heap)
@@ -117,7 +122,7 @@ class EvictableSet:
 
     def discard(self, node: Node) -> None:
         if self._recent.pop(node.id, None) is None and self._in_heap.pop(node.id, None) is not None:
-            self._maybe_compact()
+            self._sweep()
 
     def set(self, node: Node, member: bool) -> None:
         if member:
@@ -134,7 +139,7 @@ class EvictableSet:
             self._recent.move_to_end(node.id)
         elif self._in_heap.pop(node.id, None) is not None:
             self._recent[node.id] = node  # its key is the newest now
-            self._maybe_compact()
+            self._sweep()
 
     def pop(self) -> Node | None:
         """Remove and return the member with the smallest current key, or None."""
@@ -148,6 +153,7 @@ class EvictableSet:
             return None
         heapq.heappop(self._heap)
         del self._in_heap[head.id]
+        self._sweep()
         return head
 
     def _heap_head(self) -> Node | None:
@@ -171,8 +177,41 @@ class EvictableSet:
         last = next(reversed(self._recent.values()))
         return self._key(node) >= self._key(last)
 
-    def _maybe_compact(self) -> None:
-        if len(self._heap) > 2 * len(self._in_heap) + 64:
-            live = [e for e in self._heap if self._in_heap.get(e[2].id) == e[1]]
-            heapq.heapify(live)
-            self._heap = live
+    def _sweep(self) -> None:
+        """Bounded cleanup: while stale heap entries exceed half the live ones plus a
+        constant, examine the next `SWEEP` positions (walking the heap list from its root
+        toward its end, then again from the root: the entries pop meets first go first) and remove up to `SWEEP_REMOVALS`
+        stale entries there. An operation adds at most one stale entry and a sweep in
+        that regime finds several, so the stale count stays near its threshold without
+        any call doing work proportional to the heap."""
+        heap, live = self._heap, self._in_heap
+        if len(heap) - len(live) <= (len(live) >> 3) + STALE_SLACK:
+            return
+        i = self._cursor
+        removed = 0
+        for _ in range(SWEEP):
+            if i >= len(heap):
+                i = 0
+            if live.get(heap[i][2].id) != heap[i][1]:
+                _remove_at(heap, i)  # what moves into position i is examined next
+                removed += 1
+                if removed == SWEEP_REMOVALS:
+                    break
+            else:
+                i += 1
+        self._cursor = i
+
+
+SWEEP = 32           # heap positions one operation examines while the heap holds too many stale entries
+SWEEP_REMOVALS = 4   # stale entries one operation removes at most (each O(log n))
+STALE_SLACK = 32     # stale entries tolerated beyond an eighth of the live ones
+
+
+def _remove_at(heap: list, i: int) -> None:
+    """Remove heap[i] and restore the heap property along one root-to-leaf path."""
+    last = heap.pop()
+    if i == len(heap):
+        return
+    heap[i] = last
+    heapq._siftup(heap, i)         # down into the subtree (then back up to i at most)
+    heapq._siftdown(heap, 0, i)    # up toward the root, if smaller than its new parent
