@@ -4,6 +4,7 @@ pages between blocks through a real daemon (save, lookup, load, a local prefix l
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from radixkv import Client
 from radixkv.vllm.config import ConnectorConfig
 from radixkv.vllm.daemon import DaemonAdapter
-from radixkv.vllm.kvmemory import PREFIX, ShmAllocation, ShmSegment, describe, remove_orphans
+from radixkv.vllm.kvmemory import PREFIX, ShmAllocation, ShmSegment, describe, layout_from_spec, remove_orphans
 
 BLOCKS, LAYERS, HEADS, TOKENS, CONTENT = 16, 2, 2, 32, 16  # CONTENT: float32 per token and head
 
@@ -74,22 +75,38 @@ def test_settings_refuse_unknown_keys_and_wrong_types():
         ConnectorConfig.from_extra({"timeout_s": "5"}, "m")
 
 
+def test_the_scheduler_derives_the_layout_the_workers_register(shm_kv):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    views, alloc = shm_kv
+    spec = FullAttentionSpec(block_size=TOKENS, num_kv_heads=HEADS, head_size=CONTENT // 2, dtype=torch.float32)
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=list(views), kv_cache_spec=spec)])
+    assert layout_from_spec(config) == describe(views, alloc.segment.tensor, b"seg", TOKENS).layout
+
+
 def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_prefix(shm_kv, daemon):
+    """A worker session saves (asynchronously) and loads; the scheduler's session, with
+    no buffers, looks up and holds the lease the load names."""
     views, alloc = shm_kv
     memory = describe(views, alloc.segment.tensor, alloc.segment.name.encode(), TOKENS)
-    adapter = DaemonAdapter(ConnectorConfig(target=daemon.target, namespace="unit"), engine="test")
-    adapter.attach(memory)
+    config = ConnectorConfig(target=daemon.target, namespace="unit")
+    adapter = DaemonAdapter(config, engine="test")
+    adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
+    scheduler = DaemonAdapter(config, engine="test scheduler", role="scheduler")
+    scheduler.attach(memory.layout)
     try:
         for layer, v in enumerate(views.values()):
             v[1].fill_(10 + layer)
             v[2].fill_(20 + layer)
         tokens = torch.arange(3, 3 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
-        assert adapter.save(tokens, [1, 2])
-        [hit] = adapter.lookup([tokens])
+        transfer = adapter.save(tokens, [1, 2])
+        assert transfer and adapter.done([transfer], timeout=None) == {transfer}
+        assert adapter.save(tokens, [1, 2]) == 0  # the daemon holds them: nothing to copy
+        [hit] = scheduler.lookup([tokens])
         assert hit.tokens == 2 * TOKENS and hit.lease
         for v in views.values():
             v[3].fill_(-1)  # vLLM's own copy of page 0 (a local prefix-cache hit)
-        assert adapter.load(tokens, [3, 7], 1, hit.lease) == 1
+        assert adapter.load(hit.node, [3, 7], 1, hit.lease) == 1
+        scheduler.release([hit.lease])
         for layer, v in enumerate(views.values()):
             assert torch.equal(v[7], torch.full_like(v[7], 20 + layer))
             assert torch.equal(v[3], torch.full_like(v[3], -1))  # never written
@@ -98,6 +115,7 @@ def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_pref
             assert ns.device_pages_held == 0  # the daemon kept none of vLLM's blocks
             assert c.check_invariants("unit") == []
     finally:
+        scheduler.close()
         adapter.close()
 
 

@@ -8,12 +8,12 @@
 vLLM makes one instance per role. The worker instance (one per TP rank) places vLLM's
 KV cache in shared memory (`get_mem_pool_context`), registers it with the daemon
 (`register_kv_caches`), loads hits into the blocks the scheduler chose before the
-forward (`start_load_kv`) and inserts newly full blocks after it (`wait_for_save`),
-reporting blocks that failed to load (`get_block_ids_with_load_errors`) so vLLM
-recomputes them; it also runs the scheduler's lookups on its session and reports them
-(`build_connector_worker_meta`). The scheduler instance makes no daemon call: it answers
-vLLM asynchronously and plans lookups, loads and saves (`radixkv.vllm.scheduler`).
-docs/vllm.md describes the mapping.
+forward (`start_load_kv`), starts asynchronous Inserts of newly full blocks after it
+(`wait_for_save`) and reports when a finished request's copies are done (`get_finished`),
+blocks that failed to load (`get_block_ids_with_load_errors`, vLLM recomputes them) and
+its loads (`build_connector_worker_meta`, so the scheduler releases their leases). The
+scheduler instance looks prefixes up on its own daemon session, on a thread, and plans
+loads and saves (`radixkv.vllm.scheduler`). docs/vllm.md describes the mapping.
 """
 
 import logging
@@ -25,9 +25,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from .config import ConnectorConfig
 from .daemon import DaemonAdapter
-from .kvmemory import ShmAllocation, describe
+from .kvmemory import ShmAllocation, describe, layout_from_spec
+from .lookups import Lookups
 from .metadata import RadixKVMetadata, RadixKVWorkerMetadata
-from .scheduler import Lookups, SchedulerSide
+from .saves import Saves
+from .scheduler import SchedulerSide
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
@@ -43,13 +45,15 @@ class RadixKVConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank, self.tp_size = _tp_rank(vllm_config)
         self._adapter: DaemonAdapter | None = None
-        self._lookups: Lookups | None = None
+        self._saves: Saves | None = None
         self._allocation: ShmAllocation | None = None
         self._scheduler: SchedulerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.block_size, self.tp_size, lambda: self._kv_cache_manager)
+            self._scheduler = SchedulerSide(self.block_size, self.tp_size, self._scheduler_session(kv_cache_config),
+                                            lambda: self._kv_cache_manager)
         self._load_errors: set[int] = set()
         self._short_loads: set[str] = set()  # requests whose load this step left blocks unfilled
+        self._loaded: dict[str, int] = {}  # loads done since the last worker report: pages
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
             log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
                         "(daemon restarted, page evicted) fails too; set it to 'recompute'")
@@ -75,27 +79,29 @@ class RadixKVConnector(KVConnectorBase_V1):
                                 tp_rank=self.tp_rank, tp_size=self.tp_size,
                                 instance=self._kv_transfer_config.engine_id or "")
         try:
-            adapter.attach(memory)
+            adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
         except BaseException:
             adapter.close()
             seg.unlink()
             raise
         self._adapter = adapter
-        self._lookups = Lookups(adapter)
+        self._saves = Saves(adapter)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """Before the forward: the saves of requests preempted this step finish first (vLLM
+        freed their blocks and may fill them in this forward)."""
+        if isinstance(kv_connector_metadata, RadixKVMetadata) and kv_connector_metadata.flush and self._saves:
+            self._saves.flush(kv_connector_metadata.flush)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Queue the scheduler's lookups, drop released leases, then load this step's hits
-        into their blocks (synchronously: vLLM runs this before a forward with loads)."""
+        """Load this step's hits into their blocks (synchronously: vLLM runs this before a
+        forward with loads) from the node and with the lease of the scheduler's Match."""
         meta = self._meta()
         if meta is None or self._adapter is None:
             return
-        for req_id, tokens in meta.lookups.items():
-            self._lookups.poll(req_id, tokens)
-        for req_id in meta.releases:
-            self._lookups.release(req_id)
         for spec in meta.loads:
-            lease = self._lookups.take(spec.req_id).lease
-            got = self._adapter.load(spec.tokens, spec.block_ids, spec.local_blocks, lease)
+            got = self._adapter.load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
+            self._loaded[spec.req_id] = got
             failed = spec.load_blocks[got:]
             if failed:
                 self._load_errors.update(failed)
@@ -108,33 +114,51 @@ class RadixKVConnector(KVConnectorBase_V1):
         return  # whole blocks of every layer are saved in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Insert the blocks this step filled; they are the daemon's copy on return. A
-        request whose load this step left blocks unfilled saves nothing: its forward read
-        those blocks, so what it computed is wrong (vLLM recomputes it)."""
+        """Start the Inserts of the blocks this step filled (asynchronous: the copies run
+        in the daemon while vLLM goes on; `get_finished` says when a finished request's
+        blocks are free). A request whose load this step left blocks unfilled saves
+        nothing: its forward read those blocks, so what it computed is wrong (vLLM
+        recomputes it)."""
         meta = self._meta()
         short, self._short_loads = self._short_loads, set()
-        if meta is None or self._adapter is None:
+        if meta is None or self._saves is None:
             return
         for spec in meta.saves:
-            if spec.req_id not in short:
-                self._adapter.save(spec.tokens, spec.block_ids)
+            if spec.req_id in short:
+                self._saves.skip(spec.req_id)
+            else:
+                self._saves.start(spec)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished requests whose blocks the scheduler kept for saves in flight, once
+        those are copied: vLLM frees their blocks, None): loads are synchronous, so
+        nothing is ever finished receiving."""
+        if self._saves is None:
+            return None, None
+        meta = self._meta()
+        return self._saves.finished(finished_req_ids, meta.delayed if meta else ()) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def build_connector_worker_meta(self) -> RadixKVWorkerMetadata | None:
-        """The lookups this worker answered since its last report."""
-        if self._lookups is None:
+        """The loads this worker finished (their leases can go) and the saves that are
+        over since its last report."""
+        if self._saves is None:
             return None
-        done = self._lookups.completed()
-        if not done:
+        self._saves.poll()
+        saved = self._saves.report()
+        if not self._loaded and not saved:
             return None
-        return RadixKVWorkerMetadata({req: {self.tp_rank: tokens} for req, tokens in done.items()})
+        loaded, self._loaded = self._loaded, {}
+        rank = self.tp_rank
+        return RadixKVWorkerMetadata({req: {rank: n} for req, n in loaded.items()},
+                                     {req: {rank: n} for req, n in saved.items()})
 
     def shutdown(self) -> None:
-        if self._lookups is not None:
-            self._lookups.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._adapter is not None:
             self._adapter.close()
         if self._allocation is not None and self._allocation.segment is not None:
@@ -157,11 +181,29 @@ class RadixKVConnector(KVConnectorBase_V1):
             self._scheduler.answered(meta)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves finish within the step that filled a block, so blocks free at once."""
-        self._scheduler.finished(request)
-        return False, None
+        """True (keep the blocks) for a request that had saves: the workers list it in
+        `get_finished` once the daemon's copies out of its blocks are done."""
+        return self._scheduler.finished(request), None
 
     # -- internals ---------------------------------------------------------------------
+
+    def _scheduler_session(self, kv_cache_config) -> Lookups | None:
+        """The scheduler's own daemon session (role "scheduler": Match and Release, no
+        buffers), registered with the layout the workers registered. Raises RuntimeError
+        (vLLM fails to start) when the daemon is unreachable or refuses it."""
+        try:
+            layout = layout_from_spec(kv_cache_config)
+        except (AttributeError, ValueError) as e:
+            log.warning("radixkv: no scheduler session (%s): every lookup is a miss", e)
+            return None
+        adapter = DaemonAdapter(self.config, engine=f"vllm pid {os.getpid()} scheduler", tp_size=self.tp_size,
+                                instance=self._kv_transfer_config.engine_id or "", role="scheduler")
+        try:
+            adapter.attach(layout)
+        except BaseException:
+            adapter.close()
+            raise
+        return Lookups(adapter)
 
     def _meta(self) -> RadixKVMetadata | None:
         meta = self._connector_metadata

@@ -179,4 +179,23 @@ def describe(kv_caches: dict[str, torch.Tensor], base: torch.Tensor, handle: byt
     return KvMemory(layout, specs, num_blocks, block_stride, page_bytes, names)
 
 
-__all__ = ["KvMemory", "PREFIX", "ShmAllocation", "ShmSegment", "describe", "remove_orphans"]
+def layout_from_spec(kv_cache_config) -> KvLayout:
+    """The layout `describe` gives a worker, from vLLM's `KVCacheConfig` alone (what the
+    scheduler process has): every layer of every group, group 0's attention spec (heads of
+    one rank, block size, dtype, bytes of a block of one layer). Raises ValueError for a
+    config without an attention group."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if not groups:
+        raise ValueError("vLLM's KV cache config has no KV cache group")
+    spec = groups[0].kv_cache_spec
+    heads, tokens = getattr(spec, "num_kv_heads", 0), spec.block_size
+    if not heads:
+        raise ValueError(f"radixkv supports attention KV caches, not {type(spec).__name__}")
+    item = torch.empty((), dtype=spec.dtype).element_size()
+    return KvLayout(num_layers=sum(len(g.layer_names) for g in groups), num_kv_heads=heads,
+                    head_dim=spec.page_size_bytes // (heads * tokens * item),
+                    dtype=str(spec.dtype).removeprefix("torch."), page_size=tokens, kv_format="mla")
+
+
+__all__ = ["KvMemory", "PREFIX", "ShmAllocation", "ShmSegment", "describe", "layout_from_spec",
+           "remove_orphans"]

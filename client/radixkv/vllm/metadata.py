@@ -2,8 +2,8 @@
 
 `RadixKVMetadata` goes from the scheduler to every worker (pickled by vLLM with the step);
 `RadixKVWorkerMetadata` comes back from each worker, merged across workers by `aggregate`,
-to the scheduler's `update_connector_output`. So the scheduler side makes no daemon call:
-the workers, which hold the daemon sessions, look prefixes up for it.
+to the scheduler's `update_connector_output`. The scheduler looks prefixes up on its own
+daemon session (`radixkv.vllm.lookups`); the workers load, save and report their loads.
 
 Block ids are vLLM's, which are also the page numbers the daemon was registered with.
 Tokens travel packed (little-endian int32 bytes), as the daemon takes them.
@@ -19,14 +19,15 @@ class LoadSpec:
     """Load a radixkv hit into a request's blocks before this step's forward.
 
     The request's first `local_blocks` blocks already hold its prefix (vLLM's own prefix
-    cache); `tokens` are the whole pages of the prefix up to the end of the hit, and
-    `block_ids[i]` is the block of page i. The worker's lookup lease for `req_id` keeps
-    the pages until the load is done."""
+    cache); `block_ids[i]` is the block of page i, up to the end of the hit. `node` is the
+    daemon's host node the scheduler's Match ended at and `lease` that Match's lease (the
+    scheduler's session), which keeps the pages until every rank reported the load."""
 
     req_id: str
-    tokens: bytes
     block_ids: tuple[int, ...]
     local_blocks: int
+    node: int
+    lease: int
 
     @property
     def load_blocks(self) -> tuple[int, ...]:
@@ -46,27 +47,34 @@ class SaveSpec:
 
 @dataclass
 class RadixKVMetadata(KVConnectorMetadata):
-    """One step's work for every worker, in this order: `lookups` to start (request id ->
-    packed tokens, whole blocks), `releases` (request ids whose lookup lease is no longer
-    needed), `loads` before the forward, `saves` after it."""
+    """One step's work for every worker: `flush` (request ids preempted this step: their
+    saves in flight must finish before the forward, which may reuse their blocks), `loads`
+    before the forward, `saves` after it, and `delayed` (finished requests whose blocks
+    vLLM keeps until every worker lists them in `get_finished`)."""
 
-    lookups: dict[str, bytes] = field(default_factory=dict)
-    releases: list[str] = field(default_factory=list)
+    flush: list[str] = field(default_factory=list)
+    delayed: list[str] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
 
 
 @dataclass
 class RadixKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Lookups answered since the worker's last report: request id -> {tp rank: tokens}."""
+    """Since the worker's last report: loads it finished (request id -> {tp rank: pages
+    loaded}) and saves that are over (request id -> {tp rank: count})."""
 
-    hits: dict[str, dict[int, int]] = field(default_factory=dict)
+    loaded: dict[str, dict[int, int]] = field(default_factory=dict)
+    saved: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: "RadixKVWorkerMetadata") -> "RadixKVWorkerMetadata":
-        merged = {req: dict(ranks) for req, ranks in self.hits.items()}
-        for req, ranks in other.hits.items():
-            merged.setdefault(req, {}).update(ranks)
-        return RadixKVWorkerMetadata(merged)
+        return RadixKVWorkerMetadata(_merge(self.loaded, other.loaded), _merge(self.saved, other.saved))
+
+
+def _merge(a: dict[str, dict[int, int]], b: dict[str, dict[int, int]]) -> dict[str, dict[int, int]]:
+    merged = {req: dict(ranks) for req, ranks in a.items()}
+    for req, ranks in b.items():
+        merged.setdefault(req, {}).update(ranks)
+    return merged
 
 
 __all__ = ["LoadSpec", "RadixKVMetadata", "RadixKVWorkerMetadata", "SaveSpec"]
