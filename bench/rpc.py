@@ -4,8 +4,11 @@ library in between), over its unix socket and over TCP on 127.0.0.1.
 Each operation is timed call by call, interleaved with `Echo` carrying a payload of the
 same size as one 2k-token prompt (8 KiB): the floor of a unary call in Python gRPC here.
 The tree is warm: whole 2k-token prompts (page_size 16, tiny pages so copies cost nothing).
+Each round ends with the Session stream rows (#15, rpc_stream.py): Match through the
+client library over the stream, against unary Match and a raw Unix-socket ping-pong.
 """
 
+import asyncio
 import os
 import random
 import time
@@ -18,6 +21,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pbg
 from radixkv_server.core.pages import pack, unpack
 
+from . import rpc_stream
 from .daemon import AckChannel, DaemonProcess, channel, register
 from .figures import Figure, Section, Table, fmt
 from .timing import percentile, progress
@@ -132,7 +136,12 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
     with DaemonProcess("--host-pool-size", "1GiB", tcp=True) as d:
         progress(f"rpc: daemon pid {d.pid} on {d.unix} and {d.tcp}; warming {PROMPTS[mode]} prompts per transport")
         sides = {"unix": Side("bench-unix", d.unix, PROMPTS[mode], 1), "tcp": Side("bench-tcp", d.tcp, PROMPTS[mode], 2)}
+        loop, streams, floor = asyncio.new_event_loop(), None, None
+        stream_lat = {op: [] for op in rpc_stream.OPS}
         try:
+            streams = rpc_stream.StreamClients(d.unix, LAYOUT, sides["unix"].prompts, PROMPT_PAGES, loop)
+            floor = rpc_stream.Floor(len(sides["unix"].payload))
+            rpc_stream.measure(sides["unix"], streams, floor, rng, 10, {op: [] for op in rpc_stream.OPS})  # warm-up
             lat = {(t, op): [] for t in sides for op in ("echo", "match", "match_batch32", "insert", "loadback_ack")}
             ops = {t: _ops(s, rng) for t, s in sides.items()}
             for t, s in sides.items():  # warm-up: connections, caches
@@ -148,6 +157,7 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
                         for op in (names if i % 2 == 0 else reversed(names)):
                             lat[(t, op)].append(ops[t][op]())
                     lat[(t, "loadback_ack")] += _loadbacks(sides[t], LOADS[mode])
+                rpc_stream.measure(sides["unix"], streams, floor, rng, CALLS[mode], stream_lat)
             violations = []
             for t, s in sides.items():
                 bad = s.stub.CheckInvariants(pb.CheckInvariantsRequest()).violations
@@ -155,6 +165,7 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
             if violations:
                 raise RuntimeError(f"daemon invariants broken during rpc bench: {violations[:3]}")
             _report(sec, lat, sides)
+            rpc_stream.report(sec, stream_lat)
             missed = [f for f in sec.figures if f.met is False]
             if profiler is not None and missed:
                 progress("rpc: profiling the daemon under Match and under Echo (py-spy)")
@@ -162,6 +173,10 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
                     fn = ops["unix"][op]
                     profiler.record(f"rpc.daemon.{op}", d.pid, fn, f"daemon under back-to-back unix {op} calls")
         finally:
+            for closing in (streams, floor):
+                if closing is not None:
+                    closing.close()
+            loop.close()
             for s in sides.values():
                 s.close()
     return sec
