@@ -23,7 +23,7 @@ from .channel import open_aio_channel
 from .errors import DeadlineExceeded, RadixKVError, SessionLost, from_rpc_error
 from .layout import KvLayout
 from .session import SERVICE, Plan, PlanRun, Rpc, Sleep
-from .streaming import CallLedger, stream_end_reason
+from .streaming import AsyncCallStream
 from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
                     PrefetchProgress, Registration, Violation)
 
@@ -123,133 +123,6 @@ class AsyncAckStream:
             fut = self._futures.pop(outcome.transfer, None)
             if fut is not None and not fut.done():
                 fut.set_result(outcome)
-
-
-class AsyncCallStream:
-    """The session stream on the event loop (see `radixkv.streaming`; the bookkeeping is
-    the same `CallLedger`).
-
-    A caller reads its own answer from the stream (no reader task in between: a hop
-    through one costs tens of microseconds per call); while one reads, other callers
-    await their answers, which it resolves as they come, and a call that returns with
-    answers still owed hands the reading to a task. Any number may be in flight.
-
-    A call not answered within its timeout raises DeadlineExceeded and ends the stream
-    (the daemon answers in order: every later answer waits behind that one), and so does
-    cancelling a call while it reads: the daemon then closes the session, and the next
-    call finds it lost (recovery registers again). A stream the daemon ended is noticed
-    by the next call.
-    """
-
-    def __init__(self, stub, session: str, *, close_timeout: float = 30.0,
-                 on_broken: Callable[[str], None] | None = None):
-        self._close_timeout = close_timeout
-        self._on_broken = on_broken
-        self._ledger = CallLedger()
-        self._pending: dict[int, asyncio.Future] = {}
-        self._loop = asyncio.get_running_loop()
-        self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time
-        self._reading = False  # a coroutine is in `read()`
-        self._reader: asyncio.Task | None = None
-        self._call = stub.Session()
-
-    async def call(self, method: str, request, timeout: float | None):
-        """Send one call and await its answer (see `CallStream.call`)."""
-        rid, message = self._ledger.request(method, request)
-        answer = self._loop.create_future()
-        self._pending[rid] = answer
-        expiry = None if timeout is None else self._loop.call_later(timeout, self._expire, answer, method, timeout)
-        try:
-            async with self._write_lock:
-                await self._call.write(message)
-            while not answer.done():
-                if self._reading:
-                    await answer  # resolved by the reader, or handed the reading (see _hand_over)
-                else:
-                    await self._read_one()
-        except asyncio.CancelledError:
-            if not answer.done():
-                self._end("a call on the session stream was cancelled")
-                raise
-        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._end(stream_end_reason(e))
-        finally:
-            if expiry is not None:
-                expiry.cancel()
-            self._pending.pop(rid, None)
-            self._hand_over()
-        result = answer.result() if answer.done() else self._ledger.broken()
-        if isinstance(result, RadixKVError):
-            raise result
-        return result
-
-    async def close(self, reason: str = "the client closed") -> None:
-        """Half-close, wait for the daemon to end its side, fail what stayed unanswered."""
-        self._ledger.end(reason)
-        try:
-            async with self._write_lock:
-                await self._call.done_writing()
-            await asyncio.wait_for(self._call.code(), self._close_timeout)
-        except (asyncio.TimeoutError, grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            self._call.cancel()
-        self._fail_pending()
-
-    def abandon(self, reason: str) -> None:
-        """The session is gone: fail every unanswered call and drop the stream now."""
-        self._ledger.end(reason)
-        self._call.cancel()
-        self._fail_pending()
-
-    async def _read_one(self) -> None:
-        """Read one answer and resolve its call; at the stream's end, end the ledger."""
-        self._reading = True
-        try:
-            response = await self._call.read()
-        finally:
-            self._reading = False
-        if response is grpc.aio.EOF:
-            self._end(stream_end_reason(None))
-            return
-        answer = self._pending.pop(response.id, None)
-        if answer is not None and not answer.done():
-            answer.set_result(CallLedger.result(response))
-
-    def _hand_over(self) -> None:
-        """Answers are owed and nobody reads: a task reads until none is."""
-        if self._pending and not self._reading and self._reader is None and self._ledger.ended is None:
-            self._reader = self._loop.create_task(self._read_owed())
-
-    async def _read_owed(self) -> None:
-        try:
-            while self._pending and not self._reading and self._ledger.ended is None:
-                await self._read_one()
-        except (asyncio.CancelledError, Exception) as e:  # the waiters must hear of it
-            self._end(stream_end_reason(e))
-        finally:
-            self._reader = None
-
-    def _expire(self, answer: asyncio.Future, method: str, timeout: float) -> None:
-        if answer.done():
-            return
-        answer.set_result(DeadlineExceeded(f"{method}: no answer on the session stream within {timeout}s "
-                                           "(the stream ends with it)"))
-        self._ledger.end(f"a {method} was not answered within {timeout}s")
-        self._call.cancel()  # a read in progress ends; the other calls fail
-        self._fail_pending()
-
-    def _end(self, reason: str) -> None:
-        """The stream is over: fail what is owed; tell the session if the daemon ended it."""
-        by_daemon = self._ledger.end(reason)
-        self._call.cancel()
-        self._fail_pending()
-        if by_daemon and self._on_broken is not None:
-            self._on_broken(reason)
-
-    def _fail_pending(self) -> None:
-        pending, self._pending = self._pending, {}
-        for answer in pending.values():
-            if not answer.done():
-                answer.set_result(self._ledger.broken())
 
 
 class AsyncClient(ClientBase):

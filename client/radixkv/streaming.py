@@ -8,7 +8,7 @@ The requests are the session's plans' (`radixkv.session`, built once by
 `CallLedger` is what both shells share, without I/O: request ids, wrapping a request
 into a `SessionRequest`, unwrapping an answer into the response message or the typed
 error of its in-band status, and why the stream ended. `CallStream` (blocking; a reader
-thread) and `radixkv.aio.AsyncCallStream` (a reader task) do the I/O.
+thread) and `AsyncCallStream` (asyncio; callers read their own answers) do the I/O.
 
 Any number of calls may be in flight (pipelined); the daemon answers them in order.
 Once the stream ended (daemon gone or shutting down, session closed, client closed)
@@ -16,9 +16,11 @@ every unanswered call and every later one fails with Unavailable saying why, and
 `on_broken(reason)` tells the session, whose recovery probes it and registers again (a
 new registration opens a new stream). The daemon closes the session when its stream
 ends, as it does when its ack stream ends. A call not answered within its timeout
-raises DeadlineExceeded; its late answer is dropped.
+raises DeadlineExceeded: on `CallStream` its late answer is dropped and the stream goes
+on; on `AsyncCallStream` the stream ends with it (see there).
 """
 
+import asyncio
 import itertools
 import queue
 import threading
@@ -163,4 +165,157 @@ class CallStream:
                 answer.set_result(error)
 
 
-__all__ = ["STREAM_METHODS", "CallLedger", "CallStream", "stream_end_reason"]
+class AsyncCallStream:
+    """The session stream on the event loop (see `radixkv.streaming`; the bookkeeping is
+    the same `CallLedger`).
+
+    A caller reads its own answer from the stream (no reader task in between: a hop
+    through one costs tens of microseconds per call); while one reads, other callers
+    await their answers, which it resolves as they come, and a call that returns with
+    answers still owed hands the reading to a task. Any number may be in flight.
+
+    A call not answered within its timeout raises DeadlineExceeded and ends the stream
+    (the daemon answers in order: every later answer waits behind that one), and so does
+    cancelling a call while it reads: the daemon then closes the session, and the next
+    call finds it lost (recovery registers again). A stream the daemon ended is noticed
+    by the next call.
+    """
+
+    def __init__(self, stub, session: str, *, close_timeout: float = 30.0,
+                 on_broken: Callable[[str], None] | None = None):
+        self._close_timeout = close_timeout
+        self._on_broken = on_broken
+        self._ledger = CallLedger()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._loop = asyncio.get_running_loop()
+        self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time
+        self._reading = False  # a coroutine is in `read()`
+        self._reader: asyncio.Task | None = None
+        # Deadlines of the calls in flight (id -> (loop time, method, timeout)), checked by
+        # one timer armed for the earliest: cheaper than a timer per call.
+        self._deadlines: dict[int, tuple[float, str, float]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._call = stub.Session()
+
+    async def call(self, method: str, request, timeout: float | None):
+        """Send one call and await its answer (see `CallStream.call`)."""
+        rid, message = self._ledger.request(method, request)
+        answer = self._loop.create_future()
+        self._pending[rid] = answer
+        if timeout is not None:
+            self._deadlines[rid] = (deadline := self._loop.time() + timeout, method, timeout)
+            if self._timer is None or deadline < self._timer.when():
+                self._arm(deadline)
+        try:
+            async with self._write_lock:
+                await self._call.write(message)
+            while not answer.done():
+                if self._reading:
+                    await answer  # resolved by the reader, or handed the reading (see _hand_over)
+                else:
+                    await self._read_one()
+        except asyncio.CancelledError:
+            if not answer.done():
+                self._end("a call on the session stream was cancelled")
+                raise
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._end(stream_end_reason(e))
+        finally:
+            self._deadlines.pop(rid, None)
+            self._pending.pop(rid, None)
+            self._hand_over()
+        result = answer.result() if answer.done() else self._ledger.broken()
+        if isinstance(result, RadixKVError):
+            raise result
+        return result
+
+    async def close(self, reason: str = "the client closed") -> None:
+        """Half-close, wait for the daemon to end its side, fail what stayed unanswered."""
+        self._ledger.end(reason)
+        try:
+            async with self._write_lock:
+                await self._call.done_writing()
+            await asyncio.wait_for(self._call.code(), self._close_timeout)
+        except (asyncio.TimeoutError, grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            self._call.cancel()
+        self._fail_pending()
+
+    def abandon(self, reason: str) -> None:
+        """The session is gone: fail every unanswered call and drop the stream now."""
+        self._ledger.end(reason)
+        self._call.cancel()
+        self._fail_pending()
+
+    async def _read_one(self) -> None:
+        """Read one answer and resolve its call; at the stream's end, end the ledger."""
+        self._reading = True
+        try:
+            response = await self._call.read()
+        finally:
+            self._reading = False
+        if response is grpc.aio.EOF:
+            self._end(stream_end_reason(None))
+            return
+        answer = self._pending.pop(response.id, None)
+        if answer is not None and not answer.done():
+            answer.set_result(CallLedger.result(response))
+
+    def _hand_over(self) -> None:
+        """Answers are owed and nobody reads: a task reads until none is."""
+        if self._pending and not self._reading and self._reader is None and self._ledger.ended is None:
+            self._reader = self._loop.create_task(self._read_owed())
+
+    async def _read_owed(self) -> None:
+        try:
+            while self._pending and not self._reading and self._ledger.ended is None:
+                await self._read_one()
+        except (asyncio.CancelledError, Exception) as e:  # the waiters must hear of it
+            self._end(stream_end_reason(e))
+        finally:
+            self._reader = None
+
+    def _arm(self, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(deadline, self._sweep)
+
+    def _sweep(self) -> None:
+        """The timer: fail the first call past its deadline (ending the stream), or arm
+        the timer again for the earliest deadline still ahead."""
+        self._timer = None
+        if not self._deadlines:
+            return
+        now = self._loop.time()
+        rid, (deadline, method, timeout) = min(self._deadlines.items(), key=lambda item: item[1][0])
+        if deadline > now:
+            self._arm(deadline)
+            return
+        answer = self._pending.get(rid)
+        if answer is not None and not answer.done():
+            answer.set_result(DeadlineExceeded(f"{method}: no answer on the session stream within {timeout}s "
+                                               "(the stream ends with it)"))
+        self._ledger.end(f"a {method} was not answered within {timeout}s")
+        self._deadlines.clear()
+        self._call.cancel()  # a read in progress ends; the other calls fail
+        self._fail_pending()
+
+    def _end(self, reason: str) -> None:
+        """The stream is over: fail what is owed; tell the session if the daemon ended it."""
+        by_daemon = self._ledger.end(reason)
+        self._call.cancel()
+        self._fail_pending()
+        if by_daemon and self._on_broken is not None:
+            self._on_broken(reason)
+
+    def _fail_pending(self) -> None:
+        """The stream ended: fail every call still owed an answer; no deadline is due."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        pending, self._pending = self._pending, {}
+        for answer in pending.values():
+            if not answer.done():
+                answer.set_result(self._ledger.broken())
+
+
+__all__ = ["STREAM_METHODS", "AsyncCallStream", "CallLedger", "CallStream", "stream_end_reason"]

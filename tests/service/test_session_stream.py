@@ -272,6 +272,33 @@ def test_client_close_and_recovery_after_a_restart(daemon_factory):
     wait_for(lambda: stub_for(d.target)[1].Stats(pb.StatsRequest()).sessions == 0, 10, "no session left")
 
 
+def test_async_deadline_ends_the_stream_and_recovery_follows(daemon_factory):
+    """An Evict waiting for a slowed write-back outlives the call's timeout: it raises
+    DeadlineExceeded, the stream (and so the session) ends, and the client registers
+    again on the next call."""
+    d = daemon_factory("--fault-copy-delay", "2", "--write-policy", "write_back")
+
+    async def run():
+        engine = EngineDouble(LAYOUT, 32)
+        c = AsyncClient(d.target, timeout=10, stream=True, reconnect=Backoff(0.01, 0.1))
+        try:
+            await c.register("late/a", LAYOUT, engine.buffers.specs, 32, write_policy="write_back")
+            await c.insert(pack(prompt(1, 2)), [0, 1])
+            c.timeout = 0.5
+            with pytest.raises(errors.DeadlineExceeded, match="no answer on the session stream within 0.5s"):
+                await c.evict(2)  # write_back: copies both pages to host first, slowed
+            c.timeout = 10
+            with pytest.raises(errors.RadixKVError) as first:
+                await c.match([pack(prompt(1, 2))])
+            lost = first.value if isinstance(first.value, errors.SessionLost) else await c.reconnect(10)
+            assert type(lost) is errors.SessionLost, first.value
+            assert [r.device_tokens for r in await c.match([pack(prompt(1, 2))])] == [0]
+        finally:
+            await c.close()
+            engine.buffers.close()
+    asyncio.run(run())
+
+
 def test_daemon_shutdown_ends_the_stream(daemon_factory):
     d = daemon_factory()
     channel, stub = stub_for(d.target)
