@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC)"; $(BIN)/pip install -q "$(TORCH_SPEC)"; }
 	@echo "installing radixkv into $(VENV)"
-	@$(BIN)/pip install -q -e ".[test,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/pip install -q -e ".[test,dev,storage]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(BIN)/python -c "import radixkv_server, radixkv, grpc, torch" 
 	@touch $@
 

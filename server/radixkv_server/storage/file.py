@@ -18,11 +18,12 @@ instead of quietly refilling the underlying filesystem; it works again once the
 directory is back.
 """
 
+import itertools
 import os
 import secrets
 
 from .base import Read, StorageBackend, StorageUnavailable
-from .record import HEADER_BYTES
+from .record import HEADER_BYTES, header
 
 SUFFIX = ".page"
 
@@ -45,11 +46,15 @@ class FileStorage(StorageBackend):
             raise StorageUnavailable(self.name, "open", exc) from exc
         if not os.path.isdir(self.directory):
             raise StorageUnavailable(self.name, "open", detail=f"{self.directory} is not a directory")
+        # Temporary names: unique per process without a random draw per page; O_EXCL
+        # still refuses a clash (another host sharing the directory).
+        self._tmp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._tmp_count = itertools.count()
 
     def path_for(self, key: bytes) -> str:
         """The file that holds (or would hold) the page stored under `key`."""
         h = key.hex()
-        return os.path.join(self.directory, h[0:2], h[2:4], h + SUFFIX)
+        return f"{self.directory}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"  # os.path.join, without its cost per page
 
     # -- primitives -------------------------------------------------------------------
 
@@ -70,44 +75,52 @@ class FileStorage(StorageBackend):
 
     def _get_into(self, keys: list[bytes], pages: list) -> list[Read]:
         """Each file is read with one readv: its header into a small buffer, its payload
-        straight into the page (no intermediate copy); then checked in place."""
+        straight into the page (no intermediate copy); then checked in place. A run
+        ends at the first page that is not a hit (the caller uses the leading run)."""
         reads = []
+        head, spare = bytearray(HEADER_BYTES), bytearray(1)
         for key, page in zip(keys, pages):
-            head = bytearray(HEADER_BYTES)
-            got = self._read_into(self.path_for(key), head, page)
+            path = self.path_for(key)
+            got = self._read_into(path, head, page, spare)
             if got is None:
-                reads.append(Read.MISS)
+                read = Read.MISS
             elif got is False:  # a file of another length: damaged, or another layout
-                reads.append(self._place(key, self._read(self.path_for(key)) or b"", page))
+                read = self._place(key, self._read(path) or b"", page)
             else:
-                reads.append(self._verified(key, head, page))
+                read = self._verified(key, head, page)
+            reads.append(read)
+            if read is not Read.HIT:
+                break
         if Read.MISS in reads:
             self._require_directory("get")
-        return reads
+        return reads + [Read.MISS] * (len(keys) - len(reads))
 
     @staticmethod
-    def _read_into(path: str, head: bytearray, page) -> bool | None:
+    def _read_into(path: str, head: bytearray, page, spare: bytearray) -> bool | None:
         """Fill head and page from the file; None if absent, False if its size is not
-        exactly header + page (the caller then reads it whole to tell why)."""
+        exactly header + page (the caller then reads it whole to tell why). One readv
+        also asks for a byte past the page: a longer file fills it."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
-            want = HEADER_BYTES + memoryview(page).nbytes
-            if os.fstat(fd).st_size != want:
-                return False
-            return os.readv(fd, [head, page]) == want
+            return os.readv(fd, [head, page, spare]) == HEADER_BYTES + memoryview(page).nbytes
         finally:
             os.close(fd)
 
-    def _put_blobs(self, records: list[tuple[bytes, bytes]]) -> list[bool]:
+    def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
+        """Each page is written with one writev of its record header and the page itself
+        (no record copy)."""
+        return self._put_blobs([(key, (header(payload), payload)) for key, payload in items])
+
+    def _put_blobs(self, records: list[tuple[bytes, bytes | tuple]]) -> list[bool]:
         stored = []
         for key, blob in records:
             path = self.path_for(key)
             present = os.path.exists(path)
             if not present:
-                self._write(path, blob)
+                self._write(path, blob if isinstance(blob, tuple) else (blob,))
             stored.append(not present)
         return stored
 
@@ -134,9 +147,11 @@ class FileStorage(StorageBackend):
         except FileNotFoundError:
             return None
 
-    def _write(self, path: str, blob: bytes) -> None:
+    def _write(self, path: str, parts: tuple) -> None:
+        """Write the concatenation of `parts` to `path`, atomically (a temporary file
+        renamed into place)."""
         directory, name = os.path.split(path)
-        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        tmp = f"{directory}/.{name}.{self._tmp_tag}-{next(self._tmp_count)}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o666)  # the umask decides who else may read pages
@@ -145,9 +160,7 @@ class FileStorage(StorageBackend):
             fd = os.open(tmp, flags, 0o666)
         try:
             try:
-                view = memoryview(blob)
-                while view:
-                    view = view[os.write(fd, view):]
+                _write_all(fd, [memoryview(p).cast("B") for p in parts])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -176,6 +189,17 @@ class FileStorage(StorageBackend):
         if not os.path.isdir(self.directory):
             raise StorageUnavailable(
                 self.name, operation, detail=f"directory {self.directory} is missing or not a directory")
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """writev until every byte of `views` is written (a short write resumes where it stopped)."""
+    while views:
+        done = os.writev(fd, views)
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]
 
 
 def _fsync_directory(path: str) -> None:

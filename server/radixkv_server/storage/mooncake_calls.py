@@ -10,7 +10,7 @@ completes when the store lets go.
 """
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout, wait
 
 import numpy as np
 
@@ -91,10 +91,12 @@ class Caller:
         self.name, self.timeout = name, timeout
         self.slots = Slots(batch * (threads + 2))
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="radixkv-mooncake")
+        self._lock = threading.Lock()  # guards _running: submitting threads and finishing calls
+        self._running: set[Future] = set()  # store calls submitted and not yet returned
 
     def start(self, operation: str, fn, *args, slots: list[int] | None = None, **kwargs) -> Call:
         try:
-            future = self._pool.submit(fn, *args, **kwargs)
+            future = self._submit(fn, *args, **kwargs)
         except RuntimeError as exc:  # shut down
             if slots:
                 self.slots.give(slots)
@@ -118,10 +120,30 @@ class Caller:
 
     def submit(self, fn, *args) -> Future:
         """fn(*args) on a call thread, no deadline (joining the store)."""
-        return self._pool.submit(fn, *args)
+        return self._submit(fn, *args)
 
     def close(self) -> None:
+        """No new calls; queued ones are cancelled, running ones go on (see `settle`)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def settle(self, seconds: float) -> bool:
+        """Wait up to `seconds` for every store call submitted so far to return; True
+        when none is still running (only then may the store be closed and the buffers
+        given to its calls be freed)."""
+        with self._lock:
+            running = list(self._running)
+        return not wait(running, seconds).not_done
+
+    def _submit(self, fn, *args, **kwargs) -> Future:
+        future = self._pool.submit(fn, *args, **kwargs)
+        with self._lock:
+            self._running.add(future)
+        future.add_done_callback(self._returned)
+        return future
+
+    def _returned(self, future: Future) -> None:
+        with self._lock:
+            self._running.discard(future)
 
 
 def both(first: Future, second: Future) -> Future:

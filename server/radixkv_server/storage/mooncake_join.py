@@ -27,7 +27,8 @@ class Membership:
         self._connecting = None        # the Future of a setup() in flight
         self._failed_at = 0.0
         self._ranges = list(ranges)
-        self._registered: set[int] = set()
+        self._registered: set[int] = set()  # addresses registered with _store
+        self._left = False                   # leave() was called: a join finishing later closes its store
 
     def attach(self, address: int, nbytes: int) -> None:
         with self._lock:
@@ -49,13 +50,27 @@ class Membership:
         code = store.register_buffer(buf.ctypes.data, buf.nbytes)
         if code != 0:
             log.warning("storage %s: registering a %d-byte staging buffer answered %d", self.name, buf.nbytes, code)
-        return code == 0
+            return False
+        with self._lock:
+            self._registered.add(buf.ctypes.data)
+        return True
 
     def leave(self):
-        """The joined store, forgotten (for closing it), or None."""
+        """The joined store, forgotten (for closing it), or None. Afterwards no call gets
+        a store, and a join still in flight closes the store it makes."""
         with self._lock:
-            store, self._store = self._store, None
+            store, self._store, self._left = self._store, None, True
         return store
+
+    def unregister_all(self, store) -> None:
+        """Unregister every buffer registered with `store` (before closing it: memory the
+        store knows must not be freed while it could still use it). Best effort."""
+        with self._lock:
+            addresses, self._registered = sorted(self._registered), set()
+        for a in addresses:
+            code = store.unregister_buffer(a)
+            if code != 0:
+                log.warning("storage %s: unregistering the buffer at %#x answered %d", self.name, a, code)
 
     def client(self):
         """The joined store, or StorageUnavailable while joining is in progress or failed."""
@@ -94,11 +109,16 @@ class Membership:
         code = store.setup(*self.setup_args)
         with self._lock:
             self._connecting = None
+            left = self._left
             if code != 0:
                 self._failed_at = time.monotonic()
                 log.warning("storage %s: joining the store failed (setup answered %d)", self.name, code)
                 return
-            self._store = store
+            if not left:
+                self._store = store
+        if left:  # closed while joining: nothing will use this store (no memory registered yet)
+            store.close()
+            return
         self._register(store)
         log.info("storage %s: joined, lending %d bytes", self.name, self.setup_args[2])
 
@@ -120,5 +140,7 @@ class Membership:
             code = store.register_buffer(a, n)
             if code != 0:
                 log.warning("storage %s: registering %d bytes answered %d", self.name, n, code)
+                with self._lock:
+                    self._registered.discard(a)
 
 

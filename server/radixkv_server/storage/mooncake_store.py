@@ -2,14 +2,15 @@
 
 Each daemon joins the store as a client of one `mooncake_master`: it lends
 `segment_bytes` of its own memory to the pool (0: it only borrows) and keeps a
-`buffer_bytes` local buffer for copying calls. The host pool is registered with the
-store (`attach_memory`); a store moves a batch of pages in one call, each object in two
-parts: the 20-byte record header (from a small registered arena) and the payload (the
-host page itself, no copy). A fetch (`fetch="staged"`, the default) reads whole records
-in one batched call into a registered staging buffer, checks each and copies it into
-its host page: measured here, Mooncake 0.3.13 moves one-part objects ~35% faster than
-two-part ones, more than the copy costs. `fetch="direct"` reads header and payload
-straight into the host page instead (no copy).
+`buffer_bytes` local buffer for copying calls. A batch of pages moves in one store call
+per `max_batch` pages. Puts, and fetches with `fetch="staged"` (the default), move whole
+records (20-byte header + payload, one part per object) through a registered staging
+buffer with one copy of each page (mooncake_staged.py): measured here, Mooncake 0.3.13
+moves one-part objects faster than two-part ones (~35% for gets, a few % for puts),
+more than the copy costs. When no staging buffer is free, and for `fetch="direct"`,
+pages move in place: the host pool is registered with the store (`attach_memory`) and
+each object goes in two parts, the header (from a small registered arena) and the host
+page itself (no copy).
 
 What the store does, and what this backend makes of it (measured with the PyPI wheel
 `mooncake-transfer-engine-non-cuda` 0.3.13, TCP, metadata `P2PHANDSHAKE`):
@@ -32,10 +33,12 @@ What the store does, and what this backend makes of it (measured with the PyPI w
   whole and right, or a miss.
 """
 
+import ctypes
 import logging
 import threading
 
 from .base import Read, StorageBackend, StorageTimeout, StorageUnavailable
+from . import mooncake_staged as staged
 from .mooncake_calls import Call, Caller, Staging, address, both
 from .mooncake_join import Membership
 from .record import HEADER_BYTES, header
@@ -113,7 +116,7 @@ class MooncakeStorage(StorageBackend):
     def _get_into(self, keys: list[bytes], pages: list) -> list[Read]:
         store = self._client()
         if self.fetch == "staged":
-            reads = self._get_staged(store, keys, pages)
+            reads = staged.get(self, store, keys, pages)
             if reads is not None:
                 return reads
         if not all(self._attached(p) for p in pages):
@@ -138,48 +141,6 @@ class MooncakeStorage(StorageBackend):
                 break
             call = following
         return reads + [Read.MISS] * (len(keys) - len(reads))
-
-    def _get_staged(self, store, keys: list[bytes], pages: list) -> list[Read] | None:
-        """Whole records into a registered staging buffer (one part per object: the
-        store's fastest get), each checked and copied into its page. None when no
-        staging buffer is free or the pages differ in size (then pages are read in place)."""
-        size = memoryview(pages[0]).nbytes
-        if any(memoryview(p).nbytes != size for p in pages):
-            return None
-        record = HEADER_BYTES + size
-        buf = self._staging.take(record * min(len(keys), self.max_batch))
-        if buf is None:
-            return None
-        reads: list[Read] = []
-        try:
-            for lo in range(0, len(keys), self.max_batch):
-                got = self._staged_chunk(store, buf, record, keys[lo:lo + self.max_batch], pages[lo:lo + self.max_batch])
-                reads += got
-                if any(r is not Read.HIT for r in got):
-                    break
-        except StorageTimeout as exc:  # the store may still write the buffer
-            exc.settled.add_done_callback(lambda _: self._staging.give(buf))
-            raise
-        except BaseException:
-            self._staging.give(buf)
-            raise
-        self._staging.give(buf)
-        return reads + [Read.MISS] * (len(keys) - len(reads))
-
-    def _staged_chunk(self, store, buf, record: int, keys: list[bytes], pages: list) -> list[Read]:
-        base = buf.ctypes.data
-        names = [self.store_key(k) for k in keys]
-        codes = self._calls.run("get", store.batch_get_into, names, [base + i * record for i in range(len(keys))],
-                                [record] * len(keys))
-        self._raise_if_master_down(codes, "get")
-        reads = []
-        for i, (key, page, code) in enumerate(zip(keys, pages, codes)):
-            if code == record:
-                reads.append(self._place(key, memoryview(buf[i * record:(i + 1) * record]), page))
-            else:  # absent, of another size (-600: larger than the page), or its owner is gone
-                self._note_owner_gone(code)
-                reads.append(Read.MISS)
-        return reads
 
     def _start_get(self, store, keys, pages, lo: int, hi: int) -> Call:
         slots = self._calls.take_slots(hi - lo, "get")
@@ -247,8 +208,14 @@ class MooncakeStorage(StorageBackend):
         return stored
 
     def _put_runs(self, store, names: list[str], payloads: list) -> list[int]:
-        """Store calls of max_batch pages; the next batch's headers (checksums) are made
-        while the previous call runs."""
+        """Whole records through a staging buffer when one is free (`staged.put`), else
+        store calls of max_batch pages sending header and page as two parts, the next
+        batch's headers (checksums) made while the previous call runs."""
+        if not names:
+            return []
+        codes = staged.put(self, store, names, payloads)
+        if codes is not None:
+            return codes
         if not all(self._attached(p) for p in payloads):  # copying path
             return [self._calls.run("put", store.put_parts, n, header(p), p, config=self._config())
                     for n, p in zip(names, payloads)]
@@ -298,19 +265,31 @@ class MooncakeStorage(StorageBackend):
             raise StorageUnavailable(self.name, "check", detail=f"health_check answered {code}")
 
     def _close(self) -> None:
+        """Leave the store without freeing memory it may still use. Store calls still
+        running (a frozen peer) are waited for, bounded; then the registered buffers are
+        unregistered and the store closed, on a thread, bounded too (unmounting a segment
+        waits out readers' leases, 10 s). Whatever is still running after that keeps the
+        store and this backend's buffers for the rest of the process (logged): freeing
+        them under a running call is how a process crashes."""
         self._calls.close()
+        grace = max(2.0, self.timeout)
+        settled = self._calls.settle(grace)
         store = self._member.leave()
+        if not settled:
+            log.warning("storage %s: store calls still running after %gs at close; the store stays open and "
+                        "its buffers are kept until the process exits", self.name, grace)
+            _keep_forever(store, self._calls, self._staging)
+            return
         if store is None:
             return
-        # Unmounting a segment waits out readers' leases (10 s): bounded here; a close still
-        # running when the daemon exits ends with it, and the master drops this client
-        # after client_ttl.
-        closing = threading.Thread(target=_close_store, args=(store, self.name), daemon=True,
+        closing = threading.Thread(target=_close_store, args=(store, self._member, self.name), daemon=True,
                                    name="radixkv-mooncake-close")
         closing.start()
-        closing.join(max(2.0, self.timeout))
+        closing.join(grace)
         if closing.is_alive():
-            log.warning("storage %s: leaving the store is still in progress; not waiting for it", self.name)
+            log.warning("storage %s: leaving the store is still in progress after %gs; its buffers are kept "
+                        "until the process exits (the master drops this client after client_ttl)", self.name, grace)
+            _keep_forever(store, self._calls, self._staging)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -334,11 +313,20 @@ class MooncakeStorage(StorageBackend):
                         "(code %d) until the master drops that owner", self.name, code)
 
 
-def _close_store(store, name: str) -> None:
+def _close_store(store, member: Membership, name: str) -> None:
     try:
+        member.unregister_all(store)
         store.close()
     except Exception as exc:  # closing is best effort
         log.warning("storage %s: close: %s", name, exc)
+
+
+def _keep_forever(*objects) -> None:
+    """Leak one reference to each object, so neither garbage collection nor interpreter
+    shutdown frees it (a store call or close still running may use its memory)."""
+    for obj in objects:
+        if obj is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max_batch, call_threads) -> None:

@@ -1,0 +1,96 @@
+"""Whole records through a registered staging buffer, for MooncakeStorage.
+
+The Mooncake Store moves one-part objects faster than two-part ones (measured with the
+0.3.13 wheel over TCP: ~35% for gets, ~25% for puts of 64 KiB pages), more than a copy
+of the page costs. So a batch of pages moves as whole records (20-byte header, then the
+payload) between a registered staging buffer and the store in one batched one-part call
+per `max_batch` pages:
+- `get`: records land in the buffer, each is checked (length, CRC-32) and its payload
+  copied into its page;
+- `put`: each page's header and payload are copied into the buffer, then stored.
+Both answer None when no staging buffer is free (all in use by calls still out) or the
+pages differ in size; the caller then moves the pages in place (two parts). A buffer
+whose call timed out goes back to the pool only once the store lets go of it.
+"""
+
+from .base import Read, StorageTimeout
+from .record import HEADER_BYTES, header
+
+
+def get(backend, store, keys: list[bytes], pages: list) -> list[Read] | None:
+    """What each key held, its payload copied into its page where it is a HIT; the run
+    ends at the first page that is not one. None: read the pages in place instead."""
+    record = _record_bytes(pages)
+    if record is None:
+        return None
+    return _staged(backend, record, len(keys), lambda buf, lo, hi: _get_chunk(
+        backend, store, buf, record, keys[lo:hi], pages[lo:hi]), reads=True)
+
+
+def put(backend, store, names: list[str], payloads: list) -> list[int] | None:
+    """The store's answer for each record (0: stored, or already present). None: put
+    the pages in place instead."""
+    record = _record_bytes(payloads)
+    if record is None:
+        return None
+    return _staged(backend, record, len(names), lambda buf, lo, hi: _put_chunk(
+        backend, store, buf, record, names[lo:hi], payloads[lo:hi]), reads=False)
+
+
+def _record_bytes(pages: list) -> int | None:
+    size = memoryview(pages[0]).nbytes
+    if any(memoryview(p).nbytes != size for p in pages):
+        return None
+    return HEADER_BYTES + size
+
+
+def _staged(backend, record: int, n: int, chunk, reads: bool) -> list | None:
+    """`chunk(buf, lo, hi)` for each run of max_batch items, in one staging buffer. With
+    `reads`, the runs end after one holding a page that is not a HIT (the rest: MISS)."""
+    batch = backend.max_batch
+    buf = backend._staging.take(record * min(n, batch))
+    if buf is None:
+        return None
+    out: list = []
+    try:
+        for lo in range(0, n, batch):
+            got = chunk(buf, lo, min(lo + batch, n))
+            out += got
+            if reads and any(r is not Read.HIT for r in got):
+                break
+    except StorageTimeout as exc:  # the store may still use the buffer
+        exc.settled.add_done_callback(lambda _: backend._staging.give(buf))
+        raise
+    except BaseException:
+        backend._staging.give(buf)
+        raise
+    backend._staging.give(buf)
+    return out + [Read.MISS] * (n - len(out))
+
+
+def _get_chunk(backend, store, buf, record: int, keys: list[bytes], pages: list) -> list[Read]:
+    base = buf.ctypes.data
+    names = [backend.store_key(k) for k in keys]
+    codes = backend._calls.run("get", store.batch_get_into, names, [base + i * record for i in range(len(keys))],
+                               [record] * len(keys))
+    backend._raise_if_master_down(codes, "get")
+    reads = []
+    for i, (key, page, code) in enumerate(zip(keys, pages, codes)):
+        if code == record:
+            reads.append(backend._place(key, memoryview(buf[i * record:(i + 1) * record]), page))
+        else:  # absent, of another size (-600: larger than the page), or its owner is gone
+            backend._note_owner_gone(code)
+            reads.append(Read.MISS)
+    return reads
+
+
+def _put_chunk(backend, store, buf, record: int, names: list[str], payloads: list) -> list[int]:
+    view = memoryview(buf)
+    for i, payload in enumerate(payloads):
+        at = i * record
+        page = memoryview(payload).cast("B")
+        view[at:at + HEADER_BYTES] = header(page)
+        view[at + HEADER_BYTES:at + record] = page
+    base = buf.ctypes.data
+    return backend._calls.run("put", store.batch_put_from, names, [base + i * record for i in range(len(names))],
+                              [record] * len(names), backend._config())
