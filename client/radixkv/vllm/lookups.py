@@ -14,6 +14,8 @@ also covers a lookup still queued or in flight (its lease is released when it la
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from .daemon import MISS, DaemonAdapter, Hit
 
@@ -36,15 +38,22 @@ class Lookups:
         self._thread = threading.Thread(target=self._run, name="radixkv-lookups", daemon=True)
         self._thread.start()
 
-    def poll(self, req_id: str, tokens: bytes) -> Hit | None:
+    def poll(self, req_id: str, tokens: Callable[[], bytes], idle: bool = False) -> Hit | None:
         """The hit for `req_id` (the same one on every call until taken or dropped), or
-        None while its lookup is queued or in flight (the first call queues it)."""
+        None while its lookup is queued or in flight (the first call queues `tokens()`,
+        the prompt's packed tokens, called only then). `idle`:
+        the engine runs nothing else, so handing the GIL to the lookup thread delays no one."""
         with self._cond:
             hit = self._hits.get(req_id)
             if hit is None and req_id not in self._queued and req_id not in self._inflight:
-                self._queued[req_id] = tokens
+                self._queued[req_id] = tokens()
                 self._cond.notify()
-            return hit
+        if hit is None and idle:
+            # Hand the GIL over: an engine stepping with nothing to run holds it otherwise,
+            # and the lookup thread would get it only every switch interval (5 ms), twice
+            # per Match (send, answer). A step with a forward releases it in torch anyway.
+            time.sleep(0)
+        return hit
 
     def take(self, req_id: str) -> Hit:
         """Forget `req_id`'s hit without releasing it: the caller now owns its lease

@@ -43,6 +43,7 @@ class SchedulerSide:
         self._delayed: list[str] = []  # finished with saves in flight, for the next step
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, tuple[int, dict[int, int]]] = {}  # lease, ranks reported
+        self._idle = True  # the last step scheduled no tokens: the engine spins idle
 
     def matched(self, request, num_computed: int) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens: (tokens to load beyond `num_computed`, False), or
@@ -56,7 +57,7 @@ class SchedulerSide:
         cacheable = (request.num_tokens - 1) // bs * bs
         if cacheable <= num_computed or self.lookups is None:
             return 0, False
-        hit = self.lookups.poll(req_id, _packed(request.all_token_ids, cacheable))
+        hit = self.lookups.poll(req_id, lambda: _packed(request.all_token_ids, cacheable), idle=self._idle)
         if hit is None:
             return None, False
         self._computed[req_id] = num_computed
@@ -84,6 +85,7 @@ class SchedulerSide:
     def build(self, scheduler_output) -> RadixKVMetadata:
         """build_connector_meta: saves to finish before the forward (preempted requests),
         this step's loads, and the full blocks it computes."""
+        self._idle = not scheduler_output.total_num_scheduled_tokens
         flush = [r for r in (scheduler_output.preempted_req_ids or ()) if self._saving(r)]
         meta = RadixKVMetadata(flush=flush, delayed=self._delayed, loads=self._loads)
         self._loads, self._delayed = [], []
