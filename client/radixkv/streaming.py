@@ -294,13 +294,12 @@ class AsyncCallStream:
         if answer is not None and not answer.done():
             answer.set_result(DeadlineExceeded(f"{method}: no answer on the session stream within {timeout}s "
                                                "(the stream ends with it)"))
-        self._ledger.end(f"a {method} was not answered within {timeout}s")
         self._deadlines.clear()
-        self._call.cancel()  # a read in progress ends; the other calls fail
-        self._fail_pending()
+        self._end(f"a {method} was not answered within {timeout}s")  # a read in progress ends too
 
     def _end(self, reason: str) -> None:
-        """The stream is over: fail what is owed; tell the session if the daemon ended it."""
+        """The stream is over (and the daemon closes the session with it): fail what is
+        owed; tell the session, unless the client ended it (close, abandon)."""
         by_daemon = self._ledger.end(reason)
         self._call.cancel()
         self._fail_pending()

@@ -299,6 +299,25 @@ def test_async_deadline_ends_the_stream_and_recovery_follows(daemon_factory):
     asyncio.run(run())
 
 
+def test_blocking_deadline_drops_the_late_answer(daemon_factory):
+    """On the blocking client's stream a call past its deadline raises DeadlineExceeded
+    and the stream goes on: the late answer is dropped, the next call gets its own."""
+    d = daemon_factory("--fault-copy-delay", "2")
+    e = EngineDouble(LAYOUT, 32)
+    e.register(Client(d.target, timeout=10, stream=True), "late/b", write_policy="write_back")
+    try:
+        e.prefill(prompt(1, 2))
+        e.client.timeout = 0.5
+        with pytest.raises(errors.DeadlineExceeded, match="no answer on the session stream within 0.5s"):
+            e.client.evict(2)  # write_back: copies both pages to host first, slowed
+        e.client.timeout = 10
+        [m] = e.client.match([pack(prompt(1, 2))])  # answered after the evict, in order
+        assert (m.device_tokens, m.host_tokens) == (0, 8)
+        assert e.client.session == e.client.registration.session  # the same session
+    finally:
+        e.close()
+
+
 def test_daemon_shutdown_ends_the_stream(daemon_factory):
     d = daemon_factory()
     channel, stub = stub_for(d.target)
