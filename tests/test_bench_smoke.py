@@ -18,10 +18,11 @@ SECTIONS = {  # section -> a figure every tiny run must print
     "workload": "workload.byte_mismatches",
     "storage": "storage.file.prefetch",
     "events": "events.match.p50",
+    "node": "node.match.p99@",
     "vllm": "vllm.ttft.radixkv_host_hit",  # real vLLM engines: about 90 s in tiny mode
 }
 TITLES = {"core": "## Core", "rpc": "## RPC", "copy": "## Copy", "workload": "## Workload", "storage": "## Storage",
-          "events": "## KV events", "vllm": "## vLLM"}
+          "events": "## KV events", "node": "## Node load", "vllm": "## vLLM"}
 
 
 def test_figure_line_round_trips():
