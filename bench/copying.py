@@ -169,14 +169,16 @@ def _notes(sec: Section, gbps) -> None:
     sec.notes.append(
         "**Missed copy targets**\n\n" + "\n".join(lines) + "\n\nWhat bounds them: a transfer moves every "
         f"page's chunk of all {2 * LAYERS} buffers (K, V per layer, one evenly spaced stack). Every run of "
-        "consecutive pages, a scattered page being a run of one, is one numpy slice assignment over the "
-        "whole stack (`shm._copy_runs`, about 1 us of call overhead, GIL released during the bytes), so a "
-        "scattered transfer pays that once per page on top of the bytes: at 64 KiB pages (4 KiB per buffer "
-        "chunk) the overhead is still a fair share of the ~6 us the bytes take. A vectorized gather then "
-        "scatter through a temporary (index_select / index_copy_, or numpy take / fancy assignment) moves "
-        "every byte twice, and torch's index_copy_ goes element by element: both measured slower here. "
-        "The contiguous baseline copies 2x the transfer's bytes that stay in the 32 MiB L3 between rounds, "
-        "while scattered pages are spread over a pool of up to 1 GiB. See the profile below where one was taken.")
+        "consecutive pages, a scattered page being a run of one, is one numpy assignment over the whole "
+        "stack (`shm._copy_runs`, chunks as void elements: under 1 us of call overhead, GIL released during "
+        "the bytes); splitting the lists into runs costs no Python work per page when pages are all "
+        "scattered. So a scattered transfer pays one call per page on top of the bytes, which matters at "
+        "small pages (16 KiB: 1 KiB per buffer chunk). A vectorized gather then scatter through a temporary "
+        "(index_select / index_copy_, numpy take / fancy assignment) moves every byte twice, torch's "
+        "index_copy_ goes element by element, a numpy structured dtype with one field per page pays a "
+        "setup per field and process_vm_writev pins pages in the kernel: all measured slower here. On this "
+        "shared 2-core machine a round preempted by another process takes about 4 ms more, so a median "
+        "over rounds moves with the machine's load; see the profile below where one was taken.")
 
 
 def _report(sec: Section, gbps, mode: str) -> None:

@@ -6,6 +6,8 @@ stored and loaded back, and every byte of the host pool and of the whole segment
 what a page-by-page reference copy gives. Sizes cover both copy strategies of
 `shm.ShmDeviceBuffers` (slice copies per run, and index_select / index_copy_ for tiny
 chunks), evenly spaced buffers (one stack) and buffers that are not (one stack each).
+Shuffled lists with ascending and descending runs and repeated sources cover the ways
+the page lists are split into single pages and runs.
 """
 
 import mmap
@@ -18,7 +20,7 @@ import torch
 
 from radixkv import KvLayout
 from radixkv_server.core.pages import pack
-from radixkv_server.datapath import BufferSpec, HostPool, open_device_buffers
+from radixkv_server.datapath import BufferSpec, CopyError, HostPool, open_device_buffers
 
 PAGES = 24
 HOST_PAGES = 40
@@ -147,3 +149,72 @@ def test_scattered_load_copies_every_byte_and_nothing_else(rig, n):
         dev.submit_load(pool, pack(hosts), pack(devs)).wait()
         assert seg.read(0, len(seg.map)) == bytes(image)
         assert [pool.read_page(h) for h in range(HOST_PAGES)] == pool_before
+
+
+def shuffled_blocks(rng: random.Random, shape: str, n: int, src_limit: int, dst_limit: int):
+    """n (source, destination) page pairs: destinations distinct, sources possibly repeated.
+    The destinations are blocks of consecutive pages in random order, some reversed; each
+    block's sources are a run in the same direction (copied as one slice) or random
+    pages, repeats allowed. shape "scattered": blocks of one page; "one_run": a single
+    ascending run; "mixed": blocks of 1 to 5 pages, either kind."""
+    base = rng.randrange(dst_limit - n + 1)
+    dst_pages = list(range(base, base + n)) if shape != "scattered" else rng.sample(range(dst_limit), n)
+    if shape == "one_run":
+        start = rng.randrange(src_limit - n + 1)
+        return list(range(start, start + n)), dst_pages
+    blocks, i = [], 0
+    while i < n:
+        k = 1 if shape == "scattered" else rng.randint(1, 5)
+        blocks.append(dst_pages[i:i + k])
+        i += k
+    rng.shuffle(blocks)
+    src, dst = [], []
+    for block in blocks:
+        if rng.random() < 0.5:
+            block.reverse()
+        if len(block) > 1 and rng.random() < 0.6:
+            start = rng.randrange(src_limit - len(block) + 1)
+            run = list(range(start, start + len(block)))
+            src += run if block[0] < block[-1] else run[::-1]
+        else:
+            src += [rng.randrange(src_limit) for _ in block]
+        dst += block
+    return src, dst
+
+
+@pytest.mark.parametrize("shape", ["scattered", "one_run", "mixed"])
+def test_random_permutations_with_repeated_sources_copy_byte_exact(rig, shape):
+    """Loads and stores of shuffled, partly reversed pages whose sources repeat (a host
+    page loaded into several device pages, a device page stored into several host
+    pages): every destination page holds its source's bytes, nothing else changes."""
+    lay, seg, dev, pool, placed, chunk, rng = rig
+    for n in (1, 2, 9, PAGES):
+        if shape == "one_run" and n == 1:
+            continue
+        hosts, devs = shuffled_blocks(rng, shape, n, HOST_PAGES, PAGES)
+        image = bytearray(seg.read(0, len(seg.map)))
+        for h, d in zip(hosts, devs):
+            write_device_page(image, placed, chunk, d, pool.read_page(h))
+        dev.submit_load(pool, pack(hosts), pack(devs)).wait()
+        assert seg.read(0, len(seg.map)) == bytes(image), (hosts, devs)
+
+        devs, hosts = shuffled_blocks(rng, shape, n, PAGES, HOST_PAGES)
+        expect = [pool.read_page(h) for h in range(HOST_PAGES)]
+        for h, d in zip(hosts, devs):
+            expect[h] = device_page(seg, placed, chunk, d)
+        dev.submit_store(pack(devs), pool, pack(hosts)).wait()
+        assert [pool.read_page(h) for h in range(HOST_PAGES)] == expect, (hosts, devs)
+
+
+def test_copies_with_a_closed_host_pool_fail_cleanly(rig):
+    """The pool's chunk view is kept between copies; closing the pool drops it, so a
+    later copy is refused (CopyError naming the closed pool) instead of touching freed memory."""
+    lay, seg, dev, pool, placed, chunk, rng = rig
+    dev.submit_store(pack([1, 0]), pool, pack([3, 5])).wait()
+    pool.close()
+    segment_before = seg.read(0, len(seg.map))
+    with pytest.raises(CopyError, match="host pool is closed"):
+        dev.submit_load(pool, pack([3]), pack([2]))
+    with pytest.raises(CopyError, match="host pool is closed"):
+        dev.submit_store(pack([2]), pool, pack([3]))
+    assert seg.read(0, len(seg.map)) == segment_before

@@ -41,6 +41,7 @@ class HostPool:
         self.numa_node: int | None = None  # where the pool was placed, when chosen
         self._pinned_ptr = 0
         self._device = device
+        self._chunk_views: dict = {}  # chunk bytes -> numpy view (`chunks`), dropped at close
         pin_it = pin != "never" and self.nbytes > 0
         node = self._gpu_node() if pin_it else None
         with numa.near(node) as moved:  # first touch (the pinning) happens on `node`
@@ -101,6 +102,24 @@ class HostPool:
             self.pinned = False
             log.info("host pool: unpinned %.2f GiB", self.nbytes / 2**30)
         self.tensor = None
+        self._chunk_views = {}
+
+    def chunks(self, chunk_bytes: int):
+        """The pool as a numpy array [num_pages, page_bytes // chunk_bytes] whose elements
+        are opaque `chunk_bytes`-byte chunks (numpy void): element [p, b] is buffer b's chunk
+        of page p, and an assignment copies it with one memmove. Made once per chunk size
+        and kept until `close` (copies on a CPU backend take it per transfer). ValueError
+        when the pool is closed or `chunk_bytes` does not divide a page."""
+        view = self._chunk_views.get(chunk_bytes)
+        if view is None:
+            if self.tensor is None:
+                raise ValueError("host pool is closed")
+            if chunk_bytes <= 0 or self.layout.page_bytes % chunk_bytes:
+                raise ValueError(f"chunks of {chunk_bytes} bytes do not divide a {self.layout.page_bytes}-byte page")
+            import numpy as np  # only the CPU data path needs it
+            view = self.tensor.numpy().view(np.dtype((np.void, chunk_bytes)))
+            self._chunk_views[chunk_bytes] = view
+        return view
 
     # -- test and tooling helpers ----------------------------------------------------
 

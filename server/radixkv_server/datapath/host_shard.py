@@ -41,6 +41,15 @@ class HostShard:
             return None
         return t.view(self.num_pages, self.tp_size, self.layout.page_bytes)[:, self.rank]
 
+    def chunks(self, chunk_bytes: int):
+        """`HostPool.chunks` of this rank's slice: [num_pages, page_bytes // chunk_bytes]
+        opaque chunks. ValueError when the pool is closed or the chunk does not divide a
+        shard's page."""
+        if chunk_bytes <= 0 or self.layout.page_bytes % chunk_bytes:
+            raise ValueError(f"chunks of {chunk_bytes} bytes do not divide a {self.layout.page_bytes}-byte shard")
+        per = self.layout.page_bytes // chunk_bytes
+        return self.pool.chunks(chunk_bytes)[:, self.rank * per:(self.rank + 1) * per]
+
     def read_page(self, page: int) -> bytes:
         """The shard's bytes of host page `page` (tests, debugging)."""
         return bytes(self.tensor[page].numpy().tobytes())

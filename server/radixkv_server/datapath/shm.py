@@ -7,18 +7,27 @@ attached to with the resource tracker, which unlinks it when the daemon exits an
 destroys the engine's KV cache. Each segment is mapped once, however many buffers
 name it.
 
-Copies move whole pages: each run of consecutive pages (a scattered page is a run of
-one) becomes one numpy slice assignment per group of evenly spaced buffers ("stack"),
-on numpy views of the same memory: a numpy call costs about a microsecond, a torch
-slice-and-copy_ several (four tensor views and a TensorIterator per page), which
-dominated scattered 64 KiB pages. Only when per-call copies would be tiny do scattered
-pages use index_select / index_copy_ per buffer. Both release the GIL for copies of more
-than a few hundred elements, so copy workers run in parallel.
+Copies move whole pages. The page lists split into single pages and runs of
+consecutive pages without Python work per page in the common shapes (all scattered,
+one run); then every page or run is one numpy assignment per group of evenly spaced
+buffers ("stack"), on numpy views of the same memory whose elements are whole chunks
+(numpy void, one memmove each): under a microsecond of call overhead, where a torch
+slice-and-copy_ costs several. The host side is the pool's cached chunk view
+(`HostPool.chunks`). A vectorized gather then scatter (index_select + index_copy_, numpy
+take + fancy assignment, structured dtypes with one field per page) moves every byte
+twice through a temporary or pays per-field setup, and measured slower from 16 KiB
+pages up. Only when per-call copies would be tiny do scattered pages use index_select /
+index_copy_ per buffer. Both release the GIL for copies of more than a few hundred
+bytes, so copy workers run in parallel.
 """
 
 import mmap
 import os
+from array import array
+from itertools import islice
+from operator import eq, sub
 
+import numpy as np
 import torch
 
 from radixkv.layout import KvLayout
@@ -81,6 +90,7 @@ class ShmDeviceBuffers(DeviceBuffers):
         width = element_width(chunk, *(off for _, off, _ in placed), *strides)
         self._dtype = _WIDE[width]
         self._width = width
+        self._chunk = chunk
         segs = {n: _segment_tensor(m, width) for n, m in self._maps.items()}
         cols = chunk // width
         self._views = [
@@ -88,8 +98,9 @@ class ShmDeviceBuffers(DeviceBuffers):
             for n, off, stride in placed
         ]
         self._stacks = _stacks(placed, segs, self.num_pages, cols, width)
-        # [num_pages, m, cols] numpy views of the stacks (page first, like the host pool).
-        self._np_stacks = [(b0, st.transpose(0, 1).numpy()) for b0, st in self._stacks]
+        # [num_pages, m] numpy views of the stacks, page first like the host pool, each
+        # element one buffer chunk (void).
+        self._np_stacks = [(b0, _void(st.transpose(0, 1).numpy())) for b0, st in self._stacks]
 
     # -- copies ------------------------------------------------------------------------
 
@@ -108,18 +119,19 @@ class ShmDeviceBuffers(DeviceBuffers):
         host, dev = self.check_pages(host_pool, host_pages, device_pages)
         if not host:
             return
-        pool = host_pool.tensor
-        if pool is None:
-            raise CopyError("host pool is closed")
-        h3 = pool.view(self._dtype).view(host_pool.num_pages, len(views), -1)
-        runs = page_runs(host, dev)
-        calls = len(runs) * len(stacks)
+        try:
+            hn = host_pool.chunks(self._chunk)
+        except ValueError as e:
+            raise CopyError(str(e)) from None
+        singles, runs = _runs(host, dev)
+        calls = (len(singles[0]) + len(runs)) * len(stacks)
         try:
             # Runs cost one slice copy per (run, stack), scattered pages two index
             # passes per buffer. Slice copies win unless they are many and small.
             if calls <= 2 * len(views) or len(host) * host_pool.layout.page_bytes >= calls * RUN_COPY_MIN_BYTES:
-                _copy_runs(h3, stacks, runs, to_host)
+                _copy_runs(hn, stacks, singles, runs, to_host)
             else:
+                h3 = host_pool.tensor.view(self._dtype).view(host_pool.num_pages, len(views), -1)
                 _copy_indexed(h3, views, _index(host_pages), _index(device_pages), to_host)
         except RuntimeError as e:
             raise CopyError(f"shared-memory copy failed: {e}") from e
@@ -138,18 +150,56 @@ class ShmDeviceBuffers(DeviceBuffers):
         return f"ShmDeviceBuffers(segments={sorted(self._maps)}, pages={self.num_pages})"
 
 
-def _copy_runs(h3, stacks, runs, to_host: bool) -> None:
-    """Per stack (b0, [num_pages, m, cols] numpy view), one slice assignment per run:
-    host pages h0..h0+n-1, buffers b0..b0+m-1 <-> device pages d0..d0+n-1."""
-    hn = h3.numpy()
+def _runs(host: array, dev: array) -> tuple[tuple[array, array], list[tuple[int, int, int]]]:
+    """Split checked, paired page lists into single pages ((host pages, device pages))
+    and runs of more than one [(h0, d0, n)], as `device.page_runs` does. The common
+    shapes run no Python bytecode per page: scattered pages where no two neighbours keep
+    one host - device offset (no run can start anywhere), and one ascending run; other
+    lists go page by page."""
+    n = len(host)
+    if n < 2:
+        return (host, dev), []
+    off = list(map(sub, host, dev))
+    same = list(map(eq, islice(off, 1, None), off))  # True: neighbours may continue a run
+    if not any(same):
+        return (host, dev), []
+    h0, d0 = host[0], dev[0]
+    if all(same) and host[-1] - h0 == n - 1 and host.tobytes() == array("i", range(h0, h0 + n)).tobytes():
+        return (array("i"), array("i")), [(h0, d0, n)]
+    singles: tuple[array, array] = (array("i"), array("i"))
+    runs = []
+    for run in page_runs(host, dev):
+        if run[2] == 1:
+            singles[0].append(run[0])
+            singles[1].append(run[1])
+        else:
+            runs.append(run)
+    return singles, runs
+
+
+def _copy_runs(hn, stacks, singles, runs, to_host: bool) -> None:
+    """Per stack (b0, [num_pages, m] numpy view of chunk-sized void elements), one
+    assignment per single page and per run: host pages h0..h0+n-1 (`hn`, the pool's
+    chunks), buffers b0..b0+m-1 <-> device pages d0..d0+n-1."""
+    hosts, devs = singles
     for b0, dn in stacks:
         hs = hn[:, b0:b0 + dn.shape[1]]
         if to_host:
+            for h, d in zip(hosts, devs):
+                hs[h] = dn[d]
             for h0, d0, n in runs:
                 hs[h0:h0 + n] = dn[d0:d0 + n]
         else:
+            for h, d in zip(hosts, devs):
+                dn[d] = hs[h]
             for h0, d0, n in runs:
                 dn[d0:d0 + n] = hs[h0:h0 + n]
+
+
+def _void(a: np.ndarray) -> np.ndarray:
+    """`a` ([..., cols], last axis contiguous) with each last-axis row one opaque element
+    of cols * itemsize bytes: numpy copies each with one memmove."""
+    return a.view(np.dtype((np.void, a.shape[-1] * a.itemsize)))[..., 0]
 
 
 def _copy_indexed(h3, views, hidx, didx, to_host: bool) -> None:
