@@ -48,8 +48,12 @@ COPY pyproject.toml ./
 # The dependencies (from pyproject.toml alone) in /opt/radixkv, radixkv itself in
 # /opt/radixkv-app (on the venv's path through a .pth file): a source change rebuilds
 # neither the dependency layer here nor its ~1 GB copy in the runtime stage.
+# With the extras a daemon's storage tiers need: zlib-ng (record checksums) and the
+# Mooncake Store client (`--storage mooncake://`, non-CUDA wheel; it links libibverbs,
+# libcurl and libnuma, installed in the runtime stage).
 # hadolint ignore=DL3013
-RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print(*p['dependencies'], *p['optional-dependencies']['storage'], *p['optional-dependencies']['mooncake'], sep='\n')" \
       >/tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && echo /opt/radixkv-app >"$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/radixkv-app.pth"
@@ -67,6 +71,8 @@ RUN if ! python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null
       apt-get update && apt-get install -y --no-install-recommends python3 \
       && rm -rf /var/lib/apt/lists/*; \
     fi \
+    && apt-get update && apt-get install -y --no-install-recommends libibverbs1 libcurl4 libnuma1 libstdc++6 \
+    && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 radixkv \
     && useradd --system --uid 10001 --gid radixkv --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin radixkv \

@@ -2,8 +2,8 @@
 non-root, its HEALTHCHECK turns healthy, /metrics answers on the published port, an
 engine simulator on the host sharing the socket volume and IPC namespace (as an engine
 container would) runs clean, `docker stop` drains it with exit 0 inside the grace
-period, and none of the build's inputs (CA bundle, pip settings, torch wheel) are left
-in the image. Needs RADIXKV_TEST_IMAGE (`make test-image`)."""
+period, none of the build's inputs (CA bundle, pip settings, torch wheel) are left
+in the image, and the storage extras (Mooncake client, zlib-ng) work inside it. Needs RADIXKV_TEST_IMAGE (`make test-image`)."""
 
 import hashlib
 import os
@@ -129,3 +129,48 @@ def test_build_inputs_do_not_reach_the_image(image, image_config):
     found = docker("run", "--rm", "--entrypoint", "python3", image, "-c", FIND_LEFTOVERS, str(size), digest,
                    timeout=120).stdout.split()
     assert not found, f"build inputs left in the image: {found}"
+
+
+STORAGE_ROUND_TRIP = r'''
+import os, socket, subprocess, sys, tempfile, time
+import numpy as np
+from radixkv_server.storage import open_storage
+from radixkv_server.storage.record import crc32
+assert crc32.__module__.startswith("zlib_ng"), crc32.__module__
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+port = free_port()
+exe = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+master = subprocess.Popen([exe, f"--rpc_port={port}", f"--metrics_port={free_port()}",
+                           f"--http_metadata_server_port={free_port()}", "--rpc_address=127.0.0.1",
+                           "--enable_metric_reporting=false"], cwd=tempfile.mkdtemp(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+try:
+    backend = open_storage(f"mooncake://127.0.0.1:{port}?segment=32MiB")
+    pages = np.random.default_rng(1).integers(0, 256, size=(4, 16384), dtype=np.uint8)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            stored = backend.put([(k, memoryview(pages[i])) for i, k in enumerate(keys)])
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    back = backend.get(keys)
+    assert stored == 4 and back == [p.tobytes() for p in pages], (stored, [b is None for b in back])
+    backend.close()
+    print("ROUND TRIP OK")
+finally:
+    master.kill()
+'''
+
+
+def test_storage_extras_run_in_the_image(image):
+    # `--storage mooncake://` and fast record checksums work in the image: a Mooncake
+    # master and a backend inside one container store and read back pages byte-exact.
+    run = docker("run", "--rm", "--entrypoint", "python", image, "-c", STORAGE_ROUND_TRIP, timeout=180, check=False)
+    assert run.returncode == 0 and "ROUND TRIP OK" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
