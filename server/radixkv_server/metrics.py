@@ -52,7 +52,18 @@ class Metrics:
             ["operation"], buckets=COPY_BUCKETS, registry=r)
         self.storage_errors = Counter("radixkv_storage_errors", "Storage tier calls that failed, by operation",
                                       ["operation"], registry=r)
+        self._rpc_children: dict[tuple[str, str], tuple] = {}  # (method, code) -> labelled series
         self._server = None
+
+    def rpc_done(self, method: str, code: str, seconds: float) -> None:
+        """Count one answered RPC and observe its handling time. The labelled series are
+        looked up once per (method, code): `labels()` costs several times the update."""
+        children = self._rpc_children.get((method, code))
+        if children is None:
+            children = self._rpc_children[(method, code)] = (self.rpc_requests.labels(method, code),
+                                                             self.rpc_duration.labels(method))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_storage(self, operation: str, seconds: float, ok: bool) -> None:
         """Called from storage worker threads (prometheus-client metrics are thread-safe)."""

@@ -59,8 +59,7 @@ def rpc(method):
         finally:
             metrics = self.daemon.metrics
             if metrics is not None:
-                metrics.rpc_requests.labels(name, code.name).inc()
-                metrics.rpc_duration.labels(name).observe(time.perf_counter() - start)
+                metrics.rpc_done(name, code.name, time.perf_counter() - start)
 
     return handler
 
