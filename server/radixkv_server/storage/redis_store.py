@@ -9,8 +9,7 @@ For a bounded cache, give the server `maxmemory` with `maxmemory-policy allkeys-
 (usage-based), or pass `ttl_seconds` (pages expire that long after they are written,
 whether used or not).
 
-Every batch is one round trip (a non-transactional pipeline; puts are written in the
-Redis protocol here so that each value goes out as its header and the page itself). A lost connection is retried
+Every batch is one round trip (a non-transactional pipeline). A lost connection is retried
 by redis-py with jittered exponential backoff, at most `retries` times; a call that still
 fails raises StorageUnavailable, so the worst case is about
 `(retries + 1) * socket_timeout` plus under a second of backoff.
@@ -21,11 +20,10 @@ from urllib.parse import parse_qs, urlsplit
 import redis
 from redis.backoff import EqualJitterBackoff
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from .base import StorageBackend, redact_url
-from .record import HEADER_BYTES, header
 
 # Options redis-py reads from a URL, beyond those it parses by type above.
 _URL_OPTIONS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {
@@ -97,32 +95,6 @@ class RedisStorage(StorageBackend):
             pipe.mget([self.redis_key(key) for key in chunk])
         return [blob for values in pipe.execute() for blob in values]
 
-    def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
-        """SET NX of every page in one round trip, each value sent as its record header
-        and the page itself (no record copy): the commands are written in the Redis
-        protocol here, since redis-py sends each argument from a single buffer."""
-        ttl = b"" if self.ttl_seconds is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (
-            len(str(self.ttl_seconds)), self.ttl_seconds)
-        tail = b"\r\n$2\r\nNX\r\n" + ttl
-        argc = 4 if self.ttl_seconds is None else 6
-        chunks, pending = [], b""
-        for key, payload in items:
-            page = memoryview(payload).cast("B")
-            name = self.redis_key(key)
-            chunks.append(pending + b"*%d\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
-                argc, len(name), name, HEADER_BYTES + len(page), header(page)))
-            chunks.append(page)
-            pending = tail
-        chunks.append(pending)
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        try:
-            replies = conn.retry.call_with_retry(lambda: _round_trip(conn, chunks, len(items)),
-                                                 lambda _error: conn.disconnect())
-        finally:
-            pool.release(conn)
-        return [reply is not None for reply in replies]  # OK, or nil where the key was present
-
     def _put_blobs(self, records: list[tuple[bytes, bytes]]) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
         for key, blob in records:
@@ -142,22 +114,6 @@ class RedisStorage(StorageBackend):
     def _chunks(self, keys: list[bytes]):
         for i in range(0, len(keys), self.batch):
             yield keys[i:i + self.batch]
-
-
-def _round_trip(conn, chunks: list, replies: int) -> list:
-    """Send packed commands, read every reply (so the connection stays in step), then
-    raise the first error reply, as a pipeline does."""
-    conn.send_packed_command(chunks)
-    out, error = [], None
-    for _ in range(replies):
-        try:
-            out.append(conn.read_response())
-        except ResponseError as exc:
-            error = error or exc
-            out.append(None)
-    if error is not None:
-        raise error
-    return out
 
 
 def _check_arguments(url, key_prefix, ttl_seconds, socket_timeout, connect_timeout,
