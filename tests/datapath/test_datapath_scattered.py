@@ -218,3 +218,31 @@ def test_copies_with_a_closed_host_pool_fail_cleanly(rig):
     with pytest.raises(CopyError, match="host pool is closed"):
         dev.submit_store(pack([2]), pool, pack([3]))
     assert seg.read(0, len(seg.map)) == segment_before
+
+
+def test_split_into_runs_matches_page_runs():
+    """The shm backend's run split (no Python work per page where it can) finds the same
+    runs as `device.page_runs`, also on lists dense with near-runs, both directions,
+    turns, and pages repeated on both sides."""
+    from radixkv_server.core.pages import unpack
+    from radixkv_server.datapath.device import page_runs
+    from radixkv_server.datapath.shm import _runs
+
+    rng = random.Random(15)
+    for case in range(3000):
+        n = rng.randint(1, 40)
+        limit = rng.choice([3, 8, 64])
+        if case % 3 == 0:
+            hosts = [rng.randrange(limit) for _ in range(n)]
+            devs = [rng.randrange(limit) for _ in range(n)]
+        else:  # walks: mostly +-1 steps on both sides, sometimes a jump
+            h, d, hosts, devs = rng.randrange(limit), rng.randrange(limit), [], []
+            for _ in range(n):
+                hosts.append(h)
+                devs.append(d)
+                step = rng.choice([1, -1])
+                h, d = (h + step, d + step) if rng.random() < 0.7 else (rng.randrange(limit), rng.randrange(limit))
+        host, dev = unpack(pack(hosts)), unpack(pack(devs))
+        (sh, sd), runs = _runs(host, dev)
+        got = sorted([(a, b, 1) for a, b in zip(sh, sd)] + runs)
+        assert got == sorted(page_runs(host, dev)), (hosts, devs)

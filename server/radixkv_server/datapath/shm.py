@@ -24,7 +24,7 @@ bytes, so copy workers run in parallel.
 import mmap
 import os
 from array import array
-from itertools import islice
+from itertools import compress, islice
 from operator import eq, sub
 
 import numpy as np
@@ -34,7 +34,7 @@ from radixkv.layout import KvLayout
 
 from .device import (
     BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_geometry, buffer_name,
-    check_overlap, element_width, page_runs,
+    check_overlap, element_width,
 )
 
 SHM_DIR = "/dev/shm"
@@ -152,29 +152,44 @@ class ShmDeviceBuffers(DeviceBuffers):
 
 def _runs(host: array, dev: array) -> tuple[tuple[array, array], list[tuple[int, int, int]]]:
     """Split checked, paired page lists into single pages ((host pages, device pages))
-    and runs of more than one [(h0, d0, n)], as `device.page_runs` does. The common
-    shapes run no Python bytecode per page: scattered pages where no two neighbours keep
-    one host - device offset (no run can start anywhere), and one ascending run; other
-    lists go page by page."""
+    and runs of more than one [(h0, d0, n)] exactly as `device.page_runs` does (host pages
+    h0..h0+n-1 pair with device pages d0..d0+n-1; a run descending in both lists is
+    returned ascending), without Python work per page: neighbours can only continue a
+    run where they keep one host - device offset (compared with `map`), and only those
+    candidates, usually none or few in scattered lists, are looked at one by one. One
+    ascending run is recognised whole."""
     n = len(host)
     if n < 2:
         return (host, dev), []
     off = list(map(sub, host, dev))
-    same = list(map(eq, islice(off, 1, None), off))  # True: neighbours may continue a run
+    same = list(map(eq, islice(off, 1, None), off))  # True at i: pages i, i+1 may run on
     if not any(same):
         return (host, dev), []
-    h0, d0 = host[0], dev[0]
+    h0 = host[0]
     if all(same) and host[-1] - h0 == n - 1 and host.tobytes() == array("i", range(h0, h0 + n)).tobytes():
-        return (array("i"), array("i")), [(h0, d0, n)]
-    singles: tuple[array, array] = (array("i"), array("i"))
-    runs = []
-    for run in page_runs(host, dev):
-        if run[2] == 1:
-            singles[0].append(run[0])
-            singles[1].append(run[1])
-        else:
-            runs.append(run)
-    return singles, runs
+        return (array("i"), array("i")), [(h0, dev[0], n)]
+    spans = []  # [first page index, last page index, step] of each run, in order
+    for i in compress(range(n - 1), same):
+        step = host[i + 1] - host[i]
+        if step not in (1, -1):
+            continue
+        last = spans[-1] if spans else None
+        if last is not None and last[1] == i and last[2] == step:
+            last[1] = i + 1  # the run goes on
+        elif last is None or last[1] < i:  # page i is free (greedy: an earlier run did not end on it)
+            spans.append([i, i + 1, step])
+    if not spans:
+        return (host, dev), []
+    hosts, devs, runs, prev = array("i"), array("i"), [], 0
+    for first, end, step in spans:
+        hosts += host[prev:first]
+        devs += dev[prev:first]
+        at = first if step > 0 else end
+        runs.append((host[at], dev[at], end - first + 1))
+        prev = end + 1
+    hosts += host[prev:]
+    devs += dev[prev:]
+    return (hosts, devs), runs
 
 
 def _copy_runs(hn, stacks, singles, runs, to_host: bool) -> None:
