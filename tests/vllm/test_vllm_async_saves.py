@@ -11,7 +11,7 @@ just finished while the daemon still copies them. (Checked: with `request_finish
 answering False, this test gets other tokens from the radixkv hit.)
 """
 
-from tests.vllm.engines import generate, prompt
+from tests.vllm.engines import connector_config, generate, prompt
 
 PROMPT_TOKENS = 2048
 BLOCK = 128
@@ -43,3 +43,35 @@ def test_a_request_reusing_just_freed_blocks_leaves_the_saved_bytes_intact(engin
     [warm_a] = generate(fresh, [a])
     assert warm_a.cached_tokens == CACHEABLE
     assert (warm_a.tokens, warm_a.logprobs) == (local_a.tokens, local_a.logprobs)
+
+
+def test_asynchronous_loads_give_vllms_own_bytes_and_a_failed_one_is_recomputed(engines, daemon_factory):
+    """`async_loads`: vLLM parks the request while the daemon copies its hit and schedules
+    it when the worker reports the load in `get_finished`; a load that fails is reported
+    there too, and vLLM recomputes its blocks."""
+    p = prompt(PROMPT_TOKENS, seed=32)
+    plain = engines.start()
+    [base] = generate(plain, [p])
+    [local] = generate(plain, [p])
+    engines.stop(plain)
+
+    daemon = daemon_factory()
+    config = connector_config(daemon.target, async_loads=True)
+    llm = engines.start(kv_transfer_config=config)
+    [cold] = generate(llm, [p])
+    engines.stop(llm)
+    restarted = engines.start(kv_transfer_config=config)
+    [warm] = generate(restarted, [p])
+    assert cold.tokens == base.tokens
+    assert warm.cached_tokens == CACHEABLE
+    assert (warm.tokens, warm.logprobs) == (local.tokens, local.logprobs)
+    engines.stop(restarted)
+
+    failing = daemon_factory("--fault-fail-loads", "1")
+    config = connector_config(failing.target, async_loads=True)
+    llm = engines.start(kv_transfer_config=config)
+    generate(llm, [p])
+    engines.stop(llm)
+    restarted = engines.start(kv_transfer_config=config)
+    [again] = generate(restarted, [p])
+    assert again.tokens == base.tokens

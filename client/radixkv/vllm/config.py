@@ -11,7 +11,10 @@ layout; default "vllm/<served model name>"), `model` (identity of the weights fo
 storage keys; default the namespace), `timeout_s` (deadline of each daemon call),
 `connect_timeout_s` (how long startup waits for the daemon before failing),
 `host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
-from a session that is still registered, e.g. of an engine that was killed).
+from a session that is still registered, e.g. of an engine that was killed),
+`async_loads` (load hits while vLLM runs other requests' forwards: vLLM parks the request
+until the worker reports the load in `get_finished`; default False, loads finish before the
+forward that reads them).
 An unknown key is an error: a typo must not silently fall back to a default.
 """
 
@@ -29,6 +32,7 @@ class ConnectorConfig:
     connect_timeout_s: float = 10.0
     host_pool_pages: int = 0
     replace_existing: bool = False
+    async_loads: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict | None, served_model: str) -> "ConnectorConfig":

@@ -50,10 +50,13 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.block_size, self.tp_size, self._scheduler_session(kv_cache_config),
-                                            lambda: self._kv_cache_manager)
+                                            lambda: self._kv_cache_manager, self.config.async_loads)
         self._load_errors: set[int] = set()
         self._short_loads: set[str] = set()  # requests whose load this step left blocks unfilled
         self._loaded: dict[str, int] = {}  # loads done since the last worker report: pages
+        self._receiving: dict[int, tuple] = {}  # async load in flight: transfer -> (spec, pages)
+        self._recv_done: set[str] = set()  # async loads over, for get_finished
+        self._recv_failed: set[str] = set()
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
             log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
                         "(daemon restarted, page evicted) fails too; set it to 'recompute'")
@@ -100,12 +103,27 @@ class RadixKVConnector(KVConnectorBase_V1):
         if meta is None or self._adapter is None:
             return
         for spec in meta.loads:
+            if self.config.async_loads:
+                transfer, pages = self._adapter.start_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
+                if transfer:
+                    self._receiving[transfer] = (spec, pages)
+                else:
+                    self._loads_over(spec, pages)
+                continue
             got = self._adapter.load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
-            self._loaded[spec.req_id] = got
-            failed = spec.load_blocks[got:]
+            self._loads_over(spec, got)
+
+    def _loads_over(self, spec, got: int) -> None:
+        """A load filled the first `got` of its blocks: report it, fail the rest."""
+        self._loaded[spec.req_id] = got
+        failed = spec.load_blocks[got:]
+        if failed:
+            self._load_errors.update(failed)
+            self._short_loads.add(spec.req_id)
+        if self.config.async_loads:
+            self._recv_done.add(spec.req_id)
             if failed:
-                self._load_errors.update(failed)
-                self._short_loads.add(spec.req_id)
+                self._recv_failed.add(spec.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv
@@ -131,12 +149,23 @@ class RadixKVConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose blocks the scheduler kept for saves in flight, once
-        those are copied: vLLM frees their blocks, None): loads are synchronous, so
-        nothing is ever finished receiving."""
+        those are copied: vLLM frees their blocks; requests whose asynchronous load is
+        over, failed or not: vLLM schedules them, recomputing the failed blocks)."""
         if self._saves is None:
             return None, None
         meta = self._meta()
-        return self._saves.finished(finished_req_ids, meta.delayed if meta else ()) or None, None
+        sending = self._saves.finished(finished_req_ids, meta.delayed if meta else ())
+        if self._receiving:
+            for transfer, ok in self._adapter.outcomes(list(self._receiving)).items():
+                spec, pages = self._receiving.pop(transfer)
+                self._loads_over(spec, pages if ok else 0)
+        recving, self._recv_done = self._recv_done, set()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving, self._recv_failed = self._recv_failed & results.finished_recving, set()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

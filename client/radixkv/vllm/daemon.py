@@ -145,6 +145,38 @@ class DaemonAdapter:
             log.warning("radixkv: load of %d pages failed: %s", want, e)
             return 0
 
+    def start_load(self, node: int, block_ids, local_blocks: int, lease: int) -> tuple[int, int]:
+        """`load` without waiting: (transfer to wait for, 0 when nothing is copying; blocks
+        the copy fills once it succeeds). (0, 0) on failure (logged)."""
+        want = len(block_ids) - local_blocks
+        if want <= 0:
+            return 0, 0
+        try:
+            with self._lock:
+                result = self._client.load_back(node, array("i", block_ids[local_blocks:]),
+                                                lease=lease, start_page=local_blocks)
+            return result.transfer, min(result.loaded_tokens // self.page_size, want)
+        except RadixKVError as e:
+            log.warning("radixkv: load of %d pages failed: %s", want, e)
+            return 0, 0
+
+    def outcomes(self, transfers: Iterable[int]) -> dict[int, bool]:
+        """Of `transfers`, those acknowledged so far: {transfer: copied}. Never blocks."""
+        got = {}
+        for t in transfers:
+            try:
+                outcome = self._client.wait([t], timeout=0)[t]
+            except DeadlineExceeded:
+                continue
+            except RadixKVError as e:
+                log.warning("radixkv: transfer %d: %s", t, e)
+                got[t] = False
+                continue
+            if not outcome.ok:
+                log.warning("radixkv: load failed: %s", outcome.reason)
+            got[t] = outcome.ok
+        return got
+
     def save(self, tokens: bytes, block_ids) -> int:
         """Start copying whole pages of `tokens` from `block_ids` to the daemon's host tier
         (asynchronous Insert). Returns the transfer to wait for before vLLM may reuse the

@@ -30,8 +30,10 @@ class SchedulerSide:
     every save), so each full block is inserted once, at the end of the step that
     filled it. `lookups` is None without a daemon session (every lookup a miss)."""
 
-    def __init__(self, block_size: int, tp_size: int, lookups: Lookups | None, kv_cache_manager_fn):
+    def __init__(self, block_size: int, tp_size: int, lookups: Lookups | None, kv_cache_manager_fn,
+                 async_loads: bool = False):
         self.block_size = block_size
+        self.async_loads = async_loads
         self.tp_size = tp_size
         self.lookups = lookups
         self._kv_manager = kv_cache_manager_fn  # () -> vLLM's KVCacheManager (bound late)
@@ -42,26 +44,29 @@ class SchedulerSide:
         self._over: dict[str, dict[int, int]] = {}  # request -> rank -> saves over
         self._delayed: list[str] = []  # finished with saves in flight, for the next step
         self._loads: list[LoadSpec] = []
-        self._loading: dict[str, tuple[int, dict[int, int]]] = {}  # lease, ranks reported
+        self._loading: dict[str, tuple[int, dict[int, int], int]] = {}  # lease, ranks reported, pages
+        self._short: set[str] = set()  # a load of theirs came back short: no more hits for them
         self._idle = True  # the last step scheduled no tokens: the engine spins idle
 
     def matched(self, request, num_computed: int) -> tuple[int | None, bool]:
-        """get_num_new_matched_tokens: (tokens to load beyond `num_computed`, False), or
-        (None, False) while the lookup is on its way. Loads are synchronous: the workers
-        finish them before the forward that reads them."""
+        """get_num_new_matched_tokens: (tokens to load beyond `num_computed`, async), or
+        (None, False) while the lookup is on its way. Synchronous loads finish before the
+        forward that reads them; with `async_loads` vLLM parks the request until every
+        worker reported the load in `get_finished`."""
         req_id = request.request_id
         self._requests[req_id] = request
         bs = self.block_size
         # vLLM computes at least one token, so only whole blocks before the last token can
         # hit; asking for just those makes the daemon's match end (and split) right there.
         cacheable = (request.num_tokens - 1) // bs * bs
-        if cacheable <= num_computed or self.lookups is None:
+        if cacheable <= num_computed or self.lookups is None or req_id in self._short:
             return 0, False
         hit = self.lookups.poll(req_id, lambda: _packed(request.all_token_ids, cacheable), idle=self._idle)
         if hit is None:
             return None, False
         self._computed[req_id] = num_computed
-        return max(0, min(hit.tokens, cacheable) // bs * bs - num_computed), False
+        n = max(0, min(hit.tokens, cacheable) // bs * bs - num_computed)
+        return n, self.async_loads and n > 0
 
     def allocated(self, request, blocks, num_external: int) -> None:
         """update_state_after_alloc: plan the load into the blocks vLLM allocated, or
@@ -79,7 +84,7 @@ class SchedulerSide:
         end = local + num_external
         block_ids = tuple(blocks.get_block_ids()[0][:end // bs])
         self._loads.append(LoadSpec(req_id, block_ids, local // bs, hit.node, hit.lease))
-        self._loading[req_id] = (hit.lease, {})
+        self._loading[req_id] = (hit.lease, {}, len(block_ids) - local // bs)
         self._saved[req_id] = end
 
     def build(self, scheduler_output) -> RadixKVMetadata:
@@ -115,6 +120,8 @@ class SchedulerSide:
             if len(entry[1]) >= self.tp_size:
                 del self._loading[req_id]
                 self.lookups.release(entry[0])
+                if min(entry[1].values()) < entry[2]:
+                    self._short.add(req_id)  # vLLM recomputes (an async one asks again)
 
     def finished(self, request) -> bool:
         """request_finished (and aborts): drop every trace and the lookup's lease. True
@@ -126,6 +133,7 @@ class SchedulerSide:
         in_flight = self._saving(req_id)
         for table in (self._requests, self._computed, self._saved, self._issued, self._over):
             table.pop(req_id, None)
+        self._short.discard(req_id)
         if in_flight:
             self._delayed.append(req_id)
         return in_flight
@@ -138,7 +146,7 @@ class SchedulerSide:
 
     def close(self) -> None:
         if self.lookups is not None:
-            for lease, _ in self._loading.values():
+            for lease, *_ in self._loading.values():
                 self.lookups.release(lease)
             self._loading.clear()
             self.lookups.close()
