@@ -6,7 +6,7 @@
 
 Importing this package does not import vLLM; `RadixKVConnector` does (on first use), so
 `radixkv.vllm.testing` and `radixkv.vllm.kvmemory` work without it. Supported: vLLM 0.32
-(the CPU build today; docs/vllm.md).
+(the CPU build is tested; the CUDA path is written, proven only on a GPU: docs/vllm.md).
 """
 
 __all__ = ["RadixKVConnector"]

@@ -25,9 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from .config import ConnectorConfig
 from .daemon import DaemonAdapter
-from .kvmemory import ShmAllocation, describe, layout_from_spec
+from .kvmemory import ShmAllocation, layout_from_spec
 from .lookups import Lookups
 from .metadata import RadixKVMetadata, RadixKVWorkerMetadata
+from .registration import register_worker
 from .saves import Saves
 from .scheduler import SchedulerSide
 
@@ -66,26 +67,24 @@ class RadixKVConnector(KVConnectorBase_V1):
     def get_mem_pool_context(self):
         """On CPU: place vLLM's one KV allocation in a shared-memory segment."""
         if self._vllm_config.device_config.device.type != "cpu":
-            return None  # CUDA: registered by IPC handle instead (not wired yet)
+            return None  # CUDA: vLLM allocates; register_kv_caches exports IPC handles
         self._allocation = ShmAllocation()
         return self._allocation
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Describe vLLM's KV memory to the daemon and open the session. Raises
-        RuntimeError (vLLM fails to start) when the daemon is unreachable or refuses."""
-        seg = self._allocation.segment if self._allocation is not None else None
-        if seg is None:
-            raise RuntimeError("radixkv: vLLM's KV cache is not in shared memory; this connector "
-                               "supports vLLM's CPU build today (CUDA: docs/vllm.md)")
-        memory = describe(kv_caches, seg.tensor, seg.name.encode(), self.block_size)
+        """Describe vLLM's KV memory to the daemon and open the session: on CPU the
+        shared-memory allocation, on CUDA the views' storages by IPC handle (backend
+        "cuda", docs/vllm.md). Raises RuntimeError (vLLM fails to start) when the daemon
+        is unreachable or refuses."""
         adapter = DaemonAdapter(self.config, engine=f"vllm pid {os.getpid()} rank {self.tp_rank}",
                                 tp_rank=self.tp_rank, tp_size=self.tp_size,
                                 instance=self._kv_transfer_config.engine_id or "")
         try:
-            adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
+            register_worker(adapter, kv_caches, self.block_size, self._allocation)
         except BaseException:
             adapter.close()
-            seg.unlink()
+            if self._allocation is not None and self._allocation.segment is not None:
+                self._allocation.segment.unlink()
             raise
         self._adapter = adapter
         self._saves = Saves(adapter)

@@ -54,21 +54,29 @@ class DaemonAdapter:
         self.engine = engine
         self.tp_rank, self.tp_size, self.instance, self.role = tp_rank, tp_size, instance, role
         self.page_size = 0
+        self.cuda_device: int | None = None  # vLLM's GPU when its KV cache is on CUDA
+        self._load_events: dict[int, tuple[bytes, ...]] = {}  # async load -> its per-layer events
         self._client = Client(config.target, timeout=config.timeout_s,
                               on_session_lost=self._session_lost)
         self._lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def attach(self, layout: KvLayout, buffers: Iterable = (), num_blocks: int = 0) -> None:
+    def attach(self, layout: KvLayout, buffers: Iterable = (), num_blocks: int = 0, *,
+               cuda_device: int | None = None, device_uuid: str = "") -> None:
         """Register: a worker with its KV memory's buffers and block count, the scheduler
-        with the layout alone. Raises RuntimeError with the daemon's reason when the daemon
-        is not reachable within connect_timeout_s or refuses the layout."""
+        with the layout alone. `cuda_device` (vLLM's KV cache on CUDA): backend "cuda",
+        buffers exported by IPC handle (`cudamemory.export`, re-exported for each
+        re-registration), the GPU named by `device_uuid`; copies are then ordered after
+        vLLM's stream with events. Raises RuntimeError with the daemon's reason when the
+        daemon is not reachable within connect_timeout_s or refuses the layout."""
         cfg = self.config
         try:
             self._client.wait_ready(cfg.connect_timeout_s)
             self._client.register(
-                cfg.namespace, layout, list(buffers), num_blocks, backend="shm",
+                cfg.namespace, layout, buffers if hasattr(buffers, "fresh") else list(buffers), num_blocks,
+                backend="shm" if cuda_device is None else "cuda", device=cuda_device or 0,
+                device_uuid=device_uuid,
                 host_pool_pages=cfg.host_pool_pages, replace_existing=cfg.replace_existing,
                 engine=self.engine, model=cfg.model, device_tier="engine_managed", role=self.role,
                 tp_rank=self.tp_rank, tp_size=self.tp_size, instance=self.instance)
@@ -76,6 +84,7 @@ class DaemonAdapter:
             raise RuntimeError(f"radixkv: cannot register vLLM's {self.role} with the daemon at "
                                f"{cfg.target} (namespace {cfg.namespace!r}): {e}") from None
         self.page_size = layout.page_size
+        self.cuda_device = cuda_device
         log.info("radixkv: %s registered (%d blocks x %d layers) with %s, namespace %r",
                  self.role, num_blocks, layout.num_layers, cfg.target, cfg.namespace)
 
@@ -133,8 +142,9 @@ class DaemonAdapter:
             return 0
         try:
             with self._lock:
-                result = self._client.load_back(node, array("i", block_ids[local_blocks:]),
-                                                lease=lease, start_page=local_blocks)
+                result = self._client.load_back(node, array("i", block_ids[local_blocks:]), lease=lease,
+                                                start_page=local_blocks, engine_event=self._event())
+            self._wait_loaded(result.layer_events)
             if result.transfer:
                 outcome = self._client.wait([result.transfer])[result.transfer]
                 if not outcome.ok:
@@ -153,8 +163,10 @@ class DaemonAdapter:
             return 0, 0
         try:
             with self._lock:
-                result = self._client.load_back(node, array("i", block_ids[local_blocks:]),
-                                                lease=lease, start_page=local_blocks)
+                result = self._client.load_back(node, array("i", block_ids[local_blocks:]), lease=lease,
+                                                start_page=local_blocks, engine_event=self._event())
+            if result.transfer and result.layer_events:
+                self._load_events[result.transfer] = result.layer_events
             return result.transfer, min(result.loaded_tokens // self.page_size, want)
         except RadixKVError as e:
             log.warning("radixkv: load of %d pages failed: %s", want, e)
@@ -174,6 +186,7 @@ class DaemonAdapter:
                 continue
             if not outcome.ok:
                 log.warning("radixkv: load failed: %s", outcome.reason)
+            self._wait_loaded(self._load_events.pop(t, ()))
             got[t] = outcome.ok
         return got
 
@@ -184,7 +197,8 @@ class DaemonAdapter:
         take them: logged)."""
         try:
             with self._lock:
-                return self._client.insert(as_packed(tokens), array("i", block_ids), async_=True).transfer
+                return self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
+                                           engine_event=self._event()).transfer
         except RadixKVError as e:
             log.warning("radixkv: save of %d pages skipped: %s", len(block_ids), e)
             return 0
@@ -210,6 +224,20 @@ class DaemonAdapter:
             return True
         except DeadlineExceeded:
             return False
+
+    def _event(self):
+        """CUDA: an event after every kernel vLLM queued so far (the daemon's copy waits
+        for it on the GPU); None on CPU (shared memory: the forward is over)."""
+        if self.cuda_device is None:
+            return None
+        from .cudamemory import step_event
+        return step_event(self.cuda_device)
+
+    def _wait_loaded(self, layer_events) -> None:
+        """CUDA: vLLM's stream waits for a load's per-layer events before reading."""
+        if self.cuda_device is not None and layer_events:
+            from .cudamemory import wait_loaded
+            wait_loaded(tuple(layer_events), self.cuda_device)
 
     def _session_lost(self, lost) -> None:
         """The client registered again (daemon restarted, session expired): leases and

@@ -17,12 +17,13 @@ V of a block together; the daemon never looks inside).
 import atexit
 import os
 import secrets
-from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from radixkv.layout import KvLayout
+
+from .layouts import KvMemory, describe_views
 
 SHM_DIR = "/dev/shm"
 PREFIX = "radixkv_vllm_"
@@ -120,63 +121,22 @@ def _is_flat_int8_cpu(args, kwargs) -> bool:
     return isinstance(size, int) and (device is None or torch.device(device).type == "cpu")
 
 
-@dataclass(frozen=True)
-class KvMemory:
-    """What Register needs about vLLM's KV memory on one worker.
-
-    `layout`: one page = one block of one layer, as an opaque run of `page_bytes`
-    (described to today's daemon as kv_format "mla" with head_dim = bytes of a token's
-    content in `dtype` units). `buffers`: one per layer, in vLLM's layer order, each
-    starting at block 0 of that layer. `block_stride`: bytes from one block of a layer
-    to the next (equal to the page size for layer-outermost layouts, the only ones
-    today's daemon accepts). `layer_names`: vLLM's names, in buffer order."""
-
-    layout: KvLayout
-    buffers: tuple[tuple[bytes, int, int], ...]  # (handle, offset, size) per layer
-    num_blocks: int
-    block_stride: int
-    page_bytes: int
-    layer_names: tuple[str, ...]
-
-
 def describe(kv_caches: dict[str, torch.Tensor], base: torch.Tensor, handle: bytes,
-             block_size: int) -> KvMemory:
+             block_size: int, num_blocks: int | None = None) -> KvMemory:
     """Describe vLLM's per-layer KV views (`register_kv_caches`' argument), all views of
-    `base` (the allocation, named `handle` for the daemon). Raises ValueError, naming the
-    layer, when a layer is not a view of `base`, its blocks are not dense pages, or the
-    layers disagree on shape or dtype (one full-attention group is supported)."""
-    if not kv_caches:
-        raise ValueError("vLLM registered no KV cache layers")
-    names = tuple(kv_caches)
-    first = kv_caches[names[0]]
+    `base` (the shared-memory allocation, named `handle` for the daemon): see
+    `layouts.describe_views`. Raises ValueError, naming the layer, when a layer is not a
+    view of `base`, its blocks are not dense pages, or the layers disagree on shape or
+    dtype (one full-attention group is supported)."""
     base_ptr = base.data_ptr()
     end = base_ptr + base.numel() * base.element_size()
-    buffers = []
-    for name in names:
-        t = kv_caches[name]
-        if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
-            raise ValueError(f"layer {name}: shape {tuple(t.shape)} {t.dtype} differs from layer "
-                             f"{names[0]}'s {tuple(first.shape)} {first.dtype}; radixkv supports "
-                             "one full-attention KV cache group")
+
+    def locate(name: str, t: torch.Tensor) -> tuple[bytes, int]:
         if not base_ptr <= t.data_ptr() < end:
             raise ValueError(f"layer {name}: its KV cache is not in the shared-memory allocation")
-        buffers.append((t.data_ptr() - base_ptr, t))
-    num_blocks, heads, tokens = first.shape[0], first.shape[1], first.shape[2]
-    if tokens != block_size:
-        raise ValueError(f"KV cache views hold {tokens} tokens per block, vLLM's block size is "
-                         f"{block_size}: kernel block splitting is not supported")
-    item = first.element_size()
-    page_bytes = first[0].numel() * item
-    block_stride = first.stride(0) * item
-    if not first[0].is_contiguous():
-        raise ValueError(f"a KV block of layer {names[0]} is not one dense run of bytes "
-                         f"(shape {tuple(first.shape)}, strides {first.stride()})")
-    dtype = str(first.dtype).removeprefix("torch.")
-    layout = KvLayout(num_layers=len(names), num_kv_heads=heads,
-                      head_dim=first.shape[3] if first.dim() == 4 else page_bytes // (heads * tokens * item),
-                      dtype=dtype, page_size=tokens, kv_format="mla")
-    specs = tuple((handle, off, num_blocks * block_stride) for off, _ in buffers)
-    return KvMemory(layout, specs, num_blocks, block_stride, page_bytes, names)
+        return handle, t.data_ptr() - base_ptr
+
+    return describe_views(kv_caches, block_size, locate, num_blocks)
 
 
 def layout_from_spec(kv_cache_config) -> KvLayout:

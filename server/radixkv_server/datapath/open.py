@@ -4,6 +4,7 @@
 the engine's buffers with it. The backends import `device`, never this module.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 from radixkv.layout import KvLayout
@@ -44,11 +45,31 @@ def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
         if min(s.offset, s.size, s.page_stride, s.page_bytes) < 0:
             raise DeviceOpenError(f"buffer {i} ({buffer_name(layout, i)}): negative offset, size, stride or page bytes {s}")
     chunk, strides = buffer_geometry(layout, specs)  # the count and page geometry fit the layout
-    if backend == "cuda" and (chunk != layout.chunk_bytes or any(s != chunk for s in strides)):
-        raise DeviceOpenError(
-            "backend 'cuda' copies the layout's own buffers only (one per layer and K/V, contiguous "
-            "pages); buffers with their own page_stride/page_bytes are supported on 'shm' for now")
+    if backend == "cuda":
+        return opener(cuda_layout(layout, len(specs), chunk, strides), num_pages, specs, device,
+                      device_uuid=device_uuid)
     return opener(layout, num_pages, specs, device, device_uuid=device_uuid)
 
 
-__all__ = ["BACKENDS", "open_device_buffers"]
+def cuda_layout(layout: KvLayout, count: int, chunk: int, strides: list[int]) -> KvLayout:
+    """The layout the cuda backend copies `count` buffers of contiguous `chunk`-byte pages
+    with: `layout` itself for its own buffers, or, for an "mla" layout given as two
+    half-page buffers per layer (vLLM's FlashAttention K and V halves), the "mha" layout
+    with those halves as K and V (the same host bytes: layer 0 K, layer 0 V, ...). Raises
+    DeviceOpenError for other page geometry (strided pages: 'shm' only for now)."""
+    if any(s != chunk for s in strides):
+        raise DeviceOpenError("backend 'cuda' copies contiguous pages only; buffers with a page_stride "
+                              "other than their page_bytes are supported on 'shm' for now")
+    if count == layout.num_buffers and chunk == layout.chunk_bytes:
+        return layout
+    halves = layout.kv_format == "mla" and count == 2 * layout.num_layers and layout.head_dim % 2 == 0
+    if halves:
+        mha = dataclasses.replace(layout, head_dim=layout.head_dim // 2, kv_format="mha")
+        if mha.chunk_bytes == chunk:
+            return mha
+    raise DeviceOpenError(
+        f"backend 'cuda' copies the layout's own buffers or, for an 'mla' layout, two half pages per layer; "
+        f"{count} buffers of {chunk}-byte pages do not fit {layout}")
+
+
+__all__ = ["BACKENDS", "cuda_layout", "open_device_buffers"]
