@@ -93,3 +93,43 @@ def test_without_replay_a_gap_resets_and_an_undecodable_batch_resets():
     assert f.num_resets == 2 and held(index, 7) and not held(index, 5)
     f.on_live(TOPIC, 8, b"not msgpack", can_replay=False)
     assert f.num_bad == 1 and not held(index, 7)
+
+
+def test_a_restart_seen_in_the_batches_buffered_during_a_replay_replays_from_zero():
+    """The restarted publisher's first live batches arrive while a replay asked of the old
+    one is in flight: counted as a restart (not a plain gap), and its ring read from 0."""
+    index, f = feed()
+    for seq in range(5):
+        f.on_live(TOPIC, seq, stored(seq), can_replay=True)
+    f.start_replay(4)                                   # the periodic check
+    assert f.on_live(TOPIC, 2, stored(70, ts=5.0), can_replay=True) is None  # buffered
+    f.on_replay(TOPIC, 4, stored(4))                    # the old publisher still answered
+    assert f.on_replay_end() == 0
+    for seq, i in enumerate((68, 69, 70)):
+        f.on_replay(TOPIC, seq, stored(i, ts=5.0))
+    assert f.on_replay_end() is None
+    assert f.num_restarts == 1 and f.last_seq == 2
+    assert not held(index, 4) and all(held(index, i) for i in (68, 69, 70))
+
+
+def test_an_empty_answer_to_a_replay_from_an_applied_seq_is_a_restart():
+    """A quiet publisher restarted with fewer batches than were applied answers a replay
+    from the last applied seq with nothing: the worker is forgotten and read from 0."""
+    index, f = feed()
+    for seq in range(5):
+        f.on_live(TOPIC, seq, stored(seq), can_replay=True)
+    f.start_replay(4)
+    assert f.on_replay_end() == 0                       # END with no batch at all
+    f.on_replay(TOPIC, 0, encode_batch(KVEventBatch(ts=6.0, events=[AllBlocksCleared()])))
+    f.on_replay(TOPIC, 1, stored(80, ts=6.0))
+    assert f.on_replay_end() is None
+    assert f.num_restarts == 1 and f.last_seq == 1
+    assert not any(held(index, i) for i in range(5)) and held(index, 80)
+
+
+def test_a_replay_given_up_on_is_not_taken_for_a_restart():
+    index, f = feed()
+    f.on_live(TOPIC, 0, stored(0), can_replay=True)
+    f.start_replay(0)
+    assert f.on_replay_end(gave_up=True) is None
+    assert f.num_restarts == 0 and held(index, 0)

@@ -54,6 +54,7 @@ class WorkerFeed:
         self._buffer: list[tuple[bytes, int, bytes]] = []
         self._recent: dict[int, int] = {}    # seq -> hash(payload) of applied batches
         self._restarted = False              # seen during this replay: replay again from 0
+        self._num_answers = 0                # batches this replay has answered
         self.num_applied = self.num_gaps = self.num_resets = self.num_duplicates = 0
         self.num_restarts = self.num_bad = 0
         index.add_worker(name)
@@ -110,11 +111,13 @@ class WorkerFeed:
     def start_replay(self, from_seq: int) -> None:
         self.replay_from = from_seq
         self._restarted = False
+        self._num_answers = 0
 
     def on_replay(self, topic: bytes, seq: int, payload: bytes) -> None:
         """One replayed batch (seq >= 0)."""
         if self.replay_from is None or self._restarted:
             return  # an answer given up on, or one to be asked again from 0
+        self._num_answers += 1
         kind = self._classify(seq, payload)
         if kind == "duplicate":
             self.num_duplicates += 1
@@ -129,19 +132,33 @@ class WorkerFeed:
 
     def on_replay_end(self, gave_up: bool = False) -> int | None:
         """The replay is complete (END_SEQ), or given up on: apply what arrived live
-        meanwhile. Returns a seq to replay from when another replay is needed."""
+        meanwhile. Returns a seq to replay from when another replay is needed.
+
+        A replay is always asked from a seq already applied (or 0), which a publisher that
+        kept running still holds or has moved past: an empty answer means it restarted
+        with fewer batches than were applied, as does a buffered batch older than the last
+        applied with another payload. Either forgets the publisher and replays from 0."""
+        if not gave_up and not self._restarted and self._num_answers == 0 and self.last_seq is not None:
+            self._forget_publisher()
+            self._restarted = True
         if self._restarted and not gave_up:
             self.start_replay(0)
             return 0
         self.replay_from = None
         self._restarted = False
         buffered, self._buffer = self._buffer, []
-        for topic, seq, payload in buffered:
+        for i, (topic, seq, payload) in enumerate(buffered):
             kind = self._classify(seq, payload)
             if kind == "duplicate":
                 self.num_duplicates += 1
                 continue
-            if kind != "apply":
+            if kind == "restart":
+                self._forget_publisher()
+                if seq != 0 and not gave_up:
+                    self.start_replay(0)
+                    self._buffer = buffered[i:]
+                    return 0
+            elif kind != "apply":
                 self.num_gaps += 1
                 self.reset()  # still a hole right after a replay: do not loop on replays
             self._apply(topic, seq, payload)
