@@ -75,13 +75,17 @@ bench: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP) $(VLLM_STAMP)
 bench-full: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m bench --full
 
-soak: $(STAMP)
-	$(BIN)/python -m tests.soak $(ARGS)
-
-# The fuzzing campaign (tests/fuzz): every RPC and stream fed generated and mutated
-# messages beside a valid engine that verifies its bytes, for MINUTES (a 45 s run is part
-# of `make test`). Prints the figures; fails unless clean.
+# The long runs: `make soak` is the fault-injecting soak (tests/soak), then the fuzzing
+# campaign (tests/fuzz), each for MINUTES (default 10; ARGS go to the soak, after
+# --minutes, so ARGS="--minutes 5" still sets the soak's length). `make fuzz` runs the
+# campaign alone: every RPC and stream fed generated and mutated messages beside a valid
+# engine that verifies its bytes (a 45 s run is part of `make test`). Each prints its
+# figures and fails unless clean; a soak that fails stops `make soak` before the fuzzing.
 MINUTES ?= 10
+soak: $(STAMP)
+	$(BIN)/python -m tests.soak --minutes $(MINUTES) $(ARGS)
+	$(BIN)/python -m tests.fuzz --minutes $(MINUTES)
+
 .PHONY: fuzz
 fuzz: $(STAMP)
 	$(BIN)/python -m tests.fuzz --minutes $(MINUTES)
