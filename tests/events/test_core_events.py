@@ -10,10 +10,15 @@ import pytest
 
 from radixkv.routing import RoutingIndex, WorkerFeed
 from radixkv.routing.blockhash import block_hashes
-from radixkv_server.events import EventHub, EventsConfig
+from radixkv_server.core import CacheConfig, HierarchicalCache
+from radixkv_server.core.engine_tier import EngineTier
+from radixkv_server.core.pages import pack
+from radixkv_server.events import EventHub, EventsConfig, resident
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "core"))
-from machine import PAGE, CoreMachine, walk  # noqa: E402  (tests/core's engine model)
+from engine_machine import RankCopier  # noqa: E402  (tests/core's tensor-parallel ranks)
+from harness import MemoryCopier  # noqa: E402
+from machine import PAGE, CoreMachine, prompt_bytes, walk  # noqa: E402  (tests/core's engine model)
 
 from .helpers import wait_for  # noqa: E402
 
@@ -44,15 +49,16 @@ def cache_blocks(machine) -> dict[str, set[int]]:
 class Follower:
     """A router's view of one daemon, fed from the in-process fan-out."""
 
-    def __init__(self, hub):
+    def __init__(self, hub, flush=None):
         self.hub = hub
+        self.flush = flush or hub.flush
         self.sub = hub.subscribe(from_seq=0)
         self.index = RoutingIndex(PAGE)
         self.feed = WorkerFeed("d0", self.index)
 
     def catch_up(self) -> None:
         def done():
-            self.hub.flush()
+            self.flush()
             for item in iter(self.sub.get_nowait, None):
                 self.feed.on_live(item.topic, item.seq, item.payload, can_replay=False)
             return self.hub.drained and self.feed.last_seq == self.hub.next_seq - 1
@@ -87,28 +93,95 @@ def test_rebuilt_index_equals_the_cache_per_tier(policy, storage):
         hub.close()
 
 
-def test_dropped_batches_resync_to_the_cache_state():
-    """A queue too small for the walk: batches are dropped, the namespace resyncs from
-    the core's snapshot, and the rebuilt index still equals the cache."""
-    m = type("M", (CoreMachine,), {"policy": "write_back", "storage": "off"})()
-    hub = EventHub(EventsConfig(queue_size=2, subscriber_buffer=100_000))
+class StorageKnowledge:
+    """What a router must know of the storage tier, from the core's own seam: since the
+    last resync, every node the core holds as stored when that resync was taken (what it
+    re-announces), plus every store completed after it (storage reports no removals)."""
 
-    def resident():
-        for node in m.cache.tree.iter_nodes():
-            if node.full.device_pages is not None:
-                yield "device", node
-            if node.full.host_valid:
-                yield "host", node
+    def __init__(self, hub, cache, listener):
+        self.hub, self.cache, self.listener = hub, cache, listener
+        self.blocks: set[int] = set()
+        self.num_resyncs = 0
+        self.num_announced = 0  # storage blocks the resyncs re-announced, summed
+
+    def residency_changed(self, tier, change, node) -> None:
+        self.listener.residency_changed(tier, change, node)
+        if tier == "storage" and not self.hub.resync_pending:  # else the hub records nothing
+            self.blocks |= node_hashes(node)
+
+    def flush(self) -> None:
+        due = self.hub.resync_pending
+        self.hub.flush()
+        if due and not self.hub.resync_pending:  # this flush queued the resync
+            self.blocks = set().union(*(node_hashes(n) for n in self.cache.tree.iter_nodes()
+                                        if n.full.stored))
+            self.num_resyncs += 1
+            self.num_announced += len(self.blocks)
+
+
+@pytest.mark.parametrize("policy,storage", [  # pairs whose walks keep stored nodes in the tree
+    ("write_back", "off"), ("write_back", "write_back"), ("write_through", "write_through"),
+    ("write_back", "write_through")])
+def test_dropped_batches_resync_to_the_cache_state(policy, storage):
+    """A queue too small for the walk: batches are dropped, the namespace resyncs from
+    the daemon's snapshot (`events.resident`), and the rebuilt index equals the cache on
+    device and host, and on storage holds what the core knew at the resync plus what was
+    stored since: never a page storage lacks."""
+    m = type("M", (CoreMachine,), {"policy": policy, "storage": storage})()
+    hub = EventHub(EventsConfig(queue_size=2, subscriber_buffer=100_000))
     try:
-        m.cache.residency_listener = hub.attach(NS, PAGE, snapshot=resident)
-        follower = Follower(hub)
+        listener = hub.attach(NS, PAGE, snapshot=lambda: resident(m.cache.tree))
+        known = StorageKnowledge(hub, m.cache, listener)
+        m.cache.residency_listener = known
+        follower = Follower(hub, flush=known.flush)
         rnd = random.Random(5)
         for _ in range(300):
             walk(m, rnd, 2)
-            hub.flush()
+            known.flush()
         follower.catch_up()
-        assert hub.stats()["dropped"] > 0
+        assert hub.stats()["dropped"] > 0 and known.num_resyncs > 0
         blocks, want = follower.blocks(), cache_blocks(m)
         assert blocks["GPU"] == want["GPU"] and blocks["CPU"] == want["CPU"]
+        assert blocks["STORAGE"] == known.blocks and blocks["STORAGE"] <= want["STORAGE"]
+        if storage != "off":
+            assert known.num_announced, "no resync had stored pages to re-announce"
+    finally:
+        hub.close()
+
+
+def snapshot_blocks(cache) -> dict[str, set[int]]:
+    """What a resync would announce now (the daemon's snapshot), per medium."""
+    out = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+    medium = {"device": "GPU", "host": "CPU", "storage": "STORAGE"}
+    for tier, node in resident(cache.tree):
+        out[medium[tier]] |= node_hashes(node)
+    return out
+
+
+def test_a_resync_of_an_engine_managed_namespace_says_what_its_live_events_said():
+    """Tensor parallel 2, storage write-through: a prefix only one rank saved is on no
+    tier for the live events nor for a resync; once both ranks saved it and its store
+    finished, both say CPU and STORAGE."""
+    copier = MemoryCopier()
+    cache = HierarchicalCache(CacheConfig(page_size=PAGE, write_policy="write_back", storage="write_through",
+                                          storage_salt=b"s"), copier, num_device_pages=0, host_pages=8)
+    ranks = RankCopier()
+    tier = EngineTier(cache.state, cache.host_space, ranks, 2)
+    hub = EventHub(EventsConfig(subscriber_buffer=1000))
+    try:
+        cache.residency_listener = hub.attach(NS, PAGE)
+        follower = Follower(hub)
+        prompt = prompt_bytes([1, 2])
+        tier.save(prompt, pack([0, 1]), b"", owner=0, rank=0)
+        ranks.complete(tier, *ranks.pending, False)
+        follower.catch_up()
+        nothing = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+        assert follower.blocks() == nothing and snapshot_blocks(cache) == nothing
+        tier.save(prompt, pack([0, 1]), b"", owner=1, rank=1)
+        ranks.complete(tier, *ranks.pending, False)
+        copier.complete_all(cache)  # the write-through store
+        follower.catch_up()
+        blocks = follower.blocks()
+        assert blocks["CPU"] and blocks["STORAGE"] == blocks["CPU"] and blocks == snapshot_blocks(cache)
     finally:
         hub.close()

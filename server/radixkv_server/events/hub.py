@@ -3,7 +3,7 @@
 Wiring (a few lines in the service layer):
 
     hub = EventHub(EventsConfig.from_daemon(config), call_later=loop.call_later)
-    listener = hub.attach(namespace, page_size, snapshot=resident)  # one per tree
+    listener = hub.attach(namespace, page_size, snapshot=lambda: resident(tree))  # one per tree
     cache.residency_listener = listener   # the core's seam (core/residency.py)
     ...
     listener.clear()      # the namespace is dropped (or its tree is rebuilt: attach again)
@@ -14,13 +14,14 @@ The core calls `listener.residency_changed(tier, change, node)` (tier "device", 
 node's path as `(id, key)` pairs (keys are immutable bytes) and returns in a few us.
 Records are flushed as one batch per namespace (one `call_later(0, flush)` per loop turn,
 or the caller's explicit `flush()`); hashing, encoding and sending happen on the
-publisher thread. `resident()` yields `(tier, node)` for every resident (tier, node) pair.
+publisher thread. `resident(tree)` yields `(tier, node)` for every (tier, node) pair the
+core knows of, storage included (for nodes still in the tree).
 
 A slow subscriber or socket never blocks the loop: the queue to the publisher thread is
 bounded, a batch it has no room for is dropped and counted (`num_dropped`), and the
 namespace is then resynchronised: its next batch starts with AllBlocksCleared followed by
-a snapshot of every resident node (without a snapshot function, AllBlocksCleared alone:
-routers then underestimate that namespace until new events arrive). Sequence numbers
+a BlockStored for every (tier, node) of the snapshot (without a snapshot function,
+AllBlocksCleared alone: routers then underestimate that namespace until new events arrive). Sequence numbers
 stay contiguous: they are assigned to batches as they are published.
 """
 
@@ -54,13 +55,20 @@ def _record(tier: str, change: str, node) -> tuple:
 
 
 def resident(tree) -> Iterable[tuple[str, object]]:
-    """A snapshot function's answer for a core tree: ("device", node) for every node whose
-    pages are on the device, ("host", node) for every node with a valid host copy."""
+    """A snapshot function's answer for a core tree, what a resync announces per tier:
+    ("device", node) for every node whose pages are on the device, ("host", node) for
+    every node with a complete valid host copy (every tensor-parallel shard arrived), and
+    ("storage", node) for every node the storage tier holds (`stored`). The core knows
+    storage only for nodes still in the tree: pages stored and then evicted from the host
+    (storage-only) are not in it, so a resync cannot re-announce them."""
     for node in tree.iter_nodes():
-        if node.full.device_pages is not None:
+        s = node.full
+        if s.device_pages is not None:
             yield "device", node
-        if node.full.host_valid:
+        if s.host_valid and not s.shards_missing:
             yield "host", node
+        if s.stored:
+            yield "storage", node
 
 
 class NamespaceEvents:
