@@ -1,5 +1,6 @@
-"""Settings of the event publisher. The daemon's `DaemonConfig` is meant to carry the
-`kv_events_*` fields listed in docs/events.md and build this with `from_daemon`."""
+"""Settings of the event publisher. The daemon's `DaemonConfig` (server/radixkv_server/
+config.py) carries the `kv_events_*` fields listed in docs/events.md, from which the
+flags and `RADIXKV_KV_EVENTS_*` variables derive; `from_daemon` builds this from it."""
 
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ class EventsConfig:
 
     @classmethod
     def from_daemon(cls, config) -> "EventsConfig":
-        """From a DaemonConfig with the proposed kv_events_* fields."""
+        """From a DaemonConfig's kv_events_* fields (raises ValueError on a bad value)."""
         return cls(
             endpoint=config.kv_events_endpoint,
             replay_endpoint=config.kv_events_replay_endpoint,
