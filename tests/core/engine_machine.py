@@ -90,7 +90,7 @@ class EngineTierMachine(RuleBasedStateMachine):
         pages = self._pages(rank, len(symbols))
         for i, p in enumerate(pages):
             self.copier.device[(rank, p)] = shard(prompt[:(i + 1) * PAGE * 4], extra, rank)
-        _, _, tid = self.tier.save(prompt, pack(pages), extra, owner=rank, rank=rank)
+        tid = self.tier.save(prompt, pack(pages), extra, owner=rank, rank=rank).transfer
         if tid:
             self.saves.add(tid)
 

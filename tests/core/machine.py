@@ -116,7 +116,7 @@ class CoreMachine(RuleBasedStateMachine):
         if self.storage == "off":
             return
         prompt = prompt_bytes(symbols)
-        _, keys = self.cache.storage_probe(prompt, extra)
+        keys = self.cache.storage_probe(prompt, extra).keys
         held = 0
         while held < len(keys) and keys[held] in self.copier.storage:
             held += 1

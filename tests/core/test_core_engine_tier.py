@@ -32,12 +32,13 @@ def make(tp=2, host_pages=8):
 def test_a_prefix_matches_only_once_every_rank_saved_it():
     cache, tier, copier = make(tp=2)
     prompt = prompt_bytes([1, 2])
-    _, node, t0 = tier.save(prompt, pack([0, 1]), b"", owner="r0", rank=0)
+    saved = tier.save(prompt, pack([0, 1]), b"", owner="r0", rank=0)
+    node, t0 = saved.node, saved.transfer
     copier.complete(tier, t0, False)
     assert tier.complete_tokens(cache.match(prompt).host_node) == 0, "rank 1's shard is missing"
-    _, _, again = tier.save(prompt, pack([5, 6]), b"", owner="r0", rank=0)
+    again = tier.save(prompt, pack([5, 6]), b"", owner="r0", rank=0).transfer
     assert again == 0, "rank 0's shard is on host already: nothing to copy"
-    _, _, t1 = tier.save(prompt, pack([0, 1]), b"", owner="r1", rank=1)
+    t1 = tier.save(prompt, pack([0, 1]), b"", owner="r1", rank=1).transfer
     copier.complete(tier, t1, False)
     assert tier.complete_tokens(cache.match(prompt).host_node) == 4
     assert tier.check_invariants() == []
@@ -46,7 +47,7 @@ def test_a_prefix_matches_only_once_every_rank_saved_it():
 def test_a_failed_load_returns_its_pages_and_ranks_ack_their_own():
     cache, tier, copier = make(tp=1)
     prompt = prompt_bytes([1, 2, 3])
-    _, _, t = tier.save(prompt, pack([0, 1, 2]), b"", owner="a", rank=0)
+    t = tier.save(prompt, pack([0, 1, 2]), b"", owner="a", rank=0).transfer
     copier.complete(tier, t, False)
     tier.finish(t, owner="a")
     node = cache.match(prompt).host_node
@@ -76,8 +77,8 @@ def test_host_pressure_stores_complete_nodes_and_drops_incomplete_ones():
     tier = EngineTier(cache.state, cache.host_space, copier, 2)
     whole, half = prompt_bytes([1, 2]), prompt_bytes([3, 2])
     for rank in (0, 1):
-        copier.complete(tier, tier.save(whole, pack([0, 1]), b"", owner=rank, rank=rank)[2], False)
-    copier.complete(tier, tier.save(half, pack([2, 3]), b"", owner=0, rank=0)[2], False)
+        copier.complete(tier, tier.save(whole, pack([0, 1]), b"", owner=rank, rank=rank).transfer, False)
+    copier.complete(tier, tier.save(half, pack([2, 3]), b"", owner=0, rank=0).transfer, False)
     cache.evict_host(4)
     stores = [t for t in cache.transfers.values() if t.kind.value == "store"]
     assert [n.key for t in stores for n in t.nodes] == [whole], "only the complete prefix goes to storage"
@@ -91,8 +92,8 @@ def test_storage_write_through_stores_a_node_once_every_rank_saved_it():
     copier = RankCopier()
     tier = EngineTier(cache.state, cache.host_space, copier, 2)
     prompt = prompt_bytes([1, 2])
-    copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=0, rank=0)[2], False)
+    copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=0, rank=0).transfer, False)
     assert not any(t.kind.value == "store" for t in cache.transfers.values()), "rank 1's shard is missing"
-    copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=1, rank=1)[2], False)
+    copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=1, rank=1).transfer, False)
     assert [t.kind.value for t in cache.transfers.values()].count("store") == 1
     assert tier.check_invariants() == []

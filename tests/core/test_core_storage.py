@@ -56,7 +56,7 @@ def test_host_eviction_frees_stored_leaves_at_once_while_others_are_written():
     eng.give(cache.evict_device(2).freed_pages)
     cache.evict_host(2)
     drain(cache, copier, eng)  # old is stored and gone from the host
-    assert cache.storage_probe(old)[0] == 0
+    assert cache.storage_probe(old).cached_pages == 0
     tid = cache.start_prefetch(old, b"", 2)  # back on host, stored: cheap to evict
     copier.complete(cache, tid)
     eng.insert(new)
@@ -98,7 +98,8 @@ def test_prefetch_then_load_back_restores_the_stored_bytes(policy):
     cache.evict_host(100)
     drain(cache, copier, eng)
     assert cache.match(prompt).host_tokens == 0
-    cached, keys = cache.storage_probe(prompt + tokens(99))
+    probe = cache.storage_probe(prompt + tokens(99))
+    cached, keys = probe.cached_pages, probe.keys
     assert cached == 0 and len(keys) == 6 and all(k in copier.storage for k in keys)
     tid = cache.start_prefetch(prompt, b"", len(keys))
     clean(cache)
@@ -153,6 +154,6 @@ def test_prefetch_is_dropped_when_its_prefix_left_the_cache():
 
 def test_unaligned_storage_probe_and_extra_key_salt_the_keys():
     cache, copier = make_cache(storage="write_through")
-    _, plain = cache.storage_probe(tokens(1, 2, 3))
-    _, lora = cache.storage_probe(tokens(1, 2, 3), b"lora")
+    plain = cache.storage_probe(tokens(1, 2, 3)).keys
+    lora = cache.storage_probe(tokens(1, 2, 3), b"lora").keys
     assert len(plain) == 1 and plain != lora

@@ -7,8 +7,11 @@ Synchronous, single-owner (the daemon's event loop), no I/O: bytes move through 
 subclass before changing anything.
 """
 
+from dataclasses import dataclass
+
 from .copier import Copier
 from .device_ledger import DeviceLedger
+from .engine_tier import EngineCopier, EngineTier
 from .errors import LockError, NotReady, UnknownTransfer
 from .eviction import DeviceEviction
 from .host_space import HostSpace
@@ -23,6 +26,16 @@ from .results import CopyOutcome, EvictResult, FetchOutcome, FinishResult, Inser
 from .state import CacheState
 from .storage_tier import StorageTier
 from .transfers import TransferKind
+
+
+@dataclass(frozen=True, slots=True)
+class StorageProbe:
+    """What to ask the storage tier about a prompt: the cache holds its first
+    `cached_pages` whole pages; `keys` are the storage keys of the whole pages after
+    them, in prompt order."""
+
+    cached_pages: int
+    keys: list[bytes]
 
 
 def _state_attribute(name: str, doc: str) -> property:
@@ -171,9 +184,10 @@ class HierarchicalCache:
 
     # -- storage -----------------------------------------------------------------------
 
-    def storage_probe(self, tokens: bytes, extra_key: bytes = b"") -> tuple[int, list[bytes]]:
-        """See `StorageTier.probe`."""
-        return self.storage_tier.probe(tokens, extra_key)
+    def storage_probe(self, tokens: bytes, extra_key: bytes = b"") -> StorageProbe:
+        """See `StorageTier.probe`. Changes nothing."""
+        cached, keys = self.storage_tier.probe(tokens, extra_key)
+        return StorageProbe(cached, keys)
 
     def storage_keys(self, node: Node) -> list[bytes]:
         """Storage keys of the node's pages."""
@@ -199,6 +213,13 @@ class HierarchicalCache:
         if node.parent is not None and node.full.lock_ref <= 0:
             raise LockError(f"node {node_id} is not locked")
         self.state.unlock_path(node)
+
+    # -- engine-managed device tier ----------------------------------------------------
+
+    def engine_tier(self, copier: EngineCopier, tp_size: int = 1) -> EngineTier:
+        """The saves and loads of an engine-managed namespace, on this cache's state and
+        host space (build the cache with no device pages). Call once."""
+        return EngineTier(self.state, self.host_space, copier, tp_size)
 
     # -- engine restart --------------------------------------------------------------
 
@@ -228,4 +249,4 @@ class HierarchicalCache:
         return state_digest(self.state)
 
 
-__all__ = ["HierarchicalCache"]
+__all__ = ["HierarchicalCache", "StorageProbe"]

@@ -20,6 +20,7 @@ Receives the cache's `CacheState` and `HostSpace`; copies go through an `EngineC
 and are reported back with `copied`.
 """
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from .errors import InvalidRequest, NotOwner, NotReady, UnknownTransfer
@@ -44,6 +45,17 @@ class EngineCopier(Protocol):
 
     def load_into(self, transfer: int, owner: object, host_pages: bytes, device_pages: bytes) -> None:
         """Start copying `owner`'s shard of host page i into its engine page i."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """A rank's save: `cached_tokens` of the prompt had a node before it; `node` ends the
+    prompt (the root when no host room was found for any of it); `transfer` copies the
+    pages whose shard was missing (0: nothing needed copying)."""
+
+    cached_tokens: int
+    node: int
+    transfer: int
 
 
 class EngineTier:
@@ -76,12 +88,11 @@ class EngineTier:
     # -- save ----------------------------------------------------------------------------
 
     def save(self, tokens: bytes, device_pages: bytes, extra_key: bytes, owner: object,
-             rank: int = 0) -> tuple[int, int, int]:
+             rank: int = 0) -> SaveResult:
         """Copy rank `rank`'s engine pages (`device_pages[i]` holds page i of `tokens`)
-        to host where its shard is not there yet. Returns (cached_tokens: tokens whose
-        node existed before, node id ending the prompt, transfer id or 0 when nothing
-        needs copying). Pages that find no host room are not saved (the cache is full
-        of pinned or leased pages). Raises InvalidRequest before changing anything."""
+        to host where its shard is not there yet. Pages that find no host room are not
+        saved (the cache is full of pinned or leased pages). Raises InvalidRequest
+        before changing anything."""
         state = self.state
         self._check_rank(rank)
         self._check_save(tokens, device_pages)
@@ -100,7 +111,7 @@ class EngineTier:
                 last = tail
         tid = self._start_save(copies, owner, rank) if copies else 0
         state.unlock_path(anchor)
-        return off * state.config.page_size, last.id, tid
+        return SaveResult(off * state.config.page_size, last.id, tid)
 
     def _check_save(self, tokens: bytes, device_pages: bytes) -> None:
         check_tokens(tokens, "Insert")
@@ -312,4 +323,4 @@ def _check_engine_node(node: Node, all_shards: int, err) -> None:
         err(f"engine-managed: node {node.id} is stored (or storing) with shards {s.shards_missing:#x} missing")
 
 
-__all__ = ["ENGINE_KINDS", "EngineCopier", "EngineTier"]
+__all__ = ["ENGINE_KINDS", "EngineCopier", "EngineTier", "SaveResult"]

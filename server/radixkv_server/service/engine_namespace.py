@@ -103,8 +103,9 @@ class EngineNamespace(Namespace):
         if request.release_lease:
             session.check_lease(request.release_lease)
         self._check_pages(session, request.device_pages, "Insert")
-        cached, node, tid = self.tier.save(request.tokens, request.device_pages, request.extra_key,
-                                           owner=session.id, rank=session.rank)
+        saved = self.tier.save(request.tokens, request.device_pages, request.extra_key,
+                               owner=session.id, rank=session.rank)
+        cached, node, tid = saved.cached_tokens, saved.node, saved.transfer
         if tid and request.async_:
             session.answered(tid)
         elif tid:

@@ -78,7 +78,7 @@ class Namespace:
             matched.append((result, self._lease(session, result.host_node) if held else 0))
         stored = [0] * len(prompts)
         if include_storage and self.copies.storage is not None:
-            probes = [self.cache.storage_probe(p.tokens, p.extra_key)[1] for p in prompts]
+            probes = [self.cache.storage_probe(p.tokens, p.extra_key).keys for p in prompts]
             stored = [n * self.layout.page_size for n in await self.copies.probe(probes)]
             self.cache.counters.storage_hit_tokens += sum(stored)
         return [MatchAnswer(r, lease_id, n) for (r, lease_id), n in zip(matched, stored)]
@@ -169,7 +169,7 @@ class Namespace:
         reporting progress as the policy asks. FAILED_PRECONDITION without storage."""
         if self.copies.storage is None:
             raise precondition("no storage tier is configured (start the daemon with --storage)")
-        (pages,) = await self.copies.probe([self.cache.storage_probe(request.tokens, request.extra_key)[1]])
+        (pages,) = await self.copies.probe([self.cache.storage_probe(request.tokens, request.extra_key).keys])
         session.check_open()
         transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id) if pages else 0
         if not transfer:
