@@ -3,7 +3,8 @@
 Each token grants some namespaces (glob patterns) or all of them (an operator). An
 engine cannot register into, match in, load into, evict from or ack for a namespace its
 token does not grant, even holding another tenant's session id; operators' RPCs show a
-tenant only what it may see, and never name another tenant's namespaces.
+tenant only what it may see, and never name another tenant's namespaces; a tenant's
+WatchEvents stream carries only its namespaces' KV events.
 """
 
 import grpc
@@ -42,7 +43,7 @@ def code_of(fn) -> tuple[grpc.StatusCode, str]:
 def tenants(daemon_factory, tmp_path):
     path = tmp_path / "tokens"
     path.write_text(TOKEN_FILE)
-    d = daemon_factory("--auth-token-file", str(path))
+    d = daemon_factory("--auth-token-file", str(path), "--kv-events-watch", "true")
     engines, sessions = {}, {}
     for token, namespace in ((ALICE, "alice/m1"), (BOB, "bob/m1")):
         engine = EngineDouble(num_pages=32)
@@ -131,6 +132,49 @@ def test_operator_rpcs_show_only_what_the_caller_may_see(tenants):
     alice.client.release([m.lease])
     [ns] = stub.Stats(pb.StatsRequest(namespace="alice/m1"), metadata=auth(ALICE)).namespaces
     assert ns.leases == 0 and ns.oldest_lease_seconds == 0
+
+
+def stored_tokens(batch: pb.KvEventBatch) -> set[int]:
+    return {t for e in batch.events if e.kind == pb.KvEvent.BLOCK_STORED for t in e.token_ids}
+
+
+def watch_until(stub, token: str, request: pb.WatchEventsRequest, done) -> list[pb.KvEventBatch]:
+    """The batches of a WatchEvents stream up to the first one for which `done(batch)`
+    (DEADLINE_EXCEEDED, failing the test, if none comes within 10 s)."""
+    call = stub.WatchEvents(request, metadata=auth(token), timeout=10)
+    batches = []
+    for batch in call:
+        batches.append(batch)
+        if done(batch):
+            break
+    call.cancel()
+    return batches
+
+
+def test_watch_events_carry_only_the_tenants_namespaces(tenants):
+    """Alice's WatchEvents of her namespace, replayed from seq 0, holds every batch of
+    hers the operator's unscoped stream holds and none of Bob's (his token ids never
+    reach her); Bob's namespace, one she could only match by pattern, and no namespace
+    at all are PERMISSION_DENIED for her token."""
+    stub, alice, bob = tenants["stub"], tenants["alice"], tenants["bob"]
+    alice.prefill(prompt(5, pages=2))
+    bob.prefill(prompt(6, pages=2))
+    alice.prefill(prompt(7, pages=2))  # after Bob's: Alice's stream must pass his batches to reach it
+    last = set(prompt(7, pages=2))
+    everything = watch_until(stub, OPERATOR, pb.WatchEventsRequest(from_seq=0),
+                             lambda b: b.namespace == "alice/m1" and last <= stored_tokens(b))
+    assert {"alice/m1", "bob/m1"} <= {b.namespace for b in everything}
+    hers = watch_until(stub, ALICE, pb.WatchEventsRequest(namespace="alice/m1", from_seq=0),
+                       lambda b: b.seq >= everything[-1].seq)
+    assert {b.namespace for b in hers} <= {"alice/m1", ""}
+    assert [b.seq for b in hers if b.namespace] == [b.seq for b in everything if b.namespace == "alice/m1"]
+    assert not set().union(*map(stored_tokens, hers)) & set(prompt(6, pages=2))
+    for namespace, says in (("bob/m1", "does not grant namespace 'bob/m1'"),
+                            ("bob/none", "does not grant namespace 'bob/none'"),
+                            ("", "WatchEvents must name one")):
+        code, message = code_of(lambda: watch_until(stub, ALICE, pb.WatchEventsRequest(namespace=namespace),
+                                                    lambda b: True))
+        assert code == C.PERMISSION_DENIED and says in message, (namespace, code, message)
 
 
 def test_tenant_log_has_no_tokens(tenants):
