@@ -6,12 +6,14 @@ logs a traceback at level error. `guarded(server)` is the server as the generate
 `add_*Servicer_to_server` functions see it: every method handler they add gets a
 deserializer that never raises (it returns a `Malformed` in place of the request) and a
 behaviour that refuses a `Malformed` with INVALID_ARGUMENT and one warning line
-(`rpc.malformed`), before the servicer sees it. On the request streams (Acks, and any
-later one) a malformed message ends the stream the same way, whether the servicer
-reads it with `context.read()` or from the request iterator.
+(`rpc.malformed`), before the servicer sees it. On the request streams (Acks, Session,
+and any later one) a malformed message ends the stream the same way, whether the
+servicer reads it with `context.read()` or from the request iterator.
 
-Messages over `--max-message-size` never reach Python: gRPC answers them
-RESOURCE_EXHAUSTED itself ("Received message larger than max").
+Messages over `--max-message-size` never reach Python: gRPC's core answers them
+RESOURCE_EXHAUSTED itself ("Received message larger than max"), so they are not logged;
+a request stream sees only the end of its requests. docs/reliability.md says why the
+guard does not take that check over.
 """
 
 import inspect
