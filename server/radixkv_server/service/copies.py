@@ -3,7 +3,9 @@
 It is the core's `Copier`: device<->host copies go to the `CopyEngine` of the attached
 engine's buffers, storage stores and fetches to the `StorageMover`. Both report on the
 event loop (`_copied`, `_fetched`), the only place the core hears of a completed copy;
-coroutines wait for copies here (`wait`, `written_back`, `fetched`, `drain`).
+coroutines wait for copies here (`wait`, `written_back`, `fetched`, `drain`). In an
+engine-managed namespace there are no attached buffers: the rank sessions' copies
+(`RankCopies`, given as `ranks`) are waited for and counted here too.
 
 The event loop owns all of it; the copy threads only ever call back onto the loop.
 """
@@ -18,6 +20,7 @@ from ..datapath import CopyEngine, DeviceBuffers, HostPool
 from ..datapath.storage_mover import StorageMover
 from ..logs import log_event
 from .namespace_config import NamespaceConfig
+from .rank_copies import RankCopies
 
 log = logging.getLogger("radixkv.namespace")
 
@@ -25,7 +28,8 @@ log = logging.getLogger("radixkv.namespace")
 class Copies:
     """Construct, then `bind` the core (they refer to each other), then `attach` buffers."""
 
-    def __init__(self, config: NamespaceConfig, host_pool: HostPool, metrics=None, storage_backend=None):
+    def __init__(self, config: NamespaceConfig, host_pool: HostPool, metrics=None, storage_backend=None,
+                 ranks: RankCopies | None = None):
         self._config = config
         self._host_pool = host_pool
         self._metrics = metrics
@@ -39,7 +43,7 @@ class Copies:
         self.device: DeviceBuffers | None = None
         self.backend = ""  # of the attached buffers: "shm" or "cuda"
         self.engine: CopyEngine | None = None
-        self.others = None  # engine-managed: the rank sessions' RankCopies, counted in the byte totals
+        self._ranks = ranks  # engine-managed: the rank sessions' copies
         self.storage: StorageMover | None = None
         if storage_backend is not None:
             self.storage = StorageMover(
@@ -75,22 +79,28 @@ class Copies:
             self.device = None
 
     def order_after(self, engine_event: bytes) -> None:
-        """Copies started from now on wait for the engine's interprocess event (CUDA;
-        ignored by shared memory). See `CopyEngine.order_after`."""
+        """Copies to and from the attached buffers started from now on wait for the
+        engine's interprocess event (CUDA; ignored by shared memory). See
+        `CopyEngine.order_after`."""
         if self.engine is not None and engine_event:
             self.engine.order_after(engine_event)
 
     @property
+    def device_uuid(self) -> str:
+        """The GPU the attached buffers were opened on ("" without CUDA buffers)."""
+        return getattr(self.device, "device_uuid", "")
+
+    @property
     def loaded_bytes(self) -> int:
-        """Bytes copied host->device since the namespace was created (with `others`)."""
-        other = self.others.loaded_bytes if self.others is not None else 0
-        return self._past_bytes["load"] + (self.engine.load_bytes if self.engine else 0) + other
+        """Bytes copied host->device since the namespace was created (rank copies too)."""
+        ranks = self._ranks.loaded_bytes if self._ranks is not None else 0
+        return self._past_bytes["load"] + (self.engine.load_bytes if self.engine else 0) + ranks
 
     @property
     def backed_up_bytes(self) -> int:
-        """Bytes copied device->host since the namespace was created (with `others`)."""
-        other = self.others.saved_bytes if self.others is not None else 0
-        return self._past_bytes["backup"] + (self.engine.backup_bytes if self.engine else 0) + other
+        """Bytes copied device->host since the namespace was created (rank copies too)."""
+        ranks = self._ranks.saved_bytes if self._ranks is not None else 0
+        return self._past_bytes["backup"] + (self.engine.backup_bytes if self.engine else 0) + ranks
 
     # -- the core's Copier: start a copy, timed for the metrics ----------------------------
 
@@ -149,13 +159,17 @@ class Copies:
         return t is not None and not t.copied
 
     async def wait(self, transfers: Iterable[int]) -> None:
-        """Return once every named copy has completed (unknown ids count as done)."""
+        """Return once every named copy has completed (unknown ids count as done),
+        rank sessions' copies included."""
+        transfers = list(transfers)
+        if self._ranks is not None:
+            await self._ranks.wait(transfers)
         for tid in transfers:
             if self.in_flight(tid):
                 await self._waiters.setdefault(tid, asyncio.Event()).wait()
 
     async def drain(self) -> None:
-        """Return once no copy is in flight."""
+        """Return once no copy is in flight (rank sessions' copies included)."""
         while busy := [tid for tid in self._cache.transfers if self.in_flight(tid)]:
             await self.wait(busy)
 

@@ -9,9 +9,9 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from ..config import DaemonConfig
-from ..events import resident
 from ..logs import log_event
 from . import engine_registration, registration
 from .errors import exhausted, not_found, precondition, unavailable
@@ -20,6 +20,14 @@ from .namespace import Namespace
 from .sessions import Session, SessionRegistry
 
 log = logging.getLogger("radixkv.daemon")
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant of a namespace (CheckInvariants)."""
+
+    namespace: str
+    message: str
 
 
 class Daemon:
@@ -74,9 +82,8 @@ class Daemon:
             device = await registration.open_device(reg)
             try:
                 if ns is None:
-                    ns = await Namespace.open(ns_config, device, reg.backend, metrics=self.metrics, storage=self.storage)
-                    self.namespaces[reg.namespace] = ns
-                    self._listen(ns)
+                    ns = self.add_namespace(await Namespace.open(
+                        ns_config, device, reg.backend, metrics=self.metrics, storage=self.storage))
                     warm, dropped = False, 0
                 else:
                     warm, dropped = True, await ns.attach(device, reg.backend)
@@ -101,6 +108,15 @@ class Daemon:
                 f"namespace {reg.namespace} is attached to a live session (engine "
                 f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
         await self.close_session(ns.session, "replaced by a new registration")
+
+    def add_namespace(self, ns):
+        """Enter a new namespace (managed or engine-managed) in the registry; its
+        residency changes are reported as KV events from now on (when they are on).
+        Returns `ns`."""
+        self.namespaces[ns.name] = ns
+        if self.events is not None:
+            ns.report_to(self.events)
+        return ns
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -141,12 +157,12 @@ class Daemon:
         """The named namespace ("": every one); NOT_FOUND for an unknown name."""
         return [self.namespace(name)] if name else list(self.namespaces.values())
 
-    def check_invariants(self, name: str) -> list[tuple[str, str]]:
-        """(namespace, violation) for the selected namespaces, each counted in the metrics."""
-        out = [(ns.name, v) for ns in self.selected(name) for v in ns.check_invariants()]
+    def check_invariants(self, name: str) -> list[Violation]:
+        """The violations of the selected namespaces, each counted in the metrics."""
+        out = [Violation(ns.name, v) for ns in self.selected(name) for v in ns.check_invariants()]
         if self.metrics is not None:
-            for ns_name, _ in out:
-                self.metrics.invariant_violations.labels(ns_name).inc()
+            for v in out:
+                self.metrics.invariant_violations.labels(v.namespace).inc()
         return out
 
     # -- shutdown ----------------------------------------------------------------------
@@ -169,19 +185,11 @@ class Daemon:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         for ns in list(self.namespaces.values()):
-            await ns.close()
-            if ns.cache.residency_listener is not None:
-                ns.cache.residency_listener.clear()  # routers forget what it held
+            await ns.close()  # KV-event subscribers forget what it held
         self.namespaces.clear()
-
-    def _listen(self, ns: Namespace) -> None:
-        """Report a new namespace's residency changes as KV events (when they are on)."""
-        if self.events is not None:
-            ns.cache.residency_listener = self.events.attach(
-                ns.name, ns.layout.page_size, snapshot=lambda: resident(ns.cache.tree))
 
     def uptime(self) -> float:
         return time.monotonic() - self.started
 
 
-__all__ = ["Daemon"]
+__all__ = ["Daemon", "Violation"]

@@ -4,33 +4,33 @@ The tree holds host and storage residency only (the core's `EngineTier`). Any nu
 of sessions share it: each engine instance's SCHEDULER session (Match with leases,
 Release, Prefetch) and its `tp_size` ENGINE rank sessions (Insert = save, LoadBack =
 load into the blocks the engine allocated, both acknowledged on the session's Acks
-stream). A session's end finishes only its own transfers and releases only its own
-leases. Evict is refused: the daemon holds no engine page to give back.
+stream), each rank copying through its own copy engine (`RankCopies`). A session's end
+finishes only its own transfers and releases only its own leases. Evict is refused: the
+daemon holds no engine page to give back.
 
-Match, Release and Prefetch are the managed namespace's (same tree, same leases).
+It owns a `NamespaceCore` as a managed namespace does (same tree operations: match,
+leases, release, prefetch, waiting, finishing) and adds the engine-managed operations.
+The event loop owns all of it.
 """
 
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 from radixkv.layout import KvLayout
 
-from ..core import FinishResult, InsertResult, NotReady
-from ..core.engine_tier import EngineTier
-from ..core.errors import UnknownTransfer
+from ..core import FinishResult, InsertResult
 from ..core.pages import unpack
-from ..datapath import CopyError, CopyJob, DeviceBuffers, HostPool
-from .calls import EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, Prompt
+from ..datapath import DeviceBuffers, HostPool
+from .calls import EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchRequest, \
+    PrefetchStep, Prompt
 from .errors import invalid, not_found, precondition, unavailable
-from .namespace import Namespace
 from .namespace_config import NamespaceConfig
+from .namespace_core import NamespaceCore
 from .rank_copies import RankCopies
 from .sessions import Session
 
-T = TypeVar("T")
 SCHEDULER, ENGINE = "scheduler", "engine"
 
 
@@ -39,37 +39,25 @@ def host_layout(layout: KvLayout, tp_size: int) -> KvLayout:
     return dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads * tp_size)
 
 
-class _NoDevice(DeviceBuffers):
-    """The managed namespace's device slot, empty: engine pages are the rank sessions'."""
+class EngineNamespace:
+    """`config`, `host_pool`, `cache` (the core) and `copies` are its core's, read by
+    operators (Stats, metrics); `tier` is the core's EngineTier, `ranks` the rank copies."""
 
-    def __init__(self, layout: KvLayout):
-        self.layout = layout
-        self.num_pages = 0
-
-    def submit_load(self, host_pool, host_pages, device_pages, after=b"") -> CopyJob:
-        raise CopyError("an engine-managed namespace copies through its rank sessions")
-
-    submit_store = submit_load
-
-    def close(self) -> None:
-        pass
-
-
-class EngineNamespace(Namespace):
     engine_managed = True
 
     def __init__(self, config: NamespaceConfig, host_pool: HostPool, tp_size: int, *, metrics=None, storage=None):
-        super().__init__(config, host_pool, _NoDevice(config.layout), "none", metrics=metrics, storage=storage)
-        self.copies.release_device()
         self.tp_size = tp_size
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Session] = {}  # every session sharing it, by id
+        self.session: Session | None = None  # the managed namespace's one session: never set here
         self.ranks = RankCopies(config, host_pool, tp_size, self._copied)
-        self.copies.others = self.ranks
-        self.tier = EngineTier(self.cache.state, self.cache.host_space, self.ranks, tp_size)
+        self.core = NamespaceCore(config, host_pool, num_device_pages=0, metrics=metrics, storage=storage,
+                                  ranks=self.ranks)
+        self.name, self.layout, self.config, self.host_pool = config.name, config.layout, config, host_pool
+        self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
+        self.tier = self.cache.engine_tier(self.ranks, tp_size)
 
     @classmethod
-    async def open_engine(cls, config: NamespaceConfig, tp_size: int, *, metrics=None,
-                          storage=None) -> "EngineNamespace":
+    async def open(cls, config: NamespaceConfig, tp_size: int, *, metrics=None, storage=None) -> "EngineNamespace":
         """A new engine-managed namespace; its host pool (pages of `tp_size` shards) is
         allocated off the loop."""
         pool = await asyncio.get_running_loop().run_in_executor(
@@ -90,10 +78,17 @@ class EngineNamespace(Namespace):
 
     async def match(self, session: Session, prompts: list[Prompt], lease: bool,
                     include_storage: bool = False) -> list[MatchAnswer]:
-        """The managed match, plus each prompt's `complete_tokens` (every rank's shard there)."""
-        answers = await super().match(session, prompts, lease, include_storage)
+        """The managed match (`NamespaceCore.match`), plus each prompt's
+        `complete_tokens` (every rank's shard there)."""
+        answers = await self.core.match(session, prompts, lease, include_storage)
         return [dataclasses.replace(a, complete_tokens=self.tier.complete_tokens(a.result.host_node))
                 for a in answers]
+
+    def order_after(self, session: Session, engine_event: bytes) -> None:
+        """The engine's event from an Insert or LoadBack: the session's rank copies
+        started from now on (by that call or later) run after it on the GPU. Call
+        before the operation."""
+        self.ranks.order_after(session.id, engine_event)
 
     async def insert(self, session: Session, request: InsertRequest) -> InsertAnswer:
         """Save the rank's pages to host (only pages whose shard is not there or on its
@@ -105,7 +100,7 @@ class EngineNamespace(Namespace):
         self._check_pages(session, request.device_pages, "Insert")
         saved = self.tier.save(request.tokens, request.device_pages, request.extra_key,
                                owner=session.id, rank=session.rank)
-        cached, node, tid = saved.cached_tokens, saved.node, saved.transfer
+        tid = saved.transfer
         if tid and request.async_:
             session.answered(tid)
         elif tid:
@@ -115,9 +110,9 @@ class EngineNamespace(Namespace):
             tid = 0
         if request.release_lease:
             self.cache.unlock(session.pop_lease(request.release_lease))
-        saved = self.cache.node(node).parent is not None  # the root: no host room for any of it
-        lease = self._lease(session, node) if request.lease and saved else 0
-        return InsertAnswer(InsertResult(cached, b"", node), lease, transfer=tid)
+        stored = self.cache.node(saved.node).parent is not None  # the root: no host room for any of it
+        lease = self.core.lease(session, saved.node) if request.lease and stored else 0
+        return InsertAnswer(InsertResult(saved.cached_tokens, b"", saved.node), lease, transfer=tid)
 
     async def load_back(self, session: Session, node: int, device_pages: bytes, lease: int = 0,
                         start_page: int = 0) -> LoadBackAnswer:
@@ -133,28 +128,30 @@ class EngineNamespace(Namespace):
             session.answered(result.transfer)
         return LoadBackAnswer(result)
 
+    async def ack(self, session: Session, transfer: int) -> FinishResult:
+        """Finish a save or load of this session once copied. NOT_FOUND (saying so) for
+        one that expired."""
+        return await self.core.ack(self.tier.finish, session, transfer)
+
     async def finish(self, transfer: int, owner=None, missing_ok: bool = False) -> FinishResult | None:
-        """Finish a save or load once copied (an ack, a close, an expiry)."""
-        try:
-            return await self._until_copied(lambda: self.tier.finish(transfer, owner))
-        except UnknownTransfer:
-            if not missing_ok:
-                raise
-            return None
+        """Finish a save or load once copied (see `NamespaceCore.finish`)."""
+        return await self.core.finish(self.tier.finish, transfer, owner, missing_ok)
+
+    def release(self, session: Session, leases: list[int]) -> None:
+        """See `NamespaceCore.release`."""
+        self.core.release(session, leases)
 
     async def evict(self, num_pages: int) -> EvictAnswer:
         raise precondition(f"namespace {self.name} is engine-managed: the engines keep their own blocks and the "
                            "daemon holds none to evict (host room is made by the daemon itself)")
 
-    async def _until_copied(self, attempt: Callable[[], T], session: Session | None = None) -> T:
-        while True:
-            try:
-                return attempt()
-            except NotReady as e:
-                await self.ranks.wait(e.transfers)
-                await self.copies.wait(e.transfers)
-                if session is not None:
-                    session.check_open()
+    def prefetch(self, session: Session, request: PrefetchRequest) -> AsyncIterator[PrefetchStep]:
+        """See `NamespaceCore.prefetch`."""
+        return self.core.prefetch(session, request)
+
+    def has_transfer(self, transfer: int) -> bool:
+        """Whether `transfer` is still in flight or unacknowledged on the core."""
+        return transfer in self.cache.transfers
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -183,36 +180,42 @@ class EngineNamespace(Namespace):
 
     # -- sessions come and go ---------------------------------------------------------------------
 
+    def device_uuid(self, session: Session) -> str:
+        """Always "": Register reports no GPU for an engine-managed session."""
+        return ""
+
     async def end_session(self, session: Session) -> None:
         """The session's own saves and loads are finished (after their copies), its leases
         released, its buffers closed. Other sessions keep theirs."""
-        for tid in self.tier.pending(session.id):
-            await self.finish(tid, None, missing_ok=True)
-        for node in session.pop_all_leases():
-            self.cache.unlock(node)
-        session.forget_loads()
+        await self.core.end_holdings(self.tier.finish, session, self.tier.pending(session.id))
         self.sessions.pop(session.id, None)
         await self.ranks.detach(session.id)
 
     async def drain(self) -> None:
-        await self.ranks.drain()
+        """Return once no copy (any rank's, or storage's) is in flight."""
         await self.copies.drain()
 
     async def close(self) -> None:
-        await self.ranks.drain()
+        """Detach every rank session's copy engine and buffers, then close the core as a
+        managed namespace does. Idempotent."""
         await self.ranks.close()
-        await super().close()
+        await self.core.close()
 
     # -- operators --------------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        """See `NamespaceCore.counters`."""
+        return self.core.counters()
+
+    def report_to(self, events) -> None:
+        """See `NamespaceCore.report_to`."""
+        self.core.report_to(events)
 
     def check_invariants(self) -> list[str]:
         """The engine tier's invariants, and every session's leases naming locked nodes."""
         out = self.tier.check_invariants()
         for session in self.sessions.values():
-            for lease, node_id in session.leases.items():
-                n = self.cache.tree.nodes.get(node_id)
-                if n is None or (n.parent is not None and n.full.lock_ref <= 0):
-                    out.append(f"lease {lease} of session {session.id[:8]} names node {node_id}, which is not locked")
+            out += self.core.lease_violations(session, f" of session {session.id[:8]}")
         return out
 
 

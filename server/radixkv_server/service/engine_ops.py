@@ -21,13 +21,13 @@ async def match(daemon: Daemon, session: Session, request: pb.MatchRequest) -> p
 
 
 async def insert(daemon: Daemon, session: Session, request: pb.InsertRequest) -> pb.InsertResponse:
-    session.namespace.order_after(convert.engine_event(request))
+    session.namespace.order_after(session, convert.engine_event(request))
     answer = await session.namespace.insert(session, convert.insert_request(request))
     return convert.insert_response(answer)
 
 
 async def load_back(daemon: Daemon, session: Session, request: pb.LoadBackRequest) -> pb.LoadBackResponse:
-    session.namespace.order_after(convert.engine_event(request))
+    session.namespace.order_after(session, convert.engine_event(request))
     answer = await session.namespace.load_back(session, request.node, request.device_pages,
                                                lease=request.lease, start_page=request.start_page)
     return convert.load_back_response(answer)
@@ -39,7 +39,7 @@ async def release(daemon: Daemon, session: Session, request: pb.ReleaseRequest) 
 
 
 async def evict(daemon: Daemon, session: Session, request: pb.EvictRequest) -> pb.EvictResponse:
-    session.namespace.order_after(convert.engine_event(request))
+    session.namespace.order_after(session, convert.engine_event(request))
     return convert.evict_response(await session.namespace.evict(request.num_pages))
 
 

@@ -48,7 +48,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     try:
         warm = ns is not None
         if ns is None:
-            ns = await EngineNamespace.open_engine(config, reg.tp_size, metrics=daemon.metrics, storage=daemon.storage)
+            ns = await EngineNamespace.open(config, reg.tp_size, metrics=daemon.metrics, storage=daemon.storage)
             daemon.namespaces[reg.namespace] = ns
         session = daemon.sessions.new(ns, reg.engine)
         session.role, session.rank, session.instance = reg.role, reg.tp_rank, reg.instance

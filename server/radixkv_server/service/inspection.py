@@ -11,11 +11,6 @@ from .namespace import Namespace
 
 def namespace_stats(ns: Namespace) -> pb.NamespaceStats:
     cache = ns.cache
-    counters = cache.counters.as_dict()
-    counters["loaded_bytes"] = ns.copies.loaded_bytes
-    counters["backed_up_bytes"] = ns.copies.backed_up_bytes
-    counters["leases_expired"] = ns.expirations["lease"]
-    counters["load_backs_expired"] = ns.expirations["load_back"]
     return pb.NamespaceStats(
         namespace=ns.name, layout=layout_pb(ns.layout),
         write_policy=ns.config.cache.write_policy.value, eviction_policy=ns.config.cache.eviction_policy,
@@ -25,7 +20,7 @@ def namespace_stats(ns: Namespace) -> pb.NamespaceStats:
         host_pages_used=cache.host.num_used, host_pages_capacity=cache.host.capacity,
         host_page_bytes=ns.layout.page_bytes, transfers_in_flight=len(cache.transfers),
         pinned_nodes=sum(1 for n in cache.tree.iter_nodes() if n.full.pins),
-        tracked_duplicates=len(cache.duplicates), counters=counters)
+        tracked_duplicates=len(cache.duplicates), counters=ns.counters())
 
 
 def inspect_namespace(ns: Namespace, max_nodes: int) -> pb.InspectResponse:

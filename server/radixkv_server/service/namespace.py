@@ -1,50 +1,48 @@
-"""A namespace: one cache core, its host pool, its copies, and the operations engines
-call on it (match, insert, load-back and ack, release, evict, prefetch).
+"""A managed namespace: the daemon holds the engine's device pages in its tree, and one
+engine session at a time attaches its buffers (`Daemon.register`).
 
-The event loop owns all of it. No tree change spans an `await`: an operation that must
-wait for copies waits first (`_until_copied`), then re-checks its session and tries the
-core again. Sessions are asked which leases and load-backs are theirs; the namespace
-does the locking and finishing on the core.
+It owns a `NamespaceCore` (the cache core, its host pool and copies, and what every
+namespace does on them: match, release, prefetch, waiting, finishing) and adds the
+operations of a managed device tier: insert, load-back, evict, attaching and detaching
+the engine's buffers, ending its session. Sessions are asked which leases and load-backs
+are theirs; the namespace does the locking and finishing on the core.
+
+The event loop owns all of it (see namespace_core.py for the rule about `await`s).
 """
 
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
-from radixkv.layout import KvLayout
-
-from ..core import FinishResult, HierarchicalCache, NotReady
-from ..core.errors import UnknownTransfer
+from ..core import FinishResult
 from ..core.pages import count
 from ..datapath import DeviceBuffers, HostPool
 from ..logs import log_event
-from .calls import (
-    EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchPolicy, PrefetchRequest,
-    PrefetchState, PrefetchStep, Prompt,
-)
-from .copies import Copies
-from .errors import invalid, not_found, precondition
+from .calls import EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchRequest, \
+    PrefetchStep, Prompt
+from .errors import invalid
 from .namespace_config import NamespaceConfig
+from .namespace_core import NamespaceCore
 from .sessions import Session
 
 log = logging.getLogger("radixkv.namespace")
-T = TypeVar("T")
 
 
 class Namespace:
+    """`config`, `host_pool`, `cache` (the core) and `copies` are its core's, read by
+    operators (Stats, metrics)."""
+
+    engine_managed = False
+
     def __init__(self, config: NamespaceConfig, host_pool: HostPool, device: DeviceBuffers, backend: str, *,
                  metrics=None, storage=None):
         """`storage`: the daemon's StorageBackend, or None. Call on the event loop."""
-        self.config = config
-        self.host_pool = host_pool
+        self.core = NamespaceCore(config, host_pool, num_device_pages=device.num_pages, metrics=metrics,
+                                  storage=storage)
+        self.name, self.layout, self.config, self.host_pool = config.name, config.layout, config, host_pool
+        self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
         self.session: Session | None = None  # the attached engine's session; set by the Daemon
-        self.expirations = {"lease": 0, "load_back": 0}  # released by the daemon's timeouts
-        self.copies = Copies(config, host_pool, metrics, storage)
-        self.cache = HierarchicalCache(config.cache, self.copies, num_device_pages=device.num_pages,
-                                       host_pages=host_pool.num_pages)
-        self.copies.bind(self.cache)
         self.copies.attach(device, backend)
 
     @classmethod
@@ -55,37 +53,17 @@ class Namespace:
             None, functools.partial(HostPool, config.layout, config.host_pages, device=config.pin_device))
         return cls(config, pool, device, backend, metrics=metrics, storage=storage)
 
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def layout(self) -> KvLayout:
-        return self.config.layout
-
     # -- engine operations ----------------------------------------------------------------
 
     async def match(self, session: Session, prompts: list[Prompt], lease: bool,
                     include_storage: bool = False) -> list[MatchAnswer]:
-        """Match every prompt; with `lease`, lock each matched path (until released); with
-        `include_storage`, also count the tokens past the cache that storage holds. The
-        matches are atomic; the storage probe comes after them. The prompts must be packed
-        int32 (`convert.prompts` checks), so no match fails after another took a lease."""
-        matched = []
-        for p in prompts:
-            result = self.cache.match(p.tokens, p.extra_key)
-            held = lease and (result.device_tokens or result.host_tokens)
-            matched.append((result, self._lease(session, result.host_node) if held else 0))
-        stored = [0] * len(prompts)
-        if include_storage and self.copies.storage is not None:
-            probes = [self.cache.storage_probe(p.tokens, p.extra_key).keys for p in prompts]
-            stored = [n * self.layout.page_size for n in await self.copies.probe(probes)]
-            self.cache.counters.storage_hit_tokens += sum(stored)
-        return [MatchAnswer(r, lease_id, n) for (r, lease_id), n in zip(matched, stored)]
+        """See `NamespaceCore.match`."""
+        return await self.core.match(session, prompts, lease, include_storage)
 
-    def order_after(self, engine_event: bytes) -> None:
-        """The engine's event from an Insert, Evict or LoadBack: copies started from now
-        on (by that call or later) run after it on the GPU. Call before the operation."""
+    def order_after(self, session: Session, engine_event: bytes) -> None:
+        """The engine's event from an Insert, Evict or LoadBack: copies to and from its
+        buffers started from now on (by that call or later) run after it on the GPU.
+        Call before the operation."""
         self.copies.order_after(engine_event)
 
     async def insert(self, session: Session, request: InsertRequest) -> InsertAnswer:
@@ -97,10 +75,10 @@ class Namespace:
                 session.check_lease(request.release_lease)
             return self.cache.insert(request.tokens, request.device_pages, request.extra_key, request.chunked)
 
-        result = await self._until_copied(attempt, session)
+        result = await self.core.until_copied(attempt, session)
         if request.release_lease:
             self.cache.unlock(session.pop_lease(request.release_lease))
-        return InsertAnswer(result, self._lease(session, result.node) if request.lease else 0)
+        return InsertAnswer(result, self.core.lease(session, result.node) if request.lease else 0)
 
     async def load_back(self, session: Session, node: int, device_pages: bytes, lease: int = 0,
                         start_page: int = 0) -> LoadBackAnswer:
@@ -119,29 +97,15 @@ class Namespace:
     async def ack(self, session: Session, transfer: int) -> FinishResult:
         """Finish a load-back of this session once its copy completed. NOT_FOUND (saying
         so) for one that expired."""
-        session.acked(transfer)
-        try:
-            return await self.finish(transfer, owner=session.id)
-        except UnknownTransfer:
-            why = session.expired_reason("load_back", transfer)
-            if why is not None:
-                raise not_found(f"transfer {transfer} {why}") from None
-            raise
+        return await self.core.ack(self.cache.finish_load_back, session, transfer)
 
     async def finish(self, transfer: int, owner=None, missing_ok: bool = False) -> FinishResult | None:
-        """Finish a load-back once its copies completed. With `missing_ok` (closing a
-        session, expiring a load), one that an ack finished meanwhile is no error."""
-        try:
-            return await self._until_copied(lambda: self.cache.finish_load_back(transfer, owner=owner))
-        except UnknownTransfer:
-            if not missing_ok:
-                raise
-            return None
+        """Finish a load-back once its copies completed (see `NamespaceCore.finish`)."""
+        return await self.core.finish(self.cache.finish_load_back, transfer, owner, missing_ok)
 
     def release(self, session: Session, leases: list[int]) -> None:
-        """Unlock the paths of the listed leases: all of them, or none (see Session.pop_leases)."""
-        for node in session.pop_leases(leases):
-            self.cache.unlock(node)
+        """See `NamespaceCore.release`."""
+        self.core.release(session, leases)
 
     async def evict(self, num_pages: int) -> EvictAnswer:
         """Free up to `num_pages` device pages, waiting for write-backs. The answer says
@@ -164,60 +128,25 @@ class Namespace:
             need -= progress
         return EvictAnswer(b"".join(freed), written_back)
 
-    async def prefetch(self, session: Session, request: PrefetchRequest) -> AsyncIterator[PrefetchStep]:
-        """Fetch what storage holds of the prompt past the cache into host memory,
-        reporting progress as the policy asks. FAILED_PRECONDITION without storage."""
-        if self.copies.storage is None:
-            raise precondition("no storage tier is configured (start the daemon with --storage)")
-        (pages,) = await self.copies.probe([self.cache.storage_probe(request.tokens, request.extra_key).keys])
-        session.check_open()
-        transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id) if pages else 0
-        if not transfer:
-            yield PrefetchStep(PrefetchState.NOTHING)
-            return
-        done = self.copies.fetched(transfer)  # before the first yield: the fetch may finish meanwhile
-        tokens = pages * self.layout.page_size
-        yield PrefetchStep(PrefetchState.STARTED, transfer, tokens)
-        if request.policy is PrefetchPolicy.BEST_EFFORT:
-            return
-        timeout = request.timeout if request.policy is PrefetchPolicy.TIMEOUT else None
-        try:
-            outcome = await asyncio.wait_for(asyncio.shield(done), timeout)
-        except asyncio.TimeoutError:
-            yield PrefetchStep(PrefetchState.WAITING_ENDED, transfer, tokens)
-            return
-        yield PrefetchStep.done(transfer, tokens, outcome, self.layout.page_size)
+    def prefetch(self, session: Session, request: PrefetchRequest) -> AsyncIterator[PrefetchStep]:
+        """See `NamespaceCore.prefetch`."""
+        return self.core.prefetch(session, request)
 
-    def _lease(self, session: Session, node_id: int) -> int:
-        self.cache.lock(node_id)
-        return session.add_lease(node_id)
+    def has_transfer(self, transfer: int) -> bool:
+        """Whether `transfer` is still in flight or unacknowledged on the core."""
+        return transfer in self.cache.transfers
 
-    async def _until_copied(self, attempt: Callable[[], T], session: Session | None = None) -> T:
-        """`attempt()` (one core call), tried again after each `NotReady` once the copies
-        it names completed. With `session`: FAILED_PRECONDITION if it closed meanwhile."""
-        while True:
-            try:
-                return attempt()
-            except NotReady as e:
-                await self.copies.wait(e.transfers)
-                if session is not None:
-                    session.check_open()
+    # -- sessions and buffers come and go ---------------------------------------------------
 
-    # -- sessions come and go ---------------------------------------------------------------
+    def device_uuid(self, session: Session) -> str:
+        """The GPU the session's buffers were opened on ("" unless CUDA)."""
+        return self.copies.device_uuid
 
     async def end_session(self, session: Session) -> None:
         """What the session held ends with it: its load-backs are finished (after their
         copies), its leases released, the engine's device buffers closed."""
-        for tid in self.cache.pending_loads(session.id):
-            await self.finish(tid, None, missing_ok=True)
-        for node in session.pop_all_leases():
-            self.cache.unlock(node)
-        session.forget_loads()
+        await self.core.end_holdings(self.cache.finish_load_back, session, self.cache.pending_loads(session.id))
         await self.detach()
-
-    def has_transfer(self, transfer: int) -> bool:
-        """Whether `transfer` is still in flight or unfinished on the core."""
-        return transfer in self.cache.transfers
 
     async def attach(self, device: DeviceBuffers, backend: str) -> int:
         """Swap in a restarted engine's device buffers: wait for copies, drop the old
@@ -242,25 +171,29 @@ class Namespace:
         return dropped
 
     async def drain(self) -> None:
-        """Return once no copy is in flight."""
+        """Return once no copy is in flight (shutdown waits for this before stopping gRPC)."""
         await self.copies.drain()
 
     async def close(self) -> None:
         """Drain copies, stop the copy threads, close the device buffers (IPC handles),
-        stop storage I/O and close the host pool (unpinning it). Idempotent."""
-        await self.copies.drain()
-        self.copies.close()
-        self.host_pool.close()
+        stop storage I/O and close the host pool (unpinning it); KV-event subscribers
+        told to forget the namespace. Idempotent."""
+        await self.core.close()
 
     # -- operators --------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        """See `NamespaceCore.counters`."""
+        return self.core.counters()
+
+    def report_to(self, events) -> None:
+        """See `NamespaceCore.report_to`."""
+        self.core.report_to(events)
 
     def check_invariants(self) -> list[str]:
         """The core's violations, and any lease of the attached session naming a node
         that is not locked."""
         out = self.cache.check_invariants()
-        leases = self.session.leases if self.session is not None else {}
-        for lease, node_id in leases.items():
-            n = self.cache.tree.nodes.get(node_id)
-            if n is None or (n.parent is not None and n.full.lock_ref <= 0):
-                out.append(f"lease {lease} names node {node_id}, which is not locked")
+        if self.session is not None:
+            out += self.core.lease_violations(self.session)
         return out

@@ -48,6 +48,14 @@ class RankCopies:
         """Bytes copied engine pages -> host, by every rank session so far."""
         return self._past["save"] + sum(e.backup_bytes for e, _ in self._engines.values())
 
+    def order_after(self, owner: str, engine_event: bytes) -> None:
+        """Copies of `owner`'s pages started from now on wait for its engine's
+        interprocess event (CUDA; ignored by shared memory). Nothing for a session
+        without buffers (a SCHEDULER) or without an event."""
+        pair = self._engines.get(owner)
+        if pair is not None and engine_event:
+            pair[0].order_after(engine_event)
+
     # -- the EngineTier's EngineCopier ------------------------------------------------------
 
     def save(self, transfer: int, owner: object, device_pages: bytes, host_pages: bytes) -> None:

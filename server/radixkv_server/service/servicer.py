@@ -89,7 +89,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             session=done.session.id, host_pool_pages=ns.host_pool.num_pages,
             write_policy=ns.config.cache.write_policy.value, warm=done.warm,
             dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance,
-            device_uuid=getattr(ns.copies.device, "device_uuid", ""))
+            device_uuid=ns.device_uuid(done.session))
 
     @rpc
     async def Close(self, request, context):
@@ -155,10 +155,10 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     async def CheckInvariants(self, request, context):
         namespaces = visible(self.grant(context), self.daemon.namespaces, request.namespace)
         violations = [v for ns in namespaces for v in self.daemon.check_invariants(ns.name)]
-        for name, message in violations:
-            log_event(log, "invariant.violated", logging.ERROR, namespace=name, violation=message)
+        for v in violations:
+            log_event(log, "invariant.violated", logging.ERROR, namespace=v.namespace, violation=v.message)
         return pb.CheckInvariantsResponse(
-            violations=[pb.Violation(namespace=n, message=m) for n, m in violations],
+            violations=[pb.Violation(namespace=v.namespace, message=v.message) for v in violations],
             namespaces_checked=len(namespaces))
 
     @rpc
