@@ -1,8 +1,7 @@
 """vLLM's ZMQ framing end to end on real sockets: live PUB frames, ROUTER replay after a
 disconnect without gap or duplicate, and a stalled subscriber that costs the loop nothing."""
 
-import statistics
-import time
+import threading
 
 import pytest
 import zmq
@@ -154,9 +153,32 @@ def rebuild(state, batch):
             state[e.medium].difference_update(e.block_hashes)
 
 
+QUEUE = 8  # publisher queue of the stall test, in batches
+
+
+class StuckJob:
+    """A publisher job whose build blocks until `release` is set (`entered` once it does)."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def build(self, records):
+        self.entered.set()
+        self.release.wait(60)
+        return []
+
+    def job(self) -> tuple:
+        return (self, "", b"kv@stuck", 0.0, [])
+
+
 def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):
+    """Two stalls, each shown by what completes rather than by how long it took: a ZMQ
+    peer that never reads does not hold the publisher thread (every batch is published
+    and a healthy router gets them all), and a publisher thread that is itself stuck
+    does not hold the loop (every residency call and flush returns; what does not fit
+    in the queue is dropped, counted, then resynchronised)."""
     pub, rep = ipc_endpoints("stall")
-    hub = EventHub(EventsConfig(endpoint=pub, replay_endpoint=rep, hwm=4, queue_size=8))
+    hub = EventHub(EventsConfig(endpoint=pub, replay_endpoint=rep, hwm=4, queue_size=QUEUE))
     stalled = ctx.socket(zmq.SUB)
     stalled.setsockopt(zmq.RCVHWM, 1)
     stalled.setsockopt(zmq.SUBSCRIBE, b"")
@@ -166,29 +188,54 @@ def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):
     resident: dict[str, dict[int, object]] = {"device": {}, "host": {}}
     listen = hub.attach("m", PAGE, snapshot=lambda: [(t, n) for t, nodes in resident.items()
                                                       for n in nodes.values()])
-    costs = []
+    gate = StuckJob()
+
+    def step(i: int) -> None:
+        """One loop turn's residency changes of a fresh node, and the turn's flush."""
+        (node,) = chain(tree, range(i * 100, i * 100 + 16 * PAGE))
+        listen("device", "stored", node)
+        resident["device"][node.id] = node
+        if i % 3 == 0:
+            listen("device", "removed", node)
+            del resident["device"][node.id]
+            listen("host", "stored", node)
+            resident["host"][node.id] = node
+        hub.flush()
+
     try:
-        for i in range(1500):
-            (node,) = chain(tree, range(i * 100, i * 100 + 16 * PAGE))
-            t0 = time.perf_counter()
-            listen("device", "stored", node)
-            resident["device"][node.id] = node
-            if i % 3 == 0:
-                listen("device", "removed", node)
-                del resident["device"][node.id]
-                listen("host", "stored", node)
-                resident["host"][node.id] = node
-            hub.flush()
-            costs.append(time.perf_counter() - t0)
-        stats = hub.stats()
-        assert stats["dropped"] > 0, "the burst should overflow an 8-batch queue"
-        early, late = statistics.median(costs[:200]), statistics.median(costs[-200:])
-        # flat, and far below what one blocked send would cost (milliseconds): a shared,
-        # busy CI machine gets generous slack
-        assert late < 3 * early + 100e-6, (early, late)
-        assert statistics.median(costs) < 1e-3
-        # the dropped namespace resyncs (AllBlocksCleared + snapshot) once there is room
-        wait_for(lambda: hub.flush() >= 0 and hub.drained, what="resync published")
+        # 1. The stalled peer: 600 batches, never more queued than fit. The publisher
+        # sends past the peer's high-water mark without waiting, so it drains every round.
+        for i in range(600):
+            step(i)
+            if i % (QUEUE - 1) == QUEUE - 2:
+                wait_for(lambda: hub.drained, what="the publisher to drain past a stalled peer")
+        wait_for(lambda: hub.drained, what="the publisher to drain past a stalled peer")
+        assert hub.next_seq == 601 and hub.stats()["dropped"] == 0  # seq 0: the start's clear
+        # 2. The publisher thread stuck inside a job (as in a send that blocks) until
+        # `gate` opens; meanwhile the loop goes on.
+        assert hub._publisher.submit(gate.job())
+        wait_for(gate.entered.is_set, what="the publisher thread to be stuck")
+        done = []
+
+        def loop_side():  # what the event loop calls: must return with the thread stuck
+            for i in range(600, 2100):
+                step(i)
+            done.append(hub.stats())
+
+        caller = threading.Thread(target=loop_side, daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive(), "a residency call or flush waited for the stuck publisher"
+        # QUEUE batches fit; the next is dropped and counted, once: the namespace then
+        # records nothing until its resync is queued.
+        [stats] = done
+        assert (stats["queue_depth"], stats["dropped"], stats["published"]) == (QUEUE, 1, 601)
+        assert hub.resync_pending
+        gate.release.set()
+        # The thread runs again: the stuck job and the queued batches go out, then the
+        # resync (AllBlocksCleared + snapshot) once there is room.
+        wait_for(lambda: hub.flush() >= 0 and hub.drained and not hub.resync_pending, what="resync published")
+        assert hub.next_seq > 601 + 1 + QUEUE
         healthy.follow(hub.next_seq - 1)
         state = {"GPU": set(), "CPU": set(), "STORAGE": set()}
         for seq in healthy.applied:
@@ -199,6 +246,7 @@ def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):
                 want[medium].update(block_hashes(n.key, PAGE))
         assert state["GPU"] == want["GPU"] and state["CPU"] == want["CPU"]
     finally:
+        gate.release.set()
         stalled.close(0)
         healthy.close()
         hub.close()
