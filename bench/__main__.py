@@ -1,4 +1,4 @@
-"""python -m bench [--quick | --full | --tiny] [--only core,rpc,copy,workload,storage,events,node,vllm] [--out DIR]"""
+"""python -m bench [--quick | --full | --tiny] [--only core,rpc,copy,workload,storage,events,routing,node,vllm] [--out DIR]"""
 
 import argparse
 import importlib
@@ -11,9 +11,9 @@ from . import machine, report
 from .profiling import Profiler
 from .timing import progress
 
-SECTIONS = ("core", "rpc", "copy", "workload", "storage", "events", "node", "vllm")
+SECTIONS = ("core", "rpc", "copy", "workload", "storage", "events", "routing", "node", "vllm")
 MODULES = {"core": "core", "rpc": "rpc", "copy": "copying", "workload": "workload", "storage": "storage",
-           "events": "events", "node": "node_load", "vllm": "vllm"}
+           "events": "events", "routing": "routing", "node": "node_load", "vllm": "vllm"}
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -1,6 +1,8 @@
-"""The routing index at fleet scale: update rate and query time at 1M blocks, 16 workers.
+"""Section `routing`: the routing index at fleet scale, update rate and query time at 1M
+blocks across 16 workers.
 
-    .venv/bin/python -m bench.routing              # 1M blocks, 16 workers
+    .venv/bin/python -m bench --quick --only routing   # the section (1M x 16; tiny: 20k)
+    .venv/bin/python -m bench.routing                  # the same, plus the daemon's side
     .venv/bin/python -m bench.routing --blocks 100000 --json out.json
 
 Conversations of 2k tokens (block size 16, 128 blocks) in groups that share a 64-block
@@ -9,7 +11,8 @@ and every system prompt is also held by 3 more workers. Updates are applied as t
 decoded msgpack batches a feed receives (one BlockStored per 64-block node); queries are
 2k-token prompts (a cached conversation plus a fresh turn) scored across all workers.
 Times are CPU time of this thread (`time.thread_time`), so a busy machine stretches the
-wall clock but not the figures. Not wired into `python -m bench`.
+wall clock but not the figures. The daemon-side figures (`publisher_side`, `hot_path`) run
+only from `python -m bench.routing`: the engine path with events on is section `events`.
 """
 
 import argparse
@@ -25,10 +28,17 @@ from radixkv.routing import RoutingIndex
 from radixkv.routing.blockhash import block_digests, external_hash
 from radixkv.routing.wire import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
 
+from .figures import Figure, Section, Table, fmt
+from .timing import progress
+
 BLOCK = 16
 HALF = 64            # blocks per node: system prompt, then the conversation's own part
 GROUP = 8            # conversations per system prompt
 MEDIA = ("GPU", "CPU", "STORAGE")
+BLOCKS = {"tiny": 20_000, "quick": 1_000_000, "full": 1_000_000}  # block entries in the index
+QUERIES = {"tiny": 50, "quick": 500, "full": 2000}
+WORKERS = 16
+SMALL = 64  # the query-flatness baseline: an index this many times smaller
 
 
 def build_fleet(num_blocks: int, workers: int, rng: random.Random):
@@ -107,7 +117,8 @@ def query_all(index: RoutingIndex, convs, queries: int, rng: random.Random) -> d
 
 
 def remove_some(index: RoutingIndex, convs) -> dict:
-    """Remove a tenth of the conversations, then forget one worker entirely."""
+    """Remove a tenth of the conversations, then forget one worker (one that holds a
+    conversation, so a small fleet has it too) entirely."""
     removes = [(f"w{h}", KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=hs, medium=m)]))
                for _, hs, h, m in convs[: max(1, len(convs) // 10)]]
     t0 = clock()
@@ -115,21 +126,80 @@ def remove_some(index: RoutingIndex, convs) -> dict:
         index.apply(name, "m", batch)
     remove_s = clock() - t0
     t0 = clock()
-    index.clear_worker("w0", "m")
+    index.clear_worker(f"w{convs[-1][2]}", "m")
     return {"remove_blocks_per_s": round(sum(len(b.events[0].block_hashes) for _, b in removes) / remove_s),
             "clear_worker_ms": round((clock() - t0) * 1e3, 1)}
 
 
-def run(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
+def decode_only(payloads: dict[str, list[bytes]]) -> dict:
+    """Decode every batch without applying it: the floor of what a feed does per update."""
+    blocks = 0
+    t0 = clock()
+    for batches in payloads.values():
+        for payload in batches:
+            blocks += len(decode_batch(payload).events[0].block_hashes)
+    return {"decode_blocks_per_s": round(blocks / (clock() - t0))}
+
+
+def fleet(num_blocks: int, workers: int, queries: int, seed: int) -> dict:
     rng = random.Random(seed)
     t0 = clock()
     payloads, convs = build_fleet(num_blocks, workers, rng)
     result = {"workers": workers, "build_s": round(clock() - t0, 2)}
     index = RoutingIndex(BLOCK)
     result.update(apply_all(index, payloads))
+    result.update(decode_only(payloads))
     result.update(query_all(index, convs, queries, rng))
     result.update(remove_some(index, convs))
     return result
+
+
+def _size(n: int) -> str:
+    if n >= 1_000_000:
+        return f"{n / 1e6:g}M"
+    return f"{round(n / 1e3)}k" if n >= 1000 else str(n)
+
+
+def run(mode: str, plot_dir=None, profiler=None) -> Section:
+    """The bench section: one fleet of BLOCKS[mode] entries over 16 workers, and one 64x
+    smaller, same seed, as the baseline that shows query time flat in the index size."""
+    sec = Section("routing", "Routing index (radixkv.routing at fleet scale)",
+                  intro=" ".join(__doc__.split("\n\n")[2].split()))
+    n, queries = BLOCKS[mode], QUERIES[mode]
+    progress(f"routing: {n} blocks over {WORKERS} workers, {queries} queries")
+    big = fleet(n, WORKERS, queries, seed=1)
+    progress(f"routing: baseline index of {n // SMALL} blocks")
+    small = fleet(n // SMALL, WORKERS, queries, seed=1)
+    _report(sec, big, small, n)
+    return sec
+
+
+def _report(sec: Section, big: dict, small: dict, n: int) -> None:
+    at = _size(n)
+    sec.add(Figure(f"routing.apply.blocks_per_s@{at}", big["apply_blocks_per_s"], "blocks/s",
+                   "decode_only", big["decode_blocks_per_s"]))
+    sec.add(Figure(f"routing.query.p50@{at}", big["query_total_us_p50"], "us",
+                   f"at-{_size(small['blocks'])}", small["query_total_us_p50"]))
+    sec.add(Figure(f"routing.query.p99@{at}", big["query_total_us_p99"], "us", "p50", big["query_total_us_p50"]))
+    routed, asked = (int(x) for x in big["queries_routed_to_holder"].split("/"))
+    sec.add(Figure(f"routing.routed_to_holder@{at}", routed, "queries", "asked", asked))
+    rows = [
+        ["block entries (distinct) over workers", f"{big['blocks']:,} ({big['distinct_blocks']:,}) over {big['workers']}"],
+        ["apply decoded batches (one BlockStored of 64 blocks each)",
+         f"{fmt(big['apply_blocks_per_s'] / 1e6)}M blocks/s ({fmt(big['apply_events_per_s'] / 1e3)}k events/s)"],
+        ["msgpack decode alone, same batches", f"{fmt(big['decode_blocks_per_s'] / 1e6)}M blocks/s"],
+        ["apply BlockRemoved (a tenth of the conversations)", f"{fmt(big['remove_blocks_per_s'] / 1e6)}M blocks/s"],
+        [f"query: hash {big['query_blocks']} blocks (vLLM sha256_cbor chain)", f"{fmt(big['query_hash_us_p50'])} us p50"],
+        [f"query: score {big['workers']} workers across 3 tiers", f"{fmt(big['query_lookup_us_p50'])} us p50"],
+        ["query total", f"{fmt(big['query_total_us_p50'])} us p50, {fmt(big['query_total_us_p99'])} us p99"],
+        [f"query total, index of {small['blocks']:,} entries", f"{fmt(small['query_total_us_p50'])} us p50"],
+        ["forget one worker (`clear_worker`)", f"{fmt(big['clear_worker_ms'])} ms"],
+        ["index memory (peak RSS growth while applying)", f"~{fmt(big['index_rss_mib'])} MiB"],
+        ["queries routed to the worker holding the prompt", big["queries_routed_to_holder"]],
+    ]
+    sec.tables.append(Table(f"Routing index, {at} block entries across {big['workers']} workers", ["", ""], rows,
+                            "CPU time of the measuring thread. Queries: a cached 2k-token conversation plus a fresh "
+                            "turn (132 blocks), hashed and scored across every worker."))
 
 
 def publisher_side(nodes: int, seed: int) -> dict:
@@ -227,7 +297,7 @@ def main(argv=None) -> None:
     ap.add_argument("--publisher-nodes", type=int, default=5000,
                     help="nodes (8 blocks each) for the daemon-side figures (0: skip)")
     args = ap.parse_args(argv)
-    result = run(args.blocks, args.workers, args.queries, args.seed)
+    result = fleet(args.blocks, args.workers, args.queries, args.seed)
     if args.publisher_nodes:
         result.update(publisher_side(args.publisher_nodes, args.seed))
     if args.hot_convs:
