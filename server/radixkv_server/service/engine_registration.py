@@ -48,8 +48,8 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     try:
         warm = ns is not None
         if ns is None:
-            ns = await EngineNamespace.open(config, reg.tp_size, metrics=daemon.metrics, storage=daemon.storage)
-            daemon.namespaces[reg.namespace] = ns
+            ns = daemon.add_namespace(await EngineNamespace.open(
+                config, reg.tp_size, metrics=daemon.metrics, storage=daemon.storage))
         session = daemon.sessions.new(ns, reg.engine)
         session.role, session.rank, session.instance = reg.role, reg.tp_rank, reg.instance
         session.device_pages = reg.num_device_pages
