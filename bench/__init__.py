@@ -10,4 +10,8 @@ The run writes `docs/benchmarks.md` (and plots in `docs/img/`). Sections:
 - `copy`: the shared-memory data path and the copy engine vs a plain torch copy.
 - `workload`: simulated engines (`radixkv.sim`) against a daemon; tokens served per tier.
 - `storage`: Prefetch through the daemon (file, Redis) vs raw reads of the same bytes.
+- `events`: KV events on vs off (two daemons), with the events published per second
+  during the timed Match calls.
+- `routing`: the `radixkv.routing` index at 1M block entries across 16 workers (update
+  rate, query time).
 """
