@@ -19,10 +19,12 @@ SECTIONS = {  # section -> a figure every tiny run must print
     "storage": "storage.file.prefetch",
     "events": "events.match.p50",
     "node": "node.match.p99@",
+    "routing": "routing.query.p50@",
     "vllm": "vllm.ttft.radixkv_host_hit",  # real vLLM engines: about 90 s in tiny mode
 }
 TITLES = {"core": "## Core", "rpc": "## RPC", "copy": "## Copy", "workload": "## Workload", "storage": "## Storage",
-          "events": "## KV events", "node": "## Node load", "vllm": "## vLLM"}
+          "events": "## KV events", "node": "## Node load", "routing": "## Routing",
+          "vllm": "## vLLM"}
 
 
 def test_figure_line_round_trips():
