@@ -4,19 +4,20 @@ by polling while copies in flight hold the shutdown, and by Watch streams), and
 watchers let go so they do not hold the shutdown for the grace period."""
 
 import threading
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from radixkv.v1 import radixkv_pb2 as pb
-from tests.support.daemon import READINESS, health_status, wait_for
+from tests.support.daemon import READINESS, STOP_TIMEOUT_S, health_status, wait_for
 
 from rawengine import LAYOUT, PAGE_SIZE, RawEngine, fresh_tokens
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-GRACE_S = 20.0
+# Far past the 30 s that `DaemonProcess.wait` allows: a shutdown that waited for the
+# grace period fails that wait instead of passing slowly.
+GRACE_S = 300.0
 
 
 class Watcher(threading.Thread):
@@ -28,7 +29,6 @@ class Watcher(threading.Thread):
         self.call = health_pb2_grpc.HealthStub(self.channel).Watch(health_pb2.HealthCheckRequest(service=service))
         self.statuses: list[int] = []
         self.ended_with: grpc.StatusCode | None = None
-        self.ended_at = 0.0
 
     def run(self) -> None:
         try:
@@ -37,7 +37,6 @@ class Watcher(threading.Thread):
             self.ended_with = grpc.StatusCode.OK
         except grpc.RpcError as e:
             self.ended_with = e.code()
-        self.ended_at = time.monotonic()
 
 
 def test_liveness_and_readiness_serving_while_up(daemon):
@@ -99,7 +98,6 @@ def test_shutdown_turns_health_not_serving_and_ends_watches(daemon_factory):
     wait_for(lambda: all(w.statuses == [SERVING] for w in watchers), 10, "both watches to report SERVING")
     engine = RawEngine(daemon.target, "ops/health-stop")  # a live session when shutdown begins
     try:
-        sigterm_at = time.monotonic()
         daemon.signal()
         wait_for(lambda: all(NOT_SERVING in w.statuses for w in watchers), 10,
                  "both watches to report NOT_SERVING")
@@ -112,8 +110,7 @@ def test_shutdown_turns_health_not_serving_and_ends_watches(daemon_factory):
             assert not w.is_alive(), "a health Watch stream outlived the shutdown"
             assert w.statuses == [SERVING, NOT_SERVING] and w.ended_with == grpc.StatusCode.OK, (
                 w.statuses, w.ended_with)
-        assert daemon.wait() == 0
-        assert time.monotonic() - sigterm_at < GRACE_S / 2, "shutdown waited for the grace period"
+        assert daemon.wait(STOP_TIMEOUT_S) == 0  # fails (and kills it) if held for the grace
     finally:
         for w in watchers:
             w.channel.close()

@@ -5,8 +5,8 @@
   re-registered engine gets host hits (with the right bytes) for the old prefixes.
 - Leases and load-backs a stuck engine never releases or acknowledges expire after
   lease_timeout / ack_timeout: released exactly as a close would, logged and counted
-  (Stats counters and the radixkv_expirations metric), later calls get a clear NOT_FOUND,
-  and another engine is served normally meanwhile.
+  (Stats counters and the radixkv_expirations metric), later calls get a clear NOT_FOUND.
+- Another engine is served normally while a stuck one holds its leases and load-back.
 """
 
 import subprocess
@@ -81,27 +81,32 @@ def test_engine_killed_with_copies_in_flight(daemon_factory):
         buffers.close()
 
 
-STUCK_TIMEOUT_S = 2.5  # lease and ack timeouts: long enough to serve another engine first
+STUCK_TIMEOUT_S = 2.5  # lease and ack timeouts
 
 
-def test_stuck_engine_leases_and_acks_expire(daemon_factory):
-    port = free_port()
-    d = daemon_factory("--lease-timeout", str(STUCK_TIMEOUT_S), "--ack-timeout", str(STUCK_TIMEOUT_S),
-                       "--metrics-port", str(port))
+def hold_leases_and_a_load_back(stub, stuck: RawSession):
+    """What a stuck engine leaves behind: a Match lease, an unacknowledged load-back
+    and an Insert lease. Returns (match, load_back, insert) replies."""
+    p = tokens(0, 4)
+    stuck.insert(p, [0, 1, 2, 3])
+    assert len(stub.Evict(pb.EvictRequest(session=stuck.id, num_pages=4)).freed_pages) == 16
+    m = stuck.match(p, lease=True)
+    lb = stuck.load_back(m.host_node, [4, 5, 6, 7])
+    assert lb.transfer and m.lease
+    q = tokens(100, 2)
+    stuck.kv.write([10, 11], page_keys(q, 4))
+    ins = stub.Insert(pb.InsertRequest(session=stuck.id, tokens=q, device_pages=pack([10, 11]), lease=True))
+    return m, lb, ins
+
+
+def test_a_stuck_engine_does_not_hold_up_another(daemon_factory):
+    """Another engine is served while the stuck one holds its leases and load-back: no
+    timeouts here, so nothing it holds is ever released while the other is served."""
+    d = daemon_factory()
     channel, stub = stub_for(d.target)
     stuck = RawSession(stub, "stuck/tp0")
     try:
-        p = tokens(0, 4)
-        stuck.insert(p, [0, 1, 2, 3])
-        assert len(stub.Evict(pb.EvictRequest(session=stuck.id, num_pages=4)).freed_pages) == 16
-        m = stuck.match(p, lease=True)
-        lb = stuck.load_back(m.host_node, [4, 5, 6, 7])
-        assert lb.transfer and m.lease
-        q = tokens(100, 2)
-        stuck.kv.write([10, 11], page_keys(q, 4))
-        ins = stub.Insert(pb.InsertRequest(session=stuck.id, tokens=q, device_pages=pack([10, 11]), lease=True))
-        # Meanwhile another engine is served normally: while the stuck one still holds its
-        # leases and its load-back (not only once they expired and freed something).
+        hold_leases_and_a_load_back(stub, stuck)
         bufs = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
         try:
             with Client(d.target, timeout=5) as other:
@@ -111,8 +116,21 @@ def test_stuck_engine_leases_and_acks_expire(daemon_factory):
         finally:
             bufs.close()
         [held] = stub.Stats(pb.StatsRequest(namespace="stuck/tp0")).namespaces
-        assert (held.leases, held.load_backs_unacked, held.counters["leases_expired"]) == (2, 1, 0), \
-            f"the other engine was served only after the expiry: {held}"
+        assert (held.leases, held.load_backs_unacked) == (2, 1)
+        assert violations(stub) == []
+    finally:
+        stuck.close()
+        channel.close()
+
+
+def test_stuck_engine_leases_and_acks_expire(daemon_factory):
+    port = free_port()
+    d = daemon_factory("--lease-timeout", str(STUCK_TIMEOUT_S), "--ack-timeout", str(STUCK_TIMEOUT_S),
+                       "--metrics-port", str(port))
+    channel, stub = stub_for(d.target)
+    stuck = RawSession(stub, "stuck/tp0")
+    try:
+        m, lb, ins = hold_leases_and_a_load_back(stub, stuck)
 
         def expired():
             [ns] = stub.Stats(pb.StatsRequest(namespace="stuck/tp0")).namespaces
