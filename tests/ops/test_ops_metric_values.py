@@ -9,53 +9,25 @@ daemon: zeroing or mis-wiring any counter in the daemon fails one of these tests
 import os
 import shutil
 
-from prometheus_client.parser import text_string_to_metric_families
 from radixkv_server.core.page_keys import namespace_salt
 from radixkv_server.core.page_keys import page_keys as storage_page_keys
 from radixkv_server.service.registration import layout_fingerprint
 from radixkv_server.storage import FileStorage
 from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb
-from tests.support.daemon import wait_for
 from tests.support.engine import LAYOUT
 
 from rawengine import PAGE_SIZE, RPC_TIMEOUT_S, RawEngine, fresh_tokens
+from scrape import counter, series, value, wait_value
 
 PAGE_BYTES = LAYOUT.page_bytes
 PAGE = PAGE_SIZE  # tokens per page
 P = 4 * PAGE  # every prompt here is 4 pages
-DEADLINE_S = 20.0
-
-
-def series(text: str, namespace: str) -> dict:
-    """{(name, ((label, value), ...)): value} for the samples of `namespace` (and the
-    daemon-wide samples, which have no namespace label)."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.labels.get("namespace", namespace) == namespace:
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "namespace"))
-                out[(s.name, labels)] = s.value
-    return out
-
-
-def value(daemon, namespace: str, name: str, **labels) -> float:
-    """One sample of a fresh scrape (0 when the series is absent)."""
-    return series(daemon.scrape(), namespace).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def evicted(reason: str) -> tuple:
     tier = "host" if reason in ("duplicate", "capacity") else "device"
     return ("radixkv_evicted_tokens_total", (("reason", reason), ("tier", tier)))
-
-
-def counter(name: str) -> tuple:
-    return (name, ())
-
-
-def wait_value(daemon, namespace: str, name: str, want: float, **labels) -> None:
-    wait_for(lambda: value(daemon, namespace, name, **labels) == want, DEADLINE_S,
-             f"{name}{labels or ''} == {want}")
 
 
 def evict_all(engine: RawEngine, daemon, namespace: str, written_back_before: int, write_backs: int) -> None:
@@ -204,6 +176,13 @@ def test_storage_counters_of_a_known_workload(daemon_factory, tmp_path):
             ("radixkv_storage_bytes_total", (("direction", "read"),)): 3 * PAGE_BYTES,
             ("radixkv_storage_bytes_total", (("direction", "write"),)): 0,
             counter("radixkv_storage_up"): 0,                           # its last write failed
+            # Calls: Match's probe and Prefetch's (exists 2), the read (get 1), the write
+            # that failed (put 1, timed like any other, and counted as an error).
+            ("radixkv_storage_operation_duration_seconds_count", (("operation", "exists"),)): 2,
+            ("radixkv_storage_operation_duration_seconds_count", (("operation", "get"),)): 1,
+            ("radixkv_storage_operation_duration_seconds_count", (("operation", "put"),)): 1,
+            ("radixkv_storage_errors_total", (("operation", "put"),)): 1,
+            ("radixkv_storage_errors_total", (("operation", "get"),)): None,
             # Host: a's 3 loaded pages and b's 8 written-back ones (their store failed), of 16.
             counter("radixkv_host_pool_used_bytes"): 11 * PAGE_BYTES,
             counter("radixkv_host_pool_capacity_bytes"): 16 * PAGE_BYTES,
