@@ -1,0 +1,133 @@
+"""Metrics no healthy daemon process can be driven to, read from a real daemon in this
+process: KV-event batches dropped and a publisher queue that stays full (the publisher
+thread stuck inside a job, as in a send that never returns), and invariant violations
+(the daemon's state broken on purpose, as a core bug would leave it).
+
+As in test_metric_failed_loads.py, values are read as an operator reads them: the
+/metrics text of a real `Metrics` registry watching the daemon, parsed with
+prometheus-client's parser. Residency changes are flushed by calling the hub's flush,
+which the daemon's loop otherwise schedules once per loop turn.
+"""
+
+import asyncio
+import threading
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from radixkv_server.config import DaemonConfig
+from radixkv_server.events import EventHub, EventsConfig
+from radixkv_server.metrics import Metrics
+from radixkv_server.service.daemon import Daemon
+
+from tests.service_inproc.inproc import HOST_PAGES, LAYOUT, Engine, prompt, run
+
+QUEUE = 4  # --kv-events-queue-size of these daemons
+
+
+async def scrape(metrics: Metrics) -> dict:
+    """{(name, labels): value} of one exposition (read on a thread: the collector waits
+    for a snapshot taken on this loop)."""
+    text = (await asyncio.to_thread(generate_latest, metrics.registry)).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def event_values(got: dict) -> tuple:
+    """(published, dropped, queue_depth) as exported."""
+    return (got[("radixkv_kv_event_batches_published_total", ())],
+            got[("radixkv_kv_event_batches_dropped_total", ())],
+            got[("radixkv_kv_event_queue_depth", ())])
+
+
+class StuckJob:
+    """A publisher job whose build blocks until `release` is set (`entered` once it runs)."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def build(self, records):
+        self.entered.set()
+        self.release.wait(60)
+        return []
+
+
+async def wait_until(condition, what: str, timeout: float = 20.0) -> None:
+    """Poll `condition()` on the loop's behalf (each look yields to the loop)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_stuck_publisher_fills_the_queue_and_drops_are_counted():
+    async def scenario():
+        config = DaemonConfig(host_pool_size=HOST_PAGES * LAYOUT.page_bytes, kv_events_watch=True,
+                              kv_events_queue_size=QUEUE)
+        hub = EventHub(EventsConfig.from_daemon(config))  # flushed by hand below
+        metrics = Metrics()
+        daemon = Daemon(config, metrics, events=hub)
+        metrics.watch(daemon, asyncio.get_running_loop())
+        gate = StuckJob()
+        try:
+            e = await Engine.register(daemon, "t/events")
+            await wait_until(lambda: hub.drained, "the start's batch published")
+            assert event_values(await scrape(metrics)) == (1, 0, 0)     # seq 0: AllBlocksCleared
+            assert hub._publisher.submit((gate, "", b"kv@stuck", 0.0, []))
+            await asyncio.to_thread(gate.entered.wait, 20)
+            assert gate.entered.is_set(), "the publisher thread never took the stuck job"
+            # One Insert, one batch: QUEUE of them fit behind the stuck job, the next is
+            # dropped (a resync is due: the namespace records nothing more until then).
+            for i in range(QUEUE + 3):
+                await e.insert(prompt(1000 * i, 2), [2 * i, 2 * i + 1])
+                hub.flush()
+            assert event_values(await scrape(metrics)) == (1, 1, QUEUE)
+            gate.release.set()
+            # The stuck job and the QUEUE batches go out; then the resync is one batch.
+            await wait_until(lambda: hub.flush() >= 0 and hub.drained and not hub.resync_pending,
+                             "queued batches and the resync published")
+            assert event_values(await scrape(metrics)) == (1 + 1 + QUEUE + 1, 1, 0)
+            await e.close()
+        finally:
+            gate.release.set()
+            await daemon.close()
+            hub.close()
+    run(scenario())
+
+
+def test_invariant_violations_are_counted_per_check_and_namespace():
+    async def scenario():
+        config = DaemonConfig(host_pool_size=HOST_PAGES * LAYOUT.page_bytes)
+        metrics = Metrics()
+        daemon = Daemon(config, metrics)
+        metrics.watch(daemon, asyncio.get_running_loop())
+        try:
+            e = await Engine.register(daemon, "t/broken", write_policy="write_through")
+            other = await Engine.register(daemon, "t/sound")
+            p = prompt(0, 2)
+            await e.insert(p, [0, 1])
+            await wait_until(lambda: not e.ns.cache.transfers, "the write-through backup")
+            # A clean workload: no violation, so no series (counters appear when counted).
+            assert daemon.check_invariants("") == []
+            got = await scrape(metrics)
+            assert not any(name == "radixkv_invariant_violations_total" for name, _ in got)
+            # Break the state as a core bug would: a settled duplicate no longer tracked.
+            cache = e.ns.cache
+            node = cache.tree.get(cache.match(p).device_node)
+            assert node in cache.duplicates
+            cache.duplicates.discard(node)
+            found = daemon.check_invariants("")
+            [v] = found
+            assert v.namespace == "t/broken" and "Duplicate missing" in v.message
+            assert daemon.check_invariants("t/broken") == found          # each check counts again
+            got = await scrape(metrics)
+            assert got[("radixkv_invariant_violations_total", (("namespace", "t/broken"),))] == 2
+            assert ("radixkv_invariant_violations_total", (("namespace", "t/sound"),)) not in got
+            cache.state.refresh(node)                                     # repaired: no new count
+            assert daemon.check_invariants("") == []
+            got = await scrape(metrics)
+            assert got[("radixkv_invariant_violations_total", (("namespace", "t/broken"),))] == 2
+            await e.close()
+            await other.close()
+        finally:
+            await daemon.close()
+    run(scenario())
