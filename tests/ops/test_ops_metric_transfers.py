@@ -56,6 +56,7 @@ def test_a_backup_and_a_write_back_in_flight_are_counted_while_they_last(daemon_
         d.kill()  # a clean stop would wait out the ten-minute copies
         assert evicting.exception(timeout=RPC_TIMEOUT_S).code() == grpc.StatusCode.UNAVAILABLE
     finally:
+        d.kill()  # also when an assertion failed: a clean stop would wait ten minutes
         for e in (wt, wb):
             e.channel.close()
             e.release_memory()
