@@ -16,6 +16,7 @@ a request stream sees only the end of its requests. docs/reliability.md says why
 guard does not take that check over.
 """
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Callable
@@ -78,10 +79,18 @@ class GuardedServer:
                                 **{kind: wrap(behaviour, self._refuse)})
 
     async def _refuse(self, context, bad: Malformed) -> None:
+        """End the call INVALID_ARGUMENT (raises AbortError). When the caller went away
+        (cancelled, or past its deadline) before the status could be sent, gRPC's send
+        fails: the call then ends as the cancelled call it is (CancelledError), which
+        the servicer and the streams already take as the engine gone, rather than as an
+        error of the handler (a traceback at level error)."""
         log_event(log, "rpc.malformed", logging.WARNING, method=bad.method, bytes=bad.size, error=bad.error)
         if self._on_malformed is not None:
             self._on_malformed(bad.method)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+        try:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+        except grpc.aio.InternalError as e:  # ExecuteBatchError: the status was not sent
+            raise asyncio.CancelledError(f"{bad.method}: the caller went away before its refusal was sent") from e
 
 
 class _GuardedGeneric(grpc.GenericRpcHandler):
