@@ -295,5 +295,6 @@ def report(f: Figures) -> str:
         lines.append(f"FORBIDDEN {method}: {code}: {message} ({[r.hex() for r in raws]})")
     lines += [f"VIOLATION {v}" for v in f.violations[:5]]
     lines += [f"ENGINE {e}" for e in f.engine_errors[:5]]
-    lines += [f"LOG {line[:300]}" for line in f.log_problems[:5]]
+    # The first in full (a traceback is one escaped line): enough to find the bug by.
+    lines += [f"LOG {line[:4000 if i == 0 else 300]}" for i, line in enumerate(f.log_problems[:5])]
     return "\n".join(lines)
