@@ -52,6 +52,12 @@ def rpc(method):
             raise
         except grpc.aio.AbortError:
             raise
+        except grpc.aio.InternalError as e:
+            # ExecuteBatchError: a write (or the status) of a call that already ended, its
+            # caller gone or the server stopping. The call ends as the cancelled call it is.
+            code = grpc.StatusCode.CANCELLED
+            log_event(log, "rpc.gone", logging.DEBUG, method=name, error=str(e) or type(e).__name__)
+            raise asyncio.CancelledError(f"{name}: the call ended before its answer was sent") from e
         except Exception as e:
             code = grpc.StatusCode.INTERNAL
             log.exception("internal error in %s", name)
