@@ -27,7 +27,9 @@ class DaemonProcess:
     """`python -m radixkv_server` on a temporary unix socket (and, with `tcp`, on
     127.0.0.1:<free port>). Use as a context manager; logs go to `log_path`."""
 
-    def __init__(self, *flags: str, tcp: bool = False, workdir: str | None = None):
+    def __init__(self, *flags: str, tcp: bool = False, workdir: str | None = None,
+                 cpus: set[int] | None = None):
+        """`cpus`: run the daemon (every thread of it) on these cores only."""
         self.dir = workdir or tempfile.mkdtemp(prefix="rkv-bench-")
         self._own_dir = workdir is None
         self.unix = f"unix://{os.path.join(self.dir, 'radixkv.sock')}"
@@ -35,6 +37,7 @@ class DaemonProcess:
         self.log_path = os.path.join(self.dir, "daemon.log")
         self.flags = ("--metrics-port", "0", "--log-level", "warning", *flags)
         self.proc: subprocess.Popen | None = None
+        self.cpus = cpus
 
     @property
     def pid(self) -> int:
@@ -43,8 +46,9 @@ class DaemonProcess:
     def start(self) -> "DaemonProcess":
         listen = ["--listen", self.unix] + (["--listen", self.tcp] if self.tcp else [])
         with open(self.log_path, "ab") as log:
+            pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
             self.proc = subprocess.Popen([sys.executable, "-m", "radixkv_server", *listen, *self.flags],
-                                         stdout=log, stderr=subprocess.STDOUT)
+                                         stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
         deadline = time.monotonic() + READY_TIMEOUT_S
         with grpc.insecure_channel(self.unix) as ch:
             health = health_pb2_grpc.HealthStub(ch)
