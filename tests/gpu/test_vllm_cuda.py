@@ -37,6 +37,9 @@ def vllm_views(device: int, kind: str) -> tuple[torch.Tensor, dict[str, torch.Te
     return raw, views
 
 
+SLOW_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s of GPU clock
+
+
 def block(view: torch.Tensor, kind: str, i: int) -> torch.Tensor:
     """Block i of one layer, K and V stacked (a copy)."""
     return torch.stack([view[0, i], view[1, i]]) if kind == "flash_attention" else view[i].clone()
@@ -55,6 +58,9 @@ def test_vllm_cuda_kv_saves_and_loads_back_exactly(gpu_daemon, device, kind):
         layout = describe_views({k: v.cpu() for k, v in views.items()}, TOKENS, lambda n, t: (b"", 0)).layout
         scheduler.attach(layout)
         gen = torch.Generator(device=f"cuda:{device}").manual_seed(0)
+        # The writes queue behind ~0.1 s of GPU work, far longer than the Insert RPC: a save
+        # that did not wait on the engine event would read the blocks before they are written.
+        torch.cuda._sleep(SLOW_CYCLES)
         for v in views.values():  # vLLM's forward writing blocks 1..3, on the current stream
             v.copy_(torch.randn(v.shape, generator=gen, device=v.device, dtype=torch.float32).to(v.dtype))
         written = {name: [block(v, kind, i) for i in (1, 2, 3)] for name, v in views.items()}
