@@ -39,6 +39,7 @@ from .device import (
 
 SHM_DIR = "/dev/shm"
 RUN_COPY_MIN_BYTES = 4 << 10  # below this per slice copy, index_select/index_copy_ is faster
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -256,7 +257,11 @@ def _map_segment(name: str) -> mmap.mmap:
         size = os.fstat(fd).st_size
         if size == 0:
             raise DeviceOpenError(f"shared-memory segment {name!r} ({path}) is empty (0 bytes)")
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # Populated: the daemon's page tables for the whole segment are made here, once,
+        # not by a page fault per 4 KiB on the first copy into each block (3.75 MiB of
+        # fresh blocks took 3.1 ms to load instead of 0.8 ms). The engine's KV memory is
+        # all its own already, so this commits nothing it did not ask for.
+        return mmap.mmap(fd, size, mmap.MAP_SHARED | _MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
 
