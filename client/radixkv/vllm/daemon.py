@@ -56,7 +56,7 @@ class DaemonAdapter:
         self.page_size = 0
         self.cuda_device: int | None = None  # vLLM's GPU when its KV cache is on CUDA
         self._load_events: dict[int, tuple[bytes, ...]] = {}  # async load -> its per-layer events
-        self._client = Client(config.target, timeout=config.timeout_s,
+        self._client = Client(config.target, timeout=config.timeout_s, stream=True,
                               on_session_lost=self._session_lost)
         self._lock = threading.Lock()
 
