@@ -48,7 +48,8 @@ COPY pyproject.toml ./
 # The dependencies (from pyproject.toml alone) in /opt/radixkv, radixkv itself in
 # /opt/radixkv-app (on the venv's path through a .pth file): a source change rebuilds
 # neither the dependency layer here nor its ~1 GB copy in the runtime stage.
-# With the extras a daemon's storage tiers need: zlib-ng (record checksums) and the
+# With the extras a daemon's storage tiers need: zlib-ng (record checksums), hiredis
+# (redis-py's C reply parser) and the
 # Mooncake Store client (`--storage mooncake://`, non-CUDA wheel; it links libibverbs,
 # libcurl and libnuma, installed in the runtime stage).
 # hadolint ignore=DL3013

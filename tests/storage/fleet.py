@@ -180,6 +180,10 @@ def lender_keys(seed: int, n: int) -> list[bytes]:
     return [seed.to_bytes(4, "little") + i.to_bytes(28, "little") for i in range(n)]
 
 
+class _NodeExited(RuntimeError):
+    pass
+
+
 class RedisCluster:
     """`masters` redis-servers in cluster mode with `replicas` replicas each, on
     127.0.0.1, created with `redis-cli --cluster create`. node_timeout_ms is how long a
@@ -199,11 +203,27 @@ class RedisCluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:self.masters])
 
     def start(self) -> "RedisCluster":
-        try:
-            return self._start()
-        except BaseException:
-            self.cleanup()  # no server outlives a failed start
-            raise
+        """Start every node and form the cluster. A node that exits at once (a port taken
+        by another process between choosing and binding it) gets the cluster started
+        again on fresh ports, twice at most."""
+        for attempt in range(3):
+            try:
+                return self._start()
+            except _NodeExited as e:
+                self._stop_nodes()
+                if attempt == 2:
+                    self.cleanup()
+                    raise RuntimeError(str(e)) from None
+                self.ports = [free_port(span=10000) for _ in self.ports]
+            except BaseException:
+                self.cleanup()  # no server outlives a failed start
+                raise
+        raise AssertionError("unreachable")
+
+    def _stop_nodes(self) -> None:
+        for proc in self.procs.values():
+            _stop(proc, signal.SIGKILL)
+        self.procs.clear()
 
     def _start(self) -> "RedisCluster":
         for port in self.ports:
@@ -259,6 +279,11 @@ class RedisCluster:
         return redis.Redis("127.0.0.1", port, socket_timeout=2)
 
     def _pings(self, port: int) -> bool:
+        proc = self.procs.get(port)
+        if proc is not None and proc.poll() is not None:
+            with open(os.path.join(self.dir, f"{port}.log"), "rb") as f:
+                tail = f.read()[-500:].decode(errors="replace")
+            raise _NodeExited(f"redis-server on {port} exited with {proc.returncode}: {tail}")
         try:
             with self.client(port) as c:
                 return c.ping()
