@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -50,3 +51,19 @@ def path_of(node) -> list:
         out.append((node.id, node.key))
         node = node.parent
     return out
+
+
+class StuckJob:
+    """A publisher job whose build blocks until `release` is set (`entered` once it runs):
+    a publisher thread stuck in a job, as behind a socket that never drains."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def build(self, records):
+        self.entered.set()
+        self.release.wait(60)
+        return []
+
+    def job(self) -> tuple:
+        return (self, "", b"kv@stuck", 0.0, [])

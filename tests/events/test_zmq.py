@@ -11,7 +11,7 @@ from radixkv.routing.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockS
 from radixkv_server.core.tree import RadixTree
 from radixkv_server.events import EventHub, EventsConfig
 
-from .helpers import PAGE, chain, ipc_endpoints, wait_for
+from .helpers import PAGE, StuckJob, chain, ipc_endpoints, wait_for
 
 
 class RawSubscriber:
@@ -154,21 +154,6 @@ def rebuild(state, batch):
 
 
 QUEUE = 8  # publisher queue of the stall test, in batches
-
-
-class StuckJob:
-    """A publisher job whose build blocks until `release` is set (`entered` once it does)."""
-
-    def __init__(self):
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def build(self, records):
-        self.entered.set()
-        self.release.wait(60)
-        return []
-
-    def job(self) -> tuple:
-        return (self, "", b"kv@stuck", 0.0, [])
 
 
 def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):

@@ -10,7 +10,6 @@ which the daemon's loop otherwise schedules once per loop turn.
 """
 
 import asyncio
-import threading
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +18,7 @@ from radixkv_server.events import EventHub, EventsConfig
 from radixkv_server.metrics import Metrics
 from radixkv_server.service.daemon import Daemon
 
+from tests.events.helpers import StuckJob
 from tests.service_inproc.inproc import HOST_PAGES, LAYOUT, Engine, prompt, run
 
 QUEUE = 4  # --kv-events-queue-size of these daemons
@@ -37,18 +37,6 @@ def event_values(got: dict) -> tuple:
     return (got[("radixkv_kv_event_batches_published_total", ())],
             got[("radixkv_kv_event_batches_dropped_total", ())],
             got[("radixkv_kv_event_queue_depth", ())])
-
-
-class StuckJob:
-    """A publisher job whose build blocks until `release` is set (`entered` once it runs)."""
-
-    def __init__(self):
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def build(self, records):
-        self.entered.set()
-        self.release.wait(60)
-        return []
 
 
 async def wait_until(condition, what: str, timeout: float = 20.0) -> None:
