@@ -382,9 +382,8 @@ def _report(sec: Section, results: dict) -> None:
 
 
 def _report_own_core(sec: Section, own: dict, shared: dict, top: int) -> None:
-    for how, prefix, base in (("unary", "node.own_core", shared[top]),
-                              ("Session stream", "node.own_core.stream", shared["stream"])):
-        r = own["unary" if how == "unary" else "stream"]
+    for how, prefix, r, base in (("unary", "node.own_core", own["unary"], shared[top]),
+                                 ("Session stream", "node.own_core.stream", own["stream"], shared["stream"])):
         met = r["match_p99"] * 1e3 < TARGET_P99_MS and r["steps_per_s"] >= 0.95 * STEPS_PER_S * top
         sec.add(Figure(f"{prefix}.match.p99@{top}", r["match_p99"] * 1e3, "ms", "shared_cores",
                        base["match_p99"] * 1e3,

@@ -92,9 +92,16 @@ class Engine:
         self.buffers.close()
 
 
+async def exposition(metrics) -> str:
+    """The /metrics text of `metrics` (a real Metrics registry watching an in-process
+    daemon), generated on a thread: its collector waits for a snapshot taken on the loop."""
+    from prometheus_client import generate_latest
+    return (await asyncio.to_thread(generate_latest, metrics.registry)).decode()
+
+
 def run(coro):
     """Run one scenario on a fresh event loop (the loop owns the daemon, as in serve())."""
     return asyncio.run(coro)
 
 
-__all__ = ["Engine", "LAYOUT", "NUM_PAGES", "prompt", "run", "running_daemon"]
+__all__ = ["Engine", "LAYOUT", "NUM_PAGES", "exposition", "prompt", "run", "running_daemon"]

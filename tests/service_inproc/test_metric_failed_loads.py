@@ -9,26 +9,18 @@ real `Metrics` registry watching that daemon, parsed with prometheus-client's pa
 
 import asyncio
 
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from radixkv.types import pack
 from radixkv_server.metrics import Metrics
 
-from tests.service_inproc.inproc import LAYOUT, Engine, prompt, run, running_daemon
+from tests.ops.scrape import series
+from tests.service_inproc.inproc import LAYOUT, Engine, exposition, prompt, run, running_daemon
 
 COPY_DELAY_S = 0.3  # each copy waits this long before touching the buffers
 
 
 async def scrape(metrics: Metrics, namespace: str) -> dict:
-    """{(name, labels without namespace): value} of one exposition (read on a thread: the
-    collector waits for a snapshot taken on this loop)."""
-    text = (await asyncio.to_thread(generate_latest, metrics.registry)).decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.labels.get("namespace") == namespace:
-                out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "namespace")))] = s.value
-    return out
+    """{(name, labels without namespace): value} of one exposition, as tests/ops reads it."""
+    return series(await exposition(metrics), namespace)
 
 
 def test_a_failed_load_back_is_counted_in_tokens_and_not_as_loaded_bytes():

@@ -11,7 +11,6 @@ which the daemon's loop otherwise schedules once per loop turn.
 
 import asyncio
 
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from radixkv_server.config import DaemonConfig
 from radixkv_server.events import EventHub, EventsConfig
@@ -19,15 +18,14 @@ from radixkv_server.metrics import Metrics
 from radixkv_server.service.daemon import Daemon
 
 from tests.events.helpers import StuckJob
-from tests.service_inproc.inproc import HOST_PAGES, LAYOUT, Engine, prompt, run
+from tests.service_inproc.inproc import HOST_PAGES, LAYOUT, Engine, exposition, prompt, run
 
 QUEUE = 4  # --kv-events-queue-size of these daemons
 
 
 async def scrape(metrics: Metrics) -> dict:
-    """{(name, labels): value} of one exposition (read on a thread: the collector waits
-    for a snapshot taken on this loop)."""
-    text = (await asyncio.to_thread(generate_latest, metrics.registry)).decode()
+    """{(name, labels, namespace included): value} of one exposition."""
+    text = await exposition(metrics)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -26,6 +26,7 @@ from .inspection import inspect_namespace, namespace_stats
 from .session_stream import SessionStream
 from .tenants import EVERYTHING, Grant, Tokens, authorize, visible
 from .watch import watch
+from .wire import end_call
 
 log = logging.getLogger("radixkv.rpc")
 
@@ -46,22 +47,22 @@ def rpc(method):
         except (CacheError, ServiceError) as e:
             code, message = status_of(e)
             log_event(log, "rpc.refused", logging.DEBUG, method=name, code=code.name, message=message)
-            await context.abort(code, message)
+            await end_call(context, code, message, name)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
         except grpc.aio.AbortError:
             raise
         except grpc.aio.InternalError as e:
-            # ExecuteBatchError: a write (or the status) of a call that already ended, its
-            # caller gone or the server stopping. The call ends as the cancelled call it is.
+            # ExecuteBatchError: a write of a call that already ended, its caller gone or
+            # the server stopping (statuses go through `end_call`). It ends as cancelled.
             code = grpc.StatusCode.CANCELLED
             log_event(log, "rpc.gone", logging.DEBUG, method=name, error=str(e) or type(e).__name__)
             raise asyncio.CancelledError(f"{name}: the call ended before its answer was sent") from e
         except Exception as e:
             code = grpc.StatusCode.INTERNAL
             log.exception("internal error in %s", name)
-            await context.abort(code, f"internal error in {name}: {type(e).__name__}")
+            await end_call(context, code, f"internal error in {name}: {type(e).__name__}", name)
         finally:
             metrics = self.daemon.metrics
             if metrics is not None:

@@ -79,18 +79,23 @@ class GuardedServer:
                                 **{kind: wrap(behaviour, self._refuse)})
 
     async def _refuse(self, context, bad: Malformed) -> None:
-        """End the call INVALID_ARGUMENT (raises AbortError). When the caller went away
-        (cancelled, or past its deadline) before the status could be sent, gRPC's send
-        fails: the call then ends as the cancelled call it is (CancelledError), which
-        the servicer and the streams already take as the engine gone, rather than as an
-        error of the handler (a traceback at level error)."""
+        """End the call INVALID_ARGUMENT (see `end_call`), with one warning line."""
         log_event(log, "rpc.malformed", logging.WARNING, method=bad.method, bytes=bad.size, error=bad.error)
         if self._on_malformed is not None:
             self._on_malformed(bad.method)
-        try:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
-        except grpc.aio.InternalError as e:  # ExecuteBatchError: the status was not sent
-            raise asyncio.CancelledError(f"{bad.method}: the caller went away before its refusal was sent") from e
+        await end_call(context, grpc.StatusCode.INVALID_ARGUMENT, bad.message, bad.method)
+
+
+async def end_call(context, code: grpc.StatusCode, message: str, method: str) -> None:
+    """End the call with `code` and `message` (raises AbortError). When the call already
+    ended (its caller cancelled or past its deadline, the server stopping), gRPC cannot
+    send the status (ExecuteBatchError): the call then ends as the cancelled call it is
+    (CancelledError), which the servicer and the streams take as the engine gone, never
+    as an error of the handler (a traceback at level error)."""
+    try:
+        await context.abort(code, message)
+    except grpc.aio.InternalError as e:
+        raise asyncio.CancelledError(f"{method}: the call ended before its status was sent") from e
 
 
 class _GuardedGeneric(grpc.GenericRpcHandler):
