@@ -131,11 +131,11 @@ class RadixKVConnector(KVConnectorBase_V1):
         return  # whole blocks of every layer are saved in wait_for_save
 
     def wait_for_save(self) -> None:
-        """Start the Inserts of the blocks this step filled (asynchronous: the copies run
-        in the daemon while vLLM goes on; `get_finished` says when a finished request's
-        blocks are free). A request whose load this step left blocks unfilled saves
-        nothing: its forward read those blocks, so what it computed is wrong (vLLM
-        recomputes it)."""
+        """Queue the Inserts of the blocks this step filled (asynchronous: the saves'
+        thread sends them and the copies run in the daemon while vLLM goes on;
+        `get_finished` says when a finished request's blocks are free). A request whose
+        load this step left blocks unfilled saves nothing: its forward read those
+        blocks, so what it computed is wrong (vLLM recomputes it)."""
         meta = self._meta()
         short, self._short_loads = self._short_loads, set()
         if meta is None or self._saves is None:
@@ -187,6 +187,8 @@ class RadixKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._saves is not None:
+            self._saves.close()
         if self._adapter is not None:
             self._adapter.close()
         if self._allocation is not None and self._allocation.segment is not None:

@@ -143,7 +143,7 @@ class DaemonAdapter:
         try:
             with self._lock:
                 result = self._client.load_back(node, array("i", block_ids[local_blocks:]), lease=lease,
-                                                start_page=local_blocks, engine_event=self._event())
+                                                start_page=local_blocks, engine_event=self.step_event())
             self._wait_loaded(result.layer_events)
             if result.transfer:
                 outcome = self._client.wait([result.transfer])[result.transfer]
@@ -164,7 +164,7 @@ class DaemonAdapter:
         try:
             with self._lock:
                 result = self._client.load_back(node, array("i", block_ids[local_blocks:]), lease=lease,
-                                                start_page=local_blocks, engine_event=self._event())
+                                                start_page=local_blocks, engine_event=self.step_event())
             if result.transfer and result.layer_events:
                 self._load_events[result.transfer] = result.layer_events
             return result.transfer, min(result.loaded_tokens // self.page_size, want)
@@ -190,15 +190,16 @@ class DaemonAdapter:
             got[t] = outcome.ok
         return got
 
-    def save(self, tokens: bytes, block_ids) -> int:
+    def save(self, tokens: bytes, block_ids, engine_event=None) -> int:
         """Start copying whole pages of `tokens` from `block_ids` to the daemon's host tier
-        (asynchronous Insert). Returns the transfer to wait for before vLLM may reuse the
+        (asynchronous Insert), after `engine_event` (`step_event()` of the step that filled
+        the blocks) on CUDA. Returns the transfer to wait for before vLLM may reuse the
         blocks; 0 when nothing is being copied (all there already, or the daemon could not
         take them: logged)."""
         try:
             with self._lock:
                 return self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
-                                           engine_event=self._event()).transfer
+                                           engine_event=engine_event).transfer
         except RadixKVError as e:
             log.warning("radixkv: save of %d pages skipped: %s", len(block_ids), e)
             return 0
@@ -225,7 +226,7 @@ class DaemonAdapter:
         except DeadlineExceeded:
             return False
 
-    def _event(self):
+    def step_event(self):
         """CUDA: an event after every kernel vLLM queued so far (the daemon's copy waits
         for it on the GPU); None on CPU (shared memory: the forward is over)."""
         if self.cuda_device is None:

@@ -1,61 +1,87 @@
 """A worker's asynchronous saves, and when vLLM may free a finished request's blocks.
 
-Each Insert the worker starts (`start`) copies vLLM blocks in the daemon's copy threads
-after the call returned; vLLM must not reuse those blocks until the daemon acknowledged
-the copy. The worker reports, per request, how many of its planned saves are over
-(`report`, in the worker metadata); the scheduler answers `request_finished` with True
-while a save of the request is not over on every rank, and names such requests in the
-next step's metadata (`delayed`). This worker then lists a delayed request in `finished`
-(vLLM's `get_finished` finished_sending) once none of its copies is in flight. `flush`
-waits for the copies of preempted requests, whose blocks vLLM frees at once.
+`start` only queues a save: this module's one thread sends the Inserts, in order, so
+vLLM's step does not wait for the daemon's answer (about one RPC per step that filled a
+block, on the path to the request's first token). The daemon then copies vLLM's blocks
+in its copy threads; vLLM must not reuse those blocks until it acknowledged the copy. A
+save is in flight from `start` until its ack (or until its Insert copied nothing).
+
+The worker reports, per request, how many of its planned saves are over (`report`, in
+the worker metadata); the scheduler answers `request_finished` with True while a save of
+the request is not over on every rank, and names such requests in the next step's
+metadata (`delayed`). This worker then lists a delayed request in `finished` (vLLM's
+`get_finished` finished_sending) once none of its saves is in flight. `flush` waits for
+the saves of preempted requests, whose blocks vLLM frees at once.
 """
+
+import itertools
+import logging
+import threading
+from collections import deque
 
 from .daemon import DaemonAdapter
 from .metadata import SaveSpec
 
+log = logging.getLogger("vllm.radixkv")
 
 FINISHED_KEPT = 1 << 16  # finished ids remembered (vLLM names a request's delay and finish in one step)
+CLOSE_TIMEOUT_S = 30.0  # how long `close` lets queued Inserts go out
 
 
 class Saves:
-    """Copies in flight per request (worker thread only)."""
+    """Saves in flight per request. Methods are called from vLLM's worker thread; the
+    sender thread shares the state under one condition."""
 
     def __init__(self, adapter: DaemonAdapter):
         self._adapter = adapter
-        self._pending: dict[str, set[int]] = {}  # request -> transfers in flight
-        self._transfers: dict[int, str] = {}  # transfer in flight -> request
+        self._cond = threading.Condition()
+        self._tickets = itertools.count(1)
+        self._queue: deque[tuple[int, SaveSpec, object]] = deque()  # not sent yet
+        self._pending: dict[str, set[int]] = {}  # request -> its saves in flight (tickets)
+        self._unsent: set[int] = set()  # tickets queued or being sent
+        self._transfers: dict[int, tuple[int, str]] = {}  # transfer in flight -> (ticket, request)
         self._over: dict[str, int] = {}  # request -> saves over since the last report
         self._finished: dict[str, None] = {}  # vLLM reported them finished (the latest ones)
         self._delayed: set[str] = set()  # finished, blocks kept until we list them
+        self._closed = False
+        self._thread = threading.Thread(target=self._send, name="radixkv-saves", daemon=True)
+        self._thread.start()
 
     def start(self, spec: SaveSpec) -> None:
-        """Start the Insert of `spec`'s blocks (over at once when nothing is copied)."""
-        transfer = self._adapter.save(spec.tokens, spec.block_ids)
-        if transfer:
-            self._pending.setdefault(spec.req_id, set()).add(transfer)
-            self._transfers[transfer] = spec.req_id
-        else:
-            self.skip(spec.req_id)
+        """Queue the Insert of `spec`'s blocks (in flight from now on). The CUDA event that
+        orders the daemon's copy after the forward is recorded here, on vLLM's stream."""
+        event = self._adapter.step_event()
+        with self._cond:
+            ticket = next(self._tickets)
+            self._pending.setdefault(spec.req_id, set()).add(ticket)
+            self._unsent.add(ticket)
+            self._queue.append((ticket, spec, event))
+            self._cond.notify_all()
 
     def skip(self, req_id: str) -> None:
         """A save planned for `req_id` and not started: over."""
-        self._over[req_id] = self._over.get(req_id, 0) + 1
+        with self._cond:
+            self._count_over(req_id)
 
     def flush(self, req_ids) -> None:
-        """Wait until no copy of `req_ids` is in flight (their blocks are about to be reused)."""
-        ids = set().union(*(self._pending.get(r, ()) for r in req_ids))
+        """Wait until no save of `req_ids` is in flight (their blocks are about to be reused)."""
+        with self._cond:
+            tickets = set().union(*(self._pending.get(r, ()) for r in req_ids))
+            self._cond.wait_for(lambda: not (tickets & self._unsent))
+            ids = [t for t, (ticket, _) in self._transfers.items() if ticket in tickets]
         if ids:
             self._landed(self._adapter.done(ids, timeout=None))
 
     def finished(self, finished_req_ids, delayed) -> set[str]:
         """The `delayed` requests (now or before) that vLLM reported finished (now or
-        before) with no copy in flight: vLLM frees their blocks. Each is returned once."""
+        before) with no save in flight: vLLM frees their blocks. Each is returned once."""
         self._finished.update(dict.fromkeys(finished_req_ids))
         while len(self._finished) > FINISHED_KEPT:
             del self._finished[next(iter(self._finished))]
         self._delayed.update(delayed)
         self.poll()
-        ready = {r for r in self._delayed if r in self._finished and not self._pending.get(r)}
+        with self._cond:
+            ready = {r for r in self._delayed if r in self._finished and not self._pending.get(r)}
         self._delayed -= ready
         for r in ready:
             del self._finished[r]
@@ -63,25 +89,66 @@ class Saves:
 
     def poll(self) -> None:
         """Take the acks that arrived (never blocks)."""
-        if self._transfers:
-            self._landed(self._adapter.done(list(self._transfers)))
+        with self._cond:
+            ids = list(self._transfers)
+        if ids:
+            self._landed(self._adapter.done(ids))
 
     def report(self) -> dict[str, int]:
         """Request -> saves over since the last report."""
-        over, self._over = self._over, {}
+        with self._cond:
+            over, self._over = self._over, {}
         return over
 
+    def close(self) -> None:
+        """Send what is queued (for up to CLOSE_TIMEOUT_S), then stop the thread. Idempotent."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._unsent, timeout=CLOSE_TIMEOUT_S)
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=CLOSE_TIMEOUT_S)
+
+    def _send(self) -> None:
+        """The sender thread: one Insert at a time, in the order they were started."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                ticket, spec, event = self._queue.popleft()
+            try:
+                transfer = self._adapter.save(spec.tokens, spec.block_ids, event)
+                # Its ack goes out now (the daemon answers it once copied): the transfer
+                # ends in the daemon even when vLLM stops stepping before the next poll.
+                done = self._adapter.done([transfer]) if transfer else set()
+            except Exception:  # never let the thread die: the blocks would be kept forever
+                log.exception("radixkv: save of %d blocks failed", len(spec.block_ids))
+                transfer, done = 0, set()
+            with self._cond:
+                self._unsent.discard(ticket)
+                if transfer and transfer not in done:
+                    self._transfers[transfer] = (ticket, spec.req_id)
+                else:
+                    self._ticket_over(ticket, spec.req_id)
+                self._cond.notify_all()
+
     def _landed(self, done: set[int]) -> None:
-        for t in done:
-            req_id = self._transfers.pop(t, None)
-            if req_id is None:
-                continue
-            pending = self._pending.get(req_id)
-            if pending is not None:
-                pending.discard(t)
-                if not pending:
-                    del self._pending[req_id]
-            self.skip(req_id)
+        with self._cond:
+            for t in done:
+                entry = self._transfers.pop(t, None)
+                if entry is not None:
+                    self._ticket_over(*entry)
+
+    def _ticket_over(self, ticket: int, req_id: str) -> None:
+        pending = self._pending.get(req_id)
+        if pending is not None:
+            pending.discard(ticket)
+            if not pending:
+                del self._pending[req_id]
+        self._count_over(req_id)
+
+    def _count_over(self, req_id: str) -> None:
+        self._over[req_id] = self._over.get(req_id, 0) + 1
 
 
 __all__ = ["Saves"]
