@@ -182,8 +182,8 @@ class AsyncClient(ClientBase):
                                                     engine_event=engine_event, async_=async_))
 
     async def load_back(self, node: int, device_pages, *, engine_event=None, lease: int = 0,
-                        start_page: int = 0) -> LoadBackResult:
-        return await self._run(self._session.load_back(node, device_pages, engine_event, lease, start_page))
+                        start_page: int = 0, wait: bool = False) -> LoadBackResult:
+        return await self._run(self._session.load_back(node, device_pages, engine_event, lease, start_page, wait))
 
     async def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         return await self._session.acks().wait(transfer_ids, timeout)

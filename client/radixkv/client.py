@@ -149,14 +149,15 @@ class Client(ClientBase):
                                               async_=async_))
 
     def load_back(self, node: int, device_pages, *, engine_event=None, lease: int = 0,
-                  start_page: int = 0) -> LoadBackResult:
+                  start_page: int = 0, wait: bool = False) -> LoadBackResult:
         """Copy the host-only part of `node`'s path (a match's `host_node`) into
         `device_pages`. Wait for `transfer` and `depends_on` before reading.
         `engine_event`: the copy overwrites the pages only after it (kernels still
         reading them from an earlier use). Engine-managed: `lease` is the (scheduler's)
         match lease on the path, `start_page` the path's pages the engine holds already;
-        the complete host pages from there are copied into `device_pages`."""
-        return self._run(self._session.load_back(node, device_pages, engine_event, lease, start_page))
+        the complete host pages from there are copied into `device_pages`; `wait`: the
+        call returns once they are (`transfer` 0, no ack; Unavailable if the copy failed)."""
+        return self._run(self._session.load_back(node, device_pages, engine_event, lease, start_page, wait))
 
     def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
         """Acknowledge the load-backs (and engine-managed saves) and wait until each

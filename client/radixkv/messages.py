@@ -139,12 +139,14 @@ def insert_request(session: str, tokens, device_pages, *, extra_key: bytes, chun
 
 
 def load_back_request(session: str, node: int, device_pages, engine_event=None, lease: int = 0,
-                      start_page: int = 0) -> pb.LoadBackRequest:
-    """`lease`, `start_page`: engine-managed loads (the scheduler's lease; pages held already)."""
+                      start_page: int = 0, wait: bool = False) -> pb.LoadBackRequest:
+    """`lease`, `start_page`, `wait`: engine-managed loads (the scheduler's lease; pages
+    held already; answer once copied)."""
     if lease < 0 or start_page < 0:
         raise InvalidArgument("lease and start_page must be >= 0")
     return pb.LoadBackRequest(session=session, node=node, device_pages=as_packed(device_pages),
-                              engine_event=event_bytes(engine_event), lease=lease, start_page=start_page)
+                              engine_event=event_bytes(engine_event), lease=lease, start_page=start_page,
+                              wait=wait)
 
 
 def release_request(session: str, leases: Iterable[int]) -> pb.ReleaseRequest:

@@ -241,8 +241,8 @@ class Session:
         return result
 
     def load_back(self, node: int, device_pages, engine_event=None, lease: int = 0,
-                  start_page: int = 0) -> Plan[LoadBackResult]:
-        req = msg.load_back_request(self.id, node, device_pages, engine_event, lease, start_page)
+                  start_page: int = 0, wait: bool = False) -> Plan[LoadBackResult]:
+        req = msg.load_back_request(self.id, node, device_pages, engine_event, lease, start_page, wait)
         result = LoadBackResult.from_pb((yield from self._call("LoadBack", req)))
         self.acks().issue(result.transfer)
         return result

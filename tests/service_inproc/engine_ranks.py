@@ -84,8 +84,9 @@ class Rank:
     async def save(self, tokens: bytes, pages: list[int], async_: bool = True):
         return await self.ns.insert(self.session, InsertRequest(tokens, pack(pages), async_=async_))
 
-    async def load(self, node: int, pages: list[int], lease: int = 0, start_page: int = 0):
-        return (await self.ns.load_back(self.session, node, pack(pages), lease=lease, start_page=start_page)).result
+    async def load(self, node: int, pages: list[int], lease: int = 0, start_page: int = 0, wait: bool = False):
+        return (await self.ns.load_back(self.session, node, pack(pages), lease=lease, start_page=start_page,
+                                        wait=wait)).result
 
     async def ack(self, transfer: int):
         return await self.ns.ack(self.session, transfer)

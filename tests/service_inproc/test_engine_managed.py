@@ -186,3 +186,35 @@ def test_an_injected_load_fault_acks_load_failed_with_its_pages():
             assert "injected fault" in done.error and done.failed_pages == pack([7, 8])
             assert daemon.check_invariants("") == []
     run(scenario())
+
+
+def test_a_waiting_load_answers_once_copied_and_owes_no_ack():
+    """LoadBack(wait): the pages hold the bytes when the answer comes, and no ack is due
+    (one round trip for vLLM's synchronous loads); a failed copy is an UNAVAILABLE that
+    says so; a managed-device namespace refuses the flag."""
+    from inproc import Engine
+
+    async def scenario():
+        for fault in (0.0, 1.0):
+            async with running_daemon(fault_fail_loads=fault) as daemon:
+                eng = await Rank.register(daemon, "m")
+                tokens = prompt(0, 2)
+                eng.fill([0, 1], seed=4)
+                assert (await eng.ack((await eng.save(tokens, [0, 1])).transfer)).error is None
+                hit = await eng.match(tokens)
+                if fault:
+                    with pytest.raises(ServiceError, match="injected fault") as e:
+                        await eng.load(hit.result.host_node, [7, 8], lease=hit.lease, wait=True)
+                    assert code(e) == grpc.StatusCode.UNAVAILABLE
+                else:
+                    loaded = await eng.load(hit.result.host_node, [7, 8], lease=hit.lease, wait=True)
+                    assert (loaded.transfer, loaded.loaded_tokens) == (0, 8)
+                    assert eng.page_bytes([7, 8]) == eng.page_bytes([0, 1])
+                assert eng.session.unacked == {}, "nothing left to acknowledge"
+                assert daemon.check_invariants("") == []
+        async with running_daemon() as daemon:
+            managed = await Engine.register(daemon, "n")
+            with pytest.raises(ServiceError, match="engine-managed") as e:
+                await managed.session.namespace.load_back(managed.session, 1, pack([0]), wait=True)
+            assert code(e) == grpc.StatusCode.INVALID_ARGUMENT
+    run(scenario())

@@ -201,20 +201,22 @@ class InsertResponse(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., redundant_pages: _Optional[bytes] = ..., node: _Optional[int] = ..., lease: _Optional[int] = ..., transfer: _Optional[int] = ...) -> None: ...
 
 class LoadBackRequest(_message.Message):
-    __slots__ = ("session", "node", "device_pages", "lease", "start_page", "engine_event")
+    __slots__ = ("session", "node", "device_pages", "lease", "start_page", "wait", "engine_event")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     START_PAGE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_EVENT_FIELD_NUMBER: _ClassVar[int]
     session: str
     node: int
     device_pages: bytes
     lease: int
     start_page: int
+    wait: bool
     engine_event: bytes
-    def __init__(self, session: _Optional[str] = ..., node: _Optional[int] = ..., device_pages: _Optional[bytes] = ..., lease: _Optional[int] = ..., start_page: _Optional[int] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., node: _Optional[int] = ..., device_pages: _Optional[bytes] = ..., lease: _Optional[int] = ..., start_page: _Optional[int] = ..., wait: _Optional[bool] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
 
 class LoadBackResponse(_message.Message):
     __slots__ = ("transfer", "device_pages", "device_tokens", "loaded_tokens", "depends_on", "unused_pages", "layer_events")

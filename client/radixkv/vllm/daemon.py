@@ -141,15 +141,10 @@ class DaemonAdapter:
         if want <= 0:
             return 0
         try:
-            with self._lock:
+            with self._lock:  # answered once copied: one round trip, no ack
                 result = self._client.load_back(node, array("i", block_ids[local_blocks:]), lease=lease,
-                                                start_page=local_blocks, engine_event=self.step_event())
+                                                start_page=local_blocks, engine_event=self.step_event(), wait=True)
             self._wait_loaded(result.layer_events)
-            if result.transfer:
-                outcome = self._client.wait([result.transfer])[result.transfer]
-                if not outcome.ok:
-                    log.warning("radixkv: load of %d pages failed: %s", want, outcome.reason)
-                    return 0
             return min(result.loaded_tokens // self.page_size, want)
         except RadixKVError as e:
             log.warning("radixkv: load of %d pages failed: %s", want, e)

@@ -115,15 +115,23 @@ class EngineNamespace:
         return InsertAnswer(InsertResult(saved.cached_tokens, b"", saved.node), lease, transfer=tid)
 
     async def load_back(self, session: Session, node: int, device_pages: bytes, lease: int = 0,
-                        start_page: int = 0) -> LoadBackAnswer:
+                        start_page: int = 0, wait: bool = False) -> LoadBackAnswer:
         """Copy the complete host pages of `node`'s path from `start_page` into the rank's
         `device_pages`; nothing is published in the tree. `lease` (any session's, e.g. the
-        scheduler's Match lease) must cover `node` when given."""
+        scheduler's Match lease) must cover `node` when given. `wait`: answer once copied,
+        with no transfer to acknowledge (UNAVAILABLE if the copy failed); otherwise at once,
+        and the session acknowledges the transfer."""
         self._require(session, ENGINE, "LoadBack")
         if lease:
             self._check_lease_covers(lease, node)
         self._check_pages(session, device_pages, "LoadBack")
         result = self.tier.load(node, device_pages, start_page, owner=session.id, rank=session.rank)
+        if result.transfer and wait:
+            # Shielded: a caller that gives up (deadline, cancel) must not leave it unfinished.
+            done = await asyncio.shield(self.finish(result.transfer, session.id))
+            if done.error is not None:
+                raise unavailable(f"LoadBack: the copy into the engine's pages failed ({done.error})")
+            return LoadBackAnswer(dataclasses.replace(result, transfer=0))
         if result.transfer:
             session.answered(result.transfer)
         return LoadBackAnswer(result)

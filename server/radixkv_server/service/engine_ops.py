@@ -29,7 +29,8 @@ async def insert(daemon: Daemon, session: Session, request: pb.InsertRequest) ->
 async def load_back(daemon: Daemon, session: Session, request: pb.LoadBackRequest) -> pb.LoadBackResponse:
     session.namespace.order_after(session, convert.engine_event(request))
     answer = await session.namespace.load_back(session, request.node, request.device_pages,
-                                               lease=request.lease, start_page=request.start_page)
+                                               lease=request.lease, start_page=request.start_page,
+                                               wait=request.wait)
     return convert.load_back_response(answer)
 
 

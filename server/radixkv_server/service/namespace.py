@@ -81,13 +81,14 @@ class Namespace:
         return InsertAnswer(result, self.core.lease(session, result.node) if request.lease else 0)
 
     async def load_back(self, session: Session, node: int, device_pages: bytes, lease: int = 0,
-                        start_page: int = 0) -> LoadBackAnswer:
+                        start_page: int = 0, wait: bool = False) -> LoadBackAnswer:
         """Start copying `node`'s host-only path into `device_pages`; the session owes an
         ack for the transfer. On CUDA, answers once the copy is enqueued (with its events).
-        `lease` and `start_page` are for engine-managed namespaces only (INVALID_ARGUMENT)."""
-        if lease or start_page:
-            raise invalid("LoadBack: lease and start_page are for engine-managed namespaces; a managed-device "
-                          "load re-plans from the tree's device prefix")
+        `lease`, `start_page` and `wait` are for engine-managed namespaces only
+        (INVALID_ARGUMENT)."""
+        if lease or start_page or wait:
+            raise invalid("LoadBack: lease, start_page and wait are for engine-managed namespaces; a "
+                          "managed-device load re-plans from the tree's device prefix and is acknowledged")
         result = self.cache.load_back(node, device_pages, owner=session.id)
         if not result.transfer:
             return LoadBackAnswer(result)
