@@ -45,6 +45,9 @@ SCHEDULER_CALLS: dict[str, list[float]] = {n: [] for n in TIMED}
 LOOKUP_WAIT: list[tuple[float, int]] = []
 _asked: dict[str, tuple[float, int]] = {}
 _steps = [0]
+# Only steps and calls of the timed requests count (not the warm-up request, nor the steps
+# that `_reset_prefix_cache` runs while saves are still being acknowledged).
+_recording = [False]
 
 
 def _timed(name: str, inner):
@@ -54,10 +57,12 @@ def _timed(name: str, inner):
             result = inner(self, *args, **kwargs)
         finally:
             _current[0] += time.perf_counter() - t
-            SCHEDULER_CALLS[name].append(time.perf_counter() - t)
+            if _recording[0]:
+                SCHEDULER_CALLS[name].append(time.perf_counter() - t)
             if name == "build_connector_meta":  # once per scheduler step: close the step
-                STEP_BLOCKED.append(_current[0])
-                STEP_BUSY.append(bool(args[0].total_num_scheduled_tokens))
+                if _recording[0]:
+                    STEP_BLOCKED.append(_current[0])
+                    STEP_BUSY.append(bool(args[0].total_num_scheduled_tokens))
                 _current[0] = 0.0
                 _steps[0] += 1
         if name == "get_num_new_matched_tokens":
@@ -83,7 +88,7 @@ def _timed_worker(name: str, inner):
         try:
             return inner(self, *args, **kwargs)
         finally:
-            if busy:
+            if busy and _recording[0]:
                 WORKER_CALLS[name].append(time.perf_counter() - t)
     method.__name__ = name
     return method
@@ -135,7 +140,11 @@ def _measure(model: str, kv_transfer_config: dict | None, prompt: list[int], rou
         for _ in range(rounds):
             if reset:
                 _reset_prefix_cache(llm)
-            dt, cached = _ttft(llm, prompt)
+            _recording[0] = True
+            try:
+                dt, cached = _ttft(llm, prompt)
+            finally:
+                _recording[0] = False
             times.append(dt)
         return times, cached
     finally:
@@ -217,16 +226,17 @@ def _report(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -
                    f"p50 <= {BLOCKED_P50_TARGET_US:g} us per step", p50 <= BLOCKED_P50_TARGET_US))
     sec.add(Figure("vllm.scheduler_blocked.p99", p99, "us", "ttft_vllm_prefix_hit", base * 1e3))
     sec.notes.append(
-        f"Scheduler blocked on radixkv: {len(steps)} scheduler steps of the radixkv engine, the time per "
+        f"Scheduler blocked on radixkv: the {len(steps)} scheduler steps of the radixkv engine's timed "
+        "requests (not the steps that empty vLLM's prefix cache between them), the time per "
         f"step spent in the connector's scheduler-side methods ({', '.join(TIMED)}), summed per step "
         f"(a step closes with build_connector_meta): p50 {fmt(p50)} us, p99 {fmt(p99)} us, "
         f"max {fmt(max(steps) if steps else 0)} us. Steps count while a request waits for its lookup "
         f"answer (the scheduler asks again each step; those steps are nearly empty): "
-        f"{len(steps) / (len(times['radixkv_host_hit']) + passes):.0f} steps per request here. "
+        f"{len(steps) / max(1, len(times['radixkv_host_hit'])):.0f} steps per request here. "
         f"Of them, the {len(busy)} steps that scheduled tokens (a forward other requests wait for): "
         f"p50 {fmt(percentile(busy, 50))} us, p99 {fmt(percentile(busy, 99))} us; the "
-        f"{len(steps) - len(busy)} idle ones (nothing to run: the connector hands the GIL to its lookup "
-        "thread there, which the step's time includes) make up the rest.")
+        f"{len(steps) - len(busy)} idle ones (nothing to run: the connector hands the GIL to the threads "
+        "carrying its Match there, which the step's time includes) make up the rest.")
     _profile(sec)
     sec.notes.append(
         f"One engine at a time (vLLM keeps one KV connector per process): {passes} passes over the "

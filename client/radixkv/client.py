@@ -23,11 +23,13 @@ blocking channel, and acks run on a reader thread (`radixkv.acks`).
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import grpc
 
 from radixkv.v1 import radixkv_pb2 as pb
 
+from . import messages as msg
 from .acks import AckStream
 from .base import ClientBase
 from .channel import open_channel
@@ -126,6 +128,29 @@ class Client(ClientBase):
         in order. With `lease`, each matched path is protected until `release`; with
         `include_storage`, `storage_tokens` says how much more the storage tier holds."""
         return self._run(self._session.match(prompts, lease, include_storage))
+
+    def start_match(self, prompts: Iterable, lease: bool = False, include_storage: bool = False) -> Future | None:
+        """`match` sent on the Session stream without waiting (a client made with
+        `stream=True`): a Future resolved with the list of MatchResults, or with the
+        RadixKVError the call failed with. None when no call can go on the stream now
+        (not registered, the session lost, the client closed): `match` recovers. The
+        caller owns the leases of an answer it stops waiting for."""
+        stream = self._session.live_stream()
+        if stream is None:
+            return None
+        answer: Future = Future()
+
+        def done(sent: Future) -> None:  # on the stream's reader thread
+            response = sent.result()
+            try:
+                answer.set_result(response if isinstance(response, RadixKVError)
+                                  else [MatchResult.from_pb(r) for r in response.results])
+            except Exception as e:  # a waiter must hear of it
+                answer.set_result(RadixKVError(f"Match: unreadable answer: {e}"))
+
+        request = msg.match_request(self._session.id, prompts, lease, include_storage)
+        stream.start("Match", request).add_done_callback(done)
+        return answer
 
     def prefetch(self, tokens, *, extra_key: bytes = b"", policy: str = "best_effort",
                  timeout: float | None = None) -> list[PrefetchProgress]:

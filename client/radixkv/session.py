@@ -152,6 +152,13 @@ class Session:
             raise FailedPrecondition("not registered: call register() first")
         return self._acks
 
+    def live_stream(self):
+        """The session stream when a call can go on it now without recovery first
+        (registered, not closed, not lost), else None."""
+        if self.closed or self.registration is None or (self._recovery is not None and self._recovery.lost):
+            return None
+        return self._calls
+
     def calls(self):
         """The session stream. Raises FailedPrecondition before `register` or after `close`."""
         self._check_open()

@@ -99,14 +99,16 @@ class CallStream:
         self._reader = threading.Thread(target=self._read, name="radixkv-session-stream", daemon=True)
         self._reader.start()
 
+    def start(self, method: str, request) -> Future:
+        """Send one call without waiting: a Future that the reader thread resolves with
+        the response message or the call's RadixKVError (Unavailable once the stream
+        ended). No deadline: the caller decides how long to wait."""
+        return self._send(method, request)[1]
+
     def call(self, method: str, request, timeout: float | None):
         """Send one call and wait for its answer (the response message); raises the
         call's RadixKVError, Unavailable once the stream ended, DeadlineExceeded."""
-        answer: Future = Future()
-        with self._lock:
-            rid, message = self._ledger.request(method, request)
-            self._pending[rid] = answer
-        self._queue.put(message)
+        rid, answer = self._send(method, request)
         try:
             result = answer.result(timeout)
         except FutureTimeout:
@@ -116,6 +118,18 @@ class CallStream:
         if isinstance(result, RadixKVError):
             raise result
         return result
+
+    def _send(self, method: str, request) -> tuple[int, Future]:
+        answer: Future = Future()
+        with self._lock:
+            try:
+                rid, message = self._ledger.request(method, request)
+            except RadixKVError as e:  # the stream ended
+                answer.set_result(e)
+                return 0, answer
+            self._pending[rid] = answer
+        self._queue.put(message)
+        return rid, answer
 
     def close(self, reason: str = "the client closed") -> None:
         """Half-close, wait for the daemon to end its side, fail what stayed unanswered.

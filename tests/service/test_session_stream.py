@@ -328,3 +328,36 @@ def test_daemon_shutdown_ends_the_stream(daemon_factory):
     end = s.reply()
     assert end[:2] == ("end", C.UNAVAILABLE) and "shutting down" in end[2], end
     channel.close()
+
+
+def test_start_match_answers_as_match_without_waiting_and_fails_as_a_value(daemon_factory):
+    """`Client.start_match` (the vLLM scheduler's lookups): the same results as `match`,
+    several in flight at once; None where a call cannot go on the stream (unary client,
+    not registered, closed); once the daemon is gone, the Future holds the error (the
+    caller falls back to `match`, which recovers), never a hang."""
+    d = daemon_factory()
+    assert Client(d.target, timeout=10, stream=True).start_match([pack(prompt(1, 2))]) is None, "not registered"
+    e = EngineDouble(LAYOUT, 32)
+    e.register(Client(d.target, timeout=10, stream=True, reconnect=Backoff(0.01, 0.1)), "start/a")
+    unary = EngineDouble(LAYOUT, 32)
+    unary.register(Client(d.target, timeout=10), "start/b")
+    try:
+        assert unary.client.start_match([pack(prompt(1, 2))]) is None, "no session stream"
+        e.prefill(prompt(1, 2))
+        prompts = [pack(prompt(1, 2)), pack(prompt(2, 2))]
+        futures = [e.client.start_match(prompts, lease=True) for _ in range(4)]
+        answers = [f.result(timeout=10) for f in futures]
+        want = e.client.match(prompts)
+        for got in answers:
+            assert [(r.device_tokens, list(r.device_pages)) for r in got] == \
+                   [(r.device_tokens, list(r.device_pages)) for r in want]
+            assert got[0].lease and not got[1].lease, "a lease where a path matched"
+            e.client.release([r.lease for r in got])
+        d.stop()
+        late = e.client.start_match(prompts)
+        if late is not None:  # the stream's end may not be noticed yet
+            assert isinstance(late.result(timeout=10), errors.RadixKVError)
+    finally:
+        e.close()
+        unary.close()
+    assert e.client.start_match(prompts) is None, "closed"

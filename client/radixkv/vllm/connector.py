@@ -12,7 +12,7 @@ forward (`start_load_kv`), starts asynchronous Inserts of newly full blocks afte
 (`wait_for_save`) and reports when a finished request's copies are done (`get_finished`),
 blocks that failed to load (`get_block_ids_with_load_errors`, vLLM recomputes them) and
 its loads (`build_connector_worker_meta`, so the scheduler releases their leases). The
-scheduler instance looks prefixes up on its own daemon session, on a thread, and plans
+scheduler instance looks prefixes up on its own daemon session without waiting, and plans
 loads and saves (`radixkv.vllm.scheduler`). docs/vllm.md describes the mapping.
 """
 

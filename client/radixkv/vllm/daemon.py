@@ -17,6 +17,7 @@ import logging
 import threading
 from array import array
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from radixkv.client import Client
@@ -41,6 +42,11 @@ class Hit:
 
 
 MISS = Hit(0, 0, 0)
+
+
+def hit_of(result) -> Hit:
+    """A lookup's hit from its MatchResult: the host tokens every rank's shard is in."""
+    return Hit(result.complete_tokens, result.host_node, result.lease)
 
 
 class DaemonAdapter:
@@ -117,7 +123,19 @@ class DaemonAdapter:
         except RadixKVError as e:
             log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
             return [MISS] * len(prompts)
-        return [Hit(r.complete_tokens, r.host_node, r.lease) for r in results]
+        return [hit_of(r) for r in results]
+
+    def start_lookup(self, prompts: list[bytes]) -> Future | None:
+        """One batched Match of `prompts` (leased, asking storage too) sent on the session
+        stream without waiting: a Future of the MatchResults or the call's RadixKVError.
+        None when it cannot go that way now (the session is lost): `lookup` it instead.
+        Never blocks, and takes no lock: the stream is thread-safe, and a blocking call
+        in flight (a release) must not hold it up; if a recovery registers again
+        meanwhile, the Match fails and the caller looks up again."""
+        try:
+            return self._client.start_match(prompts, lease=True, include_storage=True)
+        except RadixKVError:
+            return None
 
     def _match(self, prompts: list[bytes]):
         with self._lock:

@@ -1,59 +1,99 @@
 """The scheduler's own daemon session: lookups that never block vLLM's scheduler.
 
 vLLM asks `get_num_new_matched_tokens` for a waiting request, possibly several times.
-The first ask queues its prompt here and answers None ("ask again next step"); this
-module's one thread sends whatever is queued in one batched Match (with leases, staging
-storage hits to host) on the scheduler's session and files the answers, so a later ask
-gets the hit. The scheduler thread only takes locks for dictionary updates: every RPC,
-releases included, runs on the lookup thread.
+The first ask queues its prompt here and answers None ("ask again next step"). At the
+end of the scheduler step (`send`, from build_connector_meta) whatever was asked goes
+out in one batched Match with leases on the session stream, sent from the scheduler's
+thread without waiting for the answer; the stream's reader thread files the answers, so
+a later ask gets the hit. That path takes no other thread: under vLLM's busy scheduler
+loop, which holds the GIL, every thread hop costs a GIL handover.
+
+This module's thread does what may block: releases, prompts whose Match says storage
+holds more (Prefetch, waiting for it, and Match again: `DaemonAdapter.lookup`), and
+batches that could not go on the stream (the stream's lock busy, the session lost: the
+blocking Match recovers it) or whose Match failed there.
 
 A hit holds its lease until the caller takes it over (`take`, for a load whose ranks then
 report back) or drops it (`drop`: not loaded, finished, aborted). `drop` is idempotent and
-also covers a lookup still queued or in flight (its lease is released when it lands).
+also covers a lookup still queued or in flight (its lease is released when it lands). A
+Match on the stream unanswered after the session's timeout gives misses; its late answer's
+leases are released.
 """
 
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
-from .daemon import MISS, DaemonAdapter, Hit
+from radixkv.errors import RadixKVError
+
+from .daemon import MISS, DaemonAdapter, Hit, hit_of
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
 
-class Lookups:
-    """Batched, asynchronous Match per request id on the scheduler's session (one thread)."""
+class _Sent:
+    """A batch on the stream: request id -> packed prompt, and when it went out."""
 
-    def __init__(self, adapter: DaemonAdapter):
+    def __init__(self, batch: dict[str, bytes]):
+        self.batch = batch
+        self.at = time.monotonic()
+
+
+class Lookups:
+    """Batched, asynchronous Match per request id on the scheduler's session."""
+
+    def __init__(self, adapter: DaemonAdapter, timeout_s: float | None = None):
         self._adapter = adapter
+        self._timeout = timeout_s if timeout_s is not None else adapter.config.timeout_s
         self._cond = threading.Condition()
-        self._queued: dict[str, bytes] = {}
-        self._inflight: set[str] = set()  # in the Match being sent now
+        self._queued: dict[str, bytes] = {}  # asked this step, not sent yet
+        self._sent: list[_Sent] = []  # on the stream, unanswered
+        self._blocking: dict[str, bytes] = {}  # for the thread's blocking lookup
+        self._inflight: set[str] = set()  # in a Match now (either way)
         self._hits: dict[str, Hit] = {}
         self._dropped: set[str] = set()  # dropped while its Match was in flight
         self._releases: list[int] = []  # leases to release on the thread
         self._closed = False
-        self.matches = 0  # Match RPCs sent (batches)
+        self.matches = 0  # Match batches sent
         self._thread = threading.Thread(target=self._run, name="radixkv-lookups", daemon=True)
         self._thread.start()
 
     def poll(self, req_id: str, tokens: Callable[[], bytes], idle: bool = False) -> Hit | None:
         """The hit for `req_id` (the same one on every call until taken or dropped), or
         None while its lookup is queued or in flight (the first call queues `tokens()`,
-        the prompt's packed tokens, called only then). `idle`:
-        the engine runs nothing else, so handing the GIL to the lookup thread delays no one."""
+        the prompt's packed tokens, called only then; `send` sends it). `idle`: the
+        engine runs nothing else, so handing the GIL over delays no one."""
         with self._cond:
+            self._expire()
             hit = self._hits.get(req_id)
             if hit is None and req_id not in self._queued and req_id not in self._inflight:
                 self._queued[req_id] = tokens()
-                self._cond.notify()
         if hit is None and idle:
             # Hand the GIL over: an engine stepping with nothing to run holds it otherwise,
-            # and the lookup thread would get it only every switch interval (5 ms), twice
-            # per Match (send, answer). A step with a forward releases it in torch anyway.
+            # and the threads that carry the Match would get it only every switch interval
+            # (5 ms). A step with a forward releases it in torch anyway.
             time.sleep(0)
         return hit
+
+    def send(self) -> None:
+        """End of a scheduler step: what was asked goes out in one Match on the stream
+        (never waits), or to the thread when the stream cannot take it now."""
+        with self._cond:
+            if not self._queued:
+                return
+            batch, self._queued = self._queued, {}
+            self._inflight.update(batch)
+            self.matches += 1
+        future = self._adapter.start_lookup(list(batch.values()))
+        with self._cond:
+            if future is None:
+                self._to_thread(batch)
+                return
+            sent = _Sent(batch)
+            self._sent.append(sent)
+        future.add_done_callback(lambda f: self._landed(sent, f))
 
     def take(self, req_id: str) -> Hit:
         """Forget `req_id`'s hit without releasing it: the caller now owns its lease
@@ -69,20 +109,20 @@ class Lookups:
             if req_id in self._inflight:
                 self._dropped.add(req_id)
             if hit is not None and hit.lease:
-                self._releases.append(hit.lease)
-                self._cond.notify()
+                self._release(hit.lease)
 
     def release(self, lease: int) -> None:
-        """Release a lease taken over with `take` (on the lookup thread)."""
+        """Release a lease taken over with `take` (on the thread)."""
         if lease:
             with self._cond:
-                self._releases.append(lease)
-                self._cond.notify()
+                self._release(lease)
 
     def close(self) -> None:
-        """Stop the thread, release every lease still held, end the session. Idempotent."""
+        """Stop the thread, release every lease still held, end the session (the daemon
+        releases the leases of answers still on their way with it). Idempotent."""
         with self._cond:
             self._closed = True
+            self._sent.clear()
             self._cond.notify()
         self._thread.join(timeout=5)
         with self._cond:
@@ -92,35 +132,79 @@ class Lookups:
         self._adapter.release(leases)
         self._adapter.close()
 
+    # -- under the condition -----------------------------------------------------------
+
+    def _landed(self, sent: _Sent, future: Future) -> None:
+        """A Match on the stream answered (on the stream's reader thread)."""
+        results = future.result()
+        with self._cond:
+            abandoned = sent not in self._sent
+            if not abandoned:
+                self._sent.remove(sent)
+            if isinstance(results, RadixKVError):
+                if not abandoned:
+                    log.warning("radixkv: lookup on the session stream failed (%s); trying again", results)
+                    self._to_thread(sent.batch)
+                return
+            for (req_id, tokens), result in zip(sent.batch.items(), results):
+                if abandoned:
+                    self._release(result.lease)
+                elif result.storage_tokens:  # staged to host on the thread, matched again there
+                    self._release(result.lease)
+                    self._to_thread({req_id: tokens})
+                else:
+                    self._file(req_id, hit_of(result))
+
+    def _expire(self) -> None:
+        """Matches on the stream unanswered for longer than the timeout give misses."""
+        now = time.monotonic()
+        for sent in [s for s in self._sent if now - s.at > self._timeout]:
+            self._sent.remove(sent)
+            log.warning("radixkv: lookup of %d prompts unanswered after %gs, treated as misses",
+                        len(sent.batch), self._timeout)
+            for req_id in sent.batch:
+                self._file(req_id, MISS)
+
+    def _file(self, req_id: str, hit: Hit) -> None:
+        self._inflight.discard(req_id)
+        if req_id in self._dropped:
+            self._dropped.discard(req_id)
+            self._release(hit.lease)
+        else:
+            self._hits[req_id] = hit
+
+    def _to_thread(self, batch: dict[str, bytes]) -> None:
+        self._blocking.update(batch)
+        self._cond.notify()
+
+    def _release(self, lease: int) -> None:
+        if lease:
+            self._releases.append(lease)
+            self._cond.notify()
+
+    # -- the thread --------------------------------------------------------------------
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queued and not self._releases and not self._closed:
+                while not self._blocking and not self._releases and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                batch, self._queued = self._queued, {}
+                batch, self._blocking = self._blocking, {}
                 releases, self._releases = self._releases, []
-                self._inflight = set(batch)
             if releases:
                 self._adapter.release(releases)
             if not batch:
                 continue
-            self.matches += 1
             try:
                 hits = self._adapter.lookup(list(batch.values()))
             except Exception:  # never let the thread die: vLLM would wait on None forever
                 log.exception("radixkv: lookup failed; %d requests get no hit", len(batch))
                 hits = [MISS] * len(batch)
             with self._cond:
-                self._inflight = set()
                 for req_id, hit in zip(batch, hits):
-                    if req_id in self._dropped:
-                        self._dropped.discard(req_id)
-                        if hit.lease:
-                            self._releases.append(hit.lease)
-                    else:
-                        self._hits[req_id] = hit
+                    self._file(req_id, hit)
 
 
 __all__ = ["Lookups"]

@@ -2,7 +2,8 @@
 plans every step's loads and saves.
 
 Lookups run on the scheduler's own daemon session (`radixkv.vllm.lookups`): the first ask
-for a request answers None and the next asks get the hit once its Match landed. A hit
+for a request answers None, the step's asks go out in one Match at its end (`build`) and
+the next asks get the hit once that Match landed. A hit
 holds a lease on the scheduler's session; a load hands it to the workers with the node
 to load from, and the lease is released once every tensor-parallel rank reported that
 load (worker metadata), or at once when vLLM decides not to load, or when the request
@@ -92,6 +93,8 @@ class SchedulerSide:
         """build_connector_meta: saves to finish before the forward (preempted requests),
         this step's loads, and the full blocks it computes."""
         self._idle = not scheduler_output.total_num_scheduled_tokens
+        if self.lookups is not None:
+            self.lookups.send()  # this step's asks, in one Match
         flush = [r for r in (scheduler_output.preempted_req_ids or ()) if self._saving(r)]
         meta = RadixKVMetadata(flush=flush, delayed=self._delayed, loads=self._loads)
         self._loads, self._delayed = [], []
