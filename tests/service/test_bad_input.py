@@ -250,7 +250,10 @@ TABLE = [
         session=B(c), node=c["foreign"], device_pages=pack([8, 9, 10, 11]))), C.NOT_FOUND, r"is not in the cache"),
     Row("LoadBack", "lease and start_page on a managed-device namespace", unary("LoadBack", lambda c: pb.LoadBackRequest(
         session=A(c), node=c["host_node"], device_pages=pack([8]), lease=1, start_page=1)), C.INVALID_ARGUMENT,
-        r"lease and start_page are for engine-managed namespaces"),
+        r"lease, start_page and wait are for engine-managed namespaces"),
+    Row("LoadBack", "wait on a managed-device namespace", unary("LoadBack", lambda c: pb.LoadBackRequest(
+        session=A(c), node=c["host_node"], device_pages=pack([8]), wait=True)), C.INVALID_ARGUMENT,
+        r"wait are for engine-managed namespaces; .* is acknowledged"),
     Row("LoadBack", "page out of range", unary("LoadBack", lambda c: pb.LoadBackRequest(
         session=A(c), node=c["host_node"], device_pages=pack([8, 9, 10, 99]))), C.INVALID_ARGUMENT, r"device page 99 is out of range"),
     Row("LoadBack", "negative page", unary("LoadBack", lambda c: pb.LoadBackRequest(
