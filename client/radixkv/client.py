@@ -144,7 +144,7 @@ class Client(ClientBase):
             response = sent.result()
             try:
                 answer.set_result(response if isinstance(response, RadixKVError)
-                                  else [MatchResult.from_pb(r) for r in response.results])
+                                  else MatchResult.all_from_pb(response))
             except Exception as e:  # a waiter must hear of it
                 answer.set_result(RadixKVError(f"Match: unreadable answer: {e}"))
 

@@ -231,7 +231,7 @@ class Session:
 
     def match(self, prompts: Iterable, lease: bool, include_storage: bool) -> Plan[list[MatchResult]]:
         resp = yield from self._call("Match", msg.match_request(self.id, prompts, lease, include_storage))
-        return [MatchResult.from_pb(r) for r in resp.results]
+        return MatchResult.all_from_pb(resp)
 
     def prefetch(self, tokens, *, extra_key: bytes, policy: str,
                  timeout: float | None) -> Plan[list[PrefetchProgress]]:

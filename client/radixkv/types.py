@@ -112,6 +112,11 @@ class MatchResult:
         return cls(unpack(m.device_pages), m.device_tokens, m.host_tokens, m.device_node,
                    m.host_node, tuple(m.depends_on), m.lease, m.storage_tokens, m.complete_tokens)
 
+    @classmethod
+    def all_from_pb(cls, m: pb.MatchResponse) -> list["MatchResult"]:
+        """A Match answer's results, one per prompt, in order."""
+        return [cls.from_pb(r) for r in m.results]
+
 
 @dataclass(frozen=True, slots=True)
 class PrefetchProgress:

@@ -44,9 +44,9 @@ class _Sent:
 class Lookups:
     """Batched, asynchronous Match per request id on the scheduler's session."""
 
-    def __init__(self, adapter: DaemonAdapter, timeout_s: float | None = None):
+    def __init__(self, adapter: DaemonAdapter):
         self._adapter = adapter
-        self._timeout = timeout_s if timeout_s is not None else adapter.config.timeout_s
+        self._timeout = adapter.config.timeout_s  # a Match on the stream unanswered this long: misses
         self._cond = threading.Condition()
         self._queued: dict[str, bytes] = {}  # asked this step, not sent yet
         self._sent: list[_Sent] = []  # on the stream, unanswered
@@ -56,7 +56,6 @@ class Lookups:
         self._dropped: set[str] = set()  # dropped while its Match was in flight
         self._releases: list[int] = []  # leases to release on the thread
         self._closed = False
-        self.matches = 0  # Match batches sent
         self._thread = threading.Thread(target=self._run, name="radixkv-lookups", daemon=True)
         self._thread.start()
 
@@ -85,7 +84,6 @@ class Lookups:
                 return
             batch, self._queued = self._queued, {}
             self._inflight.update(batch)
-            self.matches += 1
         future = self._adapter.start_lookup(list(batch.values()))
         with self._cond:
             if future is None:

@@ -104,9 +104,7 @@ class EngineNamespace:
         if tid and request.async_:
             session.answered(tid)
         elif tid:
-            done = await self.finish(tid, session.id)
-            if done.error is not None:
-                raise unavailable(f"Insert: the copy from the engine's pages failed ({done.error})")
+            await self._finish_copied(tid, session, "Insert: the copy from the engine's pages failed")
             tid = 0
         if request.release_lease:
             self.cache.unlock(session.pop_lease(request.release_lease))
@@ -127,10 +125,7 @@ class EngineNamespace:
         self._check_pages(session, device_pages, "LoadBack")
         result = self.tier.load(node, device_pages, start_page, owner=session.id, rank=session.rank)
         if result.transfer and wait:
-            # Shielded: a caller that gives up (deadline, cancel) must not leave it unfinished.
-            done = await asyncio.shield(self.finish(result.transfer, session.id))
-            if done.error is not None:
-                raise unavailable(f"LoadBack: the copy into the engine's pages failed ({done.error})")
+            await self._finish_copied(result.transfer, session, "LoadBack: the copy into the engine's pages failed")
             return LoadBackAnswer(dataclasses.replace(result, transfer=0))
         if result.transfer:
             session.answered(result.transfer)
@@ -140,6 +135,14 @@ class EngineNamespace:
         """Finish a save or load of this session once copied. NOT_FOUND (saying so) for
         one that expired."""
         return await self.core.ack(self.tier.finish, session, transfer)
+
+    async def _finish_copied(self, transfer: int, session: Session, failed: str) -> None:
+        """Finish a transfer answered once copied (a synchronous Insert, LoadBack(wait)):
+        no ack is due; UNAVAILABLE "`failed` (why)" if the copy failed. Shielded: a caller
+        that gives up (deadline, cancel) leaves nothing unfinished."""
+        done = await asyncio.shield(self.finish(transfer, session.id))
+        if done.error is not None:
+            raise unavailable(f"{failed} ({done.error})")
 
     async def finish(self, transfer: int, owner=None, missing_ok: bool = False) -> FinishResult | None:
         """Finish a save or load once copied (see `NamespaceCore.finish`)."""
