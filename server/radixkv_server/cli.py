@@ -8,6 +8,7 @@ import uvloop
 
 from .config import load_config
 from .logs import log_event, setup_logging
+from .malloc import keep_freed_heap
 from .server import StartupError, serve
 
 log = logging.getLogger("radixkv")
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     # Copy threads supply the parallelism; torch's intra-op threads on top of them
     # oversubscribe the cores and make scattered page copies collapse.
     torch.set_num_threads(1)
+    if not keep_freed_heap(config.malloc_trim_threshold):
+        log_event(log, "malloc.untuned", logging.WARNING, reason="the C library is not glibc or refused mallopt",
+                  note="storage fetches fault in fresh memory for every batch")
     log_event(log, "config", **{k: (",".join(v) if isinstance(v, tuple) else v)
                                 for k, v in config.describe().items()})
     try:

@@ -64,6 +64,9 @@ class DaemonConfig:
                                choices=_values(StoragePolicy, skip=(StoragePolicy.OFF,)))
     storage_workers: int = _opt(2, "threads doing storage I/O per namespace")
     storage_queue_pages: int = _opt(4096, "pages queued for storage writes before new ones are refused")
+    malloc_trim_threshold: int = _opt(256 * 1024**2, "freed heap glibc's malloc keeps for reuse instead of "
+                                      "returning it to the kernel, so the reply buffers of each storage fetch do "
+                                      "not fault in fresh memory (0: glibc's default)", size=True)
     max_sessions: int = _opt(64, "most sessions at once")
     max_namespaces: int = _opt(64, "most namespaces at once")
     max_prompts_per_match: int = _opt(4096, "most prompts in one Match")
@@ -125,6 +128,8 @@ class DaemonConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.auth_token and self.auth_token_file:
             raise ValueError("give auth_token or auth_token_file, not both")
+        if not 0 <= self.malloc_trim_threshold < 2 * 1024**3:
+            raise ValueError(f"malloc_trim_threshold must be 0..2GiB, got {self.malloc_trim_threshold}")
         if self.host_pool_size < 0 or self.max_host_pool_size < 0:
             raise ValueError("host pool sizes must be >= 0")
         if not 0 <= self.metrics_port < 65536:
