@@ -37,7 +37,7 @@ class MemoryCopier:
     def store(self, transfer, host_pages, keys):
         self.pending[transfer] = ("store", list(unpack(host_pages)), list(keys))
 
-    def fetch(self, transfer, keys, host_pages):
+    def fetch(self, transfer, keys, host_pages, ahead=None):
         self.pending[transfer] = ("fetch", list(keys), list(unpack(host_pages)))
 
     def complete(self, cache: HierarchicalCache, transfer: int, fail: bool = False):

@@ -75,6 +75,29 @@ def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, re
         reader.close()
 
 
+def test_a_prefetch_from_redis_reads_its_pages_in_the_round_trip_that_finds_them(daemon_factory, redis_server,
+                                                                               redis_url):
+    """No EXISTS probe before the GETs: the read that finds the run is the fetch."""
+    flags = ("--storage", redis_url, "--storage-policy", "write_through")
+    writer = EngineDouble.connect(daemon_factory(*flags).target)
+    reader = EngineDouble.connect(daemon_factory(*flags).target)
+    admin = redis_server.client()
+    try:
+        writer.prefill(prompt(8))
+        wait_stored(writer, 8 * PS)
+        admin.config_resetstat()
+        progress = reader.client.prefetch(prompt(8), policy="wait_complete")
+        assert progress[-1].state == "done" and progress[-1].host_tokens_added == 8 * PS
+        commands = {name: stats["calls"] for name, stats in admin.info("commandstats").items()}
+        assert commands.get("cmdstat_mget") == 1 and "cmdstat_exists" not in commands, commands
+        loaded, mismatches = reader.load(prompt(8))
+        assert loaded == 8 * PS and mismatches == (0, 0)
+    finally:
+        admin.close()
+        writer.close()
+        reader.close()
+
+
 def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory, private_redis):
     d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
     engine = EngineDouble.connect(d.target)

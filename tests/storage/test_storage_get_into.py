@@ -83,3 +83,54 @@ def test_mismatched_lists_are_refused(store):
     backend = store.open()
     with pytest.raises(ValueError, match="2 keys but 1 pages"):
         backend.get_into(keys_for(2), [bytearray(PAGE)])
+
+
+# -- read_ahead then place: a prefetch finds the run first, reserves pages, then fills them --
+
+def test_read_ahead_finds_the_run_and_place_fills_it(store):
+    backend = store.open()
+    pool = pool_with(8, seed=6)
+    backend.attach_memory(pool.ctypes.data, pool.nbytes)
+    keys = keys_for(8, seed=60)
+    backend.put([(k, memoryview(pool[i])) for i, k in enumerate(keys) if i != 6])
+    ahead = backend.read_ahead(keys)
+    assert ahead.found == 6 and ahead.keys == keys[:6]
+    assert backend.place(ahead, views(pool, range(8, 14))) == 6
+    assert np.array_equal(pool[8:14], pool[:6])
+    assert backend.stats.get_bytes == 6 * PAGE
+
+
+def test_place_may_take_fewer_pages_than_the_run(store):
+    backend = store.open()
+    pool = pool_with(4, seed=7)
+    keys = keys_for(4, seed=70)
+    backend.put(list(zip(keys, views(pool, range(4)))))
+    ahead = backend.read_ahead(keys)
+    assert backend.place(ahead, views(pool, range(4, 6))) == 2
+    assert np.array_equal(pool[4:6], pool[:2]) and not pool[6:].any()
+    with pytest.raises(ValueError, match="5 pages for a run of 4"):
+        backend.place(ahead, views(pool, range(3)) + views(pool, range(2)))
+
+
+def test_a_page_damaged_after_read_ahead_still_never_lands(store):
+    """Between the read and the place storage may change; what is placed is checked
+    either way: the run ends at damage, and the damaged record is dropped."""
+    backend = store.open()
+    pool = pool_with(4, seed=8)
+    keys = keys_for(4, seed=80)
+    backend.put(list(zip(keys, views(pool, range(4)))))
+    raw = bytearray(store.read_raw(backend, keys[1]))
+    raw[HEADER_BYTES + 7] ^= 0x01
+    store.write_raw(backend, keys[1], bytes(raw))
+    ahead = backend.read_ahead(keys)
+    assert ahead.found == 4  # present (a probe does not check payloads)
+    assert backend.place(ahead, views(pool, range(4, 8))) == 1
+    assert np.array_equal(pool[4], pool[0])
+    assert backend.stats.corrupt == 1 and store.read_raw(backend, keys[1]) is None
+
+
+def test_read_ahead_of_nothing_stored_finds_nothing(store):
+    backend = store.open()
+    ahead = backend.read_ahead(keys_for(3, seed=90))
+    assert (ahead.found, ahead.keys) == (0, [])
+    assert backend.read_ahead([]).found == 0

@@ -193,9 +193,10 @@ class HierarchicalCache:
         """Storage keys of the node's pages."""
         return self.storage_tier.keys(node)
 
-    def start_prefetch(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None) -> int:
+    def start_prefetch(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
+                       ahead: object = None) -> int:
         """See `Prefetches.start`."""
-        return self.prefetches.start(tokens, extra_key, max_pages, owner)
+        return self.prefetches.start(tokens, extra_key, max_pages, owner, ahead)
 
     def on_fetch_done(self, transfer: int, pages_read: int, error: str | None = None) -> FetchOutcome:
         """See `Prefetches.done`."""

@@ -21,6 +21,7 @@ class Copier(Protocol):
         """Start writing host pages to the storage tier under `keys` (page i as key i).
         Report with `on_copy_done`."""
 
-    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes, ahead: object = None) -> None:
         """Start reading pages stored under `keys` into host pages; stop at the first
-        key missing or unreadable. Report with `on_fetch_done(transfer, pages_read)`."""
+        key missing or unreadable. `ahead`: what the caller of `start_prefetch` read of
+        storage already (opaque to the core). Report with `on_fetch_done(transfer, pages_read)`."""

@@ -21,10 +21,12 @@ class Prefetches:
         self.storage = storage
         self.copier = copier
 
-    def start(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None) -> int:
+    def start(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
+              ahead: object = None) -> int:
         """Reserve host pages for up to `max_pages` pages of `tokens` past the cached
-        prefix and start fetching them from storage. Returns the transfer id, or 0 when
-        there is nothing to fetch or no host room. Mutates: reserves host pages."""
+        prefix and start fetching them from storage (`ahead` goes to the copier as is).
+        Returns the transfer id, or 0 when there is nothing to fetch or no host room.
+        Mutates: reserves host pages."""
         state = self.state
         start, keys = self.storage.probe(tokens, extra_key)
         keys = keys[:max(0, max_pages)]
@@ -37,7 +39,7 @@ class Prefetches:
         t = state.new_transfer(TransferKind.FETCH, [], owner=owner)
         t.host_pages, t.keys, t.extra_key, t.start_page = host, keys, extra_key, start
         t.tokens = tokens[:(start + len(keys)) * state.tree.stride]
-        self.copier.fetch(t.id, t.keys, host)
+        self.copier.fetch(t.id, t.keys, host, ahead)
         return t.id
 
     def done(self, transfer: int, pages_read: int, error: str | None = None) -> FetchOutcome:

@@ -3,7 +3,9 @@ backend, on worker threads of their own (slow storage never delays device copies
 
 Pages move without staging copies: a store hands the backend views of the host pool's
 pages, a fetch has the backend read (and checksum) payloads straight into the reserved
-host pages (`StorageBackend.get_into`). The pool's memory is attached to the backend
+host pages (`StorageBackend.get_into`). A prefetch first asks which run of pages storage
+holds (`read_ahead`, before any host page is reserved); a backend that answers by
+reading the run (Redis) hands those records to the fetch, which then only places them. The pool's memory is attached to the backend
 once, so a store that moves bytes itself (Mooncake) can register it.
 
 Writes are asynchronous and bounded: past `max_pending_pages` pages queued, a new store
@@ -19,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..core.pages import count, unpack
 from ..logs import log_event
-from ..storage import StorageBackend, StorageTimeout, StorageUnavailable
+from ..storage import ReadAhead, StorageBackend, StorageTimeout, StorageUnavailable
 
 log = logging.getLogger("radixkv.storage")
 
@@ -70,11 +72,26 @@ class StorageMover:
         self.pending_pages += n
         self._pool.submit(self._store, transfer, bytes(host_pages), list(keys))
 
-    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes, ahead: ReadAhead | None = None) -> None:
+        """Read `keys` into `host_pages`; from `ahead` (a `read_ahead` answer) where it
+        holds exactly the run of these keys, else from the store."""
         if self._closed:
             self._loop.call_soon(self._fetched, transfer, 0, "storage is closed")
             return
-        self._pool.submit(self._fetch, transfer, list(keys), bytes(host_pages))
+        keys = list(keys)
+        if ahead is None or ahead.records is None or ahead.keys[:len(keys)] != keys:
+            ahead = ReadAhead(keys)  # read on place: get_into
+        self._pool.submit(self._fetch, transfer, ahead, bytes(host_pages))
+
+    async def read_ahead(self, keys: list[bytes]) -> ReadAhead:
+        """The run of `keys` storage holds (see StorageBackend.read_ahead); none while it is down."""
+        if not keys:
+            return ReadAhead([])
+        try:
+            return await self._loop.run_in_executor(self._pool, self._timed, "exists", self._backend.read_ahead, keys)
+        except StorageUnavailable as e:
+            self._health(str(e))
+            return ReadAhead([])
 
     async def probe(self, key_lists: list[list[bytes]]) -> list[int]:
         """How many leading keys of each list storage holds; zeros while it is down."""
@@ -110,11 +127,11 @@ class StorageMover:
             error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
         self._to_loop(self._stored, transfer, count(host_pages), error)
 
-    def _fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+    def _fetch(self, transfer: int, ahead: ReadAhead, host_pages: bytes) -> None:
         read, error = 0, None
         try:
             # Missing, damaged, or of another layout: the run of pages ends there.
-            read = self._timed("get", self._backend.get_into, keys, self._page_views(host_pages))
+            read = self._timed("get", self._backend.place, ahead, self._page_views(host_pages))
         except StorageTimeout as e:
             # The store may still write these pages: they stay reserved until it returns.
             log_event(log, "storage.fetch_timeout", logging.WARNING, namespace=self.namespace,

@@ -117,9 +117,13 @@ class Copies:
         self._started[transfer] = ("store", time.perf_counter())
         self.storage.store(transfer, host_pages, keys)
 
-    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes) -> None:
+    def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes, ahead=None) -> None:
         self._started[transfer] = ("fetch", time.perf_counter())
-        self.storage.fetch(transfer, keys, host_pages)
+        self.storage.fetch(transfer, keys, host_pages, ahead)
+
+    async def read_ahead(self, keys: list[bytes]):
+        """The run of `keys` storage holds, read already where that is as cheap (a ReadAhead)."""
+        return await self.storage.read_ahead(keys)
 
     async def probe(self, key_lists: list[list[bytes]]) -> list[int]:
         """How many leading keys of each list storage holds (zeros while it is down)."""

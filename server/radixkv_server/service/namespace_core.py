@@ -81,9 +81,11 @@ class NamespaceCore:
         reporting progress as the policy asks. FAILED_PRECONDITION without storage."""
         if self.copies.storage is None:
             raise precondition("no storage tier is configured (start the daemon with --storage)")
-        (pages,) = await self.copies.probe([self.cache.storage_probe(request.tokens, request.extra_key).keys])
+        ahead = await self.copies.read_ahead(self.cache.storage_probe(request.tokens, request.extra_key).keys)
         session.check_open()
-        transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id) if pages else 0
+        pages = ahead.found
+        transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id,
+                                             ahead=ahead) if pages else 0
         if not transfer:
             yield PrefetchStep(PrefetchState.NOTHING)
             return

@@ -4,19 +4,20 @@ Keys come from `page_keys` (a hash chain salted by `namespace_salt`); values are
 checksummed `record`s. Backends are blocking and thread-safe (the daemon calls them from
 worker threads): `FileStorage` (a directory, the embedded default), `RedisStorage`
 (Redis or Valkey), and for fleets `RedisClusterStorage` (redis_cluster.py) and
-`MooncakeStorage` (mooncake_store.py). `open_storage(url)` picks one. Prefetch reads
-pages straight into the host pool (`StorageBackend.get_into`). A store fault raises
+`MooncakeStorage` (mooncake_store.py). `open_storage(url)` picks one. Prefetch finds the
+run of pages storage holds (`StorageBackend.read_ahead`: Redis reads it then and there)
+and puts it straight into the host pool (`place`, `get_into`). A store fault raises
 `StorageUnavailable`; a damaged page reads as a miss.
 """
 
-from .base import MAX_KEY_BYTES, Read, StorageBackend, StorageStats, StorageTimeout, StorageUnavailable
+from .base import MAX_KEY_BYTES, Read, ReadAhead, StorageBackend, StorageStats, StorageTimeout, StorageUnavailable
 from .open import open_storage
 from .file import FileStorage
 from ..core.page_keys import KEY_BYTES, namespace_salt, page_keys
 from .record import CorruptPage, decode, encode
 
 __all__ = [
-    "KEY_BYTES", "MAX_KEY_BYTES", "CorruptPage", "FileStorage", "Read", "RedisStorage",
+    "KEY_BYTES", "MAX_KEY_BYTES", "CorruptPage", "FileStorage", "Read", "ReadAhead", "RedisStorage",
     "StorageBackend", "StorageStats", "StorageTimeout", "StorageUnavailable", "decode", "encode",
     "namespace_salt", "open_storage", "page_keys",
 ]

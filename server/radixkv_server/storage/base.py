@@ -52,6 +52,19 @@ class Read(enum.Enum):
 
 
 @dataclass(slots=True)
+class ReadAhead:
+    """What `StorageBackend.read_ahead` found: the run of `keys` storage holds, with
+    their `records` where the backend read them already (else None: read on place)."""
+
+    keys: list[bytes]
+    records: list | None = None
+
+    @property
+    def found(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(slots=True)
 class StorageStats:
     """Counters of one backend since it was opened; `hits = gets - misses - corrupt`."""
 
@@ -142,7 +155,42 @@ class StorageBackend(ABC):
             raise ValueError(f"get_into: {len(keys)} keys but {len(pages)} pages")
         if not keys:
             return 0
-        reads = self._call("get", self._get_into, keys, pages)
+        return self._settle_reads(keys, pages, self._call("get", self._get_into, keys, pages))
+
+    def read_ahead(self, keys: list[bytes]) -> "ReadAhead":
+        """The leading run of `keys` the store holds, for a fetch whose pages are not
+        reserved yet. A backend whose reads return record bytes (Redis) reads the run
+        now, in the one round trip a probe would take, and holds it; the others probe
+        (`exists_prefix`) and read on `place`. Reads only; holds plain bytes (nothing
+        to release)."""
+        keys = _checked_keys(keys, "read_ahead")
+        if not keys:
+            return ReadAhead([])
+        records = self._call("get", self._read_ahead, keys)
+        if records is None:
+            found = self._call("exists_prefix", self._exists_prefix, keys)
+            return ReadAhead(keys[:found])
+        found = next((i for i, r in enumerate(records) if r is None), len(records))
+        return ReadAhead(keys[:found], records[:found])
+
+    def place(self, ahead: "ReadAhead", pages: list) -> int:
+        """Put the first len(pages) pages of `ahead`'s run into `pages`; returns how many
+        leading pages hold their key's verified payload, as get_into (which it is, for a
+        run read on place). ValueError for more pages than the run."""
+        if len(pages) > ahead.found:
+            raise ValueError(f"place: {len(pages)} pages for a run of {ahead.found}")
+        keys = ahead.keys[:len(pages)]
+        if ahead.records is None:
+            return self.get_into(keys, pages)
+        reads = []
+        for key, record, page in zip(keys, ahead.records, pages):
+            reads.append(self._place(key, record, page))
+            if reads[-1] is not Read.HIT:
+                break
+        return self._settle_reads(keys, pages, reads + [Read.MISS] * (len(keys) - len(reads)))
+
+    def _settle_reads(self, keys: list[bytes], pages: list, reads: list["Read"]) -> int:
+        """Count and log what a read found, drop damaged records; the leading HIT run."""
         damaged = [k for k, r in zip(keys, reads) if r is Read.DAMAGED]
         leading = next((i for i, r in enumerate(reads) if r is not Read.HIT), len(reads))
         hits = sum(1 for r in reads if r is Read.HIT)
@@ -220,6 +268,11 @@ class StorageBackend(ABC):
         default reads whole records with _get_blobs and copies each payload once."""
         return [Read.MISS if blob is None else self._place(key, blob, page)
                 for key, blob, page in zip(keys, self._get_blobs(keys), pages)]
+
+    def _read_ahead(self, keys: list[bytes]) -> list | None:
+        """The records of `keys` (None where absent) when reading them costs what a
+        probe costs; None (the default): probe now, read on place."""
+        return None
 
     def _place(self, key: bytes, blob, page) -> Read:
         """Check the record `blob` and copy its payload into `page`."""
