@@ -323,6 +323,10 @@ def test_mooncake_frozen_segment_owner_never_blocks_the_reader(mooncake_master, 
             assert _fetch_pending(reader)  # its host pages stay reserved while the store holds them
             loaded, mismatches = reader.load(prompt(6))  # nothing fetched yet: nothing to load
             assert mismatches == (0, 0) and loaded == 0
+            # Waiting for the whole fetch, the read that finds the run is the one that hangs:
+            # it gives up after the store's timeout with nothing fetched.
+            progress, seconds = timed(lambda: reader.client.prefetch(prompt(6), policy="wait_complete"))
+            assert seconds < ENGINE_BOUND_S and [p.state for p in progress] == ["nothing"]
         finally:
             os.kill(a.pid, signal.SIGCONT)
         a.kill()  # the stuck call fails once its peer is gone; the reserved pages come back

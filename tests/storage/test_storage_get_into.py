@@ -93,7 +93,7 @@ def test_read_ahead_finds_the_run_and_place_fills_it(store):
     backend.attach_memory(pool.ctypes.data, pool.nbytes)
     keys = keys_for(8, seed=60)
     backend.put([(k, memoryview(pool[i])) for i, k in enumerate(keys) if i != 6])
-    ahead = backend.read_ahead(keys)
+    ahead = backend.read_ahead(keys, PAGE)
     assert ahead.found == 6 and ahead.keys == keys[:6]
     assert backend.place(ahead, views(pool, range(8, 14))) == 6
     assert np.array_equal(pool[8:14], pool[:6])
@@ -105,16 +105,16 @@ def test_place_may_take_fewer_pages_than_the_run(store):
     pool = pool_with(4, seed=7)
     keys = keys_for(4, seed=70)
     backend.put(list(zip(keys, views(pool, range(4)))))
-    ahead = backend.read_ahead(keys)
+    ahead = backend.read_ahead(keys, PAGE)
     assert backend.place(ahead, views(pool, range(4, 6))) == 2
     assert np.array_equal(pool[4:6], pool[:2]) and not pool[6:].any()
     with pytest.raises(ValueError, match="5 pages for a run of 4"):
         backend.place(ahead, views(pool, range(3)) + views(pool, range(2)))
 
 
-def test_a_page_damaged_after_read_ahead_still_never_lands(store):
-    """Between the read and the place storage may change; what is placed is checked
-    either way: the run ends at damage, and the damaged record is dropped."""
+def test_a_damaged_page_in_a_run_found_ahead_never_lands(store):
+    """read_ahead finds what is present (a probe does not read payloads); every page is
+    checked as it is placed: the run ends at damage, and the damaged record is dropped."""
     backend = store.open()
     pool = pool_with(4, seed=8)
     keys = keys_for(4, seed=80)
@@ -122,7 +122,7 @@ def test_a_page_damaged_after_read_ahead_still_never_lands(store):
     raw = bytearray(store.read_raw(backend, keys[1]))
     raw[HEADER_BYTES + 7] ^= 0x01
     store.write_raw(backend, keys[1], bytes(raw))
-    ahead = backend.read_ahead(keys)
+    ahead = backend.read_ahead(keys, PAGE)
     assert ahead.found == 4  # present (a probe does not check payloads)
     assert backend.place(ahead, views(pool, range(4, 8))) == 1
     assert np.array_equal(pool[4], pool[0])
@@ -131,6 +131,23 @@ def test_a_page_damaged_after_read_ahead_still_never_lands(store):
 
 def test_read_ahead_of_nothing_stored_finds_nothing(store):
     backend = store.open()
-    ahead = backend.read_ahead(keys_for(3, seed=90))
+    ahead = backend.read_ahead(keys_for(3, seed=90), PAGE)
     assert (ahead.found, ahead.keys) == (0, [])
-    assert backend.read_ahead([]).found == 0
+    assert backend.read_ahead([], PAGE).found == 0
+
+
+def test_read_aheads_dropped_unplaced_give_back_what_they_held(store):
+    """A prefetch that finds no host room closes its read: a store that lends staging
+    buffers (Mooncake) must still read ahead after many such reads."""
+    backend = store.open()
+    pool = pool_with(4, seed=9)
+    keys = keys_for(4, seed=95)
+    backend.put(list(zip(keys, views(pool, range(4)))))
+    first = backend.read_ahead(keys, PAGE)
+    for _ in range(12):
+        backend.read_ahead(keys, PAGE).close()
+    again = backend.read_ahead(keys, PAGE)
+    assert (again.records is None) == (first.records is None) and again.found == 4
+    first.close()
+    assert backend.place(again, views(pool, range(4, 8))) == 4
+    assert np.array_equal(pool[4:8], pool[:4])

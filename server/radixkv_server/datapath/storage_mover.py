@@ -26,6 +26,12 @@ from ..storage import ReadAhead, StorageBackend, StorageTimeout, StorageUnavaila
 log = logging.getLogger("radixkv.storage")
 
 
+def _close_read(done) -> None:
+    """Close a read ahead nobody waits for any more (its caller was cancelled)."""
+    if not done.cancelled() and done.exception() is None:
+        done.result().close()
+
+
 class StorageMover:
     def __init__(self, loop: asyncio.AbstractEventLoop, backend: StorageBackend, host_pool,
                  on_stored, on_fetched, *, workers: int = 2, max_pending_pages: int = 4096,
@@ -73,25 +79,37 @@ class StorageMover:
         self._pool.submit(self._store, transfer, bytes(host_pages), list(keys))
 
     def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes, ahead: ReadAhead | None = None) -> None:
-        """Read `keys` into `host_pages`; from `ahead` (a `read_ahead` answer) where it
+        """Read `keys` into `host_pages`; from `ahead` (a `find_run` answer) where it
         holds exactly the run of these keys, else from the store."""
+        keys = list(keys)
+        if ahead is not None and (self._closed or ahead.records is None or ahead.keys[:len(keys)] != keys):
+            ahead.close()  # the cache moved on since the read: read these keys afresh
+            ahead = None
         if self._closed:
             self._loop.call_soon(self._fetched, transfer, 0, "storage is closed")
             return
-        keys = list(keys)
-        if ahead is None or ahead.records is None or ahead.keys[:len(keys)] != keys:
-            ahead = ReadAhead(keys)  # read on place: get_into
-        self._pool.submit(self._fetch, transfer, ahead, bytes(host_pages))
+        self._pool.submit(self._fetch, transfer, ahead or ReadAhead(keys), bytes(host_pages))
 
-    async def read_ahead(self, keys: list[bytes]) -> ReadAhead:
-        """The run of `keys` storage holds (see StorageBackend.read_ahead); none while it is down."""
-        if not keys:
+    async def find_run(self, keys: list[bytes], read: bool) -> ReadAhead:
+        """The run of `keys` storage holds; none while it is down. With `read`, read along
+        where the backend can (StorageBackend.read_ahead): then the caller hands it to
+        `fetch` or closes it (if the caller is cancelled meanwhile, it is closed when the
+        read completes). Without, only a probe (exists_prefix)."""
+        if not keys or self._closed:
             return ReadAhead([])
+        if read:
+            job = self._pool.submit(self._timed, "exists", self._backend.read_ahead, keys,
+                                    self._host.layout.page_bytes)
+        else:
+            job = self._pool.submit(lambda: ReadAhead(keys[:self._probe([keys])[0]]))
         try:
-            return await self._loop.run_in_executor(self._pool, self._timed, "exists", self._backend.read_ahead, keys)
+            return await asyncio.wrap_future(job)
         except StorageUnavailable as e:
             self._health(str(e))
             return ReadAhead([])
+        except asyncio.CancelledError:
+            job.add_done_callback(_close_read)
+            raise
 
     async def probe(self, key_lists: list[list[bytes]]) -> list[int]:
         """How many leading keys of each list storage holds; zeros while it is down."""

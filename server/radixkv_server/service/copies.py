@@ -121,9 +121,10 @@ class Copies:
         self._started[transfer] = ("fetch", time.perf_counter())
         self.storage.fetch(transfer, keys, host_pages, ahead)
 
-    async def read_ahead(self, keys: list[bytes]):
-        """The run of `keys` storage holds, read already where that is as cheap (a ReadAhead)."""
-        return await self.storage.read_ahead(keys)
+    async def find_run(self, keys: list[bytes], read: bool):
+        """The run of `keys` storage holds (a ReadAhead); with `read`, read already where
+        that is as cheap as probing (StorageMover.find_run)."""
+        return await self.storage.find_run(keys, read)
 
     async def probe(self, key_lists: list[list[bytes]]) -> list[int]:
         """How many leading keys of each list storage holds (zeros while it is down)."""

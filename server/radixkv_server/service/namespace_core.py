@@ -81,11 +81,19 @@ class NamespaceCore:
         reporting progress as the policy asks. FAILED_PRECONDITION without storage."""
         if self.copies.storage is None:
             raise precondition("no storage tier is configured (start the daemon with --storage)")
-        ahead = await self.copies.read_ahead(self.cache.storage_probe(request.tokens, request.extra_key).keys)
-        session.check_open()
-        pages = ahead.found
-        transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id,
-                                             ahead=ahead) if pages else 0
+        # A caller that waits for the whole fetch loses nothing if the read that finds the
+        # run brings it along; the other policies answer STARTED as soon as it is found.
+        ahead = await self.copies.find_run(self.cache.storage_probe(request.tokens, request.extra_key).keys,
+                                           read=request.policy is PrefetchPolicy.WAIT_COMPLETE)
+        pages, transfer = ahead.found, 0
+        try:
+            session.check_open()
+            if pages:  # the fetch it starts takes `ahead` over
+                transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id,
+                                                     ahead=ahead)
+        finally:
+            if not transfer:
+                ahead.close()
         if not transfer:
             yield PrefetchStep(PrefetchState.NOTHING)
             return

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
@@ -54,14 +55,22 @@ class Read(enum.Enum):
 @dataclass(slots=True)
 class ReadAhead:
     """What `StorageBackend.read_ahead` found: the run of `keys` storage holds, with
-    their `records` where the backend read them already (else None: read on place)."""
+    their `records` where the backend read them already (else None: read on place).
+    Records may be views of a buffer the backend lends: whoever holds a ReadAhead
+    hands it to `place` or calls `close()` (idempotent), which gives that back."""
 
     keys: list[bytes]
     records: list | None = None
+    release: Callable[[], None] | None = None
 
     @property
     def found(self) -> int:
         return len(self.keys)
+
+    def close(self) -> None:
+        release, self.release, self.records = self.release, None, None
+        if release is not None:
+            release()
 
 
 @dataclass(slots=True)
@@ -157,37 +166,44 @@ class StorageBackend(ABC):
             return 0
         return self._settle_reads(keys, pages, self._call("get", self._get_into, keys, pages))
 
-    def read_ahead(self, keys: list[bytes]) -> "ReadAhead":
-        """The leading run of `keys` the store holds, for a fetch whose pages are not
-        reserved yet. A backend whose reads return record bytes (Redis) reads the run
-        now, in the one round trip a probe would take, and holds it; the others probe
-        (`exists_prefix`) and read on `place`. Reads only; holds plain bytes (nothing
-        to release)."""
+    def read_ahead(self, keys: list[bytes], page_bytes: int) -> "ReadAhead":
+        """The leading run of `keys` the store holds, for a fetch into pages of
+        `page_bytes` not reserved yet. A backend that can read the run in the one round
+        trip a probe would take (Redis; Mooncake through a staging buffer) reads it now
+        and holds the records; the others probe (`exists_prefix`) and read on `place`.
+        Reads only. Hand the result to `place` or close it."""
         keys = _checked_keys(keys, "read_ahead")
         if not keys:
             return ReadAhead([])
-        records = self._call("get", self._read_ahead, keys)
-        if records is None:
+        got = self._call("get", self._read_ahead, keys, page_bytes)
+        if got is None:
             found = self._call("exists_prefix", self._exists_prefix, keys)
             return ReadAhead(keys[:found])
+        records, release = got
         found = next((i for i, r in enumerate(records) if r is None), len(records))
-        return ReadAhead(keys[:found], records[:found])
+        ahead = ReadAhead(keys[:found], records[:found], release)
+        if not found:
+            ahead.close()
+        return ahead
 
     def place(self, ahead: "ReadAhead", pages: list) -> int:
-        """Put the first len(pages) pages of `ahead`'s run into `pages`; returns how many
-        leading pages hold their key's verified payload, as get_into (which it is, for a
-        run read on place). ValueError for more pages than the run."""
-        if len(pages) > ahead.found:
-            raise ValueError(f"place: {len(pages)} pages for a run of {ahead.found}")
-        keys = ahead.keys[:len(pages)]
-        if ahead.records is None:
-            return self.get_into(keys, pages)
-        reads = []
-        for key, record, page in zip(keys, ahead.records, pages):
-            reads.append(self._place(key, record, page))
-            if reads[-1] is not Read.HIT:
-                break
-        return self._settle_reads(keys, pages, reads + [Read.MISS] * (len(keys) - len(reads)))
+        """Put the first len(pages) pages of `ahead`'s run into `pages`, then close it;
+        returns how many leading pages hold their key's verified payload, as get_into
+        (which it is, for a run read on place). ValueError for more pages than the run."""
+        try:
+            if len(pages) > ahead.found:
+                raise ValueError(f"place: {len(pages)} pages for a run of {ahead.found}")
+            keys = ahead.keys[:len(pages)]
+            if ahead.records is None:
+                return self.get_into(keys, pages)
+            reads = []
+            for key, record, page in zip(keys, ahead.records, pages):
+                reads.append(self._place(key, record, page))
+                if reads[-1] is not Read.HIT:
+                    break
+            return self._settle_reads(keys, pages, reads + [Read.MISS] * (len(keys) - len(reads)))
+        finally:
+            ahead.close()
 
     def _settle_reads(self, keys: list[bytes], pages: list, reads: list["Read"]) -> int:
         """Count and log what a read found, drop damaged records; the leading HIT run."""
@@ -269,9 +285,10 @@ class StorageBackend(ABC):
         return [Read.MISS if blob is None else self._place(key, blob, page)
                 for key, blob, page in zip(keys, self._get_blobs(keys), pages)]
 
-    def _read_ahead(self, keys: list[bytes]) -> list | None:
-        """The records of `keys` (None where absent) when reading them costs what a
-        probe costs; None (the default): probe now, read on place."""
+    def _read_ahead(self, keys: list[bytes], page_bytes: int) -> tuple[list, Callable[[], None] | None] | None:
+        """(records of `keys`, None where absent; what gives back the memory they lend
+        or None) when reading them costs what a probe costs; None (the default, or
+        when it does not pay now): probe, and read on place."""
         return None
 
     def _place(self, key: bytes, blob, page) -> Read:

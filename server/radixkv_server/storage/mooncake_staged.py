@@ -8,9 +8,12 @@ per `max_batch` pages:
 - `get`: records land in the buffer, each is checked (length, CRC-32) and its payload
   copied into its page;
 - `put`: each page's header and payload are copied into the buffer, then stored.
-Both answer None when no staging buffer is free (all in use by calls still out) or the
-pages differ in size; the caller then moves the pages in place (two parts). A buffer
-whose call timed out goes back to the pool only once the store lets go of it.
+- `read_ahead`: records land in a buffer that stays taken until the fetch has placed
+  them (or dropped them): a prefetch finds its run and reads it in one call.
+All answer None when no staging buffer is free (all in use by calls still out) or the
+pages differ in size; the caller then moves the pages in place (two parts), or probes
+first. A buffer whose call timed out goes back to the pool only once the store lets go
+of it.
 """
 
 from .base import Read, StorageTimeout
@@ -25,6 +28,38 @@ def get(backend, store, keys: list[bytes], pages: list) -> list[Read] | None:
         return None
     return _staged(backend, record, len(keys), lambda buf, lo, hi: _get_chunk(
         backend, store, buf, record, keys[lo:hi], pages[lo:hi]), reads=True)
+
+
+def read_ahead(backend, store, keys: list[bytes], page_bytes: int):
+    """(records, give_back): each key's whole record as a view of a staging buffer (None
+    where absent, or of another size), and what returns the buffer. None: no buffer is
+    free, or the keys take more than one store call."""
+    record = HEADER_BYTES + page_bytes
+    if len(keys) > backend.max_batch:
+        return None
+    buf = backend._staging.take(record * len(keys))
+    if buf is None:
+        return None
+    try:
+        base = buf.ctypes.data
+        names = [backend.store_key(k) for k in keys]
+        codes = backend._calls.run("get", store.batch_get_into, names, [base + i * record for i in range(len(keys))],
+                                   [record] * len(keys))
+        backend._raise_if_master_down(codes, "get")
+    except StorageTimeout as exc:  # the store may still write into the buffer
+        exc.settled.add_done_callback(lambda _: backend._staging.give(buf))
+        raise
+    except BaseException:
+        backend._staging.give(buf)
+        raise
+    records = []
+    for i, code in enumerate(codes):
+        if code != record:  # absent, of another size (-600: larger than the page), or its owner is gone
+            backend._note_owner_gone(code)
+            records.append(None)
+        else:
+            records.append(memoryview(buf[i * record:(i + 1) * record]))
+    return records, lambda: backend._staging.give(buf)
 
 
 def put(backend, store, names: list[str], payloads: list) -> list[int] | None:

@@ -113,6 +113,10 @@ class MooncakeStorage(StorageBackend):
                 found += 1
         return found
 
+    def _read_ahead(self, keys: list[bytes], page_bytes: int):
+        # One batched get into a staging buffer finds the run and brings it along.
+        return staged.read_ahead(self, self._client(), keys, page_bytes) if self.fetch == "staged" else None
+
     def _get_into(self, keys: list[bytes], pages: list) -> list[Read]:
         store = self._client()
         if self.fetch == "staged":

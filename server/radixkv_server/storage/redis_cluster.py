@@ -77,9 +77,9 @@ class RedisClusterStorage(StorageBackend):
             blobs += [None if isinstance(r, Exception) else r for r in replies]
         return blobs
 
-    def _read_ahead(self, keys: list[bytes]) -> list[bytes | None]:
+    def _read_ahead(self, keys: list[bytes], page_bytes: int):
         # The GETs cost one round trip, as EXISTS would, and bring the pages along.
-        return self._get_blobs(keys)
+        return self._get_blobs(keys), None
 
     def _put_blobs(self, records: list[tuple[bytes, bytes]]) -> list[bool]:
         replies = self._pipelined("put", [k for k, _ in records],

@@ -95,9 +95,9 @@ class RedisStorage(StorageBackend):
             pipe.mget([self.redis_key(key) for key in chunk])
         return [blob for values in pipe.execute() for blob in values]
 
-    def _read_ahead(self, keys: list[bytes]) -> list[bytes | None]:
+    def _read_ahead(self, keys: list[bytes], page_bytes: int):
         # The GETs cost one round trip, as EXISTS would, and bring the pages along.
-        return self._get_blobs(keys)
+        return self._get_blobs(keys), None
 
     def _put_blobs(self, records: list[tuple[bytes, bytes]]) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
