@@ -196,11 +196,15 @@ def run(mode: str, plot_dir=None, profiler=None, only: tuple[str, ...] = ()) -> 
                      fmt(total_pages / stored_s),
                      f"{fmt(raw_put_s / stored_s)}x", f"{fmt(ours / len(prompts) * 1e3)} ms"])
     sec.notes.append(
-        "Prefetch: the file backend reads each record with one readv (header into a small buffer, payload "
-        "straight into the host page) and checks it in place; Redis and Redis Cluster copy each GET reply "
-        "once into its page; Mooncake reads whole records with one batched call into a registered staging "
-        "buffer, then checks and copies each into its page (one-part gets are ~35% faster than two-part "
-        "in-place ones with the 0.3.13 wheel). Every page is checked against its CRC-32 (zlib-ng, ~40 GB/s). "
+        "Prefetch (wait_complete): the file backend probes the run (a stat per page), then reads each record "
+        "with one readv (header into a small buffer, payload straight into the host page) and checks it in "
+        "place; for Redis and Redis Cluster the GETs that find the run are the fetch (no EXISTS first), each "
+        "reply copied once into its page; Mooncake reads whole records in the one batched call that finds the "
+        "run, into a registered staging buffer, then checks and copies each into its page (one-part gets are "
+        "~35% faster than two-part in-place ones with the 0.3.13 wheel). Every page is checked against its "
+        "CRC-32 (zlib-ng, ~40 GB/s). The daemon keeps freed heap for reuse (--malloc-trim-threshold); the raw "
+        "clients run with glibc's default, which returns the memory of each batch of replies and faults it in "
+        "again for the next (Redis, Redis Cluster): docs/performance.md compares both with the same setting. "
         "Stores hand the backend views of the pool's pages: files are written with one writev of header and "
         "page, Redis SETs send header and page without joining them (Redis Cluster joins them: one copy), "
         "Mooncake copies header and page into a registered staging buffer and stores whole records. Store "

@@ -7,9 +7,13 @@ owns the memory. Pinned (cudaHostRegister) when CUDA is present and `pin` allows
 device copies run at full PCIe speed and CUDA kernels can read it directly. On a
 machine with several NUMA nodes the pinned pool is placed on the engine GPU's node
 (`numa.near`: the pages are faulted in by the pinning thread, moved to that node's CPUs).
+An unpinned pool is faulted in as it is first used (each 4 KiB costs its first copy a
+kernel fault and zeroing), or at once with `prefault`.
 """
 
+import ctypes
 import logging
+import time
 
 import torch
 
@@ -28,9 +32,11 @@ class HostPool:
     RuntimeError, "never" does not. `device` is the CUDA device
     whose context registers the memory (the engine's device; default the current one);
     when given, a pinned pool is allocated on that GPU's NUMA node where there are several.
+    `prefault`: fault every page of an unpinned pool in now (pinning does already).
     Raises ValueError on a bad size or pin mode."""
 
-    def __init__(self, layout: KvLayout, num_pages: int, pin: str = "auto", device: int | None = None):
+    def __init__(self, layout: KvLayout, num_pages: int, pin: str = "auto", device: int | None = None,
+                 prefault: bool = False):
         if pin not in PIN_MODES:
             raise ValueError(f"pin must be one of {PIN_MODES}, got {pin!r}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
@@ -49,6 +55,8 @@ class HostPool:
             self.tensor: torch.Tensor | None = torch.empty((num_pages, layout.page_bytes), dtype=torch.uint8)
             if pin_it:
                 self._pin(pin)
+            if prefault and not self.pinned and self.nbytes:
+                self._prefault()
 
     @staticmethod
     def pages_for_bytes(layout: KvLayout, nbytes: int) -> int:
@@ -89,6 +97,14 @@ class HostPool:
         self.pinned = True
         where = "" if self.numa_node is None else f" on NUMA node {self.numa_node}"
         log.info("host pool: pinned %.2f GiB (%d pages)%s", self.nbytes / 2**30, self.num_pages, where)
+
+    def _prefault(self) -> None:
+        start = time.perf_counter()
+        how = "madvise" if _populate_write(self.tensor.data_ptr(), self.nbytes) else "touch"
+        if how == "touch":  # kernels before 5.14: write one byte of every 4 KiB
+            self.tensor.view(-1)[::4096].zero_()
+        log.info("host pool: faulted in %.2f GiB (%s) in %.0f ms", self.nbytes / 2**30, how,
+                 (time.perf_counter() - start) * 1e3)
 
     def close(self) -> None:
         """Unregister the pinned memory and drop the allocation. Idempotent. Close the
@@ -142,6 +158,21 @@ class HostPool:
 
     def __repr__(self) -> str:
         return f"HostPool(pages={self.num_pages}, page_bytes={self.layout.page_bytes}, pinned={self.pinned})"
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, as a write would
+
+
+def _populate_write(address: int, nbytes: int) -> bool:
+    """madvise(MADV_POPULATE_WRITE) over the whole pages in [address, address + nbytes);
+    False where the kernel or C library does not offer it."""
+    page = 4096
+    lo, hi = -(-address // page) * page, (address + nbytes) // page * page
+    madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None)
+    if madvise is None or hi <= lo:
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(lo, hi - lo, MADV_POPULATE_WRITE) == 0
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

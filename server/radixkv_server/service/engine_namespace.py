@@ -62,7 +62,7 @@ class EngineNamespace:
         allocated off the loop."""
         pool = await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(HostPool, host_layout(config.layout, tp_size), config.host_pages,
-                                    device=config.pin_device))
+                                    device=config.pin_device, prefault=config.prefault_host))
         return cls(config, pool, tp_size, metrics=metrics, storage=storage)
 
     def add_session(self, session: Session, device: DeviceBuffers | None) -> None:

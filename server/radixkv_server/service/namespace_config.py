@@ -15,6 +15,7 @@ class NamespaceConfig:
     cache: CacheConfig         # page size, write/eviction/storage policies, storage salt
     host_pages: int            # host pool size
     pin_device: int | None     # CUDA device the host pool is pinned for (None: not pinned)
+    prefault_host: bool        # fault the host pool in at creation (DaemonConfig.host_pool_prefault)
     copy_workers: int          # threads copying pages between device and host
     storage_workers: int       # threads doing storage I/O
     storage_queue_pages: int   # pages queued for storage writes before new ones are refused
