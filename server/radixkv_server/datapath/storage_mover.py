@@ -4,9 +4,10 @@ backend, on worker threads of their own (slow storage never delays device copies
 Pages move without staging copies: a store hands the backend views of the host pool's
 pages, a fetch has the backend read (and checksum) payloads straight into the reserved
 host pages (`StorageBackend.get_into`). A prefetch first asks which run of pages storage
-holds (`read_ahead`, before any host page is reserved); a backend that answers by
-reading the run (Redis) hands those records to the fetch, which then only places them. The pool's memory is attached to the backend
-once, so a store that moves bytes itself (Mooncake) can register it.
+holds (`find_run`, before any host page is reserved); where the backend answers by
+reading the run (Redis, Mooncake), the fetch then only places those records. The pool's
+memory is attached to the backend once, so a store that moves bytes itself (Mooncake)
+can register it.
 
 Writes are asynchronous and bounded: past `max_pending_pages` pages queued, a new store
 fails at once ("queue full") instead of growing memory; the core then treats the node
@@ -83,7 +84,7 @@ class StorageMover:
         holds exactly the run of these keys, else from the store."""
         keys = list(keys)
         if ahead is not None and (self._closed or ahead.records is None or ahead.keys[:len(keys)] != keys):
-            ahead.close()  # the cache moved on since the read: read these keys afresh
+            ahead.close()  # nothing read, or not these keys (the cache moved on): read afresh
             ahead = None
         if self._closed:
             self._loop.call_soon(self._fetched, transfer, 0, "storage is closed")
