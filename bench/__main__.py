@@ -7,6 +7,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from radixkv_server.config import DaemonConfig
+from radixkv_server.malloc import keep_freed_heap
+
 from . import machine, report
 from .profiling import Profiler
 from .timing import progress
@@ -40,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    # The daemons under test keep freed heap (--malloc-trim-threshold); the baselines that
+    # run in this process get the same setting. Left to glibc's adaptive default, a raw
+    # client's page faults would depend on what earlier sections happened to free.
+    keep_freed_heap(DaemonConfig().malloc_trim_threshold)
     img = a.out / "img"
     plot_dir = None
     if not a.no_plots:

@@ -13,14 +13,19 @@ mapped after a burst.
 import ctypes
 import platform
 
-M_TRIM_THRESHOLD = -1  # mallopt parameter (malloc.h)
+M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # the most glibc's adaptive threshold reaches on 64-bit
 
 
 def keep_freed_heap(nbytes: int) -> bool:
     """Let malloc keep up to `nbytes` of freed memory at the top of each heap instead of
-    returning it to the kernel (mallopt M_TRIM_THRESHOLD; also fixes the mmap threshold
-    at its default). 0 changes nothing. True when applied, False where the C library is
-    not glibc or refused; ValueError for a negative or oversized `nbytes`."""
+    returning it to the kernel (mallopt M_TRIM_THRESHOLD). Setting it stops glibc adapting
+    its thresholds, so the mmap threshold is set too, to the most adapting would reach
+    (32 MiB): left at its 128 KiB start, every larger buffer (gRPC messages, numpy
+    scratch) would be mapped and faulted in afresh each time. 0 changes nothing. True
+    when applied, False where the C library is not glibc or refused; ValueError for a
+    negative or oversized `nbytes`."""
     if not 0 <= nbytes < 1 << 31:
         raise ValueError(f"malloc trim threshold must be 0..2GiB, got {nbytes}")
     if nbytes == 0:
@@ -28,4 +33,5 @@ def keep_freed_heap(nbytes: int) -> bool:
     if platform.libc_ver()[0] != "glibc":
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    return mallopt is not None and mallopt(M_TRIM_THRESHOLD, nbytes) == 1
+    return (mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+            and mallopt(M_TRIM_THRESHOLD, nbytes) == 1)
