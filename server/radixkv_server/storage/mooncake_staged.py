@@ -16,6 +16,8 @@ first. A buffer whose call timed out goes back to the pool only once the store l
 of it.
 """
 
+from contextlib import contextmanager
+
 from .base import Read, StorageTimeout
 from .record import HEADER_BYTES, header
 
@@ -40,25 +42,8 @@ def read_ahead(backend, store, keys: list[bytes], page_bytes: int):
     buf = backend._staging.take(record * len(keys))
     if buf is None:
         return None
-    try:
-        base = buf.ctypes.data
-        names = [backend.store_key(k) for k in keys]
-        codes = backend._calls.run("get", store.batch_get_into, names, [base + i * record for i in range(len(keys))],
-                                   [record] * len(keys))
-        backend._raise_if_master_down(codes, "get")
-    except StorageTimeout as exc:  # the store may still write into the buffer
-        exc.settled.add_done_callback(lambda _: backend._staging.give(buf))
-        raise
-    except BaseException:
-        backend._staging.give(buf)
-        raise
-    records = []
-    for i, code in enumerate(codes):
-        if code != record:  # absent, of another size (-600: larger than the page), or its owner is gone
-            backend._note_owner_gone(code)
-            records.append(None)
-        else:
-            records.append(memoryview(buf[i * record:(i + 1) * record]))
+    with _given_back_on_failure(backend, buf):
+        records = _records(backend, store, buf, record, keys)
     return records, lambda: backend._staging.give(buf)
 
 
@@ -87,36 +72,51 @@ def _staged(backend, record: int, n: int, chunk, reads: bool) -> list | None:
     if buf is None:
         return None
     out: list = []
-    try:
+    with _given_back_on_failure(backend, buf):
         for lo in range(0, n, batch):
             got = chunk(buf, lo, min(lo + batch, n))
             out += got
             if reads and any(r is not Read.HIT for r in got):
                 break
-    except StorageTimeout as exc:  # the store may still use the buffer
+    backend._staging.give(buf)
+    return out + [Read.MISS] * (n - len(out))
+
+
+@contextmanager
+def _given_back_on_failure(backend, buf):
+    """A store call failed: `buf` goes back to the staging pool now, or once the store
+    lets go of it (a timeout: it may still write into the buffer)."""
+    try:
+        yield
+    except StorageTimeout as exc:
         exc.settled.add_done_callback(lambda _: backend._staging.give(buf))
         raise
     except BaseException:
         backend._staging.give(buf)
         raise
-    backend._staging.give(buf)
-    return out + [Read.MISS] * (n - len(out))
 
 
-def _get_chunk(backend, store, buf, record: int, keys: list[bytes], pages: list) -> list[Read]:
+def _records(backend, store, buf, record: int, keys: list[bytes]) -> list[memoryview | None]:
+    """One batched get of `keys`' whole records into `buf`: each a view of it, None where
+    absent, of another size (-600: larger than the page), or its owner is gone."""
     base = buf.ctypes.data
     names = [backend.store_key(k) for k in keys]
     codes = backend._calls.run("get", store.batch_get_into, names, [base + i * record for i in range(len(keys))],
                                [record] * len(keys))
     backend._raise_if_master_down(codes, "get")
-    reads = []
-    for i, (key, page, code) in enumerate(zip(keys, pages, codes)):
+    records = []
+    for i, code in enumerate(codes):
         if code == record:
-            reads.append(backend._place(key, memoryview(buf[i * record:(i + 1) * record]), page))
-        else:  # absent, of another size (-600: larger than the page), or its owner is gone
+            records.append(memoryview(buf[i * record:(i + 1) * record]))
+        else:
             backend._note_owner_gone(code)
-            reads.append(Read.MISS)
-    return reads
+            records.append(None)
+    return records
+
+
+def _get_chunk(backend, store, buf, record: int, keys: list[bytes], pages: list) -> list[Read]:
+    return [Read.MISS if r is None else backend._place(key, r, page)
+            for key, page, r in zip(keys, pages, _records(backend, store, buf, record, keys))]
 
 
 def _put_chunk(backend, store, buf, record: int, names: list[str], payloads: list) -> list[int]:
