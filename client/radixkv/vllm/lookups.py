@@ -67,12 +67,15 @@ class Lookups:
         with self._cond:
             self._expire()
             hit = self._hits.get(req_id)
-            if hit is None and req_id not in self._queued and req_id not in self._inflight:
+            in_flight = req_id in self._inflight
+            if hit is None and not in_flight and req_id not in self._queued:
                 self._queued[req_id] = tokens()
-        if hit is None and idle:
+        if hit is None and idle and in_flight:
             # Hand the GIL over: an engine stepping with nothing to run holds it otherwise,
             # and the threads that carry the Match would get it only every switch interval
-            # (5 ms). A step with a forward releases it in torch anyway.
+            # (5 ms). A step with a forward releases it in torch anyway. Not while the
+            # lookup is only queued: its Match goes out at the end of this step, and the
+            # GIL would go to other work (the last request's releases) for nothing.
             time.sleep(0)
         return hit
 
