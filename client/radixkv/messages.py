@@ -109,9 +109,12 @@ def event_bytes(event) -> bytes:
 
 
 def match_request(session: str, prompts: Iterable, lease: bool, include_storage: bool = False) -> pb.MatchRequest:
-    items = [Prompt.of(p) for p in prompts]
-    return pb.MatchRequest(session=session, lease=lease, include_storage=include_storage,
-                           prompts=[pb.Prompt(tokens=p.tokens, extra_key=p.extra_key) for p in items])
+    request = pb.MatchRequest(session=session, lease=lease, include_storage=include_storage)
+    add = request.prompts.add  # built in place: no Prompt message made and then copied in
+    for p in prompts:
+        p = Prompt.of(p)
+        add(tokens=p.tokens, extra_key=p.extra_key)
+    return request
 
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")

@@ -112,11 +112,15 @@ class HierarchicalCache:
         """Touch the matched `path` and describe it: its device prefix, then host-only."""
         state = self.state
         now = state.tick()
-        device = [n for n in path if n.full.device_pages is not None]  # a prefix of the path
+        device = []  # a prefix of the path
+        device_tokens = host_tokens = 0
         for node in path:
             state.touch(node, now)
-        device_tokens = sum(state.tokens(n) for n in device)
-        host_tokens = sum(state.tokens(n) for n in path) - device_tokens
+            if node.full.device_pages is not None:
+                device.append(node)
+                device_tokens += state.tokens(node)
+            else:
+                host_tokens += state.tokens(node)
         state.counters.device_hit_tokens += device_tokens
         state.counters.host_hit_tokens += host_tokens
         depends_on = state.copying(device)

@@ -74,22 +74,29 @@ def engine_event(request) -> bytes:
 def prompts(request: pb.MatchRequest, limit: int) -> list[Prompt]:
     """RESOURCE_EXHAUSTED past `limit` prompts; INVALID_ARGUMENT naming a prompt whose
     tokens are not packed int32."""
-    if len(request.prompts) > limit:
-        raise exhausted(f"{len(request.prompts)} prompts in one Match; the limit is {limit}")
-    for i, p in enumerate(request.prompts):
-        if len(p.tokens) % 4:
-            raise invalid(f"prompt {i}: token bytes ({len(p.tokens)}) are not a multiple of 4 (packed int32)")
-    return [Prompt(p.tokens, p.extra_key) for p in request.prompts]
+    given = request.prompts
+    if len(given) > limit:
+        raise exhausted(f"{len(given)} prompts in one Match; the limit is {limit}")
+    out = []
+    for p in given:
+        tokens = p.tokens  # each read of a bytes field is a copy: read it once
+        if len(tokens) % 4:
+            raise invalid(f"prompt {len(out)}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
+        out.append(Prompt(tokens, p.extra_key))
+    return out
 
 
-def match_response(answers: list[MatchAnswer]) -> pb.MatchResponse:
-    return pb.MatchResponse(results=[
-        pb.MatchResult(
-            device_pages=a.result.device_pages, device_tokens=a.result.device_tokens,
-            host_tokens=a.result.host_tokens, device_node=a.result.device_node, host_node=a.result.host_node,
-            depends_on=a.result.depends_on, lease=a.lease, storage_tokens=a.storage_tokens,
-            complete_tokens=a.complete_tokens)
-        for a in answers])
+# The *_response functions fill `out` (a fresh message, or the field of the Session
+# stream's SessionResponse: see engine_ops) and return it.
+
+def match_response(answers: list[MatchAnswer], out: pb.MatchResponse) -> pb.MatchResponse:
+    add = out.results.add
+    for a in answers:
+        r = a.result
+        add(device_pages=r.device_pages, device_tokens=r.device_tokens, host_tokens=r.host_tokens,
+            device_node=r.device_node, host_node=r.host_node, depends_on=r.depends_on, lease=a.lease,
+            storage_tokens=a.storage_tokens, complete_tokens=a.complete_tokens)
+    return out
 
 
 def insert_request(request: pb.InsertRequest) -> InsertRequest:
@@ -97,22 +104,25 @@ def insert_request(request: pb.InsertRequest) -> InsertRequest:
                          request.release_lease, request.lease, getattr(request, "async"))
 
 
-def insert_response(answer: InsertAnswer) -> pb.InsertResponse:
+def insert_response(answer: InsertAnswer, out: pb.InsertResponse) -> pb.InsertResponse:
     r = answer.result
-    return pb.InsertResponse(cached_tokens=r.cached_tokens, redundant_pages=r.redundant_pages,
-                             node=r.node, lease=answer.lease, transfer=answer.transfer)
+    out.cached_tokens, out.redundant_pages, out.node = r.cached_tokens, r.redundant_pages, r.node
+    out.lease, out.transfer = answer.lease, answer.transfer
+    return out
 
 
-def load_back_response(answer: LoadBackAnswer) -> pb.LoadBackResponse:
+def load_back_response(answer: LoadBackAnswer, out: pb.LoadBackResponse) -> pb.LoadBackResponse:
     r = answer.result
-    return pb.LoadBackResponse(
-        transfer=r.transfer, device_pages=r.device_pages, device_tokens=r.device_tokens,
-        loaded_tokens=r.loaded_tokens, depends_on=r.depends_on, unused_pages=r.unused_pages,
-        layer_events=answer.layer_events)
+    out.transfer, out.device_pages, out.device_tokens = r.transfer, r.device_pages, r.device_tokens
+    out.loaded_tokens, out.unused_pages = r.loaded_tokens, r.unused_pages
+    out.depends_on.extend(r.depends_on)
+    out.layer_events.extend(answer.layer_events)
+    return out
 
 
-def evict_response(answer: EvictAnswer) -> pb.EvictResponse:
-    return pb.EvictResponse(freed_pages=answer.freed_pages, written_back_pages=answer.written_back_pages)
+def evict_response(answer: EvictAnswer, out: pb.EvictResponse) -> pb.EvictResponse:
+    out.freed_pages, out.written_back_pages = answer.freed_pages, answer.written_back_pages
+    return out
 
 
 def prefetch_request(request: pb.PrefetchRequest) -> PrefetchRequest:

@@ -5,6 +5,10 @@ Written once for both ways an engine calls them: the unary handlers (servicer.py
 the Session stream (session_stream.py), so both answer alike and fail alike (caller
 errors are `ServiceError` / `CacheError`, mapped by `errors.status_of`). Finding the
 session, and checking what the caller's token grants, is the caller's.
+
+Each operation fills the response message it is given (`out`, a fresh one by default)
+and returns it: the Session stream passes the field of its SessionResponse, so an answer
+is built once, in place, never copied into the message that carries it.
 """
 
 from radixkv.v1 import radixkv_pb2 as pb
@@ -14,39 +18,47 @@ from .daemon import Daemon
 from .sessions import Session
 
 
-async def match(daemon: Daemon, session: Session, request: pb.MatchRequest) -> pb.MatchResponse:
+async def match(daemon: Daemon, session: Session, request: pb.MatchRequest,
+                out: pb.MatchResponse | None = None) -> pb.MatchResponse:
     prompts = convert.prompts(request, daemon.config.max_prompts_per_match)
     answers = await session.namespace.match(session, prompts, request.lease, request.include_storage)
-    return convert.match_response(answers)
+    return convert.match_response(answers, pb.MatchResponse() if out is None else out)
 
 
-async def insert(daemon: Daemon, session: Session, request: pb.InsertRequest) -> pb.InsertResponse:
+async def insert(daemon: Daemon, session: Session, request: pb.InsertRequest,
+                 out: pb.InsertResponse | None = None) -> pb.InsertResponse:
     session.namespace.order_after(session, convert.engine_event(request))
     answer = await session.namespace.insert(session, convert.insert_request(request))
-    return convert.insert_response(answer)
+    return convert.insert_response(answer, pb.InsertResponse() if out is None else out)
 
 
-async def load_back(daemon: Daemon, session: Session, request: pb.LoadBackRequest) -> pb.LoadBackResponse:
+async def load_back(daemon: Daemon, session: Session, request: pb.LoadBackRequest,
+                    out: pb.LoadBackResponse | None = None) -> pb.LoadBackResponse:
     session.namespace.order_after(session, convert.engine_event(request))
     answer = await session.namespace.load_back(session, request.node, request.device_pages,
                                                lease=request.lease, start_page=request.start_page,
                                                wait=request.wait)
-    return convert.load_back_response(answer)
+    return convert.load_back_response(answer, pb.LoadBackResponse() if out is None else out)
 
 
-async def release(daemon: Daemon, session: Session, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+async def release(daemon: Daemon, session: Session, request: pb.ReleaseRequest,
+                  out: pb.ReleaseResponse | None = None) -> pb.ReleaseResponse:
     session.namespace.release(session, list(request.leases))
-    return pb.ReleaseResponse()
+    return pb.ReleaseResponse() if out is None else out
 
 
-async def evict(daemon: Daemon, session: Session, request: pb.EvictRequest) -> pb.EvictResponse:
+async def evict(daemon: Daemon, session: Session, request: pb.EvictRequest,
+                out: pb.EvictResponse | None = None) -> pb.EvictResponse:
     session.namespace.order_after(session, convert.engine_event(request))
-    return convert.evict_response(await session.namespace.evict(request.num_pages))
+    answer = await session.namespace.evict(request.num_pages)
+    return convert.evict_response(answer, pb.EvictResponse() if out is None else out)
 
 
-def echo(request: pb.EchoRequest) -> pb.EchoResponse:
+def echo(request: pb.EchoRequest, out: pb.EchoResponse | None = None) -> pb.EchoResponse:
     """Needs no session: the floor cost of a call."""
-    return pb.EchoResponse(payload=request.payload)
+    out = pb.EchoResponse() if out is None else out
+    out.payload = request.payload
+    return out
 
 
 __all__ = ["echo", "evict", "insert", "load_back", "match", "release"]

@@ -98,15 +98,18 @@ class SessionStream:
         method = CALLS[kind][1] if kind in CALLS else "Echo"
         start = time.perf_counter()
         code = grpc.StatusCode.OK
+        response = pb.SessionResponse(id=request.id)
         try:
             if kind is None:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a SessionRequest must set one call")
+            reply = getattr(response, kind)  # filled in place (engine_ops), not copied in
+            reply.SetInParent()  # set even if the answer has no fields
             if kind == "echo":
-                return pb.SessionResponse(id=request.id, echo=engine_ops.echo(request.echo))
+                engine_ops.echo(request.echo, reply)
+                return response
             call = getattr(request, kind)
-            operation = CALLS[kind][0]
-            reply = await operation(self.daemon, self._session_for(call.session), call)
-            return pb.SessionResponse(id=request.id, **{kind: reply})
+            await CALLS[kind][0](self.daemon, self._session_for(call.session), call, reply)
+            return response
         except (CacheError, ServiceError) as e:
             code, message = status_of(e)
             log_event(log, "rpc.refused", logging.DEBUG, method=f"Session.{method}", code=code.name, message=message)
@@ -116,7 +119,8 @@ class SessionStream:
             message = f"internal error in {method}: {type(e).__name__}"
         finally:
             self._count(method, code, time.perf_counter() - start)
-        return pb.SessionResponse(id=request.id, error=pb.CallStatus(code=code.value[0], message=message))
+        response.error.code, response.error.message = code.value[0], message  # replaces a partial answer
+        return response
 
     def _count(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """Count and time one call as `Session.<method>` (the children cached per stream)."""
