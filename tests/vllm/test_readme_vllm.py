@@ -73,8 +73,10 @@ def metrics_daemon():
 
 
 def env() -> dict[str, str]:
-    """The caller's environment, vLLM's CPU settings and the venv's bin first on PATH."""
-    return {**os.environ, **CPU_ENV, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    """The caller's environment, vLLM's CPU settings and the venv's bin first on PATH. The
+    engine core runs in a process of its own, as it does for a user (vLLM's default)."""
+    cpu = {k: v for k, v in CPU_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    return {**os.environ, **cpu, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
             "PYTHONPATH": str(REPO), "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout: what the snippet prints
 
 
