@@ -246,14 +246,15 @@ def _report(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -
 
 def _profile(sec: Section) -> None:
     """Where a radixkv hit's time goes: the lookup's wait (asked until answered), the
-    worker's load (LoadBack answered once copied), queueing the saves, get_finished."""
+    worker's wait for its load (the LoadBack went out as the step began), queueing the
+    saves, get_finished."""
     rows = []
     waits = [w for w, _ in LOOKUP_WAIT]
     if waits:
         rows.append(["lookup: first ask until the hit is known (scheduler session, batched Match)",
                      f"{fmt(median(waits) * 1e3)} ms", f"{fmt(percentile(waits, 90) * 1e3)} ms",
                      f"{median([s for _, s in LOOKUP_WAIT]):.0f} scheduler steps, {len(waits)} lookups"])
-    labels = {"start_load_kv": "load: LoadBack answered once copied (worker, before the forward; per request)",
+    labels = {"start_load_kv": "load: start_load_kv waiting for the LoadBack begun as the step began (worker; per request)",
               "wait_for_save": "saves: Inserts queued (the saves thread sends them; the copy runs in the daemon)",
               "get_finished": "get_finished: polling the saves' acks (every step)"}
     for name, calls in WORKER_CALLS.items():

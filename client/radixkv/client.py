@@ -135,6 +135,22 @@ class Client(ClientBase):
         RadixKVError the call failed with. None when no call can go on the stream now
         (not registered, the session lost, the client closed): `match` recovers. The
         caller owns the leases of an answer it stops waiting for."""
+        return self._start_on_stream("Match", lambda session: msg.match_request(session, prompts, lease, include_storage),
+                                     MatchResult.all_from_pb)
+
+    def start_load_back(self, node: int, device_pages, *, engine_event=None, lease: int = 0,
+                        start_page: int = 0) -> Future | None:
+        """An engine-managed `load_back(..., wait=True)` sent on the Session stream without
+        waiting: a Future resolved with the LoadBackResult once the pages are copied, or
+        with the RadixKVError the call failed with. None as for `start_match`. The daemon
+        writes `device_pages` until the answer comes: the caller must not reuse them before
+        (a Future it stops waiting for leaves them being written)."""
+        return self._start_on_stream("LoadBack", lambda session: msg.load_back_request(
+            session, node, device_pages, engine_event, lease, start_page, wait=True), LoadBackResult.from_pb)
+
+    def _start_on_stream(self, method: str, build, convert) -> Future | None:
+        """Send `build(session id)` as `method` on the Session stream; a Future of
+        `convert(response)` or of the call's RadixKVError. None when the stream is not live."""
         stream = self._session.live_stream()
         if stream is None:
             return None
@@ -143,13 +159,11 @@ class Client(ClientBase):
         def done(sent: Future) -> None:  # on the stream's reader thread
             response = sent.result()
             try:
-                answer.set_result(response if isinstance(response, RadixKVError)
-                                  else MatchResult.all_from_pb(response))
+                answer.set_result(response if isinstance(response, RadixKVError) else convert(response))
             except Exception as e:  # a waiter must hear of it
-                answer.set_result(RadixKVError(f"Match: unreadable answer: {e}"))
+                answer.set_result(RadixKVError(f"{method}: unreadable answer: {e}"))
 
-        request = msg.match_request(self._session.id, prompts, lease, include_storage)
-        stream.start("Match", request).add_done_callback(done)
+        stream.start(method, build(self._session.id)).add_done_callback(done)
         return answer
 
     def prefetch(self, tokens, *, extra_key: bytes = b"", policy: str = "best_effort",

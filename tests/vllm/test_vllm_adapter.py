@@ -13,6 +13,7 @@ from radixkv import Client
 from radixkv.vllm.config import ConnectorConfig
 from radixkv.vllm.daemon import DaemonAdapter
 from radixkv.vllm.kvmemory import PREFIX, ShmAllocation, ShmSegment, describe, layout_from_spec, remove_orphans
+from radixkv.vllm.scheduler import SchedulerSide
 
 BLOCKS, LAYERS, HEADS, TOKENS, CONTENT = 16, 2, 2, 32, 16  # CONTENT: float32 per token and head
 
@@ -117,6 +118,54 @@ def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_pref
     finally:
         scheduler.close()
         adapter.close()
+
+
+def test_a_load_begun_before_the_forward_is_in_the_blocks_once_finished(shm_kv, daemon):
+    """The connector begins a step's loads as the step starts (on the session stream, not
+    waiting) and finishes them before the forward: the blocks then hold the saved bytes.
+    A load begun on a daemon that dies before the answer fills nothing (vLLM recomputes)."""
+    views, alloc = shm_kv
+    memory = describe(views, alloc.segment.tensor, alloc.segment.name.encode(), TOKENS)
+    config = ConnectorConfig(target=daemon.target, namespace="early", timeout_s=5.0)
+    adapter = DaemonAdapter(config, engine="test")
+    adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
+    scheduler = DaemonAdapter(config, engine="test scheduler", role="scheduler")
+    scheduler.attach(memory.layout)
+    try:
+        for layer, v in enumerate(views.values()):
+            v[1].fill_(30 + layer)
+            v[2].fill_(40 + layer)
+        tokens = torch.arange(5, 5 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
+        transfer = adapter.save(tokens, [1, 2])
+        assert adapter.done([transfer], timeout=None) == {transfer}
+        [hit] = scheduler.lookup([tokens])
+        pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
+        assert pending.answer is not None, "the load did not go out on the session stream"
+        assert adapter.finish_load(pending) == 2
+        for layer, v in enumerate(views.values()):
+            assert torch.equal(v[8], torch.full_like(v[8], 30 + layer))
+            assert torch.equal(v[9], torch.full_like(v[9], 40 + layer))
+        assert adapter.finish_load(adapter.begin_load(hit.node, [3], 1, hit.lease)) == 0  # nothing past the local prefix
+        scheduler.release([hit.lease])
+        [hit] = scheduler.lookup([tokens])
+        daemon.kill()
+        assert adapter.finish_load(adapter.begin_load(hit.node, [10, 11], 0, hit.lease)) == 0
+    finally:
+        scheduler.close()
+        adapter.close()
+
+
+def test_loads_start_early_only_in_steps_that_neither_zero_nor_copy_blocks():
+    """vLLM zeroes new blocks (and copies blocks) early in a worker's step for hybrid
+    models: a load begun before that would be overwritten, so such a step's loads wait
+    for `start_load_kv`."""
+    side = SchedulerSide(TOKENS, 1, None, lambda: None)
+    step = dict(total_num_scheduled_tokens=0, preempted_req_ids=(), scheduled_new_reqs=[],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                num_scheduled_tokens={}, new_block_ids_to_zero=None, kv_cache_block_copies=None)
+    assert side.build(SimpleNamespace(**step)).early_loads
+    assert not side.build(SimpleNamespace(**{**step, "new_block_ids_to_zero": [4, 5]})).early_loads
+    assert not side.build(SimpleNamespace(**{**step, "kv_cache_block_copies": [object()]})).early_loads
 
 
 def test_segments_of_dead_engines_are_removed_and_live_ones_kept():

@@ -24,7 +24,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from .config import ConnectorConfig
-from .daemon import DaemonAdapter
+from .daemon import DaemonAdapter, PendingLoad
 from .kvmemory import ShmAllocation, layout_from_spec
 from .lookups import Lookups
 from .metadata import RadixKVMetadata, RadixKVWorkerMetadata
@@ -55,6 +55,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._short_loads: set[str] = set()  # requests whose load this step left blocks unfilled
         self._loaded: dict[str, int] = {}  # loads done since the last worker report: pages
+        self._pending: dict[str, PendingLoad] = {}  # loads begun in handle_preemptions, by request
         self._receiving: dict[int, tuple] = {}  # async load in flight: transfer -> (spec, pages)
         self._recv_done: set[str] = set()  # async loads over, for get_finished
         self._recv_failed: set[str] = set()
@@ -90,14 +91,25 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._saves = Saves(adapter)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        """Before the forward: the saves of requests preempted this step finish first (vLLM
-        freed their blocks and may fill them in this forward)."""
-        if isinstance(kv_connector_metadata, RadixKVMetadata) and kv_connector_metadata.flush and self._saves:
-            self._saves.flush(kv_connector_metadata.flush)
+        """Before the forward (vLLM calls this first thing in a step): the saves of requests
+        preempted this step finish (vLLM freed their blocks and may fill them in this
+        forward), then this step's loads start, so the daemon copies while vLLM prepares
+        the forward's inputs; `start_load_kv` waits for them. Not in a step that zeroes or
+        copies blocks before the forward (hybrid models): those load in `start_load_kv`."""
+        meta = kv_connector_metadata if isinstance(kv_connector_metadata, RadixKVMetadata) else None
+        if meta is None or self._saves is None:
+            return
+        if meta.flush:
+            self._saves.flush(meta.flush)
+        if meta.early_loads and not self.config.async_loads:
+            for spec in meta.loads:
+                self._pending[spec.req_id] = self._adapter.begin_load(spec.node, spec.block_ids,
+                                                                     spec.local_blocks, spec.lease)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Load this step's hits into their blocks (synchronously: vLLM runs this before a
-        forward with loads) from the node and with the lease of the scheduler's Match."""
+        forward with loads) from the node and with the lease of the scheduler's Match:
+        wait for the loads `handle_preemptions` started, do the others now."""
         meta = self._meta()
         if meta is None or self._adapter is None:
             return
@@ -109,8 +121,13 @@ class RadixKVConnector(KVConnectorBase_V1):
                 else:
                     self._loads_over(spec, pages)
                 continue
-            got = self._adapter.load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
-            self._loads_over(spec, got)
+            pending = self._pending.pop(spec.req_id, None)
+            if pending is None:
+                pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
+            self._loads_over(spec, self._adapter.finish_load(pending))
+        for pending in self._pending.values():  # not this step's loads (none expected): never leave one copying
+            self._adapter.finish_load(pending)
+        self._pending.clear()
 
     def _loads_over(self, spec, got: int) -> None:
         """A load filled the first `got` of its blocks: report it, fail the rest."""

@@ -18,6 +18,7 @@ import threading
 from array import array
 from collections.abc import Iterable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from radixkv.client import Client
@@ -42,6 +43,21 @@ class Hit:
 
 
 MISS = Hit(0, 0, 0)
+
+
+@dataclass
+class PendingLoad:
+    """A load `DaemonAdapter.begin_load` started: the `want` blocks `pages` of `node`'s
+    path from page `local_blocks`, and the stream's answer to come (None: not sent, the
+    blocking call does it; `error`: it could not be sent)."""
+
+    node: int
+    pages: array
+    local_blocks: int
+    lease: int
+    want: int
+    answer: Future | None = None
+    error: RadixKVError | None = None
 
 
 def hit_of(result) -> Hit:
@@ -155,17 +171,47 @@ class DaemonAdapter:
         many of those blocks were filled (a prefix of them, 0 on any failure). Blocks
         before `local_blocks` (vLLM's own prefix-cache hit) are never written. `lease` is
         the scheduler's Match lease on the path; the caller releases it."""
+        return self.finish_load(self.begin_load(node, block_ids, local_blocks, lease))
+
+    def begin_load(self, node: int, block_ids, local_blocks: int, lease: int) -> "PendingLoad":
+        """`load`'s copy sent on the session stream without waiting for it, so that it runs
+        while vLLM prepares the forward; `finish_load` waits for it (and must be called:
+        the daemon writes the blocks until then). Where the stream cannot take it now, the
+        load is done in `finish_load` instead, as a blocking call."""
         want = len(block_ids) - local_blocks
-        if want <= 0:
+        pages = array("i", block_ids[local_blocks:])
+        pending = PendingLoad(node, pages, local_blocks, lease, want)
+        if want > 0:
+            try:
+                pending.answer = self._client.start_load_back(node, pages, lease=lease, start_page=local_blocks,
+                                                              engine_event=self.step_event())
+            except RadixKVError as e:
+                pending.error = e
+        return pending
+
+    def finish_load(self, pending: "PendingLoad") -> int:
+        """Wait for a `begin_load`: the blocks it filled, as `load` returns them."""
+        if pending.want <= 0:
             return 0
         try:
-            with self._lock:  # answered once copied: one round trip, no ack
-                result = self._client.load_back(node, array("i", block_ids[local_blocks:]), lease=lease,
-                                                start_page=local_blocks, engine_event=self.step_event(), wait=True)
+            if pending.error is not None:
+                raise pending.error
+            if pending.answer is None:
+                with self._lock:  # answered once copied: one round trip, no ack
+                    result = self._client.load_back(pending.node, pending.pages, lease=pending.lease,
+                                                    start_page=pending.local_blocks,
+                                                    engine_event=self.step_event(), wait=True)
+            else:
+                try:
+                    result = pending.answer.result(self.config.timeout_s)
+                except FutureTimeout:
+                    raise DeadlineExceeded(f"LoadBack: no answer within {self.config.timeout_s}s") from None
+                if isinstance(result, RadixKVError):
+                    raise result
             self._wait_loaded(result.layer_events)
-            return min(result.loaded_tokens // self.page_size, want)
+            return min(result.loaded_tokens // self.page_size, pending.want)
         except RadixKVError as e:
-            log.warning("radixkv: load of %d pages failed: %s", want, e)
+            log.warning("radixkv: load of %d pages failed: %s", pending.want, e)
             return 0
 
     def start_load(self, node: int, block_ids, local_blocks: int, lease: int) -> tuple[int, int]:

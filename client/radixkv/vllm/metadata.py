@@ -50,12 +50,15 @@ class RadixKVMetadata(KVConnectorMetadata):
     """One step's work for every worker: `flush` (request ids preempted this step: their
     saves in flight must finish before the forward, which may reuse their blocks), `loads`
     before the forward, `saves` after it, and `delayed` (finished requests whose blocks
-    vLLM keeps until every worker lists them in `get_finished`)."""
+    vLLM keeps until every worker lists them in `get_finished`). `early_loads`: the loads
+    may start as the step begins, before vLLM prepares the forward (the step neither
+    zeroes nor copies blocks meanwhile)."""
 
     flush: list[str] = field(default_factory=list)
     delayed: list[str] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    early_loads: bool = False
 
 
 @dataclass

@@ -96,7 +96,11 @@ class SchedulerSide:
         if self.lookups is not None:
             self.lookups.send()  # this step's asks, in one Match
         flush = [r for r in (scheduler_output.preempted_req_ids or ()) if self._saving(r)]
-        meta = RadixKVMetadata(flush=flush, delayed=self._delayed, loads=self._loads)
+        # vLLM zeroes new blocks (and copies blocks) early in the worker's step: a load
+        # started before that could be overwritten, so such a step loads later.
+        early = not (getattr(scheduler_output, "new_block_ids_to_zero", None)
+                     or getattr(scheduler_output, "kv_cache_block_copies", None))
+        meta = RadixKVMetadata(flush=flush, delayed=self._delayed, loads=self._loads, early_loads=early)
         self._loads, self._delayed = [], []
         steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
