@@ -77,6 +77,8 @@ class Lookups:
             # lookup is only queued: its Match goes out at the end of this step, and the
             # GIL would go to other work (the last request's releases) for nothing.
             time.sleep(0)
+            with self._cond:  # the answer often lands just then, on the stream's reader thread
+                hit = self._hits.get(req_id)
         return hit
 
     def send(self) -> None:
