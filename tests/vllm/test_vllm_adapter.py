@@ -16,6 +16,7 @@ from radixkv.vllm.kvmemory import PREFIX, ShmAllocation, ShmSegment, describe, l
 from radixkv.vllm.scheduler import SchedulerSide
 
 BLOCKS, LAYERS, HEADS, TOKENS, CONTENT = 16, 2, 2, 32, 16  # CONTENT: float32 per token and head
+SAVED = torch.arange(3, 3 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()  # a 2-page prompt
 
 
 def vllm_like_views(raw: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -84,12 +85,13 @@ def test_the_scheduler_derives_the_layout_the_workers_register(shm_kv):
     assert layout_from_spec(config) == describe(views, alloc.segment.tensor, b"seg", TOKENS).layout
 
 
-def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_prefix(shm_kv, daemon):
-    """A worker session saves (asynchronously) and loads; the scheduler's session, with
-    no buffers, looks up and holds the lease the load names."""
+@pytest.fixture
+def sessions(shm_kv, daemon):
+    """(views, worker adapter, scheduler adapter) on namespace "unit" of a real daemon, with
+    blocks 1 and 2 holding 10 + layer and 20 + layer, saved as the prompt `SAVED`."""
     views, alloc = shm_kv
     memory = describe(views, alloc.segment.tensor, alloc.segment.name.encode(), TOKENS)
-    config = ConnectorConfig(target=daemon.target, namespace="unit")
+    config = ConnectorConfig(target=daemon.target, namespace="unit", timeout_s=5.0)
     adapter = DaemonAdapter(config, engine="test")
     adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
     scheduler = DaemonAdapter(config, engine="test scheduler", role="scheduler")
@@ -98,61 +100,51 @@ def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_pref
         for layer, v in enumerate(views.values()):
             v[1].fill_(10 + layer)
             v[2].fill_(20 + layer)
-        tokens = torch.arange(3, 3 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
-        transfer = adapter.save(tokens, [1, 2])
+        transfer = adapter.save(SAVED, [1, 2])
         assert transfer and adapter.done([transfer], timeout=None) == {transfer}
-        assert adapter.save(tokens, [1, 2]) == 0  # the daemon holds them: nothing to copy
-        [hit] = scheduler.lookup([tokens])
-        assert hit.tokens == 2 * TOKENS and hit.lease
-        for v in views.values():
-            v[3].fill_(-1)  # vLLM's own copy of page 0 (a local prefix-cache hit)
-        assert adapter.load(hit.node, [3, 7], 1, hit.lease) == 1
-        scheduler.release([hit.lease])
-        for layer, v in enumerate(views.values()):
-            assert torch.equal(v[7], torch.full_like(v[7], 20 + layer))
-            assert torch.equal(v[3], torch.full_like(v[3], -1))  # never written
-        with Client(daemon.target) as c:
-            [ns] = c.stats("unit").namespaces
-            assert ns.device_pages_held == 0  # the daemon kept none of vLLM's blocks
-            assert c.check_invariants("unit") == []
+        yield views, adapter, scheduler
     finally:
         scheduler.close()
         adapter.close()
 
 
-def test_a_load_begun_before_the_forward_is_in_the_blocks_once_finished(shm_kv, daemon):
+def test_pages_saved_from_blocks_load_into_other_blocks_and_spare_the_local_prefix(sessions, daemon):
+    """A worker session saves (asynchronously) and loads; the scheduler's session, with
+    no buffers, looks up and holds the lease the load names."""
+    views, adapter, scheduler = sessions
+    assert adapter.save(SAVED, [1, 2]) == 0  # the daemon holds them: nothing to copy
+    [hit] = scheduler.lookup([SAVED])
+    assert hit.tokens == 2 * TOKENS and hit.lease
+    for v in views.values():
+        v[3].fill_(-1)  # vLLM's own copy of page 0 (a local prefix-cache hit)
+    assert adapter.load(hit.node, [3, 7], 1, hit.lease) == 1
+    scheduler.release([hit.lease])
+    for layer, v in enumerate(views.values()):
+        assert torch.equal(v[7], torch.full_like(v[7], 20 + layer))
+        assert torch.equal(v[3], torch.full_like(v[3], -1))  # never written
+    with Client(daemon.target) as c:
+        [ns] = c.stats("unit").namespaces
+        assert ns.device_pages_held == 0  # the daemon kept none of vLLM's blocks
+        assert c.check_invariants("unit") == []
+
+
+def test_a_load_begun_before_the_forward_is_in_the_blocks_once_finished(sessions, daemon):
     """The connector begins a step's loads as the step starts (on the session stream, not
     waiting) and finishes them before the forward: the blocks then hold the saved bytes.
     A load begun on a daemon that dies before the answer fills nothing (vLLM recomputes)."""
-    views, alloc = shm_kv
-    memory = describe(views, alloc.segment.tensor, alloc.segment.name.encode(), TOKENS)
-    config = ConnectorConfig(target=daemon.target, namespace="early", timeout_s=5.0)
-    adapter = DaemonAdapter(config, engine="test")
-    adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
-    scheduler = DaemonAdapter(config, engine="test scheduler", role="scheduler")
-    scheduler.attach(memory.layout)
-    try:
-        for layer, v in enumerate(views.values()):
-            v[1].fill_(30 + layer)
-            v[2].fill_(40 + layer)
-        tokens = torch.arange(5, 5 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
-        transfer = adapter.save(tokens, [1, 2])
-        assert adapter.done([transfer], timeout=None) == {transfer}
-        [hit] = scheduler.lookup([tokens])
-        pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
-        assert pending.answer is not None, "the load did not go out on the session stream"
-        assert adapter.finish_load(pending) == 2
-        for layer, v in enumerate(views.values()):
-            assert torch.equal(v[8], torch.full_like(v[8], 30 + layer))
-            assert torch.equal(v[9], torch.full_like(v[9], 40 + layer))
-        assert adapter.finish_load(adapter.begin_load(hit.node, [3], 1, hit.lease)) == 0  # nothing past the local prefix
-        scheduler.release([hit.lease])
-        [hit] = scheduler.lookup([tokens])
-        daemon.kill()
-        assert adapter.finish_load(adapter.begin_load(hit.node, [10, 11], 0, hit.lease)) == 0
-    finally:
-        scheduler.close()
-        adapter.close()
+    views, adapter, scheduler = sessions
+    [hit] = scheduler.lookup([SAVED])
+    pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
+    assert pending.answer is not None, "the load did not go out on the session stream"
+    assert adapter.finish_load(pending) == 2
+    for layer, v in enumerate(views.values()):
+        assert torch.equal(v[8], torch.full_like(v[8], 10 + layer))
+        assert torch.equal(v[9], torch.full_like(v[9], 20 + layer))
+    assert adapter.finish_load(adapter.begin_load(hit.node, [3], 1, hit.lease)) == 0  # nothing past the local prefix
+    scheduler.release([hit.lease])
+    [hit] = scheduler.lookup([SAVED])
+    daemon.kill()
+    assert adapter.finish_load(adapter.begin_load(hit.node, [10, 11], 0, hit.lease)) == 0
 
 
 def test_loads_start_early_only_in_steps_that_neither_zero_nor_copy_blocks():
