@@ -67,8 +67,9 @@ def hit_of(result) -> Hit:
 
 class DaemonAdapter:
     """One session on the daemon: a worker's (role "engine") or the scheduler's (role
-    "scheduler"). Thread-safe: one lock serialises the calls on the shared client;
-    waiting for acks takes no lock."""
+    "scheduler"). Thread-safe: one lock serialises the blocking calls on the shared
+    client; calls started on the session stream (lookups, loads begun early) and waiting
+    for acks take no lock."""
 
     def __init__(self, config: ConnectorConfig, engine: str, tp_rank: int = 0, tp_size: int = 1,
                  instance: str = "", role: str = "engine"):
