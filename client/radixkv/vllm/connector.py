@@ -125,7 +125,9 @@ class RadixKVConnector(KVConnectorBase_V1):
             if pending is None:
                 pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
             self._loads_over(spec, self._adapter.finish_load(pending))
-        for pending in self._pending.values():  # not this step's loads (none expected): never leave one copying
+        # Loads begun in a step that returned before its start_load_kv (vLLM's encoder-only
+        # steps do): wait for them too, so that none is left writing blocks unobserved.
+        for pending in self._pending.values():
             self._adapter.finish_load(pending)
         self._pending.clear()
 

@@ -98,8 +98,7 @@ class SchedulerSide:
         flush = [r for r in (scheduler_output.preempted_req_ids or ()) if self._saving(r)]
         # vLLM zeroes new blocks (and copies blocks) early in the worker's step: a load
         # started before that could be overwritten, so such a step loads later.
-        early = not (getattr(scheduler_output, "new_block_ids_to_zero", None)
-                     or getattr(scheduler_output, "kv_cache_block_copies", None))
+        early = not (scheduler_output.new_block_ids_to_zero or scheduler_output.kv_cache_block_copies)
         meta = RadixKVMetadata(flush=flush, delayed=self._delayed, loads=self._loads, early_loads=early)
         self._loads, self._delayed = [], []
         steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
