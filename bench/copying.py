@@ -8,10 +8,15 @@ pages (one strided copy per run); "scattered": random host and device pages (wha
 fragmented pool gives). Load = host -> device, backup = device -> host. torch runs with
 one intra-op thread for both sides: with its default (one per core) the same copies varied
 tenfold from run to run on this shared 2-core machine (OpenMP regions stall whenever the
-other core is busy), and the copy engine gets its parallelism from its own workers.
+other core is busy), and the copy engine gets its parallelism from its own workers. Every
+timed copy starts on cold CPU caches (a write over twice the last-level cache first), as a
+load of pages written long ago does: a transfer of 64 KiB pages (8 MiB each way) fits in
+the cache, and without the flush whichever copy ran just before decided how much of it a
+copy found there.
 """
 
 import asyncio
+import glob
 import random
 import time
 
@@ -34,6 +39,32 @@ ROUNDS = {"tiny": 3, "quick": 9, "full": 21}
 BURST = 8
 TARGET = 0.7
 SCATTERED_TARGET = 0.8  # #15: scattered pages at least 0.8x a contiguous copy at 64 KiB and up
+
+
+class CacheFlush:
+    """Called before each timed copy: writes over twice the last-level cache, so no copy
+    finds its bytes left in the cache by the one before it."""
+
+    def __init__(self):
+        self.scratch = torch.zeros(max(64 << 20, 2 * _last_level_cache_bytes()), dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        self.scratch.add_(1)
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache of cpu0 per sysfs (32 MiB where sysfs does not say)."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        digits = text.rstrip("KM")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=32 << 20)
 
 
 def _label(kib: int) -> str:
@@ -79,8 +110,9 @@ class Rig:
             "backup_scattered": (lambda: d.submit_store(sd, h, sh), 1),
         }
 
-    def engine_times(self, rounds: int) -> dict[str, float]:
-        """Seconds per transfer through CopyEngine: one at a time, and BURST in flight."""
+    def engine_times(self, rounds: int, flush) -> dict[str, float]:
+        """Seconds per transfer through CopyEngine: one at a time, and BURST in flight;
+        `flush()` before each."""
         loop = asyncio.new_event_loop()
         engine = CopyEngine(loop, self.dev, self.host, lambda t, e: None, workers=2)
         sh, sd = self.scattered
@@ -108,11 +140,15 @@ class Rig:
 
         try:
             for _ in range(rounds):
+                flush()
                 single.append(loop.run_until_complete(one()))
+                flush()
                 t = time.perf_counter()
                 self.dev.submit_load(self.host, sh, sd)
                 direct.append(time.perf_counter() - t)
+                flush()
                 burst.append(loop.run_until_complete(many()))
+                flush()
                 t = time.perf_counter()
                 for hp, dp in bursts:
                     self.dev.submit_load(self.host, hp, dp)
@@ -140,12 +176,13 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
 
 
 def _measure_all(mode: str, gbps, profiler) -> None:
+    flush = CacheFlush()
     for kib in SIZES[mode]:
         progress(f"copy: {_label(kib)} pages")
         rig = Rig(kib, mode, kib)
         try:
-            t = interleaved(rig.candidates(), ROUNDS[mode])
-            t.update(rig.engine_times(ROUNDS[mode]))
+            t = interleaved(rig.candidates(), ROUNDS[mode], before=flush)
+            t.update(rig.engine_times(ROUNDS[mode], flush))
             gbps[kib] = {k: rig.nbytes / v / 1e9 for k, v in t.items()}
             if profiler is not None and kib == 64 and any(
                     gbps[kib][k] < SCATTERED_TARGET * gbps[kib]["torch"] for k in ("load_scattered", "backup_scattered")):
@@ -176,9 +213,14 @@ def _notes(sec: Section, gbps) -> None:
         "small pages (16 KiB: 1 KiB per buffer chunk). A vectorized gather then scatter through a temporary "
         "(index_select / index_copy_, numpy take / fancy assignment) moves every byte twice, torch's "
         "index_copy_ goes element by element, a numpy structured dtype with one field per page pays a "
-        "setup per field and process_vm_writev pins pages in the kernel: all measured slower here. On this "
-        "shared 2-core machine a round preempted by another process takes about 4 ms more, so a median "
-        "over rounds moves with the machine's load; see the profile below where one was taken.")
+        "setup per field and process_vm_writev pins pages in the kernel: all measured slower here. So were "
+        "splitting one transfer over two threads, and glibc's memmove tuned away from rep movsb or to "
+        "non-temporal stores (GLIBC_TUNABLES); sorting the pages by address gained nothing. What is left is "
+        "the access pattern: at 64 KiB a page is 16 chunks of 4 KiB, each a fresh DRAM page and TLB entry "
+        "where the hardware prefetchers stop (they do not cross 4 KiB pages), so one thread's scattered "
+        "copy waits on memory where a contiguous copy streams. On this shared 2-core machine a round "
+        "preempted by another process takes about 4 ms more, so a median over rounds moves with the "
+        "machine's load; see the profile below where one was taken.")
 
 
 def _report(sec: Section, gbps, mode: str) -> None:

@@ -36,15 +36,19 @@ def per_op(fn: Callable[[], object], ops: int) -> float:
     return (time.perf_counter() - t) / ops
 
 
-def interleaved(candidates: dict[str, tuple[Callable[[], object], int]], rounds: int) -> dict[str, float]:
+def interleaved(candidates: dict[str, tuple[Callable[[], object], int]], rounds: int,
+                before: Callable[[], object] | None = None) -> dict[str, float]:
     """Run each candidate `(fn, ops)` once per round, in alternating order, collecting
-    before each; the median over rounds of seconds per operation, by name."""
+    (and calling `before`, untimed) before each; the median over rounds of seconds per
+    operation, by name."""
     samples: dict[str, list[float]] = {k: [] for k in candidates}
     names = list(candidates)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else reversed(names)):
             fn, ops = candidates[name]
             gc.collect()
+            if before is not None:
+                before()
             samples[name].append(per_op(fn, ops))
     return {k: median(v) for k, v in samples.items()}
 
