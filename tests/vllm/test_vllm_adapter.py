@@ -3,6 +3,7 @@ memory, its description for Register, the settings, and the daemon adapter movin
 pages between blocks through a real daemon (save, lookup, load, a local prefix left alone).
 """
 
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -13,6 +14,8 @@ from radixkv import Client
 from radixkv.vllm.config import ConnectorConfig
 from radixkv.vllm.daemon import DaemonAdapter
 from radixkv.vllm.kvmemory import PREFIX, ShmAllocation, ShmSegment, describe, layout_from_spec, remove_orphans
+from radixkv.vllm.metadata import RadixKVWorkerMetadata
+from radixkv.vllm.saves import Saves
 from radixkv.vllm.scheduler import SchedulerSide
 
 BLOCKS, LAYERS, HEADS, TOKENS, CONTENT = 16, 2, 2, 32, 16  # CONTENT: float32 per token and head
@@ -87,11 +90,17 @@ def test_the_scheduler_derives_the_layout_the_workers_register(shm_kv):
 
 @pytest.fixture
 def sessions(shm_kv, daemon):
+    with open_sessions(shm_kv, daemon) as opened:
+        yield opened
+
+
+@contextlib.contextmanager
+def open_sessions(shm_kv, daemon, timeout_s: float = 5.0):
     """(views, worker adapter, scheduler adapter) on namespace "unit" of a real daemon, with
     blocks 1 and 2 holding 10 + layer and 20 + layer, saved as the prompt `SAVED`."""
     views, alloc = shm_kv
     memory = describe(views, alloc.segment.tensor, alloc.segment.name.encode(), TOKENS)
-    config = ConnectorConfig(target=daemon.target, namespace="unit", timeout_s=5.0)
+    config = ConnectorConfig(target=daemon.target, namespace="unit", timeout_s=timeout_s)
     adapter = DaemonAdapter(config, engine="test")
     adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
     scheduler = DaemonAdapter(config, engine="test scheduler", role="scheduler")
@@ -147,17 +156,64 @@ def test_a_load_begun_before_the_forward_is_in_the_blocks_once_finished(sessions
     assert adapter.finish_load(adapter.begin_load(hit.node, [10, 11], 0, hit.lease)) == 0
 
 
+def test_a_load_answered_too_late_holds_its_blocks_until_the_daemon_answers(shm_kv, daemon_factory):
+    """A load whose answer misses timeout_s fills no block (vLLM recomputes them), but the
+    daemon may still write them: the request's blocks stay held (`get_finished` does not
+    list it, a preemption's flush waits for the answer) until the daemon answered."""
+    daemon = daemon_factory("--fault-copy-delay", "1.0")  # every copy starts 1 s late
+    with open_sessions(shm_kv, daemon, timeout_s=0.2) as (views, adapter, scheduler):
+        [hit] = scheduler.lookup([SAVED])
+        for v in views.values():
+            v[8].fill_(-1)
+        pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
+        assert adapter.finish_load(pending) == 0 and pending.late
+        saves = Saves(adapter)
+        try:
+            saves.hold("r", pending.answer)
+            assert saves.finished({"r"}, ["r"]) == set()  # vLLM keeps the blocks
+            assert saves.report() == ({}, {"r": 1})
+            assert not pending.answer.done()
+            saves.flush(["r"])  # the request preempted: its blocks are reused after this
+            assert pending.answer.done()
+            for layer, v in enumerate(views.values()):  # the write the hold kept vLLM from
+                assert torch.equal(v[8], torch.full_like(v[8], 10 + layer))
+            assert saves.finished(set(), []) == {"r"}
+            assert saves.report() == ({"r": 1}, {})
+        finally:
+            saves.close()
+        scheduler.release([hit.lease])
+
+
+def _step(**changes) -> SimpleNamespace:
+    """A scheduler output that schedules nothing, with `changes`."""
+    step = dict(total_num_scheduled_tokens=0, preempted_req_ids=(), scheduled_new_reqs=[],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                num_scheduled_tokens={}, new_block_ids_to_zero=None, kv_cache_block_copies=None)
+    return SimpleNamespace(**{**step, **changes})
+
+
+def test_the_scheduler_keeps_a_held_loads_blocks_until_its_rank_says_it_is_over():
+    """With 2 ranks: a request whose load rank 1 holds answers `request_finished` True and
+    is delayed; preempted, it is flushed; once rank 1 reports the hold over, neither."""
+    side = SchedulerSide(TOKENS, 2, None, lambda: None)
+    for req_id in ("held", "over", "preempted"):
+        side.matched(SimpleNamespace(request_id=req_id, num_tokens=4 * TOKENS), 0)
+        side.answered(RadixKVWorkerMetadata(held={req_id: {1: 1}}))
+    side.answered(RadixKVWorkerMetadata(saved={"over": {1: 1}}))
+    assert side.finished(SimpleNamespace(request_id="held")) is True
+    assert side.finished(SimpleNamespace(request_id="over")) is False
+    meta = side.build(_step(preempted_req_ids=["preempted"]))
+    assert (meta.delayed, meta.flush) == (["held"], ["preempted"])
+
+
 def test_loads_start_early_only_in_steps_that_neither_zero_nor_copy_blocks():
     """vLLM zeroes new blocks (and copies blocks) early in a worker's step for hybrid
     models: a load begun before that would be overwritten, so such a step's loads wait
     for `start_load_kv`."""
     side = SchedulerSide(TOKENS, 1, None, lambda: None)
-    step = dict(total_num_scheduled_tokens=0, preempted_req_ids=(), scheduled_new_reqs=[],
-                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-                num_scheduled_tokens={}, new_block_ids_to_zero=None, kv_cache_block_copies=None)
-    assert side.build(SimpleNamespace(**step)).early_loads
-    assert not side.build(SimpleNamespace(**{**step, "new_block_ids_to_zero": [4, 5]})).early_loads
-    assert not side.build(SimpleNamespace(**{**step, "kv_cache_block_copies": [object()]})).early_loads
+    assert side.build(_step()).early_loads
+    assert not side.build(_step(new_block_ids_to_zero=[4, 5])).early_loads
+    assert not side.build(_step(kv_cache_block_copies=[object()])).early_loads
 
 
 def test_segments_of_dead_engines_are_removed_and_live_ones_kept():

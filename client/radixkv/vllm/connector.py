@@ -124,12 +124,20 @@ class RadixKVConnector(KVConnectorBase_V1):
             pending = self._pending.pop(spec.req_id, None)
             if pending is None:
                 pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
-            self._loads_over(spec, self._adapter.finish_load(pending))
+            self._loads_over(spec, self._finish_load(spec.req_id, pending))
         # Loads begun in a step that returned before its start_load_kv (vLLM's encoder-only
         # steps do): wait for them too, so that none is left writing blocks unobserved.
-        for pending in self._pending.values():
-            self._adapter.finish_load(pending)
+        for req_id, pending in self._pending.items():
+            self._finish_load(req_id, pending)
         self._pending.clear()
+
+    def _finish_load(self, req_id: str, pending: PendingLoad) -> int:
+        """Wait for a begun load: the blocks it filled. One answered too late fills none
+        (vLLM recomputes them) and holds the request's blocks until the daemon answers."""
+        got = self._adapter.finish_load(pending)
+        if pending.late:
+            self._saves.hold(req_id, pending.answer)
+        return got
 
     def _loads_over(self, spec, got: int) -> None:
         """A load filled the first `got` of its blocks: report it, fail the rest."""
@@ -190,18 +198,17 @@ class RadixKVConnector(KVConnectorBase_V1):
         return errors
 
     def build_connector_worker_meta(self) -> RadixKVWorkerMetadata | None:
-        """The loads this worker finished (their leases can go) and the saves that are
-        over since its last report."""
+        """The loads this worker finished (their leases can go), the saves that are over
+        and the loads it holds since its last report."""
         if self._saves is None:
             return None
         self._saves.poll()
-        saved = self._saves.report()
-        if not self._loaded and not saved:
+        saved, held = self._saves.report()
+        if not self._loaded and not saved and not held:
             return None
         loaded, self._loaded = self._loaded, {}
         rank = self.tp_rank
-        return RadixKVWorkerMetadata({req: {rank: n} for req, n in loaded.items()},
-                                     {req: {rank: n} for req, n in saved.items()})
+        return RadixKVWorkerMetadata(*({req: {rank: n} for req, n in table.items()} for table in (loaded, saved, held)))
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -49,7 +49,8 @@ MISS = Hit(0, 0, 0)
 class PendingLoad:
     """A load `DaemonAdapter.begin_load` started: the `want` blocks `pages` of `node`'s
     path from page `local_blocks`, and the stream's answer to come (None: not sent, the
-    blocking call does it; `error`: it could not be sent)."""
+    blocking call does it; `error`: it could not be sent). `late`: `finish_load` stopped
+    waiting for `answer` (timeout_s): the daemon may write the blocks until it completes."""
 
     node: int
     pages: array
@@ -58,6 +59,7 @@ class PendingLoad:
     want: int
     answer: Future | None = None
     error: RadixKVError | None = None
+    late: bool = False
 
 
 def hit_of(result) -> Hit:
@@ -191,7 +193,9 @@ class DaemonAdapter:
         return pending
 
     def finish_load(self, pending: "PendingLoad") -> int:
-        """Wait for a `begin_load`: the blocks it filled, as `load` returns them."""
+        """Wait for a `begin_load`: the blocks it filled, as `load` returns them. Past
+        timeout_s it fills none and marks `pending.late`: the caller must keep the blocks
+        from reuse until `pending.answer` completes (`Saves.hold`)."""
         if pending.want <= 0:
             return 0
         try:
@@ -206,10 +210,12 @@ class DaemonAdapter:
                 try:
                     result = pending.answer.result(self.config.timeout_s)
                 except FutureTimeout:
-                    raise DeadlineExceeded(f"LoadBack: no answer within {self.config.timeout_s}s") from None
+                    pending.late = True
+                    raise DeadlineExceeded(f"LoadBack: no answer within {self.config.timeout_s}s "
+                                           "(its blocks stay held until the daemon answers)") from None
                 if isinstance(result, RadixKVError):
                     raise result
-            self._wait_loaded(result.layer_events)
+            self.wait_loaded(result.layer_events)
             return min(result.loaded_tokens // self.page_size, pending.want)
         except RadixKVError as e:
             log.warning("radixkv: load of %d pages failed: %s", pending.want, e)
@@ -246,7 +252,7 @@ class DaemonAdapter:
                 continue
             if not outcome.ok:
                 log.warning("radixkv: load failed: %s", outcome.reason)
-            self._wait_loaded(self._load_events.pop(t, ()))
+            self.wait_loaded(self._load_events.pop(t, ()))
             got[t] = outcome.ok
         return got
 
@@ -295,7 +301,7 @@ class DaemonAdapter:
         from .cudamemory import step_event
         return step_event(self.cuda_device)
 
-    def _wait_loaded(self, layer_events) -> None:
+    def wait_loaded(self, layer_events) -> None:
         """CUDA: vLLM's stream waits for a load's per-layer events before reading."""
         if self.cuda_device is not None and layer_events:
             from .cudamemory import wait_loaded

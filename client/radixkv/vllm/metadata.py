@@ -64,13 +64,17 @@ class RadixKVMetadata(KVConnectorMetadata):
 @dataclass
 class RadixKVWorkerMetadata(KVConnectorWorkerMetadata):
     """Since the worker's last report: loads it finished (request id -> {tp rank: pages
-    loaded}) and saves that are over (request id -> {tp rank: count})."""
+    loaded}), saves and held loads that are over (request id -> {tp rank: count}), and
+    loads it stopped waiting for, which the daemon may still be writing (request id ->
+    {tp rank: count}: `Saves.hold`)."""
 
     loaded: dict[str, dict[int, int]] = field(default_factory=dict)
     saved: dict[str, dict[int, int]] = field(default_factory=dict)
+    held: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: "RadixKVWorkerMetadata") -> "RadixKVWorkerMetadata":
-        return RadixKVWorkerMetadata(_merge(self.loaded, other.loaded), _merge(self.saved, other.saved))
+        return RadixKVWorkerMetadata(_merge(self.loaded, other.loaded), _merge(self.saved, other.saved),
+                                     _merge(self.held, other.held))
 
 
 def _merge(a: dict[str, dict[int, int]], b: dict[str, dict[int, int]]) -> dict[str, dict[int, int]]:

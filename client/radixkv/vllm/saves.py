@@ -12,12 +12,19 @@ the request is not over on every rank, and names such requests in the next step'
 metadata (`delayed`). This worker then lists a delayed request in `finished` (vLLM's
 `get_finished` finished_sending) once none of its saves is in flight. `flush` waits for
 the saves of preempted requests, whose blocks vLLM frees at once.
+
+A load the worker stopped waiting for (no answer within timeout_s: vLLM recomputes its
+blocks) is held the same way (`hold`): the daemon may still write those blocks until it
+answers, so they count as in flight on this rank until then. The worker reports such
+loads (`report`, held) and the scheduler counts them with the request's saves.
 """
 
 import itertools
 import logging
 import threading
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 from .daemon import DaemonAdapter
 from .metadata import SaveSpec
@@ -26,6 +33,7 @@ log = logging.getLogger("vllm.radixkv")
 
 FINISHED_KEPT = 1 << 16  # finished ids remembered (vLLM names a request's delay and finish in one step)
 CLOSE_TIMEOUT_S = 30.0  # how long `close` lets queued Inserts go out
+LATE_FLUSH_TIMEOUT_S = 60.0  # how long `flush` waits for a held load's answer
 
 
 class Saves:
@@ -43,6 +51,8 @@ class Saves:
         self._over: dict[str, int] = {}  # request -> saves over since the last report
         self._finished: dict[str, None] = {}  # vLLM reported them finished (the latest ones)
         self._delayed: set[str] = set()  # finished, blocks kept until we list them
+        self._late: dict[int, tuple[str, Future]] = {}  # held load's ticket -> (request, its answer)
+        self._held: dict[str, int] = {}  # request -> loads held since the last report
         self._closed = False
         self._thread = threading.Thread(target=self._send, name="radixkv-saves", daemon=True)
         self._thread.start()
@@ -58,6 +68,15 @@ class Saves:
             self._queue.append((ticket, spec, event))
             self._cond.notify_all()
 
+    def hold(self, req_id: str, answer: Future) -> None:
+        """A load into `req_id`'s blocks whose `answer` is still to come: in flight (its
+        blocks kept, a flush waits for it) until the answer completes, however it does."""
+        with self._cond:
+            ticket = next(self._tickets)
+            self._pending.setdefault(req_id, set()).add(ticket)
+            self._late[ticket] = (req_id, answer)
+            self._held[req_id] = self._held.get(req_id, 0) + 1
+
     def skip(self, req_id: str) -> None:
         """A save planned for `req_id` and not started: over."""
         with self._cond:
@@ -69,8 +88,14 @@ class Saves:
             tickets = set().union(*(self._pending.get(r, ()) for r in req_ids))
             self._cond.wait_for(lambda: not (tickets & self._unsent))
             ids = [t for t, (ticket, _) in self._transfers.items() if ticket in tickets]
+            late = [answer for ticket, (_, answer) in self._late.items() if ticket in tickets]
         if ids:
             self._landed(self._adapter.done(ids, timeout=None))
+        if late:
+            if wait_futures(late, LATE_FLUSH_TIMEOUT_S).not_done:
+                log.error("radixkv: %d loads into blocks vLLM reuses now are still unanswered after %gs",
+                          len(late), LATE_FLUSH_TIMEOUT_S)
+            self._settle_late()
 
     def finished(self, finished_req_ids, delayed) -> set[str]:
         """The `delayed` requests (now or before) that vLLM reported finished (now or
@@ -88,17 +113,19 @@ class Saves:
         return ready
 
     def poll(self) -> None:
-        """Take the acks that arrived (never blocks)."""
+        """Take the acks and held loads' answers that arrived (never blocks)."""
         with self._cond:
             ids = list(self._transfers)
         if ids:
             self._landed(self._adapter.done(ids))
+        self._settle_late()
 
-    def report(self) -> dict[str, int]:
-        """Request -> saves over since the last report."""
+    def report(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(request -> saves and held loads over, request -> loads held), since the last report."""
         with self._cond:
             over, self._over = self._over, {}
-        return over
+            held, self._held = self._held, {}
+        return over, held
 
     def close(self) -> None:
         """Send what is queued (for up to CLOSE_TIMEOUT_S), then stop the thread. Idempotent."""
@@ -131,6 +158,17 @@ class Saves:
                 else:
                     self._ticket_over(ticket, spec.req_id)
                 self._cond.notify_all()
+
+    def _settle_late(self) -> None:
+        """Held loads whose answer came are over. On CUDA an answer can precede the copy
+        (its layer events mark the end): vLLM's stream then waits for those first."""
+        with self._cond:
+            tickets = [t for t, (_, answer) in self._late.items() if answer.done()]
+            answered = [(t, *self._late.pop(t)) for t in tickets]
+        for ticket, req_id, answer in answered:
+            self._adapter.wait_loaded(getattr(answer.result(), "layer_events", ()))
+            with self._cond:
+                self._ticket_over(ticket, req_id)
 
     def _landed(self, done: set[int]) -> None:
         with self._cond:

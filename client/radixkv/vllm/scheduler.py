@@ -15,7 +15,8 @@ saves that are over; a request with a save not over on every rank answers
 `request_finished` with True and is named in the next step's `delayed` (its blocks are
 freed when every worker lists it in `get_finished`), and a request preempted with saves
 in flight is named in the next step's `flush`, which the workers wait for before the
-forward.
+forward. A load a worker stopped waiting for counts as one more save on that rank
+(`Saves.hold`): the daemon may write its blocks until it answers.
 """
 
 from array import array
@@ -44,6 +45,7 @@ class SchedulerSide:
         self._saved: dict[str, int] = {}
         self._issued: dict[str, int] = {}  # request -> saves planned
         self._over: dict[str, dict[int, int]] = {}  # request -> rank -> saves over
+        self._held: dict[str, dict[int, int]] = {}  # request -> rank -> loads held (counted as saves)
         self._delayed: list[str] = []  # finished with saves in flight, for the next step
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, tuple[int, dict[int, int], int]] = {}  # lease, ranks reported, pages
@@ -112,13 +114,14 @@ class SchedulerSide:
         return meta
 
     def answered(self, meta: RadixKVWorkerMetadata) -> None:
-        """update_connector_output: count the saves that are over; a load's lease is
-        released once every rank reported it."""
+        """update_connector_output: count the saves (and held loads) begun and over; a
+        load's lease is released once every rank reported it."""
+        for req_id, ranks in meta.held.items():
+            if req_id in self._requests:
+                _add(self._held.setdefault(req_id, {}), ranks)
         for req_id, ranks in meta.saved.items():
-            if req_id in self._issued:
-                over = self._over.setdefault(req_id, {})
-                for rank, n in ranks.items():
-                    over[rank] = over.get(rank, 0) + n
+            if req_id in self._issued or req_id in self._held:
+                _add(self._over.setdefault(req_id, {}), ranks)
         for req_id, ranks in meta.loaded.items():
             entry = self._loading.get(req_id)
             if entry is None:
@@ -138,7 +141,8 @@ class SchedulerSide:
         if self.lookups is not None:
             self.lookups.drop(req_id)
         in_flight = self._saving(req_id)
-        for table in (self._requests, self._prompts, self._computed, self._saved, self._issued, self._over):
+        for table in (self._requests, self._prompts, self._computed, self._saved, self._issued, self._over,
+                      self._held):
             table.pop(req_id, None)
         self._short.discard(req_id)
         if in_flight:
@@ -146,10 +150,11 @@ class SchedulerSide:
         return in_flight
 
     def _saving(self, req_id: str) -> bool:
-        """Whether a save of `req_id` is not over on some rank."""
+        """Whether a save (or held load) of `req_id` is not over on some rank."""
         issued = self._issued.get(req_id, 0)
+        held = self._held.get(req_id, {})
         over = self._over.get(req_id, {})
-        return issued > 0 and any(over.get(rank, 0) < issued for rank in range(self.tp_size))
+        return any(over.get(rank, 0) < issued + held.get(rank, 0) for rank in range(self.tp_size))
 
     def close(self) -> None:
         if self.lookups is not None:
@@ -188,6 +193,11 @@ class SchedulerSide:
 
 
 _INT32 = 4
+
+
+def _add(counts: dict[int, int], ranks: dict[int, int]) -> None:
+    for rank, n in ranks.items():
+        counts[rank] = counts.get(rank, 0) + n
 
 
 def _packed(tokens, start: int, end: int) -> bytes:
