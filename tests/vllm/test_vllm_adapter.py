@@ -5,6 +5,7 @@ pages between blocks through a real daemon (save, lookup, load, a local prefix l
 
 import contextlib
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from radixkv import Client
 from radixkv.vllm.config import ConnectorConfig
 from radixkv.vllm.daemon import DaemonAdapter
 from radixkv.vllm.kvmemory import PREFIX, ShmAllocation, ShmSegment, describe, layout_from_spec, remove_orphans
+from radixkv.vllm.lookups import Lookups
 from radixkv.vllm.metadata import RadixKVWorkerMetadata
 from radixkv.vllm.saves import Saves
 from radixkv.vllm.scheduler import SchedulerSide
@@ -204,6 +206,29 @@ def test_the_scheduler_keeps_a_held_loads_blocks_until_its_rank_says_it_is_over(
     assert side.finished(SimpleNamespace(request_id="over")) is False
     meta = side.build(_step(preempted_req_ids=["preempted"]))
     assert (meta.delayed, meta.flush) == (["held"], ["preempted"])
+
+
+def test_a_request_finished_before_its_load_is_reported_keeps_its_blocks(sessions):
+    """vLLM frees a request that finishes in a step before it passes on that step's worker
+    reports: a load not yet reported by every rank (one of them may hold it) keeps the
+    blocks until the workers list the request. The lookup is real (the scheduler's session)."""
+    _, _, scheduler = sessions
+    side = SchedulerSide(TOKENS, 2, Lookups(scheduler), lambda: None)
+    try:
+        tokens = list(range(3, 3 + 2 * TOKENS + 1))  # SAVED and one token more
+        request = SimpleNamespace(request_id="r", num_tokens=len(tokens), all_token_ids=tokens,
+                                  num_prompt_tokens=len(tokens))
+        deadline = time.monotonic() + 10
+        while (got := side.matched(request, 0))[0] is None:  # asks until the Match landed
+            assert time.monotonic() < deadline, "the lookup never landed"
+            side.build(_step())
+        assert got == (2 * TOKENS, False)
+        side.allocated(request, SimpleNamespace(get_block_ids=lambda: [[5, 6]]), 2 * TOKENS)
+        side.answered(RadixKVWorkerMetadata(loaded={"r": {0: 2}}))  # rank 1 has not reported
+        assert side.finished(request) is True
+        assert side.build(_step()).delayed == ["r"]
+    finally:
+        side.close()
 
 
 def test_loads_start_early_only_in_steps_that_neither_zero_nor_copy_blocks():

@@ -150,7 +150,12 @@ class SchedulerSide:
         return in_flight
 
     def _saving(self, req_id: str) -> bool:
-        """Whether a save (or held load) of `req_id` is not over on some rank."""
+        """Whether a save (or held load) of `req_id` is not over on some rank, or a load of
+        it is not reported by every rank yet: vLLM frees a request that finishes in a step
+        before it hands this side that step's worker reports, so a load held in that step
+        (or one the request was aborted during) is not known here yet."""
+        if req_id in self._loading:
+            return True
         issued = self._issued.get(req_id, 0)
         held = self._held.get(req_id, {})
         over = self._over.get(req_id, {})
