@@ -49,8 +49,7 @@ MISS = Hit(0, 0, 0)
 class PendingLoad:
     """A load `DaemonAdapter.begin_load` started: the `want` blocks `pages` of `node`'s
     path from page `local_blocks`, and the stream's answer to come (None: not sent, the
-    blocking call does it; `error`: it could not be sent). `late`: `finish_load` stopped
-    waiting for `answer` (timeout_s): the daemon may write the blocks until it completes."""
+    blocking call does it; `error`: it could not be sent)."""
 
     node: int
     pages: array
@@ -59,7 +58,12 @@ class PendingLoad:
     want: int
     answer: Future | None = None
     error: RadixKVError | None = None
-    late: bool = False
+
+    @property
+    def late(self) -> bool:
+        """The daemon has not answered yet. After `finish_load` (which waits timeout_s at
+        most): it stopped waiting, and the daemon may write the blocks until `answer` completes."""
+        return self.answer is not None and not self.answer.done()
 
 
 def hit_of(result) -> Hit:
@@ -194,7 +198,7 @@ class DaemonAdapter:
 
     def finish_load(self, pending: "PendingLoad") -> int:
         """Wait for a `begin_load`: the blocks it filled, as `load` returns them. Past
-        timeout_s it fills none and marks `pending.late`: the caller must keep the blocks
+        timeout_s it fills none and `pending.late` holds: the caller must keep the blocks
         from reuse until `pending.answer` completes (`Saves.hold`)."""
         if pending.want <= 0:
             return 0
@@ -210,7 +214,6 @@ class DaemonAdapter:
                 try:
                     result = pending.answer.result(self.config.timeout_s)
                 except FutureTimeout:
-                    pending.late = True
                     raise DeadlineExceeded(f"LoadBack: no answer within {self.config.timeout_s}s "
                                            "(its blocks stay held until the daemon answers)") from None
                 if isinstance(result, RadixKVError):

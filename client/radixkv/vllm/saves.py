@@ -162,6 +162,8 @@ class Saves:
     def _settle_late(self) -> None:
         """Held loads whose answer came are over. On CUDA an answer can precede the copy
         (its layer events mark the end): vLLM's stream then waits for those first."""
+        if not self._late:  # the common case, every step: no lock taken
+            return
         with self._cond:
             tickets = [t for t, (_, answer) in self._late.items() if answer.done()]
             answered = [(t, *self._late.pop(t)) for t in tickets]
