@@ -105,7 +105,10 @@ def verify(head, payload) -> None:
 def decode_into(blob, out) -> None:
     """Check the whole record `blob` and copy its payload into `out` (one copy, no
     temporary). SizeMismatch when the record is sound but not len(out) bytes long,
-    CorruptPage when it is damaged or truncated; `out` is then unspecified."""
+    CorruptPage when it is damaged or truncated; `out` is then unspecified.
+    The payload is copied first and checked in `out`, where the copy left it in cache:
+    the record is read once instead of twice (a checksum over the source first, then
+    the copy, costs about a quarter more for 64 KiB pages read from DRAM)."""
     blob = memoryview(blob).cast("B")
     out = memoryview(out).cast("B")
     length = payload_length(blob[:HEADER_BYTES])
@@ -115,5 +118,5 @@ def decode_into(blob, out) -> None:
         raise CorruptPage(f"{what}: header says {length} payload bytes, found {found}")
     if length != len(out):
         raise SizeMismatch(f"record holds {length} payload bytes, the page has {len(out)}")
-    verify(blob[:HEADER_BYTES], blob[HEADER_BYTES:])
     out[:] = blob[HEADER_BYTES:]
+    verify(blob[:HEADER_BYTES], out)
