@@ -19,6 +19,7 @@ from radixkv.vllm.lookups import Lookups
 from radixkv.vllm.metadata import RadixKVWorkerMetadata
 from radixkv.vllm.saves import Saves
 from radixkv.vllm.scheduler import SchedulerSide
+from tests.support.daemon import wait_for
 
 BLOCKS, LAYERS, HEADS, TOKENS, CONTENT = 16, 2, 2, 32, 16  # CONTENT: float32 per token and head
 SAVED = torch.arange(3, 3 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()  # a 2-page prompt
@@ -184,6 +185,36 @@ def test_a_load_answered_too_late_holds_its_blocks_until_the_daemon_answers(shm_
         finally:
             saves.close()
         scheduler.release([hit.lease])
+
+
+def test_a_load_the_stream_cannot_carry_is_not_sent_and_the_session_comes_back(shm_kv, daemon):
+    """A worker whose session is lost (here its daemon restarted) sends no load: there
+    would be no answer to hold its blocks by. The load fills none (vLLM recomputes them),
+    and finishing it registers the session again, so the next load goes on the new
+    session's stream and fills its blocks."""
+    with open_sessions(shm_kv, daemon) as (views, adapter, scheduler):
+        [hit] = scheduler.lookup([SAVED])
+        daemon.kill()
+        daemon.start()  # empty, on the same socket
+
+        def unsent_load() -> bool:  # once the worker's client saw its stream end
+            pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
+            assert adapter.finish_load(pending) == 0
+            return pending.answer is None
+
+        wait_for(unsent_load, 10, "a load the lost session did not send")
+        pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
+        assert pending.answer is not None, "the session did not come back"
+        assert adapter.finish_load(pending) == 0  # a node of the old daemon: refused
+        transfer = adapter.save(SAVED, [1, 2])
+        assert transfer and adapter.done([transfer], timeout=None) == {transfer}
+        hits = []
+        wait_for(lambda: hits.extend(h for h in scheduler.lookup([SAVED]) if h.tokens) or hits, 10,
+                 "the scheduler's session back too")
+        assert adapter.load(hits[0].node, [8, 9], 0, hits[0].lease) == 2
+        for layer, v in enumerate(views.values()):
+            assert torch.equal(v[9], torch.full_like(v[9], 20 + layer))
+        scheduler.release([hits[0].lease])
 
 
 def _step(**changes) -> SimpleNamespace:

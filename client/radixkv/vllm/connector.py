@@ -56,7 +56,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._short_loads: set[str] = set()  # requests whose load this step left blocks unfilled
         self._loaded: dict[str, int] = {}  # loads done since the last worker report: pages
         self._pending: dict[str, PendingLoad] = {}  # loads begun in handle_preemptions, by request
-        self._receiving: dict[int, tuple] = {}  # async load in flight: transfer -> (spec, pages)
+        self._receiving: dict[str, tuple] = {}  # async loads in flight: request -> (spec, PendingLoad)
         self._recv_done: set[str] = set()  # async loads over, for get_finished
         self._recv_failed: set[str] = set()
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
@@ -114,12 +114,9 @@ class RadixKVConnector(KVConnectorBase_V1):
         if meta is None or self._adapter is None:
             return
         for spec in meta.loads:
-            if self.config.async_loads:
-                transfer, pages = self._adapter.start_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
-                if transfer:
-                    self._receiving[transfer] = (spec, pages)
-                else:
-                    self._loads_over(spec, pages)
+            if self.config.async_loads:  # answered in get_finished, once the daemon copied
+                self._receiving[spec.req_id] = (spec, self._adapter.begin_load(spec.node, spec.block_ids,
+                                                                               spec.local_blocks, spec.lease))
                 continue
             pending = self._pending.pop(spec.req_id, None)
             if pending is None:
@@ -181,10 +178,9 @@ class RadixKVConnector(KVConnectorBase_V1):
             return None, None
         meta = self._meta()
         sending = self._saves.finished(finished_req_ids, meta.delayed if meta else ())
-        if self._receiving:
-            for transfer, ok in self._adapter.outcomes(list(self._receiving)).items():
-                spec, pages = self._receiving.pop(transfer)
-                self._loads_over(spec, pages if ok else 0)
+        for req_id in [r for r, (_, pending) in self._receiving.items() if pending.answered]:
+            spec, pending = self._receiving.pop(req_id)
+            self._loads_over(spec, self._adapter.finish_load(pending))  # does not wait: answered
         recving, self._recv_done = self._recv_done, set()
         return sending or None, recving or None
 

@@ -22,7 +22,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from radixkv.client import Client
-from radixkv.errors import DeadlineExceeded, RadixKVError
+from radixkv.errors import DeadlineExceeded, RadixKVError, Unavailable
 from radixkv.layout import KvLayout
 from radixkv.types import as_packed
 
@@ -48,8 +48,8 @@ MISS = Hit(0, 0, 0)
 @dataclass
 class PendingLoad:
     """A load `DaemonAdapter.begin_load` started: the `want` blocks `pages` of `node`'s
-    path from page `local_blocks`, and the stream's answer to come (None: not sent, the
-    blocking call does it; `error`: it could not be sent)."""
+    path from page `local_blocks`, and the stream's answer to come (None: not sent;
+    `error`: why)."""
 
     node: int
     pages: array
@@ -64,6 +64,11 @@ class PendingLoad:
         """The daemon has not answered yet. After `finish_load` (which waits timeout_s at
         most): it stopped waiting, and the daemon may write the blocks until `answer` completes."""
         return self.answer is not None and not self.answer.done()
+
+    @property
+    def answered(self) -> bool:
+        """`finish_load` would not wait: the daemon answered, or the load was never sent."""
+        return not self.late
 
 
 def hit_of(result) -> Hit:
@@ -84,7 +89,6 @@ class DaemonAdapter:
         self.tp_rank, self.tp_size, self.instance, self.role = tp_rank, tp_size, instance, role
         self.page_size = 0
         self.cuda_device: int | None = None  # vLLM's GPU when its KV cache is on CUDA
-        self._load_events: dict[int, tuple[bytes, ...]] = {}  # async load -> its per-layer events
         self._client = Client(config.target, timeout=config.timeout_s, stream=True,
                               on_session_lost=self._session_lost)
         self._lock = threading.Lock()
@@ -183,8 +187,9 @@ class DaemonAdapter:
     def begin_load(self, node: int, block_ids, local_blocks: int, lease: int) -> "PendingLoad":
         """`load`'s copy sent on the session stream without waiting for it, so that it runs
         while vLLM prepares the forward; `finish_load` waits for it (and must be called:
-        the daemon writes the blocks until then). Where the stream cannot take it now, the
-        load is done in `finish_load` instead, as a blocking call."""
+        the daemon writes the blocks until then). Where the stream cannot take it now (the
+        session lost, or closed) the load is not sent: it fills no block, so no answer can
+        come too late for blocks vLLM gave to another request meanwhile."""
         want = len(block_ids) - local_blocks
         pages = array("i", block_ids[local_blocks:])
         pending = PendingLoad(node, pages, local_blocks, lease, want)
@@ -206,58 +211,20 @@ class DaemonAdapter:
             if pending.error is not None:
                 raise pending.error
             if pending.answer is None:
-                with self._lock:  # answered once copied: one round trip, no ack
-                    result = self._client.load_back(pending.node, pending.pages, lease=pending.lease,
-                                                    start_page=pending.local_blocks,
-                                                    engine_event=self.step_event(), wait=True)
-            else:
-                try:
-                    result = pending.answer.result(self.config.timeout_s)
-                except FutureTimeout:
-                    raise DeadlineExceeded(f"LoadBack: no answer within {self.config.timeout_s}s "
-                                           "(its blocks stay held until the daemon answers)") from None
-                if isinstance(result, RadixKVError):
-                    raise result
+                self._recover()
+                raise Unavailable("the session stream is down: the load was not sent")
+            try:
+                result = pending.answer.result(self.config.timeout_s)
+            except FutureTimeout:
+                raise DeadlineExceeded(f"LoadBack: no answer within {self.config.timeout_s}s "
+                                       "(its blocks stay held until the daemon answers)") from None
+            if isinstance(result, RadixKVError):
+                raise result
             self.wait_loaded(result.layer_events)
             return min(result.loaded_tokens // self.page_size, pending.want)
         except RadixKVError as e:
             log.warning("radixkv: load of %d pages failed: %s", pending.want, e)
             return 0
-
-    def start_load(self, node: int, block_ids, local_blocks: int, lease: int) -> tuple[int, int]:
-        """`load` without waiting: (transfer to wait for, 0 when nothing is copying; blocks
-        the copy fills once it succeeds). (0, 0) on failure (logged)."""
-        want = len(block_ids) - local_blocks
-        if want <= 0:
-            return 0, 0
-        try:
-            with self._lock:
-                result = self._client.load_back(node, array("i", block_ids[local_blocks:]), lease=lease,
-                                                start_page=local_blocks, engine_event=self.step_event())
-            if result.transfer and result.layer_events:
-                self._load_events[result.transfer] = result.layer_events
-            return result.transfer, min(result.loaded_tokens // self.page_size, want)
-        except RadixKVError as e:
-            log.warning("radixkv: load of %d pages failed: %s", want, e)
-            return 0, 0
-
-    def outcomes(self, transfers: Iterable[int]) -> dict[int, bool]:
-        """Of `transfers`, those acknowledged so far: {transfer: copied}. Never blocks."""
-        got = {}
-        for t in transfers:
-            try:
-                outcome = self._client.wait([t], timeout=0)[t]
-            except DeadlineExceeded:
-                continue
-            except RadixKVError as e:
-                log.warning("radixkv: transfer %d: %s", t, e)
-                got[t] = False
-                continue
-            if not outcome.ok:
-                log.warning("radixkv: load failed: %s", outcome.reason)
-            self.wait_loaded(self._load_events.pop(t, ()))
-            got[t] = outcome.ok
-        return got
 
     def save(self, tokens: bytes, block_ids, engine_event=None) -> int:
         """Start copying whole pages of `tokens` from `block_ids` to the daemon's host tier
@@ -315,6 +282,15 @@ class DaemonAdapter:
         transfers of the old session are gone; loads planned with them fail and vLLM
         recomputes, saves in flight count as over (the old daemon reads nothing more)."""
         log.warning("radixkv: %s", lost)
+
+    def _recover(self) -> None:
+        """One attempt at registering a lost session again, without waiting for its
+        backoff (the next load then goes on the stream); failures are left to later calls."""
+        try:
+            with self._lock:
+                self._client.reconnect(timeout=0)
+        except RadixKVError as e:
+            log.info("radixkv: the session is not back yet: %s", e)
 
     def _release(self, leases: list[int]) -> None:
         leases = [x for x in leases if x]
