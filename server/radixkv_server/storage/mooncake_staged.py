@@ -123,9 +123,9 @@ def _put_chunk(backend, store, buf, record: int, names: list[str], payloads: lis
     view = memoryview(buf)
     for i, payload in enumerate(payloads):
         at = i * record
-        page = memoryview(payload).cast("B")
-        view[at:at + HEADER_BYTES] = header(page)
-        view[at + HEADER_BYTES:at + record] = page
+        staged = view[at + HEADER_BYTES:at + record]
+        staged[:] = memoryview(payload).cast("B")
+        view[at:at + HEADER_BYTES] = header(staged)  # checksummed where the copy left it in cache
     base = buf.ctypes.data
     return backend._calls.run("put", store.batch_put_from, names, [base + i * record for i in range(len(names))],
                               [record] * len(names), backend._config())
