@@ -1,8 +1,11 @@
 """vLLM with radixkv: real vLLM (CPU build), the tiny random Llama, a real daemon. Time to
 first token (a generate with max_tokens=1) on one 2k-token prompt for: recompute (no
 cache), a hit in vLLM's own prefix cache (the baseline), a radixkv host hit (vLLM's prefix
-cache reset before each request, so the prefix comes from the daemon's host tier) and
-vLLM's ExampleConnector (safetensors files on disk, prefix cache reset likewise). Also the
+cache reset before each request, so the prefix comes from the daemon's host tier), a
+radixkv storage hit (two prompts in turn through a host tier that holds one, with file
+storage written through: each request's prefix comes from the page files, staged to host
+by the scheduler's lookup) and vLLM's ExampleConnector (safetensors files on disk, prefix
+cache reset likewise). Also the
 time vLLM's scheduler spends inside radixkv's scheduler-side connector methods per step,
 measured by a subclass of the connector that times them (the connector itself is not
 instrumented).
@@ -111,9 +114,9 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def _prompt(n: int) -> list[int]:
+def _prompt(n: int, seed: int = 12) -> list[int]:
     import random
-    rng = random.Random(12)
+    rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
@@ -126,23 +129,24 @@ def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t, out.num_cached_tokens or 0
 
 
-def _measure(model: str, kv_transfer_config: dict | None, prompt: list[int], rounds: int,
+def _measure(model: str, kv_transfer_config: dict | None, prompts: list[list[int]], rounds: int,
              reset: bool) -> tuple[list[float], int]:
-    """Start an engine, run `prompt` once to fill the caches, then `rounds` timed requests
-    (each after `reset_prefix_cache()` when `reset`). Returns the times and the cached
-    tokens vLLM reported on the last timed request."""
+    """Start an engine, run each of `prompts` once to fill the caches, then `rounds` timed
+    requests, the prompts in turn (each after `reset_prefix_cache()` when `reset`). Returns
+    the times and the cached tokens vLLM reported on the last timed request."""
     from vllm import LLM
     overrides = {"kv_transfer_config": kv_transfer_config} if kv_transfer_config else {}
     llm = LLM(**engine_args(model, **overrides))
     try:
-        _ttft(llm, prompt)  # fills vLLM's prefix cache and the connector's store
+        for prompt in prompts:
+            _ttft(llm, prompt)  # fills vLLM's prefix cache and the connector's store
         times, cached = [], 0
-        for _ in range(rounds):
+        for r in range(rounds):
             if reset:
                 _reset_prefix_cache(llm)
             _recording[0] = True
             try:
-                dt, cached = _ttft(llm, prompt)
+                dt, cached = _ttft(llm, prompts[r % len(prompts)])
             finally:
                 _recording[0] = False
             times.append(dt)
@@ -170,27 +174,37 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
     work = tempfile.mkdtemp(prefix="rkv-bench-vllm-")
     model = write_tiny_llama(f"{work}/model")
     prompt, passes = _prompt(PROMPT_TOKENS[mode]), PASSES[mode]
+    other = _prompt(PROMPT_TOKENS[mode], seed=13)
     rounds = ROUNDS[mode] // passes
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": f"{work}/example"}}
-    times = {c: [] for c in ("recompute", "vllm_prefix_hit", "example_connector", "radixkv_host_hit")}
+    times = {c: [] for c in ("recompute", "vllm_prefix_hit", "example_connector", "radixkv_host_hit",
+                             "radixkv_storage_hit")}
     cached = {}
     STEP_BLOCKED.clear()
     STEP_BUSY.clear()
     LOOKUP_WAIT.clear()
     for calls in (*WORKER_CALLS.values(), *SCHEDULER_CALLS.values()):
         calls.clear()
-    with DaemonProcess("--host-pool-size", "256MiB") as d:
+    with DaemonProcess("--host-pool-size", "256MiB") as d, \
+            DaemonProcess("--host-pool-size", "256MiB", "--storage", f"file://{work}/pages",
+                          "--storage-policy", "write_through") as stored:
         radixkv = {"kv_connector": "TimedRadixKVConnector", "kv_connector_module_path": "bench.vllm",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"target": d.unix, "namespace": "bench-tiny"}}
-        cases = {"recompute": (None, True), "vllm_prefix_hit": (None, False),
-                 "example_connector": (example, True), "radixkv_host_hit": (radixkv, True)}
+        blocks = -(-len(prompt) // BLOCK)  # a host tier of one prompt and a half: each request evicts the other
+        from_storage = {**radixkv, "kv_connector": "RadixKVConnector", "kv_connector_module_path": "radixkv.vllm",
+                        "kv_connector_extra_config": {"target": stored.unix, "namespace": "bench-storage",
+                                                      "host_pool_pages": blocks * 3 // 2}}
+        cases = {"recompute": (None, True, [prompt]), "vllm_prefix_hit": (None, False, [prompt]),
+                 "example_connector": (example, True, [prompt]), "radixkv_host_hit": (radixkv, True, [prompt]),
+                 "radixkv_storage_hit": (from_storage, True, [prompt, other])}
         for p in range(passes):  # every case in every pass: load changes spread over all cases
             progress(f"vllm: pass {p + 1}/{passes}, {len(prompt)}-token prompt, {rounds} requests per case")
             order = list(cases) if p % 2 == 0 else list(reversed(cases))
             for case in order:
-                ts, cached[case] = _measure(model, cases[case][0], prompt, rounds, reset=cases[case][1])
+                config, reset, prompts = cases[case]
+                ts, cached[case] = _measure(model, config, prompts, rounds, reset=reset)
                 times[case] += ts
     _report(sec, times, cached, len(prompt), passes)
     return sec
@@ -240,7 +254,7 @@ def _report(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -
     _profile(sec)
     sec.notes.append(
         f"One engine at a time (vLLM keeps one KV connector per process): {passes} passes over the "
-        "four cases, each pass starting every engine again, in alternating order, so load changes on "
+        "five cases, each pass starting every engine again, in alternating order, so load changes on "
         "the shared machine spread over all cases; the p90 column shows how noisy each case was.")
 
 

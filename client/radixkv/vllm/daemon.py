@@ -131,26 +131,38 @@ class DaemonAdapter:
 
     def lookup(self, prompts: list[bytes]) -> list[Hit]:
         """The host-tier hit of each prompt (packed tokens), leased: one batched Match
-        that also asks the storage tier; prompts with more in storage are staged to host
-        (Prefetch, waiting for it) and matched again. Runs on the scheduler's lookup
-        thread, never on vLLM's. A daemon that cannot answer gives misses."""
+        that also asks the storage tier; prompts with more in storage are staged (`stage`).
+        Runs on the scheduler's lookup thread, never on vLLM's. A daemon that cannot
+        answer gives misses."""
         if not prompts:
             return []
         try:
             results = self._match(prompts)
-            staged = [i for i, r in enumerate(results) if r.storage_tokens]
-            for i in staged:  # under the lock: one client, one recovery at a time
-                with self._lock:
-                    self._client.prefetch(prompts[i], policy="wait_complete")
-            if staged:
-                again = self._match([prompts[i] for i in staged])
-                self._release([results[i].lease for i in staged])
-                for i, r in zip(staged, again):
-                    results[i] = r
         except RadixKVError as e:
             log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
             return [MISS] * len(prompts)
-        return [hit_of(r) for r in results]
+        hits = [hit_of(r) for r in results]
+        staged = [i for i, r in enumerate(results) if r.storage_tokens]
+        if staged:
+            for i, hit in zip(staged, self.stage([prompts[i] for i in staged], [results[i] for i in staged])):
+                hits[i] = hit
+        return hits
+
+    def stage(self, prompts: list[bytes], found: list) -> list[Hit]:
+        """Prompts whose leased Match (`found`, one MatchResult each) says storage holds
+        more: fetched to host (Prefetch, waiting for it) and matched again, while `found`'s
+        leases keep the host part from eviction. Returns the new hits (leased) and releases
+        `found`'s leases; where the daemon cannot answer, `found`'s hits (leases kept)."""
+        try:
+            for p in prompts:  # under the lock: one client, one recovery at a time
+                with self._lock:
+                    self._client.prefetch(p, policy="wait_complete")
+            again = self._match(prompts)
+        except RadixKVError as e:
+            log.warning("radixkv: staging %d prompts from storage failed, host hits kept: %s", len(prompts), e)
+            return [hit_of(r) for r in found]
+        self.release([r.lease for r in found])
+        return [hit_of(r) for r in again]
 
     def start_lookup(self, prompts: list[bytes]) -> Future | None:
         """One batched Match of `prompts` (leased, asking storage too) sent on the session

@@ -9,8 +9,8 @@ a later ask gets the hit. That path takes no other thread: under vLLM's busy sch
 loop, which holds the GIL, every thread hop costs a GIL handover.
 
 This module's thread does what may block: releases, prompts whose Match says storage
-holds more (Prefetch, waiting for it, and Match again: `DaemonAdapter.lookup`), and
-batches that could not go on the stream (the stream's lock busy, the session lost: the
+holds more (Prefetch, waiting for it, and Match again: `DaemonAdapter.stage`, that first
+Match's lease kept meanwhile), and batches that could not go on the stream (the stream's lock busy, the session lost: the
 blocking Match recovers it) or whose Match failed there.
 
 A hit holds its lease until the caller takes it over (`take`, for a load whose ranks then
@@ -51,6 +51,7 @@ class Lookups:
         self._queued: dict[str, bytes] = {}  # asked this step, not sent yet
         self._sent: list[_Sent] = []  # on the stream, unanswered
         self._blocking: dict[str, bytes] = {}  # for the thread's blocking lookup
+        self._staging: dict[str, tuple] = {}  # for the thread to stage: (prompt, its MatchResult)
         self._inflight: set[str] = set()  # in a Match now (either way)
         self._hits: dict[str, Hit] = {}
         self._dropped: set[str] = set()  # dropped while its Match was in flight
@@ -130,7 +131,9 @@ class Lookups:
         self._thread.join(timeout=5)
         with self._cond:
             leases = [h.lease for h in self._hits.values()] + self._releases
+            leases += [result.lease for _, result in self._staging.values()]
             self._hits.clear()
+            self._staging.clear()
             self._releases = []
         self._adapter.release(leases)
         self._adapter.close()
@@ -153,8 +156,8 @@ class Lookups:
                 if abandoned:
                     self._release(result.lease)
                 elif result.storage_tokens:  # staged to host on the thread, matched again there
-                    self._release(result.lease)
-                    self._to_thread({req_id: tokens})
+                    self._staging[req_id] = (tokens, result)
+                    self._cond.notify()
                 else:
                     self._file(req_id, hit_of(result))
 
@@ -190,24 +193,35 @@ class Lookups:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._blocking and not self._releases and not self._closed:
+                while not (self._blocking or self._staging or self._releases or self._closed):
                     self._cond.wait()
                 if self._closed:
                     return
                 batch, self._blocking = self._blocking, {}
+                staging, self._staging = self._staging, {}
                 releases, self._releases = self._releases, []
             if releases:
                 self._adapter.release(releases)
-            if not batch:
-                continue
-            try:
-                hits = self._adapter.lookup(list(batch.values()))
-            except Exception:  # never let the thread die: vLLM would wait on None forever
-                log.exception("radixkv: lookup failed; %d requests get no hit", len(batch))
-                hits = [MISS] * len(batch)
-            with self._cond:
-                for req_id, hit in zip(batch, hits):
-                    self._file(req_id, hit)
+            if staging:
+                prompts = [p for p, _ in staging.values()]
+                found = [result for _, result in staging.values()]
+                self._run_lookup(list(staging), lambda: self._adapter.stage(prompts, found),
+                                 [result.lease for result in found])
+            if batch:
+                self._run_lookup(list(batch), lambda: self._adapter.lookup(list(batch.values())))
+
+    def _run_lookup(self, req_ids: list[str], lookup: Callable[[], list[Hit]], held: list[int] = ()) -> None:
+        """File the hits `lookup()` gives `req_ids`; misses if it raises (`held`: the
+        leases it would have released, released then)."""
+        try:
+            hits = lookup()
+        except Exception:  # never let the thread die: vLLM would wait on None forever
+            log.exception("radixkv: lookup failed; %d requests get no hit", len(req_ids))
+            self._adapter.release(list(held))
+            hits = [MISS] * len(req_ids)
+        with self._cond:
+            for req_id, hit in zip(req_ids, hits):
+                self._file(req_id, hit)
 
 
 __all__ = ["Lookups"]
