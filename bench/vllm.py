@@ -1,8 +1,9 @@
 """vLLM with radixkv: real vLLM (CPU build), the tiny random Llama, a real daemon. Time to
 first token (a generate with max_tokens=1) on one 2k-token prompt for: recompute (no
 cache), a hit in vLLM's own prefix cache (the baseline), a radixkv host hit (vLLM's prefix
-cache reset before each request, so the prefix comes from the daemon's host tier), a
-radixkv storage hit (two prompts in turn through a host tier that holds one, with file
+cache reset before each request, so the prefix comes from the daemon's host tier), the
+same hit with `async_loads` (vLLM parks the request while the daemon copies), a radixkv
+storage hit (two prompts in turn through a host tier that holds one, with file
 storage written through: each request's prefix comes from the page files, staged to host
 by the scheduler's lookup) and vLLM's ExampleConnector (safetensors files on disk, prefix
 cache reset likewise). Also the
@@ -179,7 +180,7 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": f"{work}/example"}}
     times = {c: [] for c in ("recompute", "vllm_prefix_hit", "example_connector", "radixkv_host_hit",
-                             "radixkv_storage_hit")}
+                             "radixkv_host_hit_async_load", "radixkv_storage_hit")}
     cached = {}
     STEP_BLOCKED.clear()
     STEP_BUSY.clear()
@@ -192,12 +193,16 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
         radixkv = {"kv_connector": "TimedRadixKVConnector", "kv_connector_module_path": "bench.vllm",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"target": d.unix, "namespace": "bench-tiny"}}
+        async_load = {**radixkv, "kv_connector": "RadixKVConnector", "kv_connector_module_path": "radixkv.vllm",
+                      "kv_connector_extra_config": {"target": d.unix, "namespace": "bench-async",
+                                                    "async_loads": True}}
         blocks = -(-len(prompt) // BLOCK)  # a host tier of one prompt and a half: each request evicts the other
         from_storage = {**radixkv, "kv_connector": "RadixKVConnector", "kv_connector_module_path": "radixkv.vllm",
                         "kv_connector_extra_config": {"target": stored.unix, "namespace": "bench-storage",
                                                       "host_pool_pages": blocks * 3 // 2}}
         cases = {"recompute": (None, True, [prompt]), "vllm_prefix_hit": (None, False, [prompt]),
                  "example_connector": (example, True, [prompt]), "radixkv_host_hit": (radixkv, True, [prompt]),
+                 "radixkv_host_hit_async_load": (async_load, True, [prompt]),
                  "radixkv_storage_hit": (from_storage, True, [prompt, other])}
         for p in range(passes):  # every case in every pass: load changes spread over all cases
             progress(f"vllm: pass {p + 1}/{passes}, {len(prompt)}-token prompt, {rounds} requests per case")
@@ -254,7 +259,7 @@ def _report(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -
     _profile(sec)
     sec.notes.append(
         f"One engine at a time (vLLM keeps one KV connector per process): {passes} passes over the "
-        "five cases, each pass starting every engine again, in alternating order, so load changes on "
+        "six cases, each pass starting every engine again, in alternating order, so load changes on "
         "the shared machine spread over all cases; the p90 column shows how noisy each case was.")
 
 

@@ -18,6 +18,7 @@ loads and saves (`radixkv.vllm.scheduler`). docs/vllm.md describes the mapping.
 
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -178,6 +179,11 @@ class RadixKVConnector(KVConnectorBase_V1):
             return None, None
         meta = self._meta()
         sending = self._saves.finished(finished_req_ids, meta.delayed if meta else ())
+        if self._receiving and not any(pending.answered for _, pending in self._receiving.values()):
+            # Hand the GIL over: vLLM's loop, stepping while these requests wait, holds it,
+            # and the stream's reader thread that carries the answers would get it only
+            # every switch interval (5 ms).
+            time.sleep(0)
         for req_id in [r for r, (_, pending) in self._receiving.items() if pending.answered]:
             spec, pending = self._receiving.pop(req_id)
             self._loads_over(spec, self._adapter.finish_load(pending))  # does not wait: answered
