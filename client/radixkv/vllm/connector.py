@@ -116,8 +116,10 @@ class RadixKVConnector(KVConnectorBase_V1):
             return
         for spec in meta.loads:
             if self.config.async_loads:  # answered in get_finished, once the daemon copied
-                self._receiving[spec.req_id] = (spec, self._adapter.begin_load(spec.node, spec.block_ids,
-                                                                               spec.local_blocks, spec.lease))
+                pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
+                self._receiving[spec.req_id] = (spec, pending)
+                if pending.late:  # held like a save: a request aborted meanwhile keeps its blocks
+                    self._saves.hold(spec.req_id, pending.answer)
                 continue
             pending = self._pending.pop(spec.req_id, None)
             if pending is None:
