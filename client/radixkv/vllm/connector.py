@@ -181,16 +181,22 @@ class RadixKVConnector(KVConnectorBase_V1):
             return None, None
         meta = self._meta()
         sending = self._saves.finished(finished_req_ids, meta.delayed if meta else ())
-        if self._receiving and not any(pending.answered for _, pending in self._receiving.values()):
+        answered = self._answered_loads()
+        if self._receiving and not answered:
             # Hand the GIL over: vLLM's loop, stepping while these requests wait, holds it,
             # and the stream's reader thread that carries the answers would get it only
             # every switch interval (5 ms).
             time.sleep(0)
-        for req_id in [r for r, (_, pending) in self._receiving.items() if pending.answered]:
+            answered = self._answered_loads()
+        for req_id in answered:
             spec, pending = self._receiving.pop(req_id)
             self._loads_over(spec, self._adapter.finish_load(pending))  # does not wait: answered
         recving, self._recv_done = self._recv_done, set()
         return sending or None, recving or None
+
+    def _answered_loads(self) -> list[str]:
+        """Requests whose asynchronous load `finish_load` would not wait for (answered, or never sent)."""
+        return [r for r, (_, pending) in self._receiving.items() if not pending.late]
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         results = super().get_transfer_results(finished_req_ids)

@@ -65,11 +65,6 @@ class PendingLoad:
         most): it stopped waiting, and the daemon may write the blocks until `answer` completes."""
         return self.answer is not None and not self.answer.done()
 
-    @property
-    def answered(self) -> bool:
-        """`finish_load` would not wait: the daemon answered, or the load was never sent."""
-        return not self.late
-
 
 def hit_of(result) -> Hit:
     """A lookup's hit from its MatchResult: the host tokens every rank's shard is in."""

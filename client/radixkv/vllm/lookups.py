@@ -10,8 +10,8 @@ loop, which holds the GIL, every thread hop costs a GIL handover.
 
 This module's thread does what may block: releases, prompts whose Match says storage
 holds more (Prefetch, waiting for it, and Match again: `DaemonAdapter.stage`, that first
-Match's lease kept meanwhile), and batches that could not go on the stream (the stream's lock busy, the session lost: the
-blocking Match recovers it) or whose Match failed there.
+Match's lease kept meanwhile), and batches that could not go on the stream (the stream's
+lock busy, the session lost: the blocking Match recovers it) or whose Match failed there.
 
 A hit holds its lease until the caller takes it over (`take`, for a load whose ranks then
 report back) or drops it (`drop`: not loaded, finished, aborted). `drop` is idempotent and
