@@ -254,8 +254,8 @@ def _report(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -
         f"{len(steps) / max(1, len(times['radixkv_host_hit'])):.0f} steps per request here. "
         f"Of them, the {len(busy)} steps that scheduled tokens (a forward other requests wait for): "
         f"p50 {fmt(percentile(busy, 50))} us, p99 {fmt(percentile(busy, 99))} us; the "
-        f"{len(steps) - len(busy)} idle ones (nothing to run: the connector hands the GIL to the threads "
-        "carrying its Match there, which the step's time includes) make up the rest.")
+        f"{len(steps) - len(busy)} idle ones (nothing to run but the connector's loop passes: the step "
+        "that sends a Match writes it, a later one reads the answer) make up the rest.")
     _profile(sec)
     sec.notes.append(
         f"One engine at a time (vLLM keeps one KV connector per process): {passes} passes over the "

@@ -19,6 +19,7 @@ from radixkv.vllm.config import ConnectorConfig
 from radixkv.vllm.daemon import DaemonAdapter
 from radixkv.vllm.layouts import describe_views
 from radixkv.vllm.registration import register_worker
+from tests.vllm.scheduler_session import SchedulerSession
 
 pytestmark = pytest.mark.gpu
 
@@ -51,12 +52,12 @@ def test_vllm_cuda_kv_saves_and_loads_back_exactly(gpu_daemon, device, kind):
     raw, views = vllm_views(device, kind)
     config = ConnectorConfig(target=d.target, namespace=f"vllm-cuda-{kind}", timeout_s=60.0)
     worker = DaemonAdapter(config, engine="test worker")
-    scheduler = DaemonAdapter(config, engine="test scheduler", role="scheduler")
+    scheduler = None
     try:
         register_worker(worker, views, TOKENS)
         assert worker.cuda_device == device
         layout = describe_views({k: v.cpu() for k, v in views.items()}, TOKENS, lambda n, t: (b"", 0)).layout
-        scheduler.attach(layout)
+        scheduler = SchedulerSession(config, layout)
         gen = torch.Generator(device=f"cuda:{device}").manual_seed(0)
         # The writes queue behind ~0.1 s of GPU work, far longer than the Insert RPC: a save
         # that did not wait on the engine event would read the blocks before they are written.
@@ -82,6 +83,7 @@ def test_vllm_cuda_kv_saves_and_loads_back_exactly(gpu_daemon, device, kind):
             [ns] = c.stats(config.namespace).namespaces
             assert ns.device_pages_held == 0 and c.check_invariants(config.namespace) == []
     finally:
-        scheduler.close()
+        if scheduler is not None:
+            scheduler.close()
         worker.close()
     del raw

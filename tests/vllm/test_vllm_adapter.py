@@ -20,6 +20,7 @@ from radixkv.vllm.metadata import RadixKVWorkerMetadata
 from radixkv.vllm.saves import Saves
 from radixkv.vllm.scheduler import SchedulerSide
 from tests.support.daemon import wait_for
+from tests.vllm.scheduler_session import SchedulerSession
 
 BLOCKS, LAYERS, HEADS, TOKENS, CONTENT = 16, 2, 2, 32, 16  # CONTENT: float32 per token and head
 SAVED = torch.arange(3, 3 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()  # a 2-page prompt
@@ -106,8 +107,7 @@ def open_sessions(shm_kv, daemon, timeout_s: float = 5.0):
     config = ConnectorConfig(target=daemon.target, namespace="unit", timeout_s=timeout_s)
     adapter = DaemonAdapter(config, engine="test")
     adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
-    scheduler = DaemonAdapter(config, engine="test scheduler", role="scheduler")
-    scheduler.attach(memory.layout)
+    scheduler = SchedulerSession(config, memory.layout)
     try:
         for layer, v in enumerate(views.values()):
             v[1].fill_(10 + layer)
@@ -217,6 +217,39 @@ def test_a_load_the_stream_cannot_carry_is_not_sent_and_the_session_comes_back(s
         scheduler.release([hits[0].lease])
 
 
+def test_lookups_answer_over_steps_and_release_without_another_step(sessions, daemon):
+    """The scheduler's lookups: the first ask answers None, the step's end sends the
+    Match, a later step's ask gets the leased hit. A dropped hit's lease, and the lease of
+    a hit dropped while its Match was in flight, reach the daemon though no step follows
+    (an engine whose last request just finished)."""
+    _, _, scheduler = sessions
+    lookups = Lookups.open(scheduler.config, scheduler.layout, engine="test lookups", tp_size=1, instance="")
+    try:
+        assert lookups.poll("r", lambda: SAVED) is None
+        deadline = time.monotonic() + 10
+        while (hit := lookups.poll("r", lambda: SAVED)) is None:  # one scheduler step each
+            assert time.monotonic() < deadline, "the lookup never landed"
+            lookups.send()
+        assert hit.tokens == 2 * TOKENS and hit.lease
+        assert leases(daemon) == 1
+        lookups.drop("r")
+        wait_for(lambda: leases(daemon) == 0, 10, "the dropped hit's lease released")
+        assert lookups.poll("gone", lambda: SAVED) is None
+        lookups.send()
+        lookups.drop("gone")  # its Match is on its way
+        with Client(daemon.target) as c:
+            wait_for(lambda: c.stats("unit").namespaces[0].counters["match_requests"] >= 2, 10, "the second Match served")
+        wait_for(lambda: leases(daemon) == 0, 10, "the in-flight hit's lease released when it landed")
+    finally:
+        lookups.close()
+
+
+def leases(daemon) -> int:
+    with Client(daemon.target) as c:
+        [ns] = c.stats("unit").namespaces
+        return ns.leases
+
+
 def _step(**changes) -> SimpleNamespace:
     """A scheduler output that schedules nothing, with `changes`."""
     step = dict(total_num_scheduled_tokens=0, preempted_req_ids=(), scheduled_new_reqs=[],
@@ -244,7 +277,8 @@ def test_a_request_finished_before_its_load_is_reported_keeps_its_blocks(session
     reports: a load not yet reported by every rank (one of them may hold it) keeps the
     blocks until the workers list the request. The lookup is real (the scheduler's session)."""
     _, _, scheduler = sessions
-    side = SchedulerSide(TOKENS, 2, Lookups(scheduler), lambda: None)
+    side = SchedulerSide(TOKENS, 2, Lookups.open(scheduler.config, scheduler.layout, engine="test lookups",
+                                                 tp_size=1, instance=""), lambda: None)
     try:
         tokens = list(range(3, 3 + 2 * TOKENS + 1))  # SAVED and one token more
         request = SimpleNamespace(request_id="r", num_tokens=len(tokens), all_token_ids=tokens,

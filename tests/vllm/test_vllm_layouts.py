@@ -16,6 +16,7 @@ from radixkv.vllm.registration import register_worker
 from radixkv.vllm.daemon import DaemonAdapter
 from radixkv.vllm.kvmemory import ShmAllocation, layout_from_spec
 from radixkv.vllm.layouts import block_dim, describe_views
+from tests.vllm.scheduler_session import SchedulerSession
 
 BLOCKS, LAYERS, HEADS, TOKENS, HEAD = 6, 3, 2, 16, 8
 
@@ -135,8 +136,7 @@ def test_flash_attention_pages_round_trip_through_a_daemon(daemon):
     adapter = DaemonAdapter(config, engine="test")
     try:
         register_worker(adapter, views, TOKENS, alloc)
-        scheduler = DaemonAdapter(config, engine="test scheduler", role="scheduler")
-        scheduler.attach(describe_views(views, TOKENS, lambda n, t: (b"", 0)).layout)
+        scheduler = SchedulerSession(config, describe_views(views, TOKENS, lambda n, t: (b"", 0)).layout)
         try:
             for layer, v in enumerate(views.values()):
                 for i in (1, 2):

@@ -262,14 +262,8 @@ class RadixKVConnector(KVConnectorBase_V1):
         except (AttributeError, ValueError) as e:
             log.warning("radixkv: no scheduler session (%s): every lookup is a miss", e)
             return None
-        adapter = DaemonAdapter(self.config, engine=f"vllm pid {os.getpid()} scheduler", tp_size=self.tp_size,
-                                instance=self._kv_transfer_config.engine_id or "", role="scheduler")
-        try:
-            adapter.attach(layout)
-        except BaseException:
-            adapter.close()
-            raise
-        return Lookups(adapter)
+        return Lookups.open(self.config, layout, engine=f"vllm pid {os.getpid()} scheduler", tp_size=self.tp_size,
+                            instance=self._kv_transfer_config.engine_id or "")
 
     def _meta(self) -> RadixKVMetadata | None:
         meta = self._connector_metadata

@@ -1,12 +1,14 @@
-"""Every daemon call the vLLM connector makes, in one place.
+"""A vLLM worker's daemon session (`DaemonAdapter`), and what every session of the
+connector shares: its registration options and the lookup's `Hit`.
 
 vLLM owns its blocks and its prefix cache, so the connector registers in an
 *engine-managed* namespace (docs/vllm.md): the daemon keeps host and storage tiers only,
 touches a vLLM block only during a transfer the connector asked for (an Insert copies the
 blocks to host, a LoadBack copies host pages into blocks vLLM allocated) and never keeps
 one. Any number of sessions share the namespace: each engine's scheduler (role
-"scheduler": lookups with leases, no buffers), every tensor-parallel rank (role "engine",
-`tp_rank`/`tp_size`, each page sharded over the ranks) and other engines of the model.
+"scheduler": lookups with leases, no buffers; `radixkv.vllm.lookups`), every
+tensor-parallel rank (role "engine", `tp_rank`/`tp_size`, each page sharded over the
+ranks) and other engines of the model.
 
 Failures never reach vLLM as exceptions after startup: a lookup that fails is a miss, a
 load that fails loads nothing (vLLM recomputes), a save that fails is skipped; each is
@@ -66,22 +68,30 @@ class PendingLoad:
         return self.answer is not None and not self.answer.done()
 
 
+def register_options(config: ConnectorConfig, *, engine: str, role: str, tp_rank: int = 0, tp_size: int = 1,
+                     instance: str = "") -> dict:
+    """The `register` options every session of the connector sends (worker or scheduler):
+    an engine-managed namespace, the session's role and rank, the configured pool."""
+    return dict(host_pool_pages=config.host_pool_pages, replace_existing=config.replace_existing,
+                engine=engine, model=config.model, device_tier="engine_managed", role=role,
+                tp_rank=tp_rank, tp_size=tp_size, instance=instance)
+
+
 def hit_of(result) -> Hit:
     """A lookup's hit from its MatchResult: the host tokens every rank's shard is in."""
     return Hit(result.complete_tokens, result.host_node, result.lease)
 
 
 class DaemonAdapter:
-    """One session on the daemon: a worker's (role "engine") or the scheduler's (role
-    "scheduler"). Thread-safe: one lock serialises the blocking calls on the shared
-    client; calls started on the session stream (lookups, loads begun early) and waiting
-    for acks take no lock."""
+    """A worker's session on the daemon (role "engine": one tensor-parallel rank).
+    Thread-safe: one lock serialises the blocking calls on the shared client; calls
+    started on the session stream (loads begun early) and waiting for acks take no lock."""
 
     def __init__(self, config: ConnectorConfig, engine: str, tp_rank: int = 0, tp_size: int = 1,
-                 instance: str = "", role: str = "engine"):
+                 instance: str = ""):
         self.config = config
         self.engine = engine
-        self.tp_rank, self.tp_size, self.instance, self.role = tp_rank, tp_size, instance, role
+        self.tp_rank, self.tp_size, self.instance = tp_rank, tp_size, instance
         self.page_size = 0
         self.cuda_device: int | None = None  # vLLM's GPU when its KV cache is on CUDA
         self._client = Client(config.target, timeout=config.timeout_s, stream=True,
@@ -92,8 +102,7 @@ class DaemonAdapter:
 
     def attach(self, layout: KvLayout, buffers: Iterable = (), num_blocks: int = 0, *,
                cuda_device: int | None = None, device_uuid: str = "") -> None:
-        """Register: a worker with its KV memory's buffers and block count, the scheduler
-        with the layout alone. `cuda_device` (vLLM's KV cache on CUDA): backend "cuda",
+        """Register with the KV memory's buffers and block count. `cuda_device` (vLLM's KV cache on CUDA): backend "cuda",
         buffers exported by IPC handle (`cudamemory.export`, re-exported for each
         re-registration), the GPU named by `device_uuid`; copies are then ordered after
         vLLM's stream with events. Raises RuntimeError with the daemon's reason when the
@@ -104,17 +113,16 @@ class DaemonAdapter:
             self._client.register(
                 cfg.namespace, layout, buffers if hasattr(buffers, "fresh") else list(buffers), num_blocks,
                 backend="shm" if cuda_device is None else "cuda", device=cuda_device or 0,
-                device_uuid=device_uuid,
-                host_pool_pages=cfg.host_pool_pages, replace_existing=cfg.replace_existing,
-                engine=self.engine, model=cfg.model, device_tier="engine_managed", role=self.role,
-                tp_rank=self.tp_rank, tp_size=self.tp_size, instance=self.instance)
+                device_uuid=device_uuid, **register_options(cfg, engine=self.engine, role="engine",
+                                                            tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                                            instance=self.instance))
         except RadixKVError as e:
-            raise RuntimeError(f"radixkv: cannot register vLLM's {self.role} with the daemon at "
+            raise RuntimeError(f"radixkv: cannot register vLLM's worker (rank {self.tp_rank}) with the daemon at "
                                f"{cfg.target} (namespace {cfg.namespace!r}): {e}") from None
         self.page_size = layout.page_size
         self.cuda_device = cuda_device
-        log.info("radixkv: %s registered (%d blocks x %d layers) with %s, namespace %r",
-                 self.role, num_blocks, layout.num_layers, cfg.target, cfg.namespace)
+        log.info("radixkv: worker rank %d registered (%d blocks x %d layers) with %s, namespace %r",
+                 self.tp_rank, num_blocks, layout.num_layers, cfg.target, cfg.namespace)
 
     def close(self) -> None:
         """End the session (the daemon finishes its copies first and then no longer
@@ -122,66 +130,7 @@ class DaemonAdapter:
         with self._lock:
             self._client.close()
 
-    # -- scheduler session -------------------------------------------------------------
-
-    def lookup(self, prompts: list[bytes]) -> list[Hit]:
-        """The host-tier hit of each prompt (packed tokens), leased: one batched Match
-        that also asks the storage tier; prompts with more in storage are staged (`stage`).
-        Runs on the scheduler's lookup thread, never on vLLM's. A daemon that cannot
-        answer gives misses."""
-        if not prompts:
-            return []
-        try:
-            results = self._match(prompts)
-        except RadixKVError as e:
-            log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
-            return [MISS] * len(prompts)
-        hits = [hit_of(r) for r in results]
-        staged = [i for i, r in enumerate(results) if r.storage_tokens]
-        if staged:
-            for i, hit in zip(staged, self.stage([prompts[i] for i in staged], [results[i] for i in staged])):
-                hits[i] = hit
-        return hits
-
-    def stage(self, prompts: list[bytes], found: list) -> list[Hit]:
-        """Prompts whose leased Match (`found`, one MatchResult each) says storage holds
-        more: fetched to host (Prefetch, waiting for it) and matched again, while `found`'s
-        leases keep the host part from eviction. Returns the new hits (leased) and releases
-        `found`'s leases; where the daemon cannot answer, `found`'s hits (leases kept)."""
-        try:
-            for p in prompts:  # under the lock: one client, one recovery at a time
-                with self._lock:
-                    self._client.prefetch(p, policy="wait_complete")
-            again = self._match(prompts)
-        except RadixKVError as e:
-            log.warning("radixkv: staging %d prompts from storage failed, host hits kept: %s", len(prompts), e)
-            return [hit_of(r) for r in found]
-        self.release([r.lease for r in found])
-        return [hit_of(r) for r in again]
-
-    def start_lookup(self, prompts: list[bytes]) -> Future | None:
-        """One batched Match of `prompts` (leased, asking storage too) sent on the session
-        stream without waiting: a Future of the MatchResults or the call's RadixKVError.
-        None when it cannot go that way now (the session is lost): `lookup` it instead.
-        Never blocks, and takes no lock: the stream is thread-safe, and a blocking call
-        in flight (a release) must not hold it up; if a recovery registers again
-        meanwhile, the Match fails and the caller looks up again."""
-        try:
-            return self._client.start_match(prompts, lease=True, include_storage=True)
-        except RadixKVError:
-            return None
-
-    def _match(self, prompts: list[bytes]):
-        with self._lock:
-            return self._client.match(prompts, lease=True, include_storage=True)
-
-    def release(self, leases: list[int]) -> None:
-        """Release lookup leases (0s skipped); failures are logged (the daemon releases a
-        lost session's leases itself)."""
-        with self._lock:
-            self._release(leases)
-
-    # -- worker (engine) session -------------------------------------------------------
+    # -- loads and saves -------------------------------------------------------------
 
     def load(self, node: int, block_ids, local_blocks: int, lease: int) -> int:
         """Copy the complete host pages of `node`'s path after the first `local_blocks`
@@ -299,13 +248,5 @@ class DaemonAdapter:
         except RadixKVError as e:
             log.info("radixkv: the session is not back yet: %s", e)
 
-    def _release(self, leases: list[int]) -> None:
-        leases = [x for x in leases if x]
-        if leases:
-            try:
-                self._client.release(leases)
-            except RadixKVError as e:
-                log.warning("radixkv: releasing %d leases failed: %s", len(leases), e)
 
-
-__all__ = ["DaemonAdapter", "Hit", "MISS"]
+__all__ = ["DaemonAdapter", "Hit", "MISS", "hit_of", "register_options"]

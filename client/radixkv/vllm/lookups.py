@@ -3,225 +3,209 @@
 vLLM asks `get_num_new_matched_tokens` for a waiting request, possibly several times.
 The first ask queues its prompt here and answers None ("ask again next step"). At the
 end of the scheduler step (`send`, from build_connector_meta) whatever was asked goes
-out in one batched Match with leases on the session stream, sent from the scheduler's
-thread without waiting for the answer; the stream's reader thread files the answers, so
-a later ask gets the hit. That path takes no other thread: under vLLM's busy scheduler
-loop, which holds the GIL, every thread hop costs a GIL handover.
+out in one batched Match with leases on the session stream; a later ask gets the hit.
 
-This module's thread does what may block: releases, prompts whose Match says storage
-holds more (Prefetch, waiting for it, and Match again: `DaemonAdapter.stage`, that first
-Match's lease kept meanwhile), and batches that could not go on the stream (the stream's
-lock busy, the session lost: the blocking Match recovers it) or whose Match failed there.
+The session is an `AsyncClient` on the connector's own event loop, which the scheduler's
+calls run in short passes (`radixkv.vllm.pump`): `send` writes the Match in one, and the
+first ask of the next step reads what landed in another, both on the scheduler's thread,
+tens of microseconds each and no thread in between. A prompt whose Match says storage
+holds more is staged meanwhile (Prefetch, waiting for it, and Match again, that first
+Match's lease kept until then), as a task on the same loop. A Match that fails, or stays
+unanswered past the session's timeout, gives misses; the next one registers a lost
+session again.
 
 A hit holds its lease until the caller takes it over (`take`, for a load whose ranks then
 report back) or drops it (`drop`: not loaded, finished, aborted). `drop` is idempotent and
-also covers a lookup still queued or in flight (its lease is released when it lands). A
-Match on the stream unanswered after the session's timeout gives misses; its late answer's
-leases are released.
+also covers a lookup still queued or in flight (its lease is released when it lands).
+Releases go out in the next pass (the watchdog's within a few milliseconds when the
+engine stops stepping).
 """
 
+import asyncio
 import logging
-import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import Future
 
+from radixkv.aio import AsyncClient
 from radixkv.errors import RadixKVError
+from radixkv.layout import KvLayout
 
-from .daemon import MISS, DaemonAdapter, Hit, hit_of
+from .config import ConnectorConfig
+from .daemon import MISS, Hit, hit_of, register_options
+from .pump import LoopPump
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
 
-class _Sent:
-    """A batch on the stream: request id -> packed prompt, and when it went out."""
-
-    def __init__(self, batch: dict[str, bytes]):
-        self.batch = batch
-        self.at = time.monotonic()
-
-
 class Lookups:
-    """Batched, asynchronous Match per request id on the scheduler's session."""
+    """Batched, asynchronous Match per request id on the scheduler's session. Every
+    table is guarded by the pump's lock, which the loop's passes hold."""
 
-    def __init__(self, adapter: DaemonAdapter):
-        self._adapter = adapter
-        self._timeout = adapter.config.timeout_s  # a Match on the stream unanswered this long: misses
-        self._cond = threading.Condition()
+    def __init__(self, pump: LoopPump, client: AsyncClient):
+        self._pump = pump
+        self._client = client
         self._queued: dict[str, bytes] = {}  # asked this step, not sent yet
-        self._sent: list[_Sent] = []  # on the stream, unanswered
-        self._blocking: dict[str, bytes] = {}  # for the thread's blocking lookup
-        self._staging: dict[str, tuple] = {}  # for the thread to stage: (prompt, its MatchResult)
-        self._inflight: set[str] = set()  # in a Match now (either way)
+        self._inflight: set[str] = set()  # in a Match (or staging) now
         self._hits: dict[str, Hit] = {}
         self._dropped: set[str] = set()  # dropped while its Match was in flight
-        self._releases: list[int] = []  # leases to release on the thread
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="radixkv-lookups", daemon=True)
-        self._thread.start()
+        self._releases: list[int] = []  # leases for the next Release
+        self._steps = 0  # build_connector_meta calls so far
+        self._read_at = -1  # the step whose answers were last read
 
-    def poll(self, req_id: str, tokens: Callable[[], bytes], idle: bool = False) -> Hit | None:
+    @classmethod
+    def open(cls, config: ConnectorConfig, layout: KvLayout, *, engine: str, tp_size: int,
+             instance: str) -> "Lookups":
+        """Register the scheduler's session (role "scheduler": Match and Release, no
+        buffers) with the layout the workers register. Raises RuntimeError (vLLM fails to
+        start) when the daemon is unreachable within connect_timeout_s or refuses."""
+        pump = LoopPump()
+
+        async def attach() -> AsyncClient:
+            client = AsyncClient(config.target, timeout=config.timeout_s, stream=True)
+            try:
+                await client.wait_ready(config.connect_timeout_s)
+                await client.register(config.namespace, layout, [], 0,
+                                      **register_options(config, engine=engine, role="scheduler",
+                                                         tp_size=tp_size, instance=instance))
+            except BaseException:
+                await client.close()
+                raise
+            return client
+
+        try:
+            client = pump.run(attach())
+        except RadixKVError as e:
+            pump.close()
+            raise RuntimeError(f"radixkv: cannot register vLLM's scheduler with the daemon at {config.target} "
+                               f"(namespace {config.namespace!r}): {e}") from None
+        log.info("radixkv: scheduler registered with %s, namespace %r", config.target, config.namespace)
+        return cls(pump, client)
+
+    def poll(self, req_id: str, tokens) -> Hit | None:
         """The hit for `req_id` (the same one on every call until taken or dropped), or
         None while its lookup is queued or in flight (the first call queues `tokens()`,
-        the prompt's packed tokens, called only then; `send` sends it). `idle`: the
-        engine runs nothing else, so handing the GIL over delays no one."""
-        with self._cond:
-            self._expire()
+        the prompt's packed tokens, called only then; `send` sends it). The first call of
+        a step with lookups in flight reads the answers that landed."""
+        if self._inflight and self._read_at != self._steps:
+            self._read_at = self._steps
+            self._pump.tick()
+        with self._pump.lock:
             hit = self._hits.get(req_id)
-            in_flight = req_id in self._inflight
-            if hit is None and not in_flight and req_id not in self._queued:
+            if hit is None and req_id not in self._inflight and req_id not in self._queued:
                 self._queued[req_id] = tokens()
-        if hit is None and idle and in_flight:
-            # Hand the GIL over: an engine stepping with nothing to run holds it otherwise,
-            # and the threads that carry the Match would get it only every switch interval
-            # (5 ms). A step with a forward releases it in torch anyway. Not while the
-            # lookup is only queued: its Match goes out at the end of this step, and the
-            # GIL would go to other work (the last request's releases) for nothing.
-            time.sleep(0)
-            with self._cond:  # the answer often lands just then, on the stream's reader thread
-                hit = self._hits.get(req_id)
         return hit
 
     def send(self) -> None:
-        """End of a scheduler step: what was asked goes out in one Match on the stream
-        (never waits), or to the thread when the stream cannot take it now."""
-        with self._cond:
-            if not self._queued:
-                return
+        """End of a scheduler step: what was asked goes out in one Match (and what was
+        released in one Release), written now."""
+        self._steps += 1
+        with self._pump.lock:
             batch, self._queued = self._queued, {}
             self._inflight.update(batch)
-        future = self._adapter.start_lookup(list(batch.values()))
-        with self._cond:
-            if future is None:
-                self._to_thread(batch)
+            if batch:
+                self._pump.spawn(self._lookup(batch))
+            elif not self._releases:
                 return
-            sent = _Sent(batch)
-            self._sent.append(sent)
-        future.add_done_callback(lambda f: self._landed(sent, f))
+        self._pump.tick()
 
     def take(self, req_id: str) -> Hit:
         """Forget `req_id`'s hit without releasing it: the caller now owns its lease
         (`release` it later). MISS when there is none."""
-        with self._cond:
+        with self._pump.lock:
             return self._hits.pop(req_id, MISS)
 
     def drop(self, req_id: str) -> None:
         """Forget `req_id` and release its lease, now or when its Match lands (idempotent)."""
-        with self._cond:
+        with self._pump.lock:
             hit = self._hits.pop(req_id, None)
             self._queued.pop(req_id, None)
             if req_id in self._inflight:
                 self._dropped.add(req_id)
-            if hit is not None and hit.lease:
-                self._release(hit.lease)
+            if hit is not None:
+                self.release(hit.lease)
 
     def release(self, lease: int) -> None:
-        """Release a lease taken over with `take` (on the thread)."""
+        """Release a lease taken over with `take` (in the next pass; 0 is ignored)."""
         if lease:
-            with self._cond:
-                self._release(lease)
+            with self._pump.lock:
+                if not self._releases and self._client is not None:
+                    self._pump.spawn(self._release_soon())
+                self._releases.append(lease)
 
     def close(self) -> None:
-        """Stop the thread, release every lease still held, end the session (the daemon
-        releases the leases of answers still on their way with it). Idempotent."""
-        with self._cond:
-            self._closed = True
-            self._sent.clear()
-            self._cond.notify()
-        self._thread.join(timeout=5)
-        with self._cond:
-            leases = [h.lease for h in self._hits.values()] + self._releases
-            leases += [result.lease for _, result in self._staging.values()]
-            self._hits.clear()
-            self._staging.clear()
-            self._releases = []
-        self._adapter.release(leases)
-        self._adapter.close()
-
-    # -- under the condition -----------------------------------------------------------
-
-    def _landed(self, sent: _Sent, future: Future) -> None:
-        """A Match on the stream answered (on the stream's reader thread)."""
-        results = future.result()
-        with self._cond:
-            abandoned = sent not in self._sent
-            if not abandoned:
-                self._sent.remove(sent)
-            if isinstance(results, RadixKVError):
-                if not abandoned:
-                    log.warning("radixkv: lookup on the session stream failed (%s); trying again", results)
-                    self._to_thread(sent.batch)
+        """Release every lease still held and end the session (the daemon releases the
+        leases of answers still on their way with it), then stop the loop. Idempotent."""
+        with self._pump.lock:
+            if self._client is None:
                 return
-            for (req_id, tokens), result in zip(sent.batch.items(), results):
-                if abandoned:
-                    self._release(result.lease)
-                elif result.storage_tokens:  # staged to host on the thread, matched again there
-                    self._staging[req_id] = (tokens, result)
-                    self._cond.notify()
-                else:
-                    self._file(req_id, hit_of(result))
+            leases = [h.lease for h in self._hits.values() if h.lease] + self._releases
+            self._hits.clear()
+            self._releases = []
+            client, self._client = self._client, None
 
-    def _expire(self) -> None:
-        """Matches on the stream unanswered for longer than the timeout give misses."""
-        now = time.monotonic()
-        for sent in [s for s in self._sent if now - s.at > self._timeout]:
-            self._sent.remove(sent)
-            log.warning("radixkv: lookup of %d prompts unanswered after %gs, treated as misses",
-                        len(sent.batch), self._timeout)
-            for req_id in sent.batch:
-                self._file(req_id, MISS)
+        async def end() -> None:
+            try:
+                if leases:
+                    await client.release(leases)
+            except RadixKVError as e:
+                log.warning("radixkv: releasing %d leases at close failed: %s", len(leases), e)
+            await client.close()
+
+        try:
+            self._pump.run(end(), timeout=2 * self._timeout(client))
+        except (RadixKVError, TimeoutError) as e:
+            log.warning("radixkv: closing the scheduler's session: %s", e)
+        self._pump.close()
+
+    # -- tasks on the loop (in passes: the pump's lock is held) ------------------------
+
+    async def _lookup(self, batch: dict[str, bytes]) -> None:
+        prompts = list(batch.values())
+        try:
+            results = await self._client.match(prompts, lease=True, include_storage=True)
+        except RadixKVError as e:
+            log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
+            results = [None] * len(prompts)
+        staging = []
+        for (req_id, prompt), result in zip(batch.items(), results):
+            if result is not None and result.storage_tokens:
+                staging.append(self._stage(req_id, prompt, result))
+            else:
+                self._file(req_id, MISS if result is None else hit_of(result))
+        if staging:
+            await asyncio.gather(*staging)
+
+    async def _stage(self, req_id: str, prompt: bytes, found) -> None:
+        """A prompt with more in storage: fetched to host (Prefetch, waiting for it) and
+        matched again while `found`'s lease keeps the host part; where the daemon cannot
+        answer, `found`'s hit (lease kept)."""
+        try:
+            await self._client.prefetch(prompt, policy="wait_complete")
+            [again] = await self._client.match([prompt], lease=True, include_storage=True)
+        except RadixKVError as e:
+            log.warning("radixkv: staging a prompt from storage failed, its host hit kept: %s", e)
+            self._file(req_id, hit_of(found))
+            return
+        self.release(found.lease)
+        self._file(req_id, hit_of(again))
+
+    async def _release_soon(self) -> None:
+        """One Release of every lease released before this task ran."""
+        leases, self._releases = self._releases, []
+        try:
+            await self._client.release(leases)
+        except RadixKVError as e:
+            log.warning("radixkv: releasing %d leases failed: %s", len(leases), e)
 
     def _file(self, req_id: str, hit: Hit) -> None:
         self._inflight.discard(req_id)
         if req_id in self._dropped:
             self._dropped.discard(req_id)
-            self._release(hit.lease)
+            self.release(hit.lease)
         else:
             self._hits[req_id] = hit
 
-    def _to_thread(self, batch: dict[str, bytes]) -> None:
-        self._blocking.update(batch)
-        self._cond.notify()
-
-    def _release(self, lease: int) -> None:
-        if lease:
-            self._releases.append(lease)
-            self._cond.notify()
-
-    # -- the thread --------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._blocking or self._staging or self._releases or self._closed):
-                    self._cond.wait()
-                if self._closed:
-                    return
-                batch, self._blocking = self._blocking, {}
-                staging, self._staging = self._staging, {}
-                releases, self._releases = self._releases, []
-            if releases:
-                self._adapter.release(releases)
-            if staging:
-                prompts = [p for p, _ in staging.values()]
-                found = [result for _, result in staging.values()]
-                self._run_lookup(list(staging), lambda: self._adapter.stage(prompts, found),
-                                 [result.lease for result in found])
-            if batch:
-                self._run_lookup(list(batch), lambda: self._adapter.lookup(list(batch.values())))
-
-    def _run_lookup(self, req_ids: list[str], lookup: Callable[[], list[Hit]], held: list[int] = ()) -> None:
-        """File the hits `lookup()` gives `req_ids`; misses if it raises (`held`: the
-        leases it would have released, released then)."""
-        try:
-            hits = lookup()
-        except Exception:  # never let the thread die: vLLM would wait on None forever
-            log.exception("radixkv: lookup failed; %d requests get no hit", len(req_ids))
-            self._adapter.release(list(held))
-            hits = [MISS] * len(req_ids)
-        with self._cond:
-            for req_id, hit in zip(req_ids, hits):
-                self._file(req_id, hit)
+    @staticmethod
+    def _timeout(client: AsyncClient) -> float:
+        return client.timeout or 5.0
 
 
 __all__ = ["Lookups"]

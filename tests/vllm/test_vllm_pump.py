@@ -1,0 +1,75 @@
+"""The connector's own event loop (`radixkv.vllm.pump`): tasks run in the passes the
+scheduler's calls make, the watchdog runs them when nobody calls, and a thread that runs
+an event loop of its own can still use it."""
+
+import asyncio
+
+from radixkv.vllm.pump import LoopPump
+from tests.support.daemon import wait_for
+
+
+async def answer(value):
+    await asyncio.sleep(0)
+    return value
+
+
+def test_a_spawned_task_runs_in_the_callers_pass_not_before():
+    pump = LoopPump(idle_s=3600)  # the watchdog stays out of it
+    try:
+        task = pump.spawn(answer(7))
+        assert not task.done()
+        pump.tick()
+        assert task.result() == 7
+    finally:
+        pump.close()
+
+
+def test_the_watchdog_runs_what_nobody_ticks():
+    """An engine that stopped stepping: its releases and deadlines still run."""
+    pump = LoopPump(idle_s=0.005)
+    try:
+        task = pump.spawn(asyncio.sleep(0.05, result="slept"))
+        assert wait_for(task.done, 10, "the watchdog finishing the task")
+        assert task.result() == "slept"
+    finally:
+        pump.close()
+
+
+def test_run_returns_the_result_and_raises_the_error():
+    pump = LoopPump()
+    try:
+        assert pump.run(answer("ok")) == "ok"
+
+        async def refuse():
+            raise ValueError("refused")
+
+        try:
+            pump.run(refuse())
+            raise AssertionError("run swallowed the error")
+        except ValueError as e:
+            assert str(e) == "refused"
+    finally:
+        pump.close()
+
+
+def test_a_thread_running_its_own_loop_is_served_by_the_watchdog():
+    pump = LoopPump(idle_s=0.005)
+
+    async def caller():
+        task = pump.spawn(answer(3))
+        pump.tick()  # cannot run a loop inside this one: leaves it to the watchdog
+        return pump.run(answer(5)), wait_for(task.done, 10, "the watchdog finishing the task") and task.result()
+
+    try:
+        assert asyncio.run(caller()) == (5, 3)
+    finally:
+        pump.close()
+
+
+def test_close_cancels_what_is_unfinished():
+    pump = LoopPump(idle_s=3600)
+    task = pump.spawn(asyncio.sleep(3600))
+    pump.tick()
+    pump.close()
+    assert task.cancelled()
+
