@@ -331,7 +331,7 @@ def test_daemon_shutdown_ends_the_stream(daemon_factory):
 
 
 def test_start_match_answers_as_match_without_waiting_and_fails_as_a_value(daemon_factory):
-    """`Client.start_match` (the vLLM scheduler's lookups): the same results as `match`,
+    """`Client.start_match` (a lookup an engine does not wait for): the same results as `match`,
     several in flight at once; None where a call cannot go on the stream (unary client,
     not registered, closed); once the daemon is gone, the Future holds the error (the
     caller falls back to `match`, which recovers), never a hang."""

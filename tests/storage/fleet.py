@@ -238,6 +238,8 @@ class RedisCluster:
             subprocess.run(["redis-cli", "--cluster", "create", *nodes, *extra, "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)
         self.wait_ok()
+        # "ok" comes before gossip has told every node which ones became replicas
+        poll(lambda: len(self.primaries()) == self.masters, START_TIMEOUT_S, f"{self.masters} masters in the view")
         poll(self._replicas_synced, START_TIMEOUT_S, "every replica in sync with its master")
         return self
 

@@ -158,28 +158,28 @@ class Lookups:
     # -- tasks on the loop (in passes: the pump's lock is held) ------------------------
 
     async def _lookup(self, batch: dict[str, bytes]) -> None:
-        prompts = list(batch.values())
+        prompts, client = list(batch.values()), self._client
         try:
-            results = await self._client.match(prompts, lease=True, include_storage=True)
+            results = await client.match(prompts, lease=True, include_storage=True)
         except RadixKVError as e:
             log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
             results = [None] * len(prompts)
         staging = []
         for (req_id, prompt), result in zip(batch.items(), results):
             if result is not None and result.storage_tokens:
-                staging.append(self._stage(req_id, prompt, result))
+                staging.append(self._stage(client, req_id, prompt, result))
             else:
                 self._file(req_id, MISS if result is None else hit_of(result))
         if staging:
             await asyncio.gather(*staging)
 
-    async def _stage(self, req_id: str, prompt: bytes, found) -> None:
+    async def _stage(self, client: AsyncClient, req_id: str, prompt: bytes, found) -> None:
         """A prompt with more in storage: fetched to host (Prefetch, waiting for it) and
         matched again while `found`'s lease keeps the host part; where the daemon cannot
         answer, `found`'s hit (lease kept)."""
         try:
-            await self._client.prefetch(prompt, policy="wait_complete")
-            [again] = await self._client.match([prompt], lease=True, include_storage=True)
+            await client.prefetch(prompt, policy="wait_complete")
+            [again] = await client.match([prompt], lease=True, include_storage=True)
         except RadixKVError as e:
             log.warning("radixkv: staging a prompt from storage failed, its host hit kept: %s", e)
             self._file(req_id, hit_of(found))
@@ -190,6 +190,8 @@ class Lookups:
     async def _release_soon(self) -> None:
         """One Release of every lease released before this task ran."""
         leases, self._releases = self._releases, []
+        if not leases or self._client is None:
+            return  # close took them
         try:
             await self._client.release(leases)
         except RadixKVError as e:
