@@ -77,6 +77,12 @@ def register_options(config: ConnectorConfig, *, engine: str, role: str, tp_rank
                 tp_rank=tp_rank, tp_size=tp_size, instance=instance)
 
 
+def registration_refused(config: ConnectorConfig, who: str, error: RadixKVError) -> RuntimeError:
+    """What stops vLLM at startup when a session cannot register (`who`: which one)."""
+    return RuntimeError(f"radixkv: cannot register vLLM's {who} with the daemon at {config.target} "
+                        f"(namespace {config.namespace!r}): {error}")
+
+
 def hit_of(result) -> Hit:
     """A lookup's hit from its MatchResult: the host tokens every rank's shard is in."""
     return Hit(result.complete_tokens, result.host_node, result.lease)
@@ -102,10 +108,10 @@ class DaemonAdapter:
 
     def attach(self, layout: KvLayout, buffers: Iterable = (), num_blocks: int = 0, *,
                cuda_device: int | None = None, device_uuid: str = "") -> None:
-        """Register with the KV memory's buffers and block count. `cuda_device` (vLLM's KV cache on CUDA): backend "cuda",
-        buffers exported by IPC handle (`cudamemory.export`, re-exported for each
-        re-registration), the GPU named by `device_uuid`; copies are then ordered after
-        vLLM's stream with events. Raises RuntimeError with the daemon's reason when the
+        """Register with the KV memory's buffers and block count. `cuda_device` (vLLM's
+        KV cache on CUDA): backend "cuda", buffers exported by IPC handle
+        (`cudamemory.export`, re-exported for each re-registration), the GPU named by
+        `device_uuid`; copies are then ordered after vLLM's stream with events. Raises RuntimeError with the daemon's reason when the
         daemon is not reachable within connect_timeout_s or refuses the layout."""
         cfg = self.config
         try:
@@ -117,8 +123,7 @@ class DaemonAdapter:
                                                             tp_rank=self.tp_rank, tp_size=self.tp_size,
                                                             instance=self.instance))
         except RadixKVError as e:
-            raise RuntimeError(f"radixkv: cannot register vLLM's worker (rank {self.tp_rank}) with the daemon at "
-                               f"{cfg.target} (namespace {cfg.namespace!r}): {e}") from None
+            raise registration_refused(cfg, f"worker (rank {self.tp_rank})", e) from None
         self.page_size = layout.page_size
         self.cuda_device = cuda_device
         log.info("radixkv: worker rank %d registered (%d blocks x %d layers) with %s, namespace %r",
@@ -249,4 +254,4 @@ class DaemonAdapter:
             log.info("radixkv: the session is not back yet: %s", e)
 
 
-__all__ = ["DaemonAdapter", "Hit", "MISS", "hit_of", "register_options"]
+__all__ = ["DaemonAdapter", "Hit", "MISS", "hit_of", "register_options", "registration_refused"]

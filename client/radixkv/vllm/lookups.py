@@ -29,7 +29,7 @@ from radixkv.errors import RadixKVError
 from radixkv.layout import KvLayout
 
 from .config import ConnectorConfig
-from .daemon import MISS, Hit, hit_of, register_options
+from .daemon import MISS, Hit, hit_of, register_options, registration_refused
 from .pump import LoopPump
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
@@ -74,8 +74,7 @@ class Lookups:
             client = pump.run(attach())
         except RadixKVError as e:
             pump.close()
-            raise RuntimeError(f"radixkv: cannot register vLLM's scheduler with the daemon at {config.target} "
-                               f"(namespace {config.namespace!r}): {e}") from None
+            raise registration_refused(config, "scheduler", e) from None
         log.info("radixkv: scheduler registered with %s, namespace %r", config.target, config.namespace)
         return cls(pump, client)
 
@@ -150,7 +149,7 @@ class Lookups:
             await client.close()
 
         try:
-            self._pump.run(end(), timeout=2 * self._timeout(client))
+            self._pump.run(end(), timeout=2 * client.timeout)
         except (RadixKVError, TimeoutError) as e:
             log.warning("radixkv: closing the scheduler's session: %s", e)
         self._pump.close()
@@ -159,6 +158,8 @@ class Lookups:
 
     async def _lookup(self, batch: dict[str, bytes]) -> None:
         prompts, client = list(batch.values()), self._client
+        if client is None:
+            return  # closed: the daemon released its leases with the session
         try:
             results = await client.match(prompts, lease=True, include_storage=True)
         except RadixKVError as e:
@@ -204,10 +205,6 @@ class Lookups:
             self.release(hit.lease)
         else:
             self._hits[req_id] = hit
-
-    @staticmethod
-    def _timeout(client: AsyncClient) -> float:
-        return client.timeout or 5.0
 
 
 __all__ = ["Lookups"]
