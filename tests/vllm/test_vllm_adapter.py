@@ -319,3 +319,20 @@ def test_segments_of_dead_engines_are_removed_and_live_ones_kept():
     finally:
         orphan.unlink()
         mine.unlink()
+
+
+def test_a_segment_comes_with_its_page_tables_made():
+    """vLLM's KV memory is populated when it is made, as vLLM's own `torch.zeros` would
+    make it: reading and writing blocks the daemon filled later takes no page fault in
+    the forward (a 2k-token load of fresh blocks took ~180 of them)."""
+    import resource
+    segment = ShmSegment(8 << 20)
+    try:
+        pages = segment.tensor[::4096]
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        assert int(pages.sum()) == 0  # zero-filled
+        pages.fill_(1)
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        assert faults < 32, f"{faults} page faults touching {pages.numel()} pages of a new segment"
+    finally:
+        segment.unlink()

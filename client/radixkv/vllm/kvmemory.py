@@ -15,6 +15,7 @@ V of a block together; the daemon never looks inside).
 """
 
 import atexit
+import mmap
 import os
 import secrets
 
@@ -27,14 +28,18 @@ from .layouts import KvMemory, describe_views
 
 SHM_DIR = "/dev/shm"
 PREFIX = "radixkv_vllm_"
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
 class ShmSegment:
     """One POSIX shared-memory segment this process created and owns (unlinks).
 
     `tensor` is a flat int8 view of the whole segment (zero-filled), mapped MAP_SHARED so
-    the daemon's mapping sees the same bytes. The mapping lives as long as the tensor
-    and its views do; `unlink` removes the name (a daemon that mapped it keeps its map)."""
+    the daemon's mapping sees the same bytes, and populated: this process's page tables
+    for the whole segment are made here, as vLLM's own `torch.zeros` makes them by
+    writing, not by page faults in the first forward that reads each block the daemon
+    loaded. The mapping lives as long as the tensor and its views do; `unlink` removes
+    the name (a daemon that mapped it keeps its map)."""
 
     def __init__(self, size: int, name: str | None = None):
         if size < 1:
@@ -44,13 +49,14 @@ class ShmSegment:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | _MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
+        finally:
+            os.close(fd)
         self.size = size
-        self.tensor = torch.from_file(self.path, shared=True, size=size, dtype=torch.int8)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.int8, count=size)
         atexit.register(self.unlink)  # an engine that exits without shutdown()
 
     def unlink(self) -> None:
