@@ -182,3 +182,59 @@ def test_a_silent_replay_endpoint_is_given_up_on_and_live_events_still_apply():
     finally:
         zfleet.close()
         hub.close()
+
+
+def test_a_replay_request_lost_on_its_way_is_asked_again_and_repairs_the_stream():
+    """A daemon that restarts or dies just as a router asks for a replay loses the
+    request. The router asks again on a fresh socket instead of going on without it, so
+    the batches it had missed (here: all it published before the router connected)
+    reach the index and nothing is reset."""
+    import zmq
+    pub, rep = ipc_endpoints("lossy")
+    _, served = ipc_endpoints("lossy-served")
+    hub = EventHub(EventsConfig(endpoint=pub, replay_endpoint=served))
+    ctx = zmq.Context.instance()
+    front = ctx.socket(zmq.ROUTER)  # the router's replay endpoint: drops the first request
+    front.bind(rep)
+    back = ctx.socket(zmq.DEALER)  # ... and relays the later ones to the daemon's
+    back.connect(served)
+    tree, listen = RadixTree(PAGE), hub.attach(NS, PAGE)
+    parent = tree.root(b"")
+    stored = []
+    for i in range(10):  # published before any router listens: only a replay has them
+        tokens = FAMILY["A"][i * PAGE:(i + 1) * PAGE]
+        parent = tree.add_child(parent, packed(tokens))
+        listen("host", "stored", parent)
+        hub.flush()
+        stored.append(i)
+    index = RoutingIndex(PAGE, WEIGHTS)
+    zfleet = ZmqFleet(index, [Daemon("w0", pub, rep)], replay_timeout=0.3, check_interval=0)
+    dropped, relayed, peer = [], 0, []
+    try:
+        feed = zfleet.feeds["w0"]
+
+        def relay() -> bool:
+            nonlocal relayed
+            zfleet.poll(0.01)
+            while front.poll(0):
+                frames = front.recv_multipart()
+                if not dropped:
+                    dropped.append(frames)
+                    continue
+                peer[:] = frames[:1]  # the asking socket (a fresh one after a drop)
+                back.send_multipart(frames[1:])
+                relayed += 1
+            while back.poll(0):
+                front.send_multipart(peer + back.recv_multipart())
+            return feed.replay_from is None and feed.last_seq == hub.next_seq - 1
+
+        wait_for(relay, 20, "the stream repaired by a replay asked again")
+        assert dropped and relayed >= 1
+        assert index.best(FAMILY["A"][:10 * PAGE], namespace=NS).score > 0
+        assert index.num_blocks("w0", NS)[1] == 10  # every host block, the missed ones too
+        assert feed.num_resets == 0
+    finally:
+        zfleet.close()
+        front.close(0)
+        back.close(0)
+        hub.close()

@@ -217,12 +217,20 @@ class ZmqFleet:
 
     def __init__(self, index: RoutingIndex, daemons: Iterable[Daemon], topic: str = "kv@{namespace}",
                  replay_timeout: float = 2.0, check_interval: float = 1.0,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, replay_attempts: int = 3):
         """`check_interval`: how often (seconds) each daemon with replay is asked to replay
         from the last applied seq, which finds batches lost at the tail of a quiet stream
-        and a daemon that restarted between two batches (0: never)."""
+        and a daemon that restarted between two batches (0: never). A replay unanswered
+        within `replay_timeout` is asked again on a fresh socket, `replay_attempts` times
+        in all, before the feed goes on without it: a request sent to a daemon that died
+        or restarted just then is lost, and going on without it would leave what it was
+        to repair missing from the index for good."""
+        if replay_attempts < 1:
+            raise ValueError(f"replay_attempts must be >= 1, got {replay_attempts}")
         self.index = index
         self.replay_timeout = replay_timeout
+        self.replay_attempts = replay_attempts
+        self._attempts: dict[str, int] = {}  # daemon key -> tries of the replay in flight so far
         self.check_interval = check_interval
         self._checked: dict[str, float] = {}
         self._ctx = context or zmq.Context.instance()
@@ -346,6 +354,7 @@ class ZmqFleet:
             feed.on_replay(topic, seq_of(seq), payload)
             return
         self._deadline.pop(feed.key, None)
+        self._attempts.pop(feed.key, None)
         ask = feed.on_replay_end()
         if ask is not None:
             self._request(feed.key, ask)
@@ -356,9 +365,16 @@ class ZmqFleet:
             if now > deadline:
                 del self._deadline[name]
                 feed = self._workers[name][0]
-                log.warning("worker %s: no replay answer in %.1fs; continuing without", name,
-                            self.replay_timeout)
                 self._renew_dealer(name)
+                tries = self._attempts.get(name, 1)
+                if tries < self.replay_attempts:
+                    log.info("worker %s: no replay answer in %.1fs; asking again", name, self.replay_timeout)
+                    self._attempts[name] = tries + 1
+                    self._request(name, feed.replay_from)  # the feed goes on buffering meanwhile
+                    continue
+                self._attempts.pop(name, None)
+                log.warning("worker %s: no replay answer in %d tries of %.1fs; continuing without", name,
+                            tries, self.replay_timeout)
                 feed.on_replay_end(gave_up=True)  # a hole left in what is buffered resets it
 
     def run(self, stop) -> None:
