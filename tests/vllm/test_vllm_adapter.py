@@ -336,3 +336,33 @@ def test_a_segment_comes_with_its_page_tables_made():
         assert faults < 32, f"{faults} page faults touching {pages.numel()} pages of a new segment"
     finally:
         segment.unlink()
+
+
+def test_a_save_goes_out_when_the_next_step_begins_or_soon_after_without_one(sessions):
+    """The step that queued a save is about to sample and hand its tokens over: the
+    Insert waits for the next step to begin (`step_began`), and goes out by itself a
+    moment later when no step comes (vLLM stopped stepping)."""
+    from radixkv.vllm.metadata import SaveSpec
+    views, adapter, scheduler = sessions
+    first = torch.arange(1000, 1000 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
+    second = torch.arange(2000, 2000 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
+
+    def saved(prompt: bytes) -> bool:
+        [hit] = scheduler.lookup([prompt])
+        scheduler.release([hit.lease])
+        return hit.tokens == 2 * TOKENS
+
+    saves = Saves(adapter)
+    try:
+        saves.defer_s = 60.0
+        saves.start(SaveSpec("a", first, (3, 4)))
+        window = time.monotonic() + 0.3
+        while time.monotonic() < window:  # held while the step hands its output over
+            assert not saved(first), "the save went out before the next step began"
+        saves.step_began()
+        wait_for(lambda: saved(first), 10, "the save sent once the next step began")
+        saves.defer_s = 0.05
+        saves.start(SaveSpec("b", second, (5, 6)))
+        wait_for(lambda: saved(second), 10, "the save sent with no step to come")
+    finally:
+        saves.close()

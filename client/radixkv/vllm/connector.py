@@ -100,6 +100,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         meta = kv_connector_metadata if isinstance(kv_connector_metadata, RadixKVMetadata) else None
         if meta is None or self._saves is None:
             return
+        self._saves.step_began()
         if meta.flush:
             self._saves.flush(meta.flush)
         if meta.early_loads and not self.config.async_loads:
