@@ -36,6 +36,7 @@ from radixkv_server.core.pages import pack, unpack
 
 from .daemon import DaemonProcess, channel, register
 from .figures import Figure, Section, Table, fmt
+from .machine import pin_threads
 from .timing import median, percentile, progress
 
 PAGE = 16
@@ -308,22 +309,13 @@ def _own_core(mode: str, cores: list[int]) -> dict:
     before = os.sched_getaffinity(0)
     progress(f"node: daemon on core {cores[0]}, engines on {cores[1:]}")
     with DaemonProcess("--host-pool-size", "1GiB", cpus={cores[0]}) as d:
-        _pin_threads(set(cores[1:]))
+        pin_threads(set(cores[1:]))
         try:
             out = _run_loop(_measure(d.unix, mode, d.pid, counts=(top,), unpaced=False))
         finally:
-            _pin_threads(before)
+            pin_threads(before)
         _check(d)
     return {"unary": out[top], "stream": out["stream"]}
-
-
-def _pin_threads(cpus: set[int]) -> None:
-    """Every thread of this process (threads started later inherit it) onto `cpus`."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, FileNotFoundError):
-            pass  # the thread ended meanwhile
 
 
 def _report(sec: Section, results: dict) -> None:
