@@ -265,7 +265,7 @@ def _on_cores(cpus: set[int]):
 
 
 def _ttft_figures(sec: Section, prefix: str, times: dict, cached: dict, tokens: int, passes: int, title: str,
-          baseline: str = "vllm_prefix_hit") -> None:
+                  baseline: str = "vllm_prefix_hit") -> None:
     """The TTFT figures and table of one set of cases, against vLLM's prefix hit among
     them; the radixkv host hit's figure carries the target."""
     base = median(times["vllm_prefix_hit"]) * 1e3
@@ -294,12 +294,12 @@ def _ttft_figures(sec: Section, prefix: str, times: dict, cached: dict, tokens: 
 
 def _report_own_core(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -> None:
     _ttft_figures(sec, "vllm.ttft.own_core.", times, cached, tokens, passes,
-          "Time to first token, the daemon on a core of its own", "own_core.vllm_prefix_hit")
+                  "Time to first token, the daemon on a core of its own", "own_core.vllm_prefix_hit")
     sec.notes.append(
         "Own core: a fresh daemon pinned to the first core, vLLM's engine (with as many torch threads as "
         "it has cores) and the connector on the others, every case of that table alike. On shared cores "
         "the daemon's copy runs while vLLM prepares the forward and its OpenMP threads spin, and the "
-        "forward after a load ran about 1 ms longer than after a prefix hit in traces here.")
+        "forward after a load ran 0.7-1 ms longer than after a prefix hit in traces here.")
 
 
 def _report(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -> None:

@@ -59,8 +59,8 @@ class Saves:
         self._late: dict[int, tuple[str, Future]] = {}  # held load's ticket -> (request, its answer)
         self._held: dict[str, int] = {}  # request -> loads held since the last report
         self._closed = False
-        self._step_began = False  # since the saves queued last were queued
-        self.defer_s = DEFER_S
+        self._step_began = False  # a step began since the queue was last emptied: send now
+        self.defer_s = DEFER_S  # (tests and the bench change it)
         self._thread = threading.Thread(target=self._send, name="radixkv-saves", daemon=True)
         self._thread.start()
 
