@@ -265,9 +265,9 @@ def _on_cores(cpus: set[int]):
 
 
 def _ttft_figures(sec: Section, prefix: str, times: dict, cached: dict, tokens: int, passes: int, title: str,
-                  baseline: str = "vllm_prefix_hit") -> None:
+                  baseline: str = "vllm_prefix_hit") -> float:
     """The TTFT figures and table of one set of cases, against vLLM's prefix hit among
-    them; the radixkv host hit's figure carries the target."""
+    them; the radixkv host hit's figure carries the target. Returns that baseline (ms)."""
     base = median(times["vllm_prefix_hit"]) * 1e3
     rows = []
     for case, ts in times.items():
@@ -290,6 +290,7 @@ def _ttft_figures(sec: Section, prefix: str, times: dict, cached: dict, tokens: 
         f"A hit can cover {cacheable} tokens (vLLM computes at least the last prompt token). "
         "A case whose cached tokens fall short of that did not hit, and its time says so. On a machine "
         "shared with other work the minimum is the least disturbed comparison; the figures use p50."))
+    return base
 
 
 def _report_own_core(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -> None:
@@ -303,8 +304,7 @@ def _report_own_core(sec: Section, times: dict, cached: dict, tokens: int, passe
 
 
 def _report(sec: Section, times: dict, cached: dict, tokens: int, passes: int) -> None:
-    base = median(times["vllm_prefix_hit"]) * 1e3
-    _ttft_figures(sec, "vllm.ttft.", times, cached, tokens, passes, "Time to first token")
+    base = _ttft_figures(sec, "vllm.ttft.", times, cached, tokens, passes, "Time to first token")
     steps = [s * 1e6 for s in STEP_BLOCKED]
     busy = [s for s, b in zip(steps, STEP_BUSY) if b] or [0.0]
     p50, p99 = percentile(steps, 50), percentile(steps, 99)

@@ -111,8 +111,9 @@ class DaemonAdapter:
         """Register with the KV memory's buffers and block count. `cuda_device` (vLLM's
         KV cache on CUDA): backend "cuda", buffers exported by IPC handle
         (`cudamemory.export`, re-exported for each re-registration), the GPU named by
-        `device_uuid`; copies are then ordered after vLLM's stream with events. Raises RuntimeError with the daemon's reason when the
-        daemon is not reachable within connect_timeout_s or refuses the layout."""
+        `device_uuid`; copies are then ordered after vLLM's stream with events. Raises
+        RuntimeError with the daemon's reason when the daemon is not reachable within
+        connect_timeout_s or refuses the layout."""
         cfg = self.config
         try:
             self._client.wait_ready(cfg.connect_timeout_s)

@@ -79,8 +79,14 @@ class Saves:
         """vLLM began a step: what is queued goes out now."""
         if self._queue:  # the common case, every step: no lock taken
             with self._cond:
-                self._step_began = True
-                self._cond.notify_all()
+                self._send_queued()
+
+    def _send_queued(self) -> None:
+        """What is queued goes out without waiting for a step (under the condition). Set
+        only while something is queued: the sender clears it once the queue is empty."""
+        if self._queue:
+            self._step_began = True
+            self._cond.notify_all()
 
     def hold(self, req_id: str, answer: Future) -> None:
         """A load into `req_id`'s blocks whose `answer` is still to come: in flight (its
@@ -100,8 +106,7 @@ class Saves:
         """Wait until no save of `req_ids` is in flight (their blocks are about to be reused)."""
         with self._cond:
             tickets = set().union(*(self._pending.get(r, ()) for r in req_ids))
-            self._step_began = True  # no waiting for a step: vLLM waits for these
-            self._cond.notify_all()
+            self._send_queued()  # vLLM waits for these: no waiting for a step
             self._cond.wait_for(lambda: not (tickets & self._unsent))
             ids = [t for t, (ticket, _) in self._transfers.items() if ticket in tickets]
             late = [answer for ticket, (_, answer) in self._late.items() if ticket in tickets]
@@ -146,8 +151,7 @@ class Saves:
     def close(self) -> None:
         """Send what is queued (for up to CLOSE_TIMEOUT_S), then stop the thread. Idempotent."""
         with self._cond:
-            self._step_began = True
-            self._cond.notify_all()
+            self._send_queued()
             self._cond.wait_for(lambda: not self._unsent, timeout=CLOSE_TIMEOUT_S)
             self._closed = True
             self._cond.notify_all()
