@@ -48,6 +48,7 @@ def describe() -> list[tuple[str, str]]:
         ("Python", sys.version.split()[0]),
         ("torch", _version("torch")),
         ("grpcio", _version("grpc")),
+        ("gRPC I/O", f"GRPC_EXPERIMENTS={os.environ.get('GRPC_EXPERIMENTS', '(unset: EventEngine)')}"),
         ("protobuf", _version("google.protobuf")),
         ("numpy", _version("numpy")),
         ("uvloop", _version("uvloop")),

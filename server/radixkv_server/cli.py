@@ -3,6 +3,10 @@
 import logging
 import sys
 
+from .grpc_io import polling_io_in_effect, prefer_polling_io
+
+prefer_polling_io()  # before the imports below bring gRPC in (grpc_io says why)
+
 import torch
 import uvloop
 
@@ -27,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if not keep_freed_heap(config.malloc_trim_threshold):
         log_event(log, "malloc.untuned", logging.WARNING, reason="the C library is not glibc or refused mallopt",
                   note="storage fetches fault in fresh memory for every batch")
-    log_event(log, "config", **{k: (",".join(v) if isinstance(v, tuple) else v)
-                                for k, v in config.describe().items()})
+    settings = {k: (",".join(v) if isinstance(v, tuple) else v) for k, v in config.describe().items()}
+    log_event(log, "config", grpc_io="polling" if polling_io_in_effect() else "event_engine", **settings)
     try:
         return uvloop.run(serve(config))
     except StartupError as e:
