@@ -87,3 +87,46 @@ def test_vllm_cuda_kv_saves_and_loads_back_exactly(gpu_daemon, device, kind):
             scheduler.close()
         worker.close()
     del raw
+
+
+def test_vllm_cuda_loads_are_waited_layer_by_layer(gpu_daemon, device):
+    """A load's per-layer events waited one layer at a time, as vLLM's attention layers ask
+    (`LayerWaits`): each layer's blocks read right after its own wait hold the saved bytes,
+    and nothing is left for the step's end."""
+    from radixkv.vllm.layer_waits import LayerWaits
+    kind = "flash_attention"
+    d = gpu_daemon(*HOST_FLAGS)
+    raw, views = vllm_views(device, kind)
+    config = ConnectorConfig(target=d.target, namespace="vllm-cuda-layerwise", timeout_s=60.0)
+    worker = DaemonAdapter(config, engine="test worker")
+    scheduler = None
+    try:
+        register_worker(worker, views, TOKENS)
+        layout = describe_views({k: v.cpu() for k, v in views.items()}, TOKENS, lambda n, t: (b"", 0)).layout
+        scheduler = SchedulerSession(config, layout)
+        waits = LayerWaits(views, worker.wait_loaded)
+        for name in views:  # a forward that asks for every layer: waits go layer by layer
+            waits.layer_begins(name)
+        assert waits.step_over() == set() and waits.layerwise
+        gen = torch.Generator(device=f"cuda:{device}").manual_seed(1)
+        for v in views.values():
+            v.copy_(torch.randn(v.shape, generator=gen, device=v.device, dtype=torch.float32).to(v.dtype))
+        written = {name: [block(v, kind, i) for i in (1, 2, 3)] for name, v in views.items()}
+        tokens = torch.arange(11, 11 + 3 * TOKENS, dtype=torch.int32).numpy().tobytes()
+        transfer = worker.save(tokens, [1, 2, 3])
+        assert transfer and worker.done([transfer], timeout=None) == {transfer}
+        [hit] = scheduler.lookup([tokens])
+        pending = worker.begin_load(hit.node, [30, 31, 32], 0, hit.lease)
+        assert worker.finish_load(pending, lambda events: waits.loaded("req", events)) == 3
+        scheduler.release([hit.lease])
+        assert waits.holding
+        for name, v in views.items():
+            waits.layer_begins(name)
+            for got_at, want in zip((30, 31, 32), written[name]):
+                assert torch.equal(block(v, kind, got_at), want), f"{name} block {got_at}"
+        assert not waits.holding and waits.step_over() == set()
+    finally:
+        if scheduler is not None:
+            scheduler.close()
+        worker.close()
+    del raw

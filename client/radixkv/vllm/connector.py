@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from .config import ConnectorConfig
 from .daemon import DaemonAdapter, PendingLoad
 from .kvmemory import ShmAllocation, layout_from_spec
+from .layer_waits import LayerWaits
 from .lookups import Lookups
 from .metadata import RadixKVMetadata, RadixKVWorkerMetadata
 from .registration import register_worker
@@ -48,6 +49,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         self.tp_rank, self.tp_size = _tp_rank(vllm_config)
         self._adapter: DaemonAdapter | None = None
         self._saves: Saves | None = None
+        self._layers: LayerWaits | None = None
         self._allocation: ShmAllocation | None = None
         self._scheduler: SchedulerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -90,6 +92,7 @@ class RadixKVConnector(KVConnectorBase_V1):
             raise
         self._adapter = adapter
         self._saves = Saves(adapter)
+        self._layers = LayerWaits(kv_caches, adapter.wait_loaded)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """Before the forward (vLLM calls this first thing in a step): the saves of requests
@@ -125,17 +128,19 @@ class RadixKVConnector(KVConnectorBase_V1):
             pending = self._pending.pop(spec.req_id, None)
             if pending is None:
                 pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
-            self._loads_over(spec, self._finish_load(spec.req_id, pending))
+            self._loads_over(spec, self._finish_load(spec.req_id, pending, self._layers))
         # Loads begun in a step that returned before its start_load_kv (vLLM's encoder-only
         # steps do): wait for them too, so that none is left writing blocks unobserved.
         for req_id, pending in self._pending.items():
             self._finish_load(req_id, pending)
         self._pending.clear()
 
-    def _finish_load(self, req_id: str, pending: PendingLoad) -> int:
+    def _finish_load(self, req_id: str, pending: PendingLoad, layers: LayerWaits | None = None) -> int:
         """Wait for a begun load: the blocks it filled. One answered too late fills none
-        (vLLM recomputes them) and holds the request's blocks until the daemon answers."""
-        got = self._adapter.finish_load(pending)
+        (vLLM recomputes them) and holds the request's blocks until the daemon answers.
+        With `layers`, its CUDA events are waited layer by layer in the forward."""
+        on_events = None if layers is None else (lambda events: layers.loaded(req_id, events))
+        got = self._adapter.finish_load(pending, on_events)
         if pending.late:
             self._saves.hold(req_id, pending.answer)
         return got
@@ -153,7 +158,24 @@ class RadixKVConnector(KVConnectorBase_V1):
                 self._recv_failed.add(spec.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv
+        """CUDA: vLLM's stream waits for this layer's part of the step's loads (their host
+        side finished in start_load_kv; `layer_waits`)."""
+        if self._layers is not None:
+            self._layers.layer_begins(layer_name)
+
+    def _forward_queued(self) -> None:
+        """After the forward (the first of wait_for_save and get_block_ids_with_load_errors,
+        whichever vLLM calls first): a load whose events some layer never waited for counts
+        as failed, so vLLM recomputes its blocks and the step saves nothing of it."""
+        early = self._layers.step_over() if self._layers is not None else set()
+        meta = self._meta()
+        if not early or meta is None:
+            return
+        log.warning("radixkv: vLLM's forward did not wait for every layer of %d load(s): they count as "
+                    "failed (recomputed) and loads wait for all layers before the forward from now on", len(early))
+        for spec in meta.loads:
+            if spec.req_id in early:
+                self._loads_over(spec, 0)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # whole blocks of every layer are saved in wait_for_save
@@ -164,6 +186,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         `get_finished` says when a finished request's blocks are free). A request whose
         load this step left blocks unfilled saves nothing: its forward read those
         blocks, so what it computed is wrong (vLLM recomputes it)."""
+        self._forward_queued()
         meta = self._meta()
         short, self._short_loads = self._short_loads, set()
         if meta is None or self._saves is None:
@@ -205,6 +228,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._forward_queued()
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -12,7 +12,8 @@ Ordering on the GPU (the daemon copies on its own streams):
 - a save (Insert) waits for `step_event()` recorded after the forward wrote the blocks;
 - a load (LoadBack) overwrites blocks only after `step_event()` recorded before it (kernels
   still reading those blocks finish first), and vLLM's stream waits on the daemon's
-  per-layer events of the load (`wait_loaded`) before the forward reads the blocks.
+  per-layer events of the load (`wait_loaded`): each attention layer waits for its own
+  layer's events as it begins, once vLLM is seen to ask for every layer (`layer_waits`).
 Proven only where a GPU is lent (tests/gpu/test_vllm_cuda.py); nothing here runs on CPU.
 """
 
@@ -59,8 +60,8 @@ def step_event(device: int) -> "torch.cuda.Event":
 
 
 def wait_loaded(layer_events: tuple[bytes, ...], device: int) -> None:
-    """Make vLLM's current stream wait for a load's per-layer events (all layers: the
-    forward reads every layer of the loaded blocks)."""
+    """Make vLLM's current stream wait for these events of the daemon's loads (every
+    layer of a load, or one layer of this step's loads: `layer_waits`)."""
     if layer_events:
         CudaKvBuffers.wait_events(list(layer_events), torch.cuda.current_stream(device))
 

@@ -18,7 +18,7 @@ logged. The client registers again after the daemon restarts.
 import logging
 import threading
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -163,10 +163,12 @@ class DaemonAdapter:
                 pending.error = e
         return pending
 
-    def finish_load(self, pending: "PendingLoad") -> int:
+    def finish_load(self, pending: "PendingLoad", loaded_events: Callable[[tuple], None] | None = None) -> int:
         """Wait for a `begin_load`: the blocks it filled, as `load` returns them. Past
         timeout_s it fills none and `pending.late` holds: the caller must keep the blocks
-        from reuse until `pending.answer` completes (`Saves.hold`)."""
+        from reuse until `pending.answer` completes (`Saves.hold`). On CUDA the answer
+        comes once the copy is queued: vLLM's stream waits for its per-layer events
+        (`wait_loaded`), or `loaded_events` gets them to wait for layer by layer."""
         if pending.want <= 0:
             return 0
         try:
@@ -182,7 +184,7 @@ class DaemonAdapter:
                                        "(its blocks stay held until the daemon answers)") from None
             if isinstance(result, RadixKVError):
                 raise result
-            self.wait_loaded(result.layer_events)
+            (loaded_events or self.wait_loaded)(tuple(result.layer_events))
             return min(result.loaded_tokens // self.page_size, pending.want)
         except RadixKVError as e:
             log.warning("radixkv: load of %d pages failed: %s", pending.want, e)
@@ -234,7 +236,8 @@ class DaemonAdapter:
         return step_event(self.cuda_device)
 
     def wait_loaded(self, layer_events) -> None:
-        """CUDA: vLLM's stream waits for a load's per-layer events before reading."""
+        """CUDA: vLLM's current stream waits for these load events (all of a load's layers,
+        or one layer's of several loads) before reading."""
         if self.cuda_device is not None and layer_events:
             from .cudamemory import wait_loaded
             wait_loaded(tuple(layer_events), self.cuda_device)
