@@ -16,6 +16,12 @@ from .types import Prompt, as_packed
 # Channel options both clients use. Reconnect backoff is kept short so a client that
 # starts before the daemon (wait_ready) connects soon after the socket appears.
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# gRPC's "min_reconnect_backoff_ms" is the least time a connection attempt is given to
+# finish its HTTP/2 handshake, not a wait between attempts (those follow the initial and
+# max backoff). At 50 ms a daemon that had just started on a busy machine did not send
+# its SETTINGS in time, attempt after attempt, and engines stayed without a session for
+# seconds after it was ready. A refused connect (no daemon) fails at once whatever this is.
+MIN_CONNECT_TIMEOUT_MS = 5000
 
 
 def channel_options(max_message_bytes: int, extra: Sequence[tuple[str, object]] = ()) -> list:
@@ -26,7 +32,7 @@ def channel_options(max_message_bytes: int, extra: Sequence[tuple[str, object]] 
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", 50),
-        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
         ("grpc.max_reconnect_backoff_ms", 1000),
         *extra,
     ]

@@ -8,9 +8,12 @@ polling I/O, the daemon's CPU per engine step fell by a fifth here (8 engines, u
 Session stream alike; docs/performance.md, 2026-12-04 evening), and every call is quicker.
 
 Only the daemon's process asks for it (`radixkv_server.cli` runs `prefer_polling_io()`
-before anything there imports gRPC); engines keep gRPC's default: with the clients on
-the polling I/O too, calls were quicker still, but the chaos test's engines came back
-from daemon restarts late (one session loss seen for four restarts), not yet explained.
+before anything there imports gRPC); engines keep gRPC's default. With the clients on the
+polling I/O too, calls were quicker still, but the chaos test's engines came back from
+daemon restarts seconds late: on the polling I/O a channel's reconnect timers run only
+while some thread polls it, and a blocking client whose calls fail fast leaves that to
+gRPC's backup poller, every 5 s (GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS=100 made the
+test pass). The EventEngine runs those timers on threads of its own.
 A GRPC_EXPERIMENTS set in the daemon's environment, even empty, is left as it is.
 """
 
