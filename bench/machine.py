@@ -48,12 +48,22 @@ def describe() -> list[tuple[str, str]]:
         ("Python", sys.version.split()[0]),
         ("torch", _version("torch")),
         ("grpcio", _version("grpc")),
-        ("gRPC I/O", f"GRPC_EXPERIMENTS={os.environ.get('GRPC_EXPERIMENTS', '(unset: EventEngine)')}"),
+        ("gRPC I/O", _grpc_io()),
         ("protobuf", _version("google.protobuf")),
         ("numpy", _version("numpy")),
         ("uvloop", _version("uvloop")),
         ("redis-py", _version("redis")),
     ]
+
+
+def _grpc_io() -> str:
+    """The I/O layer of the bench's own process (engines, raw clients) and of the daemons it
+    starts, which ask for the polling I/O unless GRPC_EXPERIMENTS is set (radixkv_server.grpc_io)."""
+    from radixkv_server.grpc_io import POLLING_IO, polling_io_in_effect
+    if "GRPC_EXPERIMENTS" not in os.environ:
+        return f"bench process: EventEngine (default); daemons: polling ({POLLING_IO})"
+    layer = "polling" if polling_io_in_effect() else "EventEngine"
+    return f"bench process and daemons: {layer} (GRPC_EXPERIMENTS={os.environ['GRPC_EXPERIMENTS']!r})"
 
 
 def pin_threads(cpus: set[int]) -> None:
