@@ -2,7 +2,7 @@
 # Downloads the wheels scripts/gpu-check.sh installs on a GPU machine that has no
 # network (Python 3.12, x86-64, manylinux): the gRPC runtimes the committed generated
 # code needs, the health and reflection services the daemon always serves, and redis
-# (tests/conftest.py imports it). Run here, where pip works; the wheels land in .whl/
+# (tests/conftest.py imports it), msgspec and pyzmq (the daemon's KV events). Run here, where pip works; the wheels land in .whl/
 # (git-ignored) and travel with the device tool's `carry: [".whl"]`.
 #
 #   scripts/fetch-gpu-wheels.sh          # PY=python3 by default (.venv's when present)
@@ -17,6 +17,8 @@ WHEELS=(
   grpcio-reflection==1.85.1
   protobuf==7.36.2
   redis==8.1.0
+  msgspec==0.23.0  # KV events (radixkv.routing.wire), imported by the daemon
+  pyzmq==27.3.0    # KV events publisher
   typing-extensions==4.16.0  # grpcio needs >= 4.12; installed there only if older
 )
 PY=${PY:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}

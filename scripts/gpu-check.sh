@@ -79,7 +79,7 @@ from importlib import metadata
 from packaging.version import Version
 NEED = {"grpcio": "1.85.1", "grpcio-health-checking": "1.85.1", "grpcio-reflection": "1.85.1",
         "protobuf": "7.35.1", "redis": "5", "uvloop": "0.19", "prometheus-client": "0.20",
-        "typing-extensions": "4.12"}
+        "typing-extensions": "4.12", "msgspec": "0.18", "pyzmq": "25"}
 wheels = {}
 for w in glob.glob(".whl/*.whl"):
     name = re.sub(r"[-_.]+", "-", os.path.basename(w).split("-")[0]).lower()
@@ -101,7 +101,7 @@ if ((${#WHEELS[@]})); then
     "${WHEELS[@]}" || failed+=("wheel install")
 fi
 timeout 60 "$PY" -c "
-import grpc, google.protobuf, grpc_health, grpc_reflection, redis, uvloop, prometheus_client, torch
+import grpc, google.protobuf, grpc_health, grpc_reflection, redis, uvloop, prometheus_client, torch, msgspec, zmq
 import radixkv_server.cli, radixkv_server.server, radixkv.sim.cli
 from radixkv.v1 import radixkv_pb2_grpc
 print(f'imports ok: grpcio {grpc.__version__}, protobuf {google.protobuf.__version__} ({google.protobuf.__file__})')
