@@ -25,3 +25,21 @@ def test_evict_frees_exactly_the_pages_asked_for():
             assert e.ns.check_invariants() == []
             await e.close()
     run(scenario())
+
+
+def test_evict_waits_for_backups_in_flight_instead_of_coming_up_short():
+    """Under write-through a node whose backup is still copying cannot leave the device.
+    An engine that inserted and at once needs the pages (a GPU's copies are asynchronous)
+    gets them once the backups completed, not an Evict that frees nothing (the CUDA
+    simulator stalled on exactly that, with every page held by an in-flight backup)."""
+    async def scenario():
+        async with running_daemon(fault_copy_delay=0.2) as daemon:  # every copy waits 0.2 s
+            e = await Engine.register(daemon, "t/evict-backing-up", write_policy="write_through")
+            for i in range(3):
+                await e.insert(prompt(1000 * (i + 1), 1), [i])
+            assert sum(e.ns.copies.in_flight(t) for t in e.ns.cache.transfers) == 3  # backups still copy
+            got = await e.evict(3)
+            assert sorted(unpack(got.freed_pages)) == [0, 1, 2] and got.written_back_pages == 0
+            assert e.ns.check_invariants() == []
+            await e.close()
+    run(scenario())

@@ -71,7 +71,8 @@ class DeviceEviction:
         one are written back first (their pages come back through `finish` of the
         transfers in `pending`), or dropped from the cache when the host has no room and
         nothing there can be evicted. Locked, pinned or backing-up nodes are never
-        touched. Evicting 0 pages does nothing.
+        touched: when they keep it short, the result names the backups in flight.
+        Evicting 0 pages does nothing.
         """
         if num_pages < 0:
             raise CacheError(f"cannot evict {num_pages} pages")
@@ -95,7 +96,10 @@ class DeviceEviction:
         if write_back:
             self._start_device_to_host(TransferKind.WRITE_BACK, write_back, tid)
             pending = (tid,)
-        return EvictResult(b"".join(freed), pending)
+        backing_up = ()
+        if planned < num_pages:
+            backing_up = tuple(t.id for t in state.transfers.values() if t.kind is TransferKind.BACKUP)
+        return EvictResult(b"".join(freed), pending, backing_up)
 
     def _evict_one(self, node: Node, tid: int, freed: list[bytes], write_back: list[Node]) -> bool:
         """Take one device leaf off the device now (appending to `freed`), or plan its

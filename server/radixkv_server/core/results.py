@@ -61,10 +61,13 @@ class FinishResult:
 @dataclass(frozen=True, slots=True)
 class EvictResult:
     """`freed_pages` are the caller's again now. Write-backs in `pending` free more pages
-    when their copies complete (see `on_copy_done`)."""
+    when their copies complete (see `on_copy_done`). `backing_up`: when fewer pages than
+    asked were freed or planned, the write-through backups in flight, whose nodes may
+    be evicted once they completed (a backing-up node is never evicted)."""
 
     freed_pages: bytes
     pending: tuple[int, ...]
+    backing_up: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,16 +110,25 @@ class Namespace:
         self.core.release(session, leases)
 
     async def evict(self, num_pages: int) -> EvictAnswer:
-        """Free up to `num_pages` device pages, waiting for write-backs. The answer says
-        how many of the freed pages were written back to host first."""
+        """Free up to `num_pages` device pages, waiting for write-backs, and, once, for the
+        write-through backups in flight when too few nodes could leave (a node being
+        backed up stays until its host copy is whole: with asynchronous copies, a GPU's,
+        an engine that inserted just before would otherwise get fewer pages than the
+        cache could give). The answer says how many freed pages were written back first."""
         freed: list[bytes] = []
         written_back = 0
         need = num_pages
+        waited_backups = False
         while need > 0:
             result = self.cache.evict_device(need)
             freed.append(result.freed_pages)
             progress = count(result.freed_pages)
             if not result.pending:
+                if result.backing_up and not waited_backups and progress < need:
+                    waited_backups = True
+                    need -= progress
+                    await self.copies.wait(result.backing_up)
+                    continue
                 break
             for pages in await asyncio.gather(*map(self.copies.written_back, result.pending)):
                 freed.append(pages)
