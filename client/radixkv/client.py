@@ -139,14 +139,23 @@ class Client(ClientBase):
                                      MatchResult.all_from_pb)
 
     def start_load_back(self, node: int, device_pages, *, engine_event=None, lease: int = 0,
-                        start_page: int = 0) -> Future | None:
-        """An engine-managed `load_back(..., wait=True)` sent on the Session stream without
-        waiting: a Future resolved with the LoadBackResult once the pages are copied, or
-        with the RadixKVError the call failed with. None as for `start_match`. The daemon
-        writes `device_pages` until the answer comes: the caller must not reuse them before
-        (a Future it stops waiting for leaves them being written)."""
+                        start_page: int = 0, wait: bool = True) -> Future | None:
+        """An engine-managed `load_back(..., wait=wait)` sent on the Session stream without
+        waiting: a Future resolved with the LoadBackResult (with `wait`, once the pages are
+        copied; without, once the copy started: on CUDA with its per-layer events, and
+        its `transfer` to acknowledge), or with the RadixKVError the call failed with.
+        None as for `start_match`. The daemon writes `device_pages` until the answer comes
+        (with `wait`) or the transfer is acknowledged: the caller must not reuse them
+        before (a Future it stops waiting for leaves them being written)."""
+        acks = None if wait else self._session.acks()  # the sending session's: its transfer is acked there
+
+        def convert(response) -> LoadBackResult:
+            result = LoadBackResult.from_pb(response)
+            if acks is not None:
+                acks.issue(result.transfer)
+            return result
         return self._start_on_stream("LoadBack", lambda session: msg.load_back_request(
-            session, node, device_pages, engine_event, lease, start_page, wait=True), LoadBackResult.from_pb)
+            session, node, device_pages, engine_event, lease, start_page, wait=wait), convert)
 
     def _start_on_stream(self, method: str, build, convert) -> Future | None:
         """Send `build(session id)` as `method` on the Session stream; a Future of

@@ -67,7 +67,8 @@ def test_vllm_cuda_kv_saves_and_loads_back_exactly(gpu_daemon, device, kind):
         written = {name: [block(v, kind, i) for i in (1, 2, 3)] for name, v in views.items()}
         untouched = {name: block(v, kind, 9) for name, v in views.items()}
         tokens = torch.arange(7, 7 + 3 * TOKENS, dtype=torch.int32).numpy().tobytes()
-        transfer = worker.save(tokens, [1, 2, 3])  # no synchronize: the engine event orders it
+        # No synchronize: the engine event orders it, as the connector's saves pass it (saves.py).
+        transfer = worker.save(tokens, [1, 2, 3], worker.step_event())
         assert transfer and worker.done([transfer], timeout=None) == {transfer}
         for v in views.values():
             (v[:, 1:4] if kind == "flash_attention" else v[1:4]).zero_()  # vLLM reuses the blocks
@@ -90,9 +91,10 @@ def test_vllm_cuda_kv_saves_and_loads_back_exactly(gpu_daemon, device, kind):
 
 
 def test_vllm_cuda_loads_are_waited_layer_by_layer(gpu_daemon, device):
-    """A load's per-layer events waited one layer at a time, as vLLM's attention layers ask
-    (`LayerWaits`): each layer's blocks read right after its own wait hold the saved bytes,
-    and nothing is left for the step's end."""
+    """A load answered once queued (as the connector sends them on CUDA), its per-layer
+    events waited one layer at a time, as vLLM's attention layers ask (`LayerWaits`):
+    each layer's blocks read right after its own wait hold the saved bytes, nothing is
+    left for the step's end, and the load settles as copied after the "forward"."""
     from radixkv.vllm.layer_waits import LayerWaits
     kind = "flash_attention"
     d = gpu_daemon(*HOST_FLAGS)
@@ -113,18 +115,22 @@ def test_vllm_cuda_loads_are_waited_layer_by_layer(gpu_daemon, device):
             v.copy_(torch.randn(v.shape, generator=gen, device=v.device, dtype=torch.float32).to(v.dtype))
         written = {name: [block(v, kind, i) for i in (1, 2, 3)] for name, v in views.items()}
         tokens = torch.arange(11, 11 + 3 * TOKENS, dtype=torch.int32).numpy().tobytes()
-        transfer = worker.save(tokens, [1, 2, 3])
+        transfer = worker.save(tokens, [1, 2, 3], worker.step_event())
         assert transfer and worker.done([transfer], timeout=None) == {transfer}
         [hit] = scheduler.lookup([tokens])
-        pending = worker.begin_load(hit.node, [30, 31, 32], 0, hit.lease)
+        # The load's copy waits for the engine event behind ~0.1 s of vLLM's GPU work: the
+        # reads below, queued right after that work, would race the copy without the waits.
+        torch.cuda._sleep(SLOW_CYCLES)
+        pending = worker.begin_load(hit.node, [30, 31, 32], 0, hit.lease, queued=True)
         assert worker.finish_load(pending, lambda events: waits.loaded("req", events)) == 3
-        scheduler.release([hit.lease])
-        assert waits.holding
+        assert waits.holding and pending.transfer
         for name, v in views.items():
             waits.layer_begins(name)
             for got_at, want in zip((30, 31, 32), written[name]):
                 assert torch.equal(block(v, kind, got_at), want), f"{name} block {got_at}"
         assert not waits.holding and waits.step_over() == set()
+        assert worker.settle_loads([pending.transfer]) == (set(), set())
+        scheduler.release([hit.lease])
     finally:
         if scheduler is not None:
             scheduler.close()

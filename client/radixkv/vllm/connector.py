@@ -59,6 +59,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._short_loads: set[str] = set()  # requests whose load this step left blocks unfilled
         self._loaded: dict[str, int] = {}  # loads done since the last worker report: pages
         self._pending: dict[str, PendingLoad] = {}  # loads begun in handle_preemptions, by request
+        self._unsettled: dict[str, int] = {}  # CUDA loads of this step answered once queued: transfer
         self._receiving: dict[str, tuple] = {}  # async loads in flight: request -> (spec, PendingLoad)
         self._recv_done: set[str] = set()  # async loads over, for get_finished
         self._recv_failed: set[str] = set()
@@ -108,8 +109,8 @@ class RadixKVConnector(KVConnectorBase_V1):
             self._saves.flush(meta.flush)
         if meta.early_loads and not self.config.async_loads:
             for spec in meta.loads:
-                self._pending[spec.req_id] = self._adapter.begin_load(spec.node, spec.block_ids,
-                                                                     spec.local_blocks, spec.lease)
+                self._pending[spec.req_id] = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks,
+                                                                     spec.lease, queued=self._queued_loads)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Load this step's hits into their blocks (synchronously: vLLM runs this before a
@@ -127,7 +128,8 @@ class RadixKVConnector(KVConnectorBase_V1):
                 continue
             pending = self._pending.pop(spec.req_id, None)
             if pending is None:
-                pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
+                pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease,
+                                                   queued=self._queued_loads)
             self._loads_over(spec, self._finish_load(spec.req_id, pending, self._layers))
         # Loads begun in a step that returned before its start_load_kv (vLLM's encoder-only
         # steps do): wait for them too, so that none is left writing blocks unobserved.
@@ -135,14 +137,23 @@ class RadixKVConnector(KVConnectorBase_V1):
             self._finish_load(req_id, pending)
         self._pending.clear()
 
+    @property
+    def _queued_loads(self) -> bool:
+        """CUDA: a step's loads are answered once queued (with their layer events), so the
+        forward starts while they copy; their outcome is settled after it (`_forward_queued`)."""
+        return self._adapter is not None and self._adapter.cuda_device is not None
+
     def _finish_load(self, req_id: str, pending: PendingLoad, layers: LayerWaits | None = None) -> int:
-        """Wait for a begun load: the blocks it filled. One answered too late fills none
-        (vLLM recomputes them) and holds the request's blocks until the daemon answers.
-        With `layers`, its CUDA events are waited layer by layer in the forward."""
+        """Wait for a begun load's answer: the blocks it filled. One answered too late fills
+        none (vLLM recomputes them) and holds the request's blocks until the daemon answers.
+        With `layers`, its CUDA events are waited layer by layer in the forward. One
+        answered once queued is settled after the forward."""
         on_events = None if layers is None else (lambda events: layers.loaded(req_id, events))
         got = self._adapter.finish_load(pending, on_events)
         if pending.late:
             self._saves.hold(req_id, pending.answer)
+        if pending.transfer:
+            self._unsettled[req_id] = pending.transfer
         return got
 
     def _loads_over(self, spec, got: int) -> None:
@@ -165,17 +176,33 @@ class RadixKVConnector(KVConnectorBase_V1):
 
     def _forward_queued(self) -> None:
         """After the forward (the first of wait_for_save and get_block_ids_with_load_errors,
-        whichever vLLM calls first): a load whose events some layer never waited for counts
-        as failed, so vLLM recomputes its blocks and the step saves nothing of it."""
+        whichever vLLM calls first): a load whose events some layer never waited for, or
+        whose copy failed (settled now: loads answered once queued), counts as failed, so
+        vLLM recomputes its blocks and the step saves nothing of it."""
         early = self._layers.step_over() if self._layers is not None else set()
+        if early:
+            log.warning("radixkv: vLLM's forward did not wait for every layer of %d load(s): they count as failed "
+                        "(recomputed) and loads wait for all layers before the forward from now on", len(early))
+        bad = early | self._settle_loads()
         meta = self._meta()
-        if not early or meta is None:
+        if not bad or meta is None:
             return
-        log.warning("radixkv: vLLM's forward did not wait for every layer of %d load(s): they count as "
-                    "failed (recomputed) and loads wait for all layers before the forward from now on", len(early))
         for spec in meta.loads:
-            if spec.req_id in early:
+            if spec.req_id in bad:
                 self._loads_over(spec, 0)
+
+    def _settle_loads(self) -> set[str]:
+        """The step's loads answered once queued: acknowledged and waited for now, while
+        the GPU runs the forward. Returns the requests whose load failed; one unanswered
+        keeps its blocks held until the daemon answers."""
+        if not self._unsettled:
+            return set()
+        unsettled, self._unsettled = self._unsettled, {}
+        failed, unanswered = self._adapter.settle_loads(unsettled.values())
+        for req_id, transfer in unsettled.items():
+            if transfer in unanswered:
+                self._saves.hold_transfer(req_id, transfer)
+        return {req_id for req_id, transfer in unsettled.items() if transfer in failed}
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # whole blocks of every layer are saved in wait_for_save

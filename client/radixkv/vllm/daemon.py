@@ -15,6 +15,7 @@ load that fails loads nothing (vLLM recomputes), a save that fails is skipped; e
 logged. The client registers again after the daemon restarts.
 """
 
+import contextlib
 import logging
 import threading
 from array import array
@@ -60,6 +61,7 @@ class PendingLoad:
     want: int
     answer: Future | None = None
     error: RadixKVError | None = None
+    transfer: int = 0  # a load answered once queued: the copy to settle (`settle_loads`)
 
     @property
     def late(self) -> bool:
@@ -146,19 +148,23 @@ class DaemonAdapter:
         the scheduler's Match lease on the path; the caller releases it."""
         return self.finish_load(self.begin_load(node, block_ids, local_blocks, lease))
 
-    def begin_load(self, node: int, block_ids, local_blocks: int, lease: int) -> "PendingLoad":
+    def begin_load(self, node: int, block_ids, local_blocks: int, lease: int, *,
+                   queued: bool = False) -> "PendingLoad":
         """`load`'s copy sent on the session stream without waiting for it, so that it runs
         while vLLM prepares the forward; `finish_load` waits for it (and must be called:
         the daemon writes the blocks until then). Where the stream cannot take it now (the
         session lost, or closed) the load is not sent: it fills no block, so no answer can
-        come too late for blocks vLLM gave to another request meanwhile."""
+        come too late for blocks vLLM gave to another request meanwhile. `queued` (CUDA):
+        the daemon answers once the copy is queued, with its per-layer events for vLLM's
+        stream to wait on, and `finish_load` leaves `pending.transfer` to `settle_loads`
+        after the forward (the copy's outcome comes with its acknowledgement)."""
         want = len(block_ids) - local_blocks
         pages = array("i", block_ids[local_blocks:])
         pending = PendingLoad(node, pages, local_blocks, lease, want)
         if want > 0:
             try:
                 pending.answer = self._client.start_load_back(node, pages, lease=lease, start_page=local_blocks,
-                                                              engine_event=self.step_event())
+                                                              engine_event=self.step_event(), wait=not queued)
             except RadixKVError as e:
                 pending.error = e
         return pending
@@ -184,11 +190,35 @@ class DaemonAdapter:
                                        "(its blocks stay held until the daemon answers)") from None
             if isinstance(result, RadixKVError):
                 raise result
+            pending.transfer = result.transfer
             (loaded_events or self.wait_loaded)(tuple(result.layer_events))
             return min(result.loaded_tokens // self.page_size, pending.want)
         except RadixKVError as e:
             log.warning("radixkv: load of %d pages failed: %s", pending.want, e)
             return 0
+
+    def settle_loads(self, transfers: Iterable[int]) -> tuple[set[int], set[int]]:
+        """Acknowledge loads begun `queued` and wait (timeout_s at most) for their copies:
+        (failed, unanswered). Failed: the copy failed, the session was lost, or no answer
+        came in time; vLLM's forward may have read those blocks before their bytes were in
+        place, so their requests recompute. Unanswered: the daemon may still write those
+        blocks (keep them from reuse: `Saves.hold_transfer`)."""
+        ids = [t for t in transfers if t]
+        if not ids:
+            return set(), set()
+        outcomes = {}
+        try:
+            outcomes = self._client.wait(ids, timeout=self.config.timeout_s)
+        except DeadlineExceeded:
+            for t in ids:  # which of them are answered: each one alone, without waiting
+                with contextlib.suppress(DeadlineExceeded):
+                    outcomes.update(self._client.wait([t], timeout=0))
+        unanswered = set(ids) - outcomes.keys()
+        failed = unanswered | {t for t, outcome in outcomes.items() if not outcome.ok}
+        if failed:
+            log.warning("radixkv: %d of %d loads failed or went unanswered within %gs (recomputed)",
+                        len(failed), len(ids), self.config.timeout_s)
+        return failed, unanswered
 
     def save(self, tokens: bytes, block_ids, engine_event=None) -> int:
         """Start copying whole pages of `tokens` from `block_ids` to the daemon's host tier

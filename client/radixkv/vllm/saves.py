@@ -97,6 +97,16 @@ class Saves:
             self._late[ticket] = (req_id, answer)
             self._held[req_id] = self._held.get(req_id, 0) + 1
 
+    def hold_transfer(self, req_id: str, transfer: int) -> None:
+        """A load into `req_id`'s blocks whose acknowledgement did not come in time
+        (`DaemonAdapter.settle_loads`): in flight, like a save, until the daemon
+        acknowledges `transfer` (`poll`, `flush`)."""
+        with self._cond:
+            ticket = next(self._tickets)
+            self._pending.setdefault(req_id, set()).add(ticket)
+            self._transfers[transfer] = (ticket, req_id)
+            self._held[req_id] = self._held.get(req_id, 0) + 1
+
     def skip(self, req_id: str) -> None:
         """A save planned for `req_id` and not started: over."""
         with self._cond:

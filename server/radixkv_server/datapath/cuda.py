@@ -79,6 +79,8 @@ class CudaDeviceBuffers(DeviceBuffers):
     ordinal `device`. Raises DeviceOpenError when CUDA is missing, the GPU is not
     visible, a handle does not decode or open, a region is too small, or buffers overlap."""
 
+    layer_events = True
+
     def __init__(self, layout: KvLayout, num_pages: int, specs: list[BufferSpec], device: int,
                  device_uuid: str = ""):
         torch = _torch()

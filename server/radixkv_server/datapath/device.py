@@ -62,6 +62,7 @@ class DeviceBuffers(abc.ABC):
 
     layout: KvLayout
     num_pages: int
+    layer_events = False  # loads come with per-layer events for the engine to wait on (CUDA)
 
     @abc.abstractmethod
     def submit_load(self, host_pool, host_pages: bytes, device_pages: bytes, after: bytes = b"") -> CopyJob:

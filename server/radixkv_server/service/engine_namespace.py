@@ -117,8 +117,9 @@ class EngineNamespace:
         """Copy the complete host pages of `node`'s path from `start_page` into the rank's
         `device_pages`; nothing is published in the tree. `lease` (any session's, e.g. the
         scheduler's Match lease) must cover `node` when given. `wait`: answer once copied,
-        with no transfer to acknowledge (UNAVAILABLE if the copy failed); otherwise at once,
-        and the session acknowledges the transfer."""
+        with no transfer to acknowledge (UNAVAILABLE if the copy failed); otherwise once
+        the copy is enqueued (on CUDA with its per-layer events), and the session
+        acknowledges the transfer."""
         self._require(session, ENGINE, "LoadBack")
         if lease:
             self._check_lease_covers(lease, node)
@@ -127,9 +128,10 @@ class EngineNamespace:
         if result.transfer and wait:
             await self._finish_copied(result.transfer, session, "LoadBack: the copy into the engine's pages failed")
             return LoadBackAnswer(dataclasses.replace(result, transfer=0))
-        if result.transfer:
-            session.answered(result.transfer)
-        return LoadBackAnswer(result)
+        if not result.transfer:
+            return LoadBackAnswer(result)
+        session.answered(result.transfer)
+        return LoadBackAnswer(result, await self.ranks.layer_events(result.transfer, session.id))
 
     async def ack(self, session: Session, transfer: int) -> FinishResult:
         """Finish a save or load of this session once copied. NOT_FOUND (saying so) for

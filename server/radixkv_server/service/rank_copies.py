@@ -12,7 +12,7 @@ The event loop owns all of it; copy threads only call back onto the loop.
 import asyncio
 from collections.abc import Callable, Iterable
 
-from ..datapath import CopyEngine, DeviceBuffers, HostPool, HostShard
+from ..datapath import CopyEngine, CopyError, DeviceBuffers, HostPool, HostShard
 from .namespace_config import NamespaceConfig
 
 
@@ -74,6 +74,18 @@ class RankCopies:
             event = self._waiters.pop(transfer, None)
             if event is not None:
                 event.set()
+
+    async def layer_events(self, transfer: int, owner: str) -> tuple[bytes, ...]:
+        """The IPC events of a load into `owner`'s pages (one per layer) once it is
+        enqueued, for the engine to wait on; none where its buffers have none (shared
+        memory) or the copy could not start (its failure comes with the acknowledgement)."""
+        pair = self._engines.get(owner)
+        if pair is None or not pair[1].layer_events:
+            return ()
+        try:
+            return tuple(await pair[0].submitted(transfer))
+        except CopyError:
+            return ()
 
     # -- waiting ------------------------------------------------------------------------------
 
