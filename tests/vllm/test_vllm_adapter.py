@@ -170,21 +170,29 @@ def test_a_load_answered_too_late_holds_its_blocks_until_the_daemon_answers(shm_
             v[8].fill_(-1)
         pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
         assert adapter.finish_load(pending) == 0 and pending.late
-        saves = Saves(adapter)
-        try:
-            saves.hold("r", pending.answer)
-            assert saves.finished({"r"}, ["r"]) == set()  # vLLM keeps the blocks
-            assert saves.report() == ({}, {"r": 1})
-            assert not pending.answer.done()
-            saves.flush(["r"])  # the request preempted: its blocks are reused after this
-            assert pending.answer.done()
-            for layer, v in enumerate(views.values()):  # the write the hold kept vLLM from
-                assert torch.equal(v[8], torch.full_like(v[8], 10 + layer))
-            assert saves.finished(set(), []) == {"r"}
-            assert saves.report() == ({"r": 1}, {})
-        finally:
-            saves.close()
+        assert_held_until_answered(adapter, views, lambda saves: saves.hold("r", pending.answer),
+                                   answered=pending.answer.done)
         scheduler.release([hit.lease])
+
+
+def assert_held_until_answered(adapter, views, hold, answered=None) -> None:
+    """`hold(saves)` holds request "r"'s blocks (8 and 9) for a load the daemon still
+    writes (block 8 filled with -1 before): vLLM keeps them, a preemption's flush waits
+    for the daemon's answer, and block 8 then holds the saved bytes."""
+    saves = Saves(adapter)
+    try:
+        hold(saves)
+        assert saves.finished({"r"}, ["r"]) == set()  # vLLM keeps the blocks
+        assert saves.report() == ({}, {"r": 1})
+        assert answered is None or not answered()
+        saves.flush(["r"])  # the request preempted: its blocks are reused after this
+        assert answered is None or answered()
+        for layer, v in enumerate(views.values()):  # the write the hold kept vLLM from
+            assert torch.equal(v[8], torch.full_like(v[8], 10 + layer))
+        assert saves.finished(set(), []) == {"r"}
+        assert saves.report() == ({"r": 1}, {})
+    finally:
+        saves.close()
 
 
 def test_a_load_the_stream_cannot_carry_is_not_sent_and_the_session_comes_back(shm_kv, daemon):

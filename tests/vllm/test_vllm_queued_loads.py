@@ -9,8 +9,7 @@ time is failed too and its blocks stay held until the daemon answers.
 
 import torch
 
-from radixkv.vllm.saves import Saves
-from tests.vllm.test_vllm_adapter import SAVED, open_sessions, shm_kv  # noqa: F401 (shm_kv: a fixture)
+from tests.vllm.test_vllm_adapter import SAVED, assert_held_until_answered, open_sessions, shm_kv  # noqa: F401
 
 
 def test_a_load_answered_once_queued_is_settled_with_its_bytes_in_place(shm_kv, daemon):
@@ -48,16 +47,5 @@ def test_a_queued_load_unanswered_in_time_fails_and_holds_its_blocks(shm_kv, dae
         assert adapter.finish_load(pending) == 2 and not pending.late
         failed, unanswered = adapter.settle_loads([pending.transfer])
         assert failed == unanswered == {pending.transfer}
-        saves = Saves(adapter)
-        try:
-            saves.hold_transfer("r", pending.transfer)
-            assert saves.finished({"r"}, ["r"]) == set()  # vLLM keeps the blocks
-            assert saves.report() == ({}, {"r": 1})
-            saves.flush(["r"])  # the request preempted: its blocks are reused after this
-            for layer, v in enumerate(views.values()):  # the write the hold kept vLLM from
-                assert torch.equal(v[8], torch.full_like(v[8], 10 + layer))
-            assert saves.finished(set(), []) == {"r"}
-            assert saves.report() == ({"r": 1}, {})
-        finally:
-            saves.close()
+        assert_held_until_answered(adapter, views, lambda saves: saves.hold_transfer("r", pending.transfer))
         scheduler.release([hit.lease])
