@@ -96,5 +96,5 @@ def test_real_vllm_asks_for_every_registered_layer_by_name(engines, daemon):
     llm = engines.start(daemon.target)  # vLLM's own prefix cache is empty: a host hit
     [warm] = generate(llm, [p])
     assert warm.cached_tokens == 384
-    layers = get_kv_transfer_group()._layers
+    layers = get_kv_transfer_group()._loads._layers
     assert layers.layerwise and not layers.gave_up and not layers.holding

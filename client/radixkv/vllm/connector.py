@@ -18,16 +18,16 @@ loads and saves (`radixkv.vllm.scheduler`). docs/vllm.md describes the mapping.
 
 import logging
 import os
-import time
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from .config import ConnectorConfig
-from .daemon import DaemonAdapter, PendingLoad
+from .daemon import DaemonAdapter
 from .kvmemory import ShmAllocation, layout_from_spec
 from .layer_waits import LayerWaits
+from .loads import WorkerLoads
 from .lookups import Lookups
 from .metadata import RadixKVMetadata, RadixKVWorkerMetadata
 from .registration import register_worker
@@ -49,20 +49,12 @@ class RadixKVConnector(KVConnectorBase_V1):
         self.tp_rank, self.tp_size = _tp_rank(vllm_config)
         self._adapter: DaemonAdapter | None = None
         self._saves: Saves | None = None
-        self._layers: LayerWaits | None = None
+        self._loads: WorkerLoads | None = None
         self._allocation: ShmAllocation | None = None
         self._scheduler: SchedulerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.block_size, self.tp_size, self._scheduler_session(kv_cache_config),
                                             lambda: self._kv_cache_manager, self.config.async_loads)
-        self._load_errors: set[int] = set()
-        self._short_loads: set[str] = set()  # requests whose load this step left blocks unfilled
-        self._loaded: dict[str, int] = {}  # loads done since the last worker report: pages
-        self._pending: dict[str, PendingLoad] = {}  # loads begun in handle_preemptions, by request
-        self._unsettled: dict[str, int] = {}  # CUDA loads of this step answered once queued: transfer
-        self._receiving: dict[str, tuple] = {}  # async loads in flight: request -> (spec, PendingLoad)
-        self._recv_done: set[str] = set()  # async loads over, for get_finished
-        self._recv_failed: set[str] = set()
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
             log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
                         "(daemon restarted, page evicted) fails too; set it to 'recompute'")
@@ -93,7 +85,8 @@ class RadixKVConnector(KVConnectorBase_V1):
             raise
         self._adapter = adapter
         self._saves = Saves(adapter)
-        self._layers = LayerWaits(kv_caches, adapter.wait_loaded)
+        self._loads = WorkerLoads(adapter, self._saves, LayerWaits(kv_caches, adapter.wait_loaded),
+                                  queued=adapter.cuda_device is not None, async_loads=self.config.async_loads)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """Before the forward (vLLM calls this first thing in a step): the saves of requests
@@ -107,102 +100,28 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._saves.step_began()
         if meta.flush:
             self._saves.flush(meta.flush)
-        if meta.early_loads and not self.config.async_loads:
-            for spec in meta.loads:
-                self._pending[spec.req_id] = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks,
-                                                                     spec.lease, queued=self._queued_loads)
+        if meta.early_loads:
+            self._loads.begin_early(meta.loads)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Load this step's hits into their blocks (synchronously: vLLM runs this before a
-        forward with loads) from the node and with the lease of the scheduler's Match:
-        wait for the loads `handle_preemptions` started, do the others now."""
+        """Load this step's hits into their blocks before the forward (`WorkerLoads.load`:
+        from the node and with the lease of the scheduler's Match; on CUDA answered once
+        queued, the forward's layers waiting on the copy's events)."""
         meta = self._meta()
-        if meta is None or self._adapter is None:
-            return
-        for spec in meta.loads:
-            if self.config.async_loads:  # answered in get_finished, once the daemon copied
-                pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
-                self._receiving[spec.req_id] = (spec, pending)
-                if pending.late:  # held like a save: a request aborted meanwhile keeps its blocks
-                    self._saves.hold(spec.req_id, pending.answer)
-                continue
-            pending = self._pending.pop(spec.req_id, None)
-            if pending is None:
-                pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease,
-                                                   queued=self._queued_loads)
-            self._loads_over(spec, self._finish_load(spec.req_id, pending, self._layers))
-        # Loads begun in a step that returned before its start_load_kv (vLLM's encoder-only
-        # steps do): wait for them too, so that none is left writing blocks unobserved.
-        for req_id, pending in self._pending.items():
-            self._finish_load(req_id, pending)
-        self._pending.clear()
-
-    @property
-    def _queued_loads(self) -> bool:
-        """CUDA: a step's loads are answered once queued (with their layer events), so the
-        forward starts while they copy; their outcome is settled after it (`_forward_queued`)."""
-        return self._adapter is not None and self._adapter.cuda_device is not None
-
-    def _finish_load(self, req_id: str, pending: PendingLoad, layers: LayerWaits | None = None) -> int:
-        """Wait for a begun load's answer: the blocks it filled. One answered too late fills
-        none (vLLM recomputes them) and holds the request's blocks until the daemon answers.
-        With `layers`, its CUDA events are waited layer by layer in the forward. One
-        answered once queued is settled after the forward."""
-        on_events = None if layers is None else (lambda events: layers.loaded(req_id, events))
-        got = self._adapter.finish_load(pending, on_events)
-        if pending.late:
-            self._saves.hold(req_id, pending.answer)
-        if pending.transfer:
-            self._unsettled[req_id] = pending.transfer
-        return got
-
-    def _loads_over(self, spec, got: int) -> None:
-        """A load filled the first `got` of its blocks: report it, fail the rest."""
-        self._loaded[spec.req_id] = got
-        failed = spec.load_blocks[got:]
-        if failed:
-            self._load_errors.update(failed)
-            self._short_loads.add(spec.req_id)
-        if self.config.async_loads:
-            self._recv_done.add(spec.req_id)
-            if failed:
-                self._recv_failed.add(spec.req_id)
+        if meta is not None and self._loads is not None:
+            self._loads.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """CUDA: vLLM's stream waits for this layer's part of the step's loads (their host
-        side finished in start_load_kv; `layer_waits`)."""
-        if self._layers is not None:
-            self._layers.layer_begins(layer_name)
+        """CUDA: vLLM's stream waits for this layer's part of the step's loads (`layer_waits`)."""
+        if self._loads is not None:
+            self._loads.layer_begins(layer_name)
 
     def _forward_queued(self) -> None:
         """After the forward (the first of wait_for_save and get_block_ids_with_load_errors,
-        whichever vLLM calls first): a load whose events some layer never waited for, or
-        whose copy failed (settled now: loads answered once queued), counts as failed, so
-        vLLM recomputes its blocks and the step saves nothing of it."""
-        early = self._layers.step_over() if self._layers is not None else set()
-        if early:
-            log.warning("radixkv: vLLM's forward did not wait for every layer of %d load(s): they count as failed "
-                        "(recomputed) and loads wait for all layers before the forward from now on", len(early))
-        bad = early | self._settle_loads()
-        meta = self._meta()
-        if not bad or meta is None:
-            return
-        for spec in meta.loads:
-            if spec.req_id in bad:
-                self._loads_over(spec, 0)
-
-    def _settle_loads(self) -> set[str]:
-        """The step's loads answered once queued: acknowledged and waited for now, while
-        the GPU runs the forward. Returns the requests whose load failed; one unanswered
-        keeps its blocks held until the daemon answers."""
-        if not self._unsettled:
-            return set()
-        unsettled, self._unsettled = self._unsettled, {}
-        failed, unanswered = self._adapter.settle_loads(unsettled.values())
-        for req_id, transfer in unsettled.items():
-            if transfer in unanswered:
-                self._saves.hold_transfer(req_id, transfer)
-        return {req_id for req_id, transfer in unsettled.items() if transfer in failed}
+        whichever vLLM calls first): `WorkerLoads.forward_queued`."""
+        if self._loads is not None:
+            meta = self._meta()
+            self._loads.forward_queued(meta.loads if meta is not None else [])
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # whole blocks of every layer are saved in wait_for_save
@@ -215,9 +134,9 @@ class RadixKVConnector(KVConnectorBase_V1):
         blocks, so what it computed is wrong (vLLM recomputes it)."""
         self._forward_queued()
         meta = self._meta()
-        short, self._short_loads = self._short_loads, set()
-        if meta is None or self._saves is None:
+        if meta is None or self._loads is None:
             return
+        short = self._loads.take_short()
         for spec in meta.saves:
             if spec.req_id in short:
                 self._saves.skip(spec.req_id)
@@ -232,32 +151,18 @@ class RadixKVConnector(KVConnectorBase_V1):
             return None, None
         meta = self._meta()
         sending = self._saves.finished(finished_req_ids, meta.delayed if meta else ())
-        answered = self._answered_loads()
-        if self._receiving and not answered:
-            # Hand the GIL over: vLLM's loop, stepping while these requests wait, holds it,
-            # and the stream's reader thread that carries the answers would get it only
-            # every switch interval (5 ms).
-            time.sleep(0)
-            answered = self._answered_loads()
-        for req_id in answered:
-            spec, pending = self._receiving.pop(req_id)
-            self._loads_over(spec, self._adapter.finish_load(pending))  # does not wait: answered
-        recving, self._recv_done = self._recv_done, set()
+        recving = self._loads.received()
         return sending or None, recving or None
-
-    def _answered_loads(self) -> list[str]:
-        """Requests whose asynchronous load `finish_load` would not wait for (answered, or never sent)."""
-        return [r for r, (_, pending) in self._receiving.items() if not pending.late]
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         results = super().get_transfer_results(finished_req_ids)
-        results.failed_recving, self._recv_failed = self._recv_failed & results.finished_recving, set()
+        if self._loads is not None:
+            results.failed_recving = self._loads.take_failed_receiving(results.finished_recving)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._forward_queued()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._loads.take_errors() if self._loads is not None else set()
 
     def build_connector_worker_meta(self) -> RadixKVWorkerMetadata | None:
         """The loads this worker finished (their leases can go), the saves that are over
@@ -266,9 +171,9 @@ class RadixKVConnector(KVConnectorBase_V1):
             return None
         self._saves.poll()
         saved, held = self._saves.report()
-        if not self._loaded and not saved and not held:
+        loaded = self._loads.take_loaded()
+        if not loaded and not saved and not held:
             return None
-        loaded, self._loaded = self._loaded, {}
         rank = self.tp_rank
         return RadixKVWorkerMetadata(*({req: {rank: n} for req, n in table.items()} for table in (loaded, saved, held)))
 
