@@ -1,27 +1,20 @@
 #!/usr/bin/env bash
 # Downloads the wheels scripts/gpu-check.sh installs on a GPU machine that has no
-# network (Python 3.12, x86-64, manylinux): the gRPC runtimes the committed generated
-# code needs, the health and reflection services the daemon always serves, and redis
-# (tests/conftest.py imports it), msgspec and pyzmq (the daemon's KV events). Run here, where pip works; the wheels land in .whl/
-# (git-ignored) and travel with the device tool's `carry: [".whl"]`.
+# network (Python 3.12, x86-64, manylinux): pyproject.toml's runtime dependencies less the
+# machine's own torch and numpy (scripts/gpu_packages.py), at the versions installed here.
+# Run here, where pip works; the wheels land in .whl/ (git-ignored) and travel with the
+# device tool's `carry: [".whl"]`.
 #
 #   scripts/fetch-gpu-wheels.sh          # PY=python3 by default (.venv's when present)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# One version of each: two versions of a name in .whl/ stop the whole install there.
-# Keep these at or above pyproject.toml's minimums.
-WHEELS=(
-  grpcio==1.85.3
-  grpcio-health-checking==1.85.1
-  grpcio-reflection==1.85.1
-  protobuf==7.36.2
-  redis==8.1.0
-  msgspec==0.23.0  # KV events (radixkv.routing.wire), imported by the daemon
-  pyzmq==27.3.0    # KV events publisher
-  typing-extensions==4.16.0  # grpcio needs >= 4.12; installed there only if older
-)
 PY=${PY:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
+# One version of each (two versions of a name in .whl/ stop the whole install there): the
+# versions installed here, of every package scripts/gpu_packages.py names (pyproject.toml's
+# dependencies less the GPU machine's own torch and numpy, and typing-extensions for grpcio).
+mapfile -t WHEELS < <("$PY" scripts/gpu_packages.py --pins)
+((${#WHEELS[@]})) || { echo "error: scripts/gpu_packages.py named no package" >&2; exit 1; }
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)
 

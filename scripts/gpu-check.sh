@@ -77,9 +77,9 @@ mapfile -t WHEELS < <(timeout 60 "$PY" - <<'EOF'
 import glob, os, re, sys
 from importlib import metadata
 from packaging.version import Version
-NEED = {"grpcio": "1.85.1", "grpcio-health-checking": "1.85.1", "grpcio-reflection": "1.85.1",
-        "protobuf": "7.35.1", "redis": "5", "uvloop": "0.19", "prometheus-client": "0.20",
-        "typing-extensions": "4.12", "msgspec": "0.18", "pyzmq": "25"}
+sys.path.insert(0, "scripts")
+from gpu_packages import minimums  # pyproject.toml's dependencies, less the machine's torch and numpy
+NEED = minimums()
 wheels = {}
 for w in glob.glob(".whl/*.whl"):
     name = re.sub(r"[-_.]+", "-", os.path.basename(w).split("-")[0]).lower()
