@@ -206,13 +206,7 @@ class DaemonAdapter:
         ids = [t for t in transfers if t]
         if not ids:
             return set(), set()
-        outcomes = {}
-        try:
-            outcomes = self._client.wait(ids, timeout=self.config.timeout_s)
-        except DeadlineExceeded:
-            for t in ids:  # which of them are answered: each one alone, without waiting
-                with contextlib.suppress(DeadlineExceeded):
-                    outcomes.update(self._client.wait([t], timeout=0))
+        outcomes = self._outcomes(ids, self.config.timeout_s)
         unanswered = set(ids) - outcomes.keys()
         failed = unanswered | {t for t, outcome in outcomes.items() if not outcome.ok}
         if failed:
@@ -241,21 +235,23 @@ class DaemonAdapter:
         if not ids:
             return set()
         try:
-            return set(self._client.wait(ids, timeout=timeout))
-        except DeadlineExceeded:
-            if len(ids) == 1:
-                return set()  # that one is not answered: no need to ask again
-        try:  # which of them are answered: each one alone, without waiting
-            return {t for t in ids if self._answered(t)}
+            return set(self._outcomes(ids, timeout))
         except RadixKVError:
             return set()
 
-    def _answered(self, transfer: int) -> bool:
+    def _outcomes(self, ids: list[int], timeout: float | None) -> dict:
+        """Acknowledge `ids` and wait `timeout` (0: only look; None: for all): the outcomes
+        of those answered by then, each asked alone without waiting once time is up."""
         try:
-            self._client.wait([transfer], timeout=0)
-            return True
+            return self._client.wait(ids, timeout=timeout)
         except DeadlineExceeded:
-            return False
+            if len(ids) == 1:
+                return {}  # that one is not answered: no need to ask again
+        outcomes = {}
+        for t in ids:
+            with contextlib.suppress(DeadlineExceeded):
+                outcomes.update(self._client.wait([t], timeout=0))
+        return outcomes
 
     def step_event(self):
         """CUDA: an event after every kernel vLLM queued so far (the daemon's copy waits

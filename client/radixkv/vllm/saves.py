@@ -69,8 +69,7 @@ class Saves:
         orders the daemon's copy after the forward is recorded here, on vLLM's stream."""
         event = self._adapter.step_event()
         with self._cond:
-            ticket = next(self._tickets)
-            self._pending.setdefault(spec.req_id, set()).add(ticket)
+            ticket = self._new_ticket(spec.req_id)
             self._unsent.add(ticket)
             self._queue.append((ticket, spec, event))
             self._cond.notify_all()
@@ -92,20 +91,14 @@ class Saves:
         """A load into `req_id`'s blocks whose `answer` is still to come: in flight (its
         blocks kept, a flush waits for it) until the answer completes, however it does."""
         with self._cond:
-            ticket = next(self._tickets)
-            self._pending.setdefault(req_id, set()).add(ticket)
-            self._late[ticket] = (req_id, answer)
-            self._held[req_id] = self._held.get(req_id, 0) + 1
+            self._late[self._new_ticket(req_id, held=True)] = (req_id, answer)
 
     def hold_transfer(self, req_id: str, transfer: int) -> None:
         """A load into `req_id`'s blocks whose acknowledgement did not come in time
         (`DaemonAdapter.settle_loads`): in flight, like a save, until the daemon
         acknowledges `transfer` (`poll`, `flush`)."""
         with self._cond:
-            ticket = next(self._tickets)
-            self._pending.setdefault(req_id, set()).add(ticket)
-            self._transfers[transfer] = (ticket, req_id)
-            self._held[req_id] = self._held.get(req_id, 0) + 1
+            self._transfers[transfer] = (self._new_ticket(req_id, held=True), req_id)
 
     def skip(self, req_id: str) -> None:
         """A save planned for `req_id` and not started: over."""
@@ -213,6 +206,15 @@ class Saves:
                 entry = self._transfers.pop(t, None)
                 if entry is not None:
                     self._ticket_over(*entry)
+
+    def _new_ticket(self, req_id: str, held: bool = False) -> int:
+        """A save (or, `held`, a load held like one) of `req_id` in flight from now on
+        (under the condition)."""
+        ticket = next(self._tickets)
+        self._pending.setdefault(req_id, set()).add(ticket)
+        if held:
+            self._held[req_id] = self._held.get(req_id, 0) + 1
+        return ticket
 
     def _ticket_over(self, ticket: int, req_id: str) -> None:
         pending = self._pending.get(req_id)
