@@ -138,10 +138,6 @@ class WorkerLoads:
         failed, self._recv_failed = self._recv_failed & finished, set()
         return failed
 
-    @property
-    def receiving(self) -> bool:
-        return bool(self._receiving)
-
     # -- internals --------------------------------------------------------------------------
 
     def _begin(self, spec: LoadSpec) -> PendingLoad:

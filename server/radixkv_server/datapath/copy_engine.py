@@ -178,6 +178,14 @@ class CopyEngine:
         or its failure went to on_done)."""
         return self._submitted(transfer, self._flights.get(transfer))
 
+    async def layer_events(self, transfer: int) -> tuple[bytes, ...]:
+        """A load's per-layer events for the engine to wait on, once it is enqueued: none,
+        without waiting, where the buffers have none (shared memory). Raises CopyError as
+        `submitted` does."""
+        if not self._device.layer_events:
+            return ()
+        return tuple(await self.submitted(transfer))
+
     @staticmethod
     async def _submitted(transfer: int, flight: _Flight | None) -> list[bytes]:
         if flight is None:

@@ -41,7 +41,6 @@ class Copies:
         self._fetches: dict[int, asyncio.Future] = {}
         self._past_bytes = {"load": 0, "backup": 0}  # of copy engines already retired
         self.device: DeviceBuffers | None = None
-        self.backend = ""  # of the attached buffers: "shm" or "cuda"
         self.engine: CopyEngine | None = None
         self._ranks = ranks  # engine-managed: the rank sessions' copies
         self.storage: StorageMover | None = None
@@ -57,11 +56,10 @@ class Copies:
 
     # -- the engine's buffers -------------------------------------------------------------
 
-    def attach(self, device: DeviceBuffers, backend: str) -> None:
+    def attach(self, device: DeviceBuffers) -> None:
         """Copy to and from these buffers from now on. No copy may be in flight."""
         self.release_device()
         self.device = device
-        self.backend = backend
         self.engine = CopyEngine(self._loop, device, self._host_pool, self._copied,
                                  workers=self._config.copy_workers, delay=self._config.copy_delay,
                                  fail_loads=self._config.fail_loads)
@@ -198,10 +196,8 @@ class Copies:
 
     async def layer_events(self, transfer: int) -> tuple[bytes, ...]:
         """The CUDA IPC events of a load-back (one per layer) once it is enqueued; none
-        on shared memory, which has nothing to wait for."""
-        if self.backend != "cuda":
-            return ()
-        return tuple(await self.engine.submitted(transfer))
+        on shared memory, which has nothing to wait for (`CopyEngine.layer_events`)."""
+        return await self.engine.layer_events(transfer)
 
     def close(self) -> None:
         """Release the buffers and stop storage I/O. Idempotent; drain first."""

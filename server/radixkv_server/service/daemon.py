@@ -83,10 +83,10 @@ class Daemon:
             try:
                 if ns is None:
                     ns = self.add_namespace(await Namespace.open(
-                        ns_config, device, reg.backend, metrics=self.metrics, storage=self.storage))
+                        ns_config, device, metrics=self.metrics, storage=self.storage))
                     warm, dropped = False, 0
                 else:
-                    warm, dropped = True, await ns.attach(device, reg.backend)
+                    warm, dropped = True, await ns.attach(device)
             except BaseException:
                 device.close()
                 raise

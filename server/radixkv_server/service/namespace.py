@@ -35,7 +35,7 @@ class Namespace:
 
     engine_managed = False
 
-    def __init__(self, config: NamespaceConfig, host_pool: HostPool, device: DeviceBuffers, backend: str, *,
+    def __init__(self, config: NamespaceConfig, host_pool: HostPool, device: DeviceBuffers, *,
                  metrics=None, storage=None):
         """`storage`: the daemon's StorageBackend, or None. Call on the event loop."""
         self.core = NamespaceCore(config, host_pool, num_device_pages=device.num_pages, metrics=metrics,
@@ -43,16 +43,16 @@ class Namespace:
         self.name, self.layout, self.config, self.host_pool = config.name, config.layout, config, host_pool
         self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
         self.session: Session | None = None  # the attached engine's session; set by the Daemon
-        self.copies.attach(device, backend)
+        self.copies.attach(device)
 
     @classmethod
-    async def open(cls, config: NamespaceConfig, device: DeviceBuffers, backend: str, *,
+    async def open(cls, config: NamespaceConfig, device: DeviceBuffers, *,
                    metrics=None, storage=None) -> "Namespace":
         """A new namespace; its host pool is allocated (and pinned) off the loop."""
         pool = await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(HostPool, config.layout, config.host_pages, device=config.pin_device,
                                     prefault=config.prefault_host))
-        return cls(config, pool, device, backend, metrics=metrics, storage=storage)
+        return cls(config, pool, device, metrics=metrics, storage=storage)
 
     # -- engine operations ----------------------------------------------------------------
 
@@ -159,12 +159,12 @@ class Namespace:
         await self.core.end_holdings(self.cache.finish_load_back, session, self.cache.pending_loads(session.id))
         await self.detach()
 
-    async def attach(self, device: DeviceBuffers, backend: str) -> int:
+    async def attach(self, device: DeviceBuffers) -> int:
         """Swap in a restarted engine's device buffers: wait for copies, drop the old
         device residency (host copies stay). Returns tokens dropped from the cache."""
         await self.copies.drain()
         dropped = self.cache.drop_device(device.num_pages)
-        self.copies.attach(device, backend)
+        self.copies.attach(device)
         log_event(log, "namespace.reattached", namespace=self.name, dropped_tokens=dropped)
         return dropped
 

@@ -80,10 +80,10 @@ class RankCopies:
         enqueued, for the engine to wait on; none where its buffers have none (shared
         memory) or the copy could not start (its failure comes with the acknowledgement)."""
         pair = self._engines.get(owner)
-        if pair is None or not pair[1].layer_events:
+        if pair is None:
             return ()
         try:
-            return tuple(await pair[0].submitted(transfer))
+            return await pair[0].layer_events(transfer)
         except CopyError:
             return ()
 
