@@ -68,7 +68,9 @@ class Prompt:
 @dataclass(frozen=True, slots=True)
 class Registration:
     """A session: pass nothing back, the client keeps it. `warm` says the namespace's
-    host tier survived a previous engine; `daemon_instance` changes when the daemon restarts."""
+    host tier survived a previous engine; `daemon_instance` changes when the daemon restarts;
+    `storage` is the daemon's storage tier by URL scheme ("file", "redis", "redis+cluster",
+    "mooncake"; "" without one)."""
 
     session: str
     daemon_instance: str
@@ -76,11 +78,12 @@ class Registration:
     write_policy: str
     warm: bool
     dropped_device_tokens: int
+    storage: str = ""
 
     @classmethod
     def from_pb(cls, m: pb.RegisterResponse) -> "Registration":
         return cls(m.session, m.daemon_instance, m.host_pool_pages, m.write_policy, m.warm,
-                   m.dropped_device_tokens)
+                   m.dropped_device_tokens, m.storage)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,7 @@ def test_register_match_insert_load_back_ack_round_trip(engine):
     tokens = pack(range(100, 114))  # 3 whole pages + 2 tokens
     keys = page_keys(tokens, LAYOUT.page_size)
     assert engine.reg.session and engine.reg.daemon_instance and engine.reg.write_policy == "write_through"
+    assert engine.reg.storage == ""  # no storage tier
 
     [m] = c.match([tokens])
     assert (m.device_tokens, m.host_tokens, len(m.device_pages), m.lease) == (0, 0, 0, 0)

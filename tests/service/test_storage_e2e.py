@@ -41,6 +41,7 @@ def test_warm_restart_serves_prefixes_inserted_before(daemon_factory, tmp_path):
 
     second = daemon_factory(*flags)
     engine = EngineDouble.connect(second.target)
+    assert engine.registration.storage == "file"  # the daemon names its storage tier to engines
     try:
         for i in range(4):
             m, progress, loaded, mismatches = fetch_and_load(engine, prompt(i))
@@ -57,6 +58,7 @@ def test_two_daemons_sharing_redis_serve_each_others_prefixes(daemon_factory, re
     flags = ("--storage", redis_url, "--storage-policy", "write_through")
     a, b = daemon_factory(*flags), daemon_factory(*flags)
     writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
+    assert writer.registration.storage == reader.registration.storage == "redis"
     try:
         writer.prefill(prompt(7))
         wait_stored(writer, 8 * PS)
@@ -208,6 +210,7 @@ def test_two_daemons_sharing_a_fleet_store_serve_each_others_prefixes(request, f
 def test_mooncake_segment_owner_killed_reader_misses_and_keeps_serving(mooncake_master, daemon_factory):
     a, b = daemon_factory(*mooncake_flags(mooncake_master)), daemon_factory(*mooncake_flags(mooncake_master))
     writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
+    assert writer.registration.storage == reader.registration.storage == "mooncake"
     try:
         writer.prefill(prompt(3))
         wait_stored(writer, 8 * PS)
@@ -274,6 +277,7 @@ def test_redis_cluster_master_killed_while_daemons_run(daemon_factory):
                  "--storage-policy", "write_through")
         a, b = daemon_factory(*flags), daemon_factory(*flags)
         writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
+        assert reader.registration.storage == "redis+cluster"
         try:
             writer.prefill(prompt(11))
             wait_stored(writer, 8 * PS)

@@ -39,8 +39,8 @@ def prompt(i: int, pages: int = 8, page_size: int = PS) -> list[int]:
 class EngineDouble:
     """One engine: `num_pages` device pages of `layout` (`buffers`: shared memory, or
     CUDA tensors on `device` with backend "cuda"), the pattern KV over them (`kv`),
-    their owners (`pool`), and after `register` its client (`client`). `close` ends the
-    session and frees the buffers."""
+    their owners (`pool`), and after `register` its client (`client`) and the daemon's
+    answer (`registration`). `close` ends the session and frees the buffers."""
 
     def __init__(self, layout: KvLayout = LAYOUT, num_pages: int = 128, backend: str = "shm", device: int = 0):
         self.layout = layout
@@ -49,6 +49,7 @@ class EngineDouble:
         self.kv = KvPattern(layout, self.buffers.tensors, num_pages)
         self.pool = PagePool(num_pages)
         self.client: Client | None = None
+        self.registration: Registration | None = None
 
     @classmethod
     def connect(cls, target: str, namespace: str = "model/tp0", *, num_pages: int = 128,
@@ -61,8 +62,9 @@ class EngineDouble:
     def register(self, client: Client, namespace: str, **options) -> Registration:
         """Register this engine's buffers through `client`, which the double then uses."""
         self.client = client
-        return client.register(namespace, self.layout, self.buffers.specs, self.pool.num_pages,
-                               backend=self.buffers.backend, device=self.buffers.device, **options)
+        self.registration = client.register(namespace, self.layout, self.buffers.specs, self.pool.num_pages,
+                                            backend=self.buffers.backend, device=self.buffers.device, **options)
+        return self.registration
 
     @property
     def shm_name(self) -> str:

@@ -2,7 +2,8 @@
 shut it down so its connector closes its session.
 
 `Result` keeps what a user of vLLM sees per request: the generated tokens, their
-logprobs, and how many prompt tokens vLLM reported as cached.
+logprobs, and how many prompt tokens vLLM reported as cached. `vllm_metric` reads what an
+engine started with `disable_log_stats=False` shows on its /metrics.
 """
 
 import random
@@ -76,3 +77,11 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[Result]
         lps = tuple(step[tok].logprob for step, tok in zip(o.logprobs, o.token_ids))
         results.append(Result(tuple(o.token_ids), lps, out.num_cached_tokens or 0))
     return results
+
+
+def vllm_metric(llm, name: str, **labels: str) -> float:
+    """The sum of the series of counter or gauge `name` (a counter with or without its
+    `_total`) whose labels include `labels`, in the engine's Prometheus registry."""
+    name = name.removesuffix("_total")
+    return sum(m.value for m in llm.get_metrics()
+               if m.name.removesuffix("_total") == name and labels.items() <= m.labels.items())

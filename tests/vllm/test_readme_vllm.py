@@ -8,7 +8,8 @@ flags that run the tiny model on vLLM's CPU build quickly (eager, float32, a sma
 
 What a user notices: the Python script prints the cached prompt tokens, 0 then a hit
 (served from radixkv: vLLM's prefix cache was reset in between); `vllm serve` answers a
-completion and reports external prefix-cache hits on its /metrics; radixkv's Stats shows
+completion and reports external prefix-cache hits and the connector's series (`vllm:radixkv_*`)
+on its /metrics; radixkv's Stats shows
 the namespace the snippets name, with the tokens vLLM saved.
 """
 
@@ -159,4 +160,6 @@ def test_vllm_serve_and_the_request_commands(served, model_with_tokenizer, metri
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert '"choices"' in run.stdout and '"text"' in run.stdout, run.stdout[-2000:]
     assert "vllm:external_prefix_cache_hits" in run.stdout, run.stdout[-2000:]
+    for series in ("radixkv_lookups_total", "radixkv_loaded_blocks_total", "radixkv_save_blocks_total"):
+        assert re.search(rf"^vllm:{series}{{.*}} \d", run.stdout, re.M), f"no vllm:{series} in {run.stdout[-2000:]}"
     namespace_counters(metrics_daemon.target)  # the connector registered the README's namespace

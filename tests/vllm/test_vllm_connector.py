@@ -11,7 +11,7 @@ import pytest
 from radixkv import Client, KvLayout
 from tests.support.daemon import wait_for
 
-from tests.vllm.engines import connector_config, generate, prompt
+from tests.vllm.engines import connector_config, generate, prompt, vllm_metric
 
 PROMPT_TOKENS = 2048
 BLOCK = 128
@@ -114,12 +114,16 @@ def test_a_restarted_daemon_with_file_storage_serves_the_prefix_from_storage(eng
     assert first.stop() == 0
 
     second = daemon_factory(*flags)  # empty host tier, same storage
-    llm = engines.start(second.target)
+    llm = engines.start(second.target, disable_log_stats=False)
     [warm] = generate(llm, [p])
     assert warm.cached_tokens == CACHEABLE
     assert warm.tokens == cold.tokens
     after = counters(second.target)
     assert after["prefetched_tokens"] >= CACHEABLE and after["loaded_tokens"] == CACHEABLE
+    # vLLM's /metrics files the hit under disk (file storage), the connector counts the staging
+    assert vllm_metric(llm, "vllm:prompt_tokens_cached_by_source", source="disk") == CACHEABLE
+    assert vllm_metric(llm, "vllm:prompt_tokens_cached_by_source", source="host") == 0
+    assert vllm_metric(llm, "vllm:radixkv_staged_prompts_total") == 1
 
 
 def test_hits_with_the_engine_core_and_worker_in_processes_of_their_own(engines, daemon, monkeypatch):
@@ -158,10 +162,12 @@ def test_a_load_that_fails_is_recomputed_with_the_same_output(engines, daemon_fa
     llm = engines.start(daemon.target)
     [cold] = generate(llm, [p])
     engines.stop(llm)
-    restarted = engines.start(daemon.target)
+    restarted = engines.start(daemon.target, disable_log_stats=False)
     [again] = generate(restarted, [p])
     assert again.tokens == cold.tokens
     assert counters(daemon.target)["failed_load_tokens"] >= CACHEABLE
+    assert vllm_metric(restarted, "vllm:radixkv_load_failed_blocks_total") == CACHEABLE // BLOCK
+    assert vllm_metric(restarted, "vllm:radixkv_loaded_blocks_total") == 0
     [after] = generate(restarted, [p])  # the connector still works after the failure
     assert after.tokens == cold.tokens
 

@@ -13,7 +13,7 @@ test empties vLLM's prefix cache instead of restarting vLLM.
 
 from radixkv import Client
 
-from tests.vllm.engines import generate, prompt
+from tests.vllm.engines import generate, prompt, vllm_metric
 
 PROMPT_TOKENS = 2048
 BLOCK = 128
@@ -49,7 +49,8 @@ def test_tensor_parallel_2_hits_radixkv_with_both_ranks_shards(engines, daemon):
     [base] = generate(plain, [p])
     engines.stop(plain)
 
-    llm = engines.start(daemon.target, tensor_parallel_size=TP, distributed_executor_backend="mp", **SMALL_CACHE)
+    llm = engines.start(daemon.target, tensor_parallel_size=TP, distributed_executor_backend="mp",
+                        disable_log_stats=False, **SMALL_CACHE)
     sessions, ns = stats(daemon.target)
     assert sessions == 1 + TP  # the scheduler's session and one per rank
     assert ns.layout.num_kv_heads == 1  # a rank's shard: one of the model's two KV heads
@@ -77,3 +78,6 @@ def test_tensor_parallel_2_hits_radixkv_with_both_ranks_shards(engines, daemon):
     assert after["host_hit_tokens"] - before["host_hit_tokens"] == CACHEABLE
     assert after["loaded_tokens"] - before["loaded_tokens"] == TP * CACHEABLE
     assert after["failed_load_tokens"] == 0
+    # vLLM's /metrics counts the load once, when both ranks reported theirs
+    assert vllm_metric(llm, "vllm:radixkv_loads_total") == 1
+    assert vllm_metric(llm, "vllm:radixkv_loaded_blocks_total") == CACHEABLE // BLOCK

@@ -13,7 +13,9 @@ forward (`start_load_kv`), starts asynchronous Inserts of newly full blocks afte
 blocks that failed to load (`get_block_ids_with_load_errors`, vLLM recomputes them) and
 its loads (`build_connector_worker_meta`, so the scheduler releases their leases). The
 scheduler instance looks prefixes up on its own daemon session without waiting, and plans
-loads and saves (`radixkv.vllm.scheduler`). docs/vllm.md describes the mapping.
+loads and saves (`radixkv.vllm.scheduler`); it also reports what it did to vLLM's metrics
+(`get_kv_connector_stats`, `get_external_cache_hit_sources`; `radixkv.vllm.stats`).
+docs/vllm.md describes the mapping.
 """
 
 import logging
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConnectorConfig
 from .daemon import DaemonAdapter
@@ -33,6 +36,7 @@ from .metadata import RadixKVMetadata, RadixKVWorkerMetadata
 from .registration import register_worker
 from .saves import Saves
 from .scheduler import SchedulerSide
+from .stats import RadixKVPromMetrics, RadixKVStats, hit_source
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
@@ -207,6 +211,32 @@ class RadixKVConnector(KVConnectorBase_V1):
         """True (keep the blocks) for a request that had saves: the workers list it in
         `get_finished` once the daemon's copies out of its blocks are done."""
         return self._scheduler.finished(request), None
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """The tokens of the load just planned, by tier: on host already, or fetched from
+        the daemon's storage for this request (vLLM's prompt_tokens_cached_by_source)."""
+        if num_external_tokens == 0:
+            return {}
+        host, stored = self._scheduler.hit_sources(request.request_id, num_external_tokens)
+        lookups = self._scheduler.lookups
+        sources = {CacheHitSource.HOST: host, hit_source(lookups.storage if lookups else ""): stored}
+        return {source: n for source, n in sources.items() if n}
+
+    def get_kv_connector_stats(self) -> RadixKVStats | None:
+        """The scheduler's counts since vLLM last asked (`radixkv.vllm.stats`); workers
+        report none of their own (the scheduler hears every rank's report)."""
+        if self._scheduler is None:
+            return None
+        counts = self._scheduler.take_counts()
+        return RadixKVStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RadixKVStats:
+        return RadixKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> RadixKVPromMetrics:
+        return RadixKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- internals ---------------------------------------------------------------------
 

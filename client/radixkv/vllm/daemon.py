@@ -38,11 +38,13 @@ log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 class Hit:
     """A lookup's answer for one prompt: the first `tokens` tokens are cached on host with
     every rank's shard, ending at (or before) `node`; `lease` (0: none) keeps them until
-    released."""
+    released. The last `stored` of them were fetched from the storage tier for this
+    lookup (the rest were on host already)."""
 
     tokens: int
     node: int
     lease: int
+    stored: int = 0
 
 
 MISS = Hit(0, 0, 0)
@@ -85,9 +87,13 @@ def registration_refused(config: ConnectorConfig, who: str, error: RadixKVError)
                         f"(namespace {config.namespace!r}): {error}")
 
 
-def hit_of(result) -> Hit:
-    """A lookup's hit from its MatchResult: the host tokens every rank's shard is in."""
-    return Hit(result.complete_tokens, result.host_node, result.lease)
+def hit_of(result, on_host: int | None = None) -> Hit:
+    """A lookup's hit from its MatchResult: the host tokens every rank's shard is in. With
+    `on_host` (the tokens on host before the lookup fetched from storage), those past it
+    count as `stored`."""
+    tokens = result.complete_tokens
+    stored = 0 if on_host is None else max(0, tokens - on_host)
+    return Hit(tokens, result.host_node, result.lease, stored)
 
 
 class DaemonAdapter:

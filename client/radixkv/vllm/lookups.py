@@ -19,6 +19,10 @@ report back) or drops it (`drop`: not loaded, finished, aborted). `drop` is idem
 also covers a lookup still queued or in flight (its lease is released when it lands).
 Releases go out in the next pass (the watchdog's within a few milliseconds when the
 engine stops stepping).
+
+For vLLM's metrics it counts prompts looked up, lookups the daemon did not answer and
+prompts staged from storage (`take_counts`); `storage` is the daemon's storage tier as
+Register named it.
 """
 
 import asyncio
@@ -39,9 +43,11 @@ class Lookups:
     """Batched, asynchronous Match per request id on the scheduler's session. Every
     table is guarded by the pump's lock, which the loop's passes hold."""
 
-    def __init__(self, pump: LoopPump, client: AsyncClient):
+    def __init__(self, pump: LoopPump, client: AsyncClient, storage: str = ""):
         self._pump = pump
         self._client = client
+        self.storage = storage
+        self._counts: dict[str, int] = {}
         self._queued: dict[str, bytes] = {}  # asked this step, not sent yet
         self._inflight: set[str] = set()  # in a Match (or staging) now
         self._hits: dict[str, Hit] = {}
@@ -58,25 +64,25 @@ class Lookups:
         start) when the daemon is unreachable within connect_timeout_s or refuses."""
         pump = LoopPump()
 
-        async def attach() -> AsyncClient:
+        async def attach() -> tuple[AsyncClient, str]:
             client = AsyncClient(config.target, timeout=config.timeout_s, stream=True)
             try:
                 await client.wait_ready(config.connect_timeout_s)
-                await client.register(config.namespace, layout, [], 0,
-                                      **register_options(config, engine=engine, role="scheduler",
-                                                         tp_size=tp_size, instance=instance))
+                reg = await client.register(config.namespace, layout, [], 0,
+                                            **register_options(config, engine=engine, role="scheduler",
+                                                               tp_size=tp_size, instance=instance))
             except BaseException:
                 await client.close()
                 raise
-            return client
+            return client, reg.storage
 
         try:
-            client = pump.run(attach())
+            client, storage = pump.run(attach())
         except RadixKVError as e:
             pump.close()
             raise registration_refused(config, "scheduler", e) from None
         log.info("radixkv: scheduler registered with %s, namespace %r", config.target, config.namespace)
-        return cls(pump, client)
+        return cls(pump, client, storage)
 
     def poll(self, req_id: str, tokens) -> Hit | None:
         """The hit for `req_id` (the same one on every call until taken or dropped), or
@@ -104,6 +110,12 @@ class Lookups:
             elif not self._releases:
                 return
         self._pump.tick()
+
+    def take_counts(self) -> dict[str, int]:
+        """The counts since the last call (see the module's docstring), then zero."""
+        with self._pump.lock:
+            counts, self._counts = self._counts, {}
+        return counts
 
     def take(self, req_id: str) -> Hit:
         """Forget `req_id`'s hit without releasing it: the caller now owns its lease
@@ -160,10 +172,12 @@ class Lookups:
         prompts, client = list(batch.values()), self._client
         if client is None:
             return  # closed: the daemon released its leases with the session
+        self._count("lookups", len(prompts))
         try:
             results = await client.match(prompts, lease=True, include_storage=True)
         except RadixKVError as e:
             log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
+            self._count("lookup_failures", len(prompts))
             results = [None] * len(prompts)
         staging = []
         for (req_id, prompt), result in zip(batch.items(), results):
@@ -186,7 +200,8 @@ class Lookups:
             self._file(req_id, hit_of(found))
             return
         self.release(found.lease)
-        self._file(req_id, hit_of(again))
+        self._count("staged", 1)
+        self._file(req_id, hit_of(again, on_host=found.complete_tokens))
 
     async def _release_soon(self) -> None:
         """One Release of every lease released before this task ran."""
@@ -197,6 +212,9 @@ class Lookups:
             await self._client.release(leases)
         except RadixKVError as e:
             log.warning("radixkv: releasing %d leases failed: %s", len(leases), e)
+
+    def _count(self, name: str, n: int) -> None:
+        self._counts[name] = self._counts.get(name, 0) + n
 
     def _file(self, req_id: str, hit: Hit) -> None:
         self._inflight.discard(req_id)

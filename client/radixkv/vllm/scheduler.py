@@ -17,6 +17,10 @@ freed when every worker lists it in `get_finished`), and a request preempted wit
 in flight is named in the next step's `flush`, which the workers wait for before the
 forward. A load a worker stopped waiting for counts as one more save on that rank
 (`Saves.hold`): the daemon may write its blocks until it answers.
+
+For vLLM's metrics (`radixkv.vllm.stats`) this side counts loads, blocks loaded and
+recomputed, and blocks handed over to save (`take_counts`, with the lookups' counts),
+and tells which tier a load's tokens came from (`hit_sources`).
 """
 
 import struct
@@ -50,6 +54,8 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, tuple[int, dict[int, int], int]] = {}  # lease, ranks reported, pages
         self._short: set[str] = set()  # a load of theirs came back short: no more hits for them
+        self._sources: dict[str, tuple[int, int]] = {}  # request -> (host, storage) tokens of its load
+        self._counts: dict[str, int] = {}
 
     def matched(self, request, num_computed: int) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens: (tokens to load beyond `num_computed`, async), or
@@ -85,6 +91,8 @@ class SchedulerSide:
         bs = self.block_size
         local = self._computed.get(req_id, 0)
         end = local + num_external
+        stored = max(0, end - max(local, hit.tokens - hit.stored))
+        self._sources[req_id] = (num_external - stored, stored)
         block_ids = tuple(blocks.get_block_ids()[0][:end // bs])
         self._loads.append(LoadSpec(req_id, block_ids, local // bs, hit.node, hit.lease))
         self._loading[req_id] = (hit.lease, {}, len(block_ids) - local // bs)
@@ -105,9 +113,11 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         steps += list(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, computed in steps:
+            before = self._saved.get(req_id, 0)
             save = self._save_spec(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
             if save is not None:
                 meta.saves.append(save)
+                self._count("save_blocks", len(save.block_ids) - before // self.block_size)
                 self._issued[req_id] = self._issued.get(req_id, 0) + 1
         return meta
 
@@ -128,7 +138,11 @@ class SchedulerSide:
             if len(entry[1]) >= self.tp_size:
                 del self._loading[req_id]
                 self.lookups.release(entry[0])
-                if min(entry[1].values()) < entry[2]:
+                loaded = min(min(entry[1].values()), entry[2])
+                self._count("loads", 1)
+                self._count("loaded_blocks", loaded)
+                self._count("failed_blocks", entry[2] - loaded)
+                if loaded < entry[2]:
                     self._short.add(req_id)  # vLLM recomputes (an async one asks again)
 
     def finished(self, request) -> bool:
@@ -140,7 +154,7 @@ class SchedulerSide:
             self.lookups.drop(req_id)
         in_flight = self._saving(req_id)
         for table in (self._requests, self._prompts, self._computed, self._saved, self._issued, self._over,
-                      self._held):
+                      self._held, self._sources):
             table.pop(req_id, None)
         self._short.discard(req_id)
         if in_flight:
@@ -159,12 +173,29 @@ class SchedulerSide:
         over = self._over.get(req_id, {})
         return any(over.get(rank, 0) < issued + held.get(rank, 0) for rank in range(self.tp_size))
 
+    def hit_sources(self, req_id: str, num_external: int) -> tuple[int, int]:
+        """(host, storage) tokens of the load `allocated` planned for `req_id` (of
+        `num_external` tokens: all host when none was planned)."""
+        return self._sources.pop(req_id, (num_external, 0))
+
+    def take_counts(self) -> dict[str, int]:
+        """This side's counts and the lookups' since the last call, then zero."""
+        counts, self._counts = self._counts, {}
+        if self.lookups is not None:
+            for name, n in self.lookups.take_counts().items():
+                counts[name] = counts.get(name, 0) + n
+        return counts
+
     def close(self) -> None:
         if self.lookups is not None:
             for lease, *_ in self._loading.values():
                 self.lookups.release(lease)
             self._loading.clear()
             self.lookups.close()
+
+    def _count(self, name: str, n: int) -> None:
+        if n:
+            self._counts[name] = self._counts.get(name, 0) + n
 
     def _save_spec(self, req_id: str, end: int) -> SaveSpec | None:
         request = self._requests.get(req_id)

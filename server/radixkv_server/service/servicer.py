@@ -96,6 +96,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             session=done.session.id, host_pool_pages=ns.host_pool.num_pages,
             write_policy=ns.config.cache.write_policy.value, warm=done.warm,
             dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance,
+            storage=self.daemon.storage.kind if self.daemon.storage is not None else "",
             device_uuid=ns.device_uuid(done.session))
 
     @rpc

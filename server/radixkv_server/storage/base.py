@@ -108,6 +108,7 @@ class StorageBackend(ABC):
     """
 
     faults: tuple[type[BaseException], ...] = (OSError,)
+    kind = ""  # which store: "file", "redis", "redis+cluster", "mooncake" (told to engines)
 
     def __init__(self, name: str):
         self.name = name  # for messages and logs; never holds credentials

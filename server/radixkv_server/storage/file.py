@@ -35,6 +35,7 @@ class FileStorage(StorageBackend):
     Raises StorageUnavailable if the directory cannot be created."""
 
     faults = (OSError,)
+    kind = "file"
 
     def __init__(self, directory: str | os.PathLike, *, fsync: bool = False):
         self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))

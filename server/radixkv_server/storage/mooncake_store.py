@@ -64,6 +64,7 @@ class MooncakeStorage(StorageBackend):
     """
 
     faults = (OSError, RuntimeError)
+    kind = "mooncake"
 
     def __init__(self, master: str, *, segment_bytes: int = 512 << 20, buffer_bytes: int = 64 << 20,
                  protocol: str = "tcp", metadata: str = "P2PHANDSHAKE", hostname: str = "127.0.0.1",

@@ -33,6 +33,7 @@ class RedisClusterStorage(StorageBackend):
     the slot map from the first node that answers. Thread-safe."""
 
     faults = (RedisError, OSError)
+    kind = "redis+cluster"
 
     def __init__(self, nodes: list[tuple[str, int]], key_prefix: bytes = b"radixkv:",
                  ttl_seconds: int | None = None, *, password: str | None = None, username: str | None = None,

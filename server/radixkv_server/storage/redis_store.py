@@ -42,6 +42,7 @@ class RedisStorage(StorageBackend):
     """
 
     faults = (RedisError, OSError)
+    kind = "redis"
 
     def __init__(
         self,
