@@ -66,11 +66,14 @@ class Engines:
             self.stop(llm)
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int = 8) -> list[Result]:
-    """Greedy generation; one Result per prompt, in order."""
+def generate(llm, prompts: list, max_tokens: int = 8, **options) -> list[Result]:
+    """Greedy generation; one Result per prompt, in order. A prompt is a list of token
+    ids or a vLLM prompt dict (`cache_salt`, `prompt_embeds`, ...); `options` pass on to
+    `LLM.generate` (`lora_request`)."""
     from vllm import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    inputs = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(inputs, params, use_tqdm=False, **options)
     results = []
     for out in outs:
         o = out.outputs[0]

@@ -220,16 +220,16 @@ class DaemonAdapter:
                         len(failed), len(ids), self.config.timeout_s)
         return failed, unanswered
 
-    def save(self, tokens: bytes, block_ids, engine_event=None) -> int:
-        """Start copying whole pages of `tokens` from `block_ids` to the daemon's host tier
-        (asynchronous Insert), after `engine_event` (`step_event()` of the step that filled
-        the blocks) on CUDA. Returns the transfer to wait for before vLLM may reuse the
-        blocks; 0 when nothing is being copied (all there already, or the daemon could not
-        take them: logged)."""
+    def save(self, tokens: bytes, block_ids, engine_event=None, extra_key: bytes = b"") -> int:
+        """Start copying whole pages of `tokens` (under `extra_key`) from `block_ids` to the
+        daemon's host tier (asynchronous Insert), after `engine_event` (`step_event()` of the
+        step that filled the blocks) on CUDA. Returns the transfer to wait for before vLLM
+        may reuse the blocks; 0 when nothing is being copied (all there already, or the
+        daemon could not take them: logged)."""
         try:
             with self._lock:
                 return self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
-                                           engine_event=engine_event).transfer
+                                           engine_event=engine_event, extra_key=extra_key).transfer
         except RadixKVError as e:
             log.warning("radixkv: save of %d pages skipped: %s", len(block_ids), e)
             return 0

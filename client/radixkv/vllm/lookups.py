@@ -31,6 +31,7 @@ import logging
 from radixkv.aio import AsyncClient
 from radixkv.errors import RadixKVError
 from radixkv.layout import KvLayout
+from radixkv.types import Prompt
 
 from .config import ConnectorConfig
 from .daemon import MISS, Hit, hit_of, register_options, registration_refused
@@ -48,7 +49,7 @@ class Lookups:
         self._client = client
         self.storage = storage
         self._counts: dict[str, int] = {}
-        self._queued: dict[str, bytes] = {}  # asked this step, not sent yet
+        self._queued: dict[str, Prompt] = {}  # asked this step, not sent yet
         self._inflight: set[str] = set()  # in a Match (or staging) now
         self._hits: dict[str, Hit] = {}
         self._dropped: set[str] = set()  # dropped while its Match was in flight
@@ -87,8 +88,8 @@ class Lookups:
     def poll(self, req_id: str, tokens) -> Hit | None:
         """The hit for `req_id` (the same one on every call until taken or dropped), or
         None while its lookup is queued or in flight (the first call queues `tokens()`,
-        the prompt's packed tokens, called only then; `send` sends it). The first call of
-        a step with lookups in flight reads the answers that landed."""
+        the prompt as radixkv keys it, called only then; `send` sends it). The first call
+        of a step with lookups in flight reads the answers that landed."""
         if self._inflight and self._read_at != self._steps:
             self._read_at = self._steps
             self._pump.tick()
@@ -168,7 +169,7 @@ class Lookups:
 
     # -- tasks on the loop (in passes: the pump's lock is held) ------------------------
 
-    async def _lookup(self, batch: dict[str, bytes]) -> None:
+    async def _lookup(self, batch: dict[str, Prompt]) -> None:
         prompts, client = list(batch.values()), self._client
         if client is None:
             return  # closed: the daemon released its leases with the session
@@ -188,12 +189,12 @@ class Lookups:
         if staging:
             await asyncio.gather(*staging)
 
-    async def _stage(self, client: AsyncClient, req_id: str, prompt: bytes, found) -> None:
+    async def _stage(self, client: AsyncClient, req_id: str, prompt: Prompt, found) -> None:
         """A prompt with more in storage: fetched to host (Prefetch, waiting for it) and
         matched again while `found`'s lease keeps the host part; where the daemon cannot
         answer, `found`'s hit (lease kept)."""
         try:
-            await client.prefetch(prompt, policy="wait_complete")
+            await client.prefetch(prompt.tokens, extra_key=prompt.extra_key, policy="wait_complete")
             [again] = await client.match([prompt], lease=True, include_storage=True)
         except RadixKVError as e:
             log.warning("radixkv: staging a prompt from storage failed, its host hit kept: %s", e)

@@ -38,11 +38,13 @@ class LoadSpec:
 @dataclass(frozen=True)
 class SaveSpec:
     """Insert a request's full blocks, computed by the end of this step: `tokens` (whole
-    pages from the start of the request) in `block_ids`, page i in block i."""
+    pages from the start of the request, as radixkv keys them) in `block_ids`, page i in
+    block i, under the request's `extra_key` (`request_keys`)."""
 
     req_id: str
     tokens: bytes
     block_ids: tuple[int, ...]
+    extra_key: bytes = b""
 
 
 @dataclass

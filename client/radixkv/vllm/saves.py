@@ -172,7 +172,7 @@ class Saves:
                 if not self._queue:
                     self._step_began = False
             try:
-                transfer = self._adapter.save(spec.tokens, spec.block_ids, event)
+                transfer = self._adapter.save(spec.tokens, spec.block_ids, event, spec.extra_key)
                 # Its ack goes out now (the daemon answers it once copied): the transfer
                 # ends in the daemon even when vLLM stops stepping before the next poll.
                 done = self._adapter.done([transfer]) if transfer else set()

@@ -25,8 +25,11 @@ and tells which tier a load's tokens came from (`hit_sources`).
 
 import struct
 
+from radixkv.types import Prompt
+
 from .lookups import Lookups
 from .metadata import LoadSpec, RadixKVMetadata, RadixKVWorkerMetadata, SaveSpec
+from .request_keys import cacheable, prompt_key
 
 
 class SchedulerSide:
@@ -44,7 +47,7 @@ class SchedulerSide:
         self.lookups = lookups
         self._kv_manager = kv_cache_manager_fn  # () -> vLLM's KVCacheManager (bound late)
         self._requests: dict = {}
-        self._prompts: dict[str, bytes] = {}  # request -> its prompt packed (lookup and saves share it)
+        self._prompts: dict[str, Prompt] = {}  # request -> its prompt's key (lookup and saves share it)
         self._computed: dict[str, int] = {}
         self._saved: dict[str, int] = {}
         self._issued: dict[str, int] = {}  # request -> saves planned
@@ -67,14 +70,14 @@ class SchedulerSide:
         bs = self.block_size
         # vLLM computes at least one token, so only whole blocks before the last token can
         # hit; asking for just those makes the daemon's match end (and split) right there.
-        cacheable = (request.num_tokens - 1) // bs * bs
-        if cacheable <= num_computed or self.lookups is None or req_id in self._short:
+        whole = (request.num_tokens - 1) // bs * bs
+        if whole <= num_computed or self.lookups is None or req_id in self._short or not cacheable(request):
             return 0, False
-        hit = self.lookups.poll(req_id, lambda: self._tokens(request, cacheable))
+        hit = self.lookups.poll(req_id, lambda: self._key(request, whole))
         if hit is None:
             return None, False
         self._computed[req_id] = num_computed
-        n = max(0, min(hit.tokens, cacheable) // bs * bs - num_computed)
+        n = max(0, min(hit.tokens, whole) // bs * bs - num_computed)
         return n, self.async_loads and n > 0
 
     def allocated(self, request, blocks, num_external: int) -> None:
@@ -200,7 +203,7 @@ class SchedulerSide:
     def _save_spec(self, req_id: str, end: int) -> SaveSpec | None:
         request = self._requests.get(req_id)
         manager = self._kv_manager()
-        if request is None or manager is None:
+        if request is None or manager is None or not cacheable(request):
             return None
         bs = self.block_size
         end = min(end, request.num_tokens) // bs * bs
@@ -210,20 +213,23 @@ class SchedulerSide:
         if len(block_ids) * bs < end:
             return None
         self._saved[req_id] = end
-        return SaveSpec(req_id, self._tokens(request, end), block_ids)
+        key = self._key(request, end)
+        return SaveSpec(req_id, key.tokens, block_ids, key.extra_key)
 
-    def _tokens(self, request, n: int) -> bytes:
-        """The request's first `n` tokens as packed int32 bytes. The prompt is packed once
-        (about 15 us for 2k tokens, on the scheduler's thread): its lookup and every save
-        within it slice the same bytes; tokens past it are packed when a save needs them."""
-        prompt = self._prompts.get(request.request_id)
-        if prompt is None:
-            prompt = _packed(request.all_token_ids, 0, request.num_prompt_tokens)
-            self._prompts[request.request_id] = prompt
-        have = len(prompt) // _INT32
+    def _key(self, request, n: int) -> Prompt:
+        """The radixkv prompt of the request's first `n` tokens: packed int32 bytes (its
+        multimodal inputs applied) and its extra key (`request_keys`). The prompt's key is
+        made once (packing 2k tokens takes about 15 us on the scheduler's thread): its
+        lookup and every save within it slice the same bytes; tokens past it are packed
+        when a save needs them."""
+        key = self._prompts.get(request.request_id)
+        if key is None:
+            key = prompt_key(_packed(request.all_token_ids, 0, request.num_prompt_tokens), request)
+            self._prompts[request.request_id] = key
+        have = len(key.tokens) // _INT32
         if n <= have:
-            return prompt[:n * _INT32]
-        return prompt + _packed(request.all_token_ids, have, n)
+            return Prompt(key.tokens[:n * _INT32], key.extra_key)
+        return Prompt(key.tokens + _packed(request.all_token_ids, have, n), key.extra_key)
 
 
 _INT32 = 4

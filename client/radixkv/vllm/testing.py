@@ -2,8 +2,9 @@
 
 No model hub is reachable from tests, CI or benchmarks, so they build a model locally:
 `write_tiny_llama(dir)` saves a 2-layer Llama (head_dim 64, vocab 1024) with weights drawn
-from a fixed seed, in `save_pretrained` format. The same arguments give the same bytes, so
-two vLLM instances (or a restarted one) load the same model and compute the same KV.
+from a fixed seed, in `save_pretrained` format, and `write_tiny_lora(dir)` a random LoRA
+adapter for it. The same arguments give the same bytes, so two vLLM instances (or a
+restarted one) load the same model and compute the same KV.
 
 vLLM runs it without a tokenizer: pass `skip_tokenizer_init=True` and prompts as
 `{"prompt_token_ids": [...]}`. `CPU_ENV` holds the environment that starts a CPU engine in
@@ -54,6 +55,34 @@ def write_tiny_llama(path: str, *, seed: int = 0, num_layers: int = 2, num_heads
     return path
 
 
+def write_tiny_lora(path: str, *, seed: int = 1, rank: int = 8, num_layers: int = 2, num_heads: int = 4,
+                    num_kv_heads: int = 2, scale: float = 0.5) -> str:
+    """Write a random LoRA adapter (PEFT format: q, k, v and o projections) for the tiny
+    Llama of the same shape to directory `path` and return it. Its K and V differ from the
+    base model's, so KV computed with it must never serve the base model (or the reverse).
+    Deterministic for equal arguments."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, kv = num_heads * HEAD_DIM, num_kv_heads * HEAD_DIM
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(num_layers):
+        for proj, out in (("q_proj", hidden), ("k_proj", kv), ("v_proj", kv), ("o_proj", hidden)):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * scale
+            weights[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=g) * scale
+    os.makedirs(path, exist_ok=True)
+    save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}, f)
+    return path
+
+
 def engine_args(model: str, **overrides) -> dict:
     """Keyword arguments for `vllm.LLM` that run the tiny model on CPU quickly: no
     tokenizer, eager mode, a small KV cache, block size 128 (CPU needs a multiple of 32)."""
@@ -64,4 +93,4 @@ def engine_args(model: str, **overrides) -> dict:
     return args
 
 
-__all__ = ["CPU_ENV", "HEAD_DIM", "VOCAB", "apply_cpu_env", "engine_args", "write_tiny_llama"]
+__all__ = ["CPU_ENV", "HEAD_DIM", "VOCAB", "apply_cpu_env", "engine_args", "write_tiny_llama", "write_tiny_lora"]

@@ -1,0 +1,80 @@
+"""What identifies a vLLM request's KV besides its token ids, keyed the way radixkv keys it.
+
+vLLM's own prefix cache hashes each block with "extra keys" beside its tokens: the LoRA
+adapter (name and path), the request's `cache_salt`, the multimodal inputs placed in the
+block, and its prompt embeddings. KV computed under one of them must never be served to a
+request under another (another adapter computes other K and V; a salt isolates tenants;
+two images behind the same placeholder tokens are different prompts). radixkv keys the
+same things:
+
+- the LoRA adapter and the cache salt make the request's `extra_key`: the daemon keeps a
+  separate tree and separate storage keys per extra key, so nothing is shared across them;
+- a multimodal input's placeholder tokens are replaced, in the tokens radixkv sees, by
+  ids drawn from the input's identifier (vLLM's content hash of it): the prefix before
+  the first input is shared as before, the same input at the same place matches, another
+  input diverges where it starts;
+- a request with prompt embeddings is not cached by radixkv at all (`cacheable`): its
+  token ids do not say what its KV was computed from, and hashing the embeddings on the
+  scheduler's thread costs more than the lookup it would allow.
+
+Pure functions of the request; the scheduler side computes a request's key once.
+"""
+
+import hashlib
+
+from radixkv.types import Prompt
+
+_INT32 = 4
+
+
+def cacheable(request) -> bool:
+    """Whether radixkv may look `request` up and save its blocks (not with prompt embeddings)."""
+    return getattr(request, "prompt_embeds", None) is None
+
+
+def extra_key(request) -> bytes:
+    """The request's LoRA adapter and cache salt as one extra key (b"" with neither): 16
+    bytes of a hash over the tagged, length-prefixed fields."""
+    fields = []
+    lora = getattr(request, "lora_request", None)
+    if lora:
+        fields += [b"lora", str(lora.lora_name).encode(), str(lora.lora_path or "").encode()]
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        fields += [b"cache_salt", str(salt).encode()]
+    if not fields:
+        return b""
+    h = hashlib.blake2b(digest_size=16, person=b"radixkv-vllm-key")
+    for f in fields:
+        h.update(len(f).to_bytes(4, "little") + f)
+    return h.digest()
+
+
+def with_inputs(packed: bytes, request) -> bytes:
+    """`packed` (the request's first tokens, little-endian int32) with every multimodal
+    input's placeholder range, where it lies within them, replaced by ids derived from the
+    input's identifier (the same identifier gives the same ids)."""
+    features = getattr(request, "mm_features", None)
+    if not features:
+        return packed
+    n = len(packed) // _INT32
+    out = None
+    for feature in features:
+        start, length = feature.mm_position.offset, feature.mm_position.length
+        end = min(start + length, n)
+        if start >= end:
+            continue
+        if out is None:
+            out = bytearray(packed)
+        ids = hashlib.shake_128(b"radixkv-mm\0" + str(feature.identifier).encode()).digest(length * _INT32)
+        out[start * _INT32:end * _INT32] = ids[:(end - start) * _INT32]
+    return packed if out is None else bytes(out)
+
+
+def prompt_key(packed: bytes, request) -> Prompt:
+    """The radixkv prompt of `request`'s tokens `packed`: multimodal inputs applied, with
+    its extra key."""
+    return Prompt(with_inputs(packed, request), extra_key(request))
+
+
+__all__ = ["cacheable", "extra_key", "prompt_key", "with_inputs"]

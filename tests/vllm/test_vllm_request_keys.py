@@ -1,0 +1,134 @@
+"""KV computed under a LoRA adapter, a cache salt, other multimodal inputs or prompt
+embeddings is never served to a request without them (real vLLM, real daemon), as vLLM's
+own prefix cache keys them (`radixkv.vllm.request_keys`).
+
+What a user notices: a request under another adapter or salt gets no radixkv hit and the
+same output as without radixkv; under the same adapter or salt it hits (after a daemon
+restart too, from file storage); a request with prompt embeddings never reaches radixkv.
+Multimodal keys are checked on vLLM's own request objects (no multimodal model here).
+"""
+
+import pytest
+import torch
+
+from radixkv.vllm.request_keys import cacheable, extra_key, prompt_key
+from radixkv.vllm.testing import write_tiny_lora
+from tests.support.daemon import wait_for
+
+from tests.vllm.engines import generate, prompt, vllm_metric
+from tests.vllm.test_vllm_connector import counters
+
+PROMPT_TOKENS = 1024
+BLOCK = 128
+CACHEABLE = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+
+
+def salted(tokens: list[int], salt: str | None) -> dict:
+    return {"prompt_token_ids": tokens, **({"cache_salt": salt} if salt else {})}
+
+
+def test_a_cache_salt_separates_what_radixkv_serves_also_from_storage(engines, daemon_factory, tmp_path):
+    flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
+    p = prompt(PROMPT_TOKENS, seed=31)
+    first = daemon_factory(*flags)
+    llm = engines.start(first.target)
+    [cold] = generate(llm, [salted(p, "tenant-a")])
+    engines.stop(llm)
+    wait_for(lambda: counters(first.target)["stored_tokens"] >= PROMPT_TOKENS, 30, "pages stored")
+    assert first.stop() == 0
+
+    second = daemon_factory(*flags)  # empty host tier: a hit has to come from storage
+    llm = engines.start(second.target)
+    [other] = generate(llm, [salted(p, "tenant-b")])
+    [plain] = generate(llm, [p])
+    assert other.cached_tokens == plain.cached_tokens == 0  # neither reads tenant-a's KV
+    [same] = generate(llm, [salted(p, "tenant-a")])
+    assert same.cached_tokens == CACHEABLE  # from radixkv: vLLM's own cache holds only the others
+    assert cold.tokens == other.tokens == plain.tokens == same.tokens
+    assert counters(second.target)["prefetched_tokens"] >= CACHEABLE
+
+
+def test_kv_of_a_lora_adapter_never_serves_the_base_model_nor_the_reverse(engines, daemon, tmp_path):
+    from vllm.lora.request import LoRARequest
+    adapter = LoRARequest("tiny-adapter", 1, write_tiny_lora(str(tmp_path / "lora")))
+    lora_engine = dict(enable_lora=True, max_lora_rank=8, max_loras=1)
+    p, q = prompt(PROMPT_TOKENS, seed=32), prompt(PROMPT_TOKENS, seed=33)
+
+    reference = engines.start(**lora_engine)  # no radixkv
+    [base_p, base_q] = generate(reference, [p, q])
+    [tuned_p, tuned_q] = generate(reference, [p, q], lora_request=adapter)
+    engines.stop(reference)
+    assert base_p.tokens != tuned_p.tokens  # the adapter changes the KV and the output
+
+    llm = engines.start(daemon.target, **lora_engine)
+    generate(llm, [p], lora_request=adapter)  # p saved under the adapter
+    generate(llm, [q])                        # q saved for the base model
+    engines.stop(llm)
+
+    llm = engines.start(daemon.target, **lora_engine)  # vLLM's own cache empty
+    [p_base, q_tuned] = generate(llm, [p]) + generate(llm, [q], lora_request=adapter)
+    assert p_base.cached_tokens == q_tuned.cached_tokens == 0
+    assert (p_base.tokens, q_tuned.tokens) == (base_p.tokens, tuned_q.tokens)
+    [p_tuned, q_base] = generate(llm, [p], lora_request=adapter) + generate(llm, [q])
+    assert p_tuned.cached_tokens == q_base.cached_tokens == CACHEABLE
+    assert (p_tuned.tokens, q_base.tokens) == (tuned_p.tokens, base_q.tokens)
+
+
+def test_a_request_with_prompt_embeddings_never_reaches_radixkv(engines, daemon):
+    llm = engines.start(daemon.target, enable_prompt_embeds=True, disable_log_stats=False)
+    embeds = torch.randn(PROMPT_TOKENS, 256, generator=torch.Generator().manual_seed(34))
+    [first] = generate(llm, [{"prompt_embeds": embeds}])
+    [again] = generate(llm, [{"prompt_embeds": embeds}])
+    assert first.tokens == again.tokens
+    assert vllm_metric(llm, "vllm:radixkv_lookups_total") == 0
+    assert vllm_metric(llm, "vllm:radixkv_save_blocks_total") == 0
+    assert counters(daemon.target)["inserted_tokens"] == 0
+
+
+# -- keys on vLLM's own request objects ----------------------------------------------------
+
+def request(tokens: list[int], **fields):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+    return Request("r", tokens, SamplingParams(max_tokens=1), None, **fields)
+
+
+def image(identifier: str, offset: int, length: int):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+def packed(tokens: list[int]) -> bytes:
+    return torch.tensor(tokens, dtype=torch.int32).numpy().tobytes()
+
+
+def test_multimodal_inputs_key_the_tokens_from_where_each_input_starts():
+    tokens = [7] * 100 + [9] * 50 + [7] * 100  # 50 placeholder tokens at 100
+    plain = packed(tokens)
+    cat = prompt_key(plain, request(tokens, mm_features=[image("cat", 100, 50)]))
+    dog = prompt_key(plain, request(tokens, mm_features=[image("dog", 100, 50)]))
+    cat_again = prompt_key(plain, request(tokens, mm_features=[image("cat", 100, 50)]))
+    assert cat == cat_again  # the same input at the same place: the same key
+    assert cat.tokens[:400] == dog.tokens[:400] == plain[:400]  # the text before it is shared
+    assert cat.tokens[400:600] != dog.tokens[400:600] and cat.tokens[400:600] != plain[400:600]
+    assert cat.tokens[600:] == plain[600:]  # tokens after it keep their ids (the prefix differs)
+    assert prompt_key(plain[:400], request(tokens, mm_features=[image("cat", 100, 50)])).tokens == plain[:400]
+
+
+@pytest.mark.parametrize("fields", [{"cache_salt": "a"}, {"lora_request": ("x", "/a")}])
+def test_extra_keys_differ_by_salt_and_adapter_and_are_empty_without(fields):
+    from vllm.lora.request import LoRARequest
+
+    def fields_of(f: dict) -> dict:
+        if "lora_request" in f:
+            name, path = f["lora_request"]
+            return {"lora_request": LoRARequest(name, 1, path)}
+        return f
+
+    tokens = [5] * 16
+    key = extra_key(request(tokens, **fields_of(fields)))
+    assert key and extra_key(request(tokens)) == b""
+    other = {"cache_salt": "b"} if "cache_salt" in fields else {"lora_request": ("x", "/b")}
+    assert extra_key(request(tokens, **fields_of(other))) != key
+    assert cacheable(request(tokens, **fields_of(fields)))
