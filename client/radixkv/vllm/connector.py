@@ -57,8 +57,14 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._allocation: ShmAllocation | None = None
         self._scheduler: SchedulerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.block_size, self.tp_size, self._scheduler_session(kv_cache_config),
-                                            lambda: self._kv_cache_manager, self.config.async_loads)
+            # kv_role: kv_both loads and saves; kv_consumer only loads, kv_producer only saves
+            loads, saves = tc.is_kv_consumer, tc.is_kv_producer
+            self._scheduler = SchedulerSide(self.block_size, self.tp_size,
+                                            self._scheduler_session(kv_cache_config) if loads else None,
+                                            lambda: self._kv_cache_manager, self.config.async_loads, saves=saves)
+            if not (loads and saves):
+                log.info("radixkv: kv_role %s: %s", tc.kv_role,
+                         "loads only, nothing is saved" if loads else "saves only, nothing is looked up")
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
             log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
                         "(daemon restarted, page evicted) fails too; set it to 'recompute'")

@@ -37,12 +37,15 @@ class SchedulerSide:
 
     `saved[req]` counts the tokens of a request radixkv already holds (its hit, then
     every save), so each full block is inserted once, at the end of the step that
-    filled it. `lookups` is None without a daemon session (every lookup a miss)."""
+    filled it. `lookups` is None without a daemon session or loads (every lookup a
+    miss); `saves` False saves nothing (vLLM's kv_role "kv_consumer"). A request that
+    skips reading prefix caches (`skip_reading_prefix_cache`) is not looked up."""
 
     def __init__(self, block_size: int, tp_size: int, lookups: Lookups | None, kv_cache_manager_fn,
-                 async_loads: bool = False):
+                 async_loads: bool = False, saves: bool = True):
         self.block_size = block_size
         self.async_loads = async_loads
+        self.saves = saves
         self.tp_size = tp_size
         self.lookups = lookups
         self._kv_manager = kv_cache_manager_fn  # () -> vLLM's KVCacheManager (bound late)
@@ -71,7 +74,8 @@ class SchedulerSide:
         # vLLM computes at least one token, so only whole blocks before the last token can
         # hit; asking for just those makes the daemon's match end (and split) right there.
         whole = (request.num_tokens - 1) // bs * bs
-        if whole <= num_computed or self.lookups is None or req_id in self._short or not cacheable(request):
+        if (whole <= num_computed or self.lookups is None or req_id in self._short or not cacheable(request)
+                or getattr(request, "skip_reading_prefix_cache", False)):
             return 0, False
         hit = self.lookups.poll(req_id, lambda: self._key(request, whole))
         if hit is None:
@@ -203,7 +207,7 @@ class SchedulerSide:
     def _save_spec(self, req_id: str, end: int) -> SaveSpec | None:
         request = self._requests.get(req_id)
         manager = self._kv_manager()
-        if request is None or manager is None or not cacheable(request):
+        if request is None or manager is None or not self.saves or not cacheable(request):
             return None
         bs = self.block_size
         end = min(end, request.num_tokens) // bs * bs
