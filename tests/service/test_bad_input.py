@@ -185,6 +185,8 @@ TABLE = [
         r"exceeds the per-namespace limit"),
     Row("Register", "another layout on an existing namespace", reg(namespace="bad/a", layout=layout(head_dim=32)),
         C.FAILED_PRECONDITION, r"holds KV of another layout"),
+    Row("Register", "another model on an existing namespace", reg(namespace="bad/a", model="a-fine-tune"),
+        C.FAILED_PRECONDITION, r"holds KV of model 'bad/a', not 'a-fine-tune'"),
     Row("Register", "another write policy on an existing namespace", reg(namespace="bad/a", write_policy="write_through"),
         C.FAILED_PRECONDITION, r"uses write policy write_back, not write_through"),
     Row("Register", "namespace attached to a live session", reg(namespace="bad/a"), C.FAILED_PRECONDITION,

@@ -40,12 +40,13 @@ class Engines:
         self._live = []
 
     def start(self, target: str | None = None, **overrides):
-        """An engine; with `target`, connected to the radixkv daemon there."""
+        """An engine (of `model=` when given, else this Engines' model); with `target`,
+        connected to the radixkv daemon there."""
         from vllm import LLM
         if target is not None:
             overrides.setdefault("kv_transfer_config", connector_config(target))
         try:
-            llm = LLM(**engine_args(self.model, **overrides))
+            llm = LLM(**engine_args(overrides.pop("model", self.model), **overrides))
         except BaseException:
             # An engine that failed to start leaves its worker's connector registered in
             # this process (vLLM's engine core runs here in tests): drop it.

@@ -98,6 +98,21 @@ def test_a_namespace_with_another_layout_stops_vllm_at_startup(engines, daemon):
         engines.start(daemon.target)
 
 
+def test_another_model_on_the_namespace_stops_vllm_at_startup(engines, daemon, tmp_path):
+    """Weights of the same shape (a fine-tune, another checkpoint) compute other KV: an
+    engine of another model must not be served what the namespace holds."""
+    from radixkv.vllm.testing import write_tiny_llama
+    llm = engines.start(daemon.target)
+    generate(llm, [prompt(PROMPT_TOKENS, seed=12)])
+    engines.stop(llm)
+    other = write_tiny_llama(str(tmp_path / "other"), seed=1)  # same layout, other weights
+    with pytest.raises(Exception, match=f"radixkv: cannot register.*holds KV of model .*not '{other}'"):
+        engines.start(daemon.target, model=other)
+    # the same weights elsewhere share the namespace when the connector is told they are the same
+    same = engines.start(model=other, kv_transfer_config=connector_config(daemon.target, model=engines.model))
+    engines.stop(same)
+
+
 def test_unknown_connector_settings_are_refused(engines, daemon):
     with pytest.raises(Exception, match="unknown kv_connector_extra_config keys.*'tagret'"):
         engines.start(kv_transfer_config=connector_config(daemon.target, tagret="x"))

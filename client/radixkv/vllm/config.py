@@ -7,8 +7,10 @@
                                                          "namespace": "llama3-8b"}}'
 
 Keys (all optional): `target` (the daemon's address), `namespace` (one per model and KV
-layout; default "vllm/<served model name>"), `model` (identity of the weights for
-storage keys; default the namespace), `timeout_s` (deadline of each daemon call),
+layout; default "vllm/<served model name>"), `model` (identity of the weights: the daemon
+refuses a namespace that holds another model's KV, and salts storage keys with it; default
+`model_identity`, vLLM's model path or hub id with its revision and quantization; set the
+same string where the same weights sit at other paths), `timeout_s` (deadline of each daemon call),
 `connect_timeout_s` (how long startup waits for the daemon before failing),
 `host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
 from a session that is still registered, e.g. of an engine that was killed),
@@ -35,9 +37,9 @@ class ConnectorConfig:
     async_loads: bool = False
 
     @classmethod
-    def from_extra(cls, extra: dict | None, served_model: str) -> "ConnectorConfig":
-        """Settings from `kv_connector_extra_config`. Raises ValueError naming an unknown
-        key or a value of the wrong type."""
+    def from_extra(cls, extra: dict | None, served_model: str, model: str = "") -> "ConnectorConfig":
+        """Settings from `kv_connector_extra_config` (`model`: the default model identity).
+        Raises ValueError naming an unknown key or a value of the wrong type."""
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(extra) - set(known))
@@ -53,12 +55,24 @@ class ConnectorConfig:
                 raise ValueError(f"radixkv: kv_connector_extra_config[{key!r}] must be "
                                  f"{kind.__name__}, got {value!r}")
             values[key] = value
+        values.setdefault("model", model)
+        if not values.get("namespace"):
+            values["namespace"] = f"vllm/{served_model}"
         config = cls(**values)
-        if not config.namespace:
-            config = cls(**{**values, "namespace": f"vllm/{served_model}"})
         if config.timeout_s <= 0 or config.connect_timeout_s <= 0:
             raise ValueError("radixkv: timeout_s and connect_timeout_s must be > 0")
         return config
 
 
-__all__ = ["ConnectorConfig"]
+def model_identity(model_config) -> str:
+    """Which weights compute the KV, from vLLM's ModelConfig: the model (path or hub id),
+    with its revision and quantization when set."""
+    parts = [str(model_config.model)]
+    for name in ("revision", "quantization"):
+        value = getattr(model_config, name, None)
+        if value:
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+__all__ = ["ConnectorConfig", "model_identity"]

@@ -26,7 +26,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, model_identity
 from .daemon import DaemonAdapter
 from .kvmemory import ShmAllocation, layout_from_spec
 from .layer_waits import LayerWaits
@@ -48,7 +48,8 @@ class RadixKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config,
-                                                 vllm_config.model_config.served_model_name)
+                                                 vllm_config.model_config.served_model_name,
+                                                 model_identity(vllm_config.model_config))
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank, self.tp_size = _tp_rank(vllm_config)
         self._adapter: DaemonAdapter | None = None

@@ -21,3 +21,4 @@ class NamespaceConfig:
     storage_queue_pages: int   # pages queued for storage writes before new ones are refused
     copy_delay: float = 0.0    # fault injection for tests (DaemonConfig.fault_copy_delay)
     fail_loads: float = 0.0    # fault injection for tests (DaemonConfig.fault_fail_loads)
+    model: str = ""            # whose KV it holds (Registration.model_name): another model is refused

@@ -109,6 +109,9 @@ def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
     if ns.layout != reg.layout:
         raise precondition(f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
                            "use a new namespace name for this one")
+    if ns.config.model != reg.model_name:
+        raise precondition(f"namespace {ns.name} holds KV of model {ns.config.model!r}, not {reg.model_name!r}: "
+                           "another model's KV must not be served; use a new namespace name for this one")
     if policy != ns.config.cache.write_policy.value:
         raise precondition(f"namespace {ns.name} uses write policy {ns.config.cache.write_policy.value}, "
                            f"not {policy}")
@@ -122,7 +125,7 @@ def namespace_config(config: DaemonConfig, reg: Registration, policy: str, stora
         host_pages=host_pages(config, reg), pin_device=pin_device(reg), prefault_host=config.host_pool_prefault,
         copy_workers=config.copy_workers, storage_workers=config.storage_workers,
         storage_queue_pages=config.storage_queue_pages, copy_delay=config.fault_copy_delay,
-        fail_loads=config.fault_fail_loads)
+        fail_loads=config.fault_fail_loads, model=reg.model_name)
 
 
 def pin_device(reg: Registration) -> int | None:
