@@ -4,7 +4,8 @@ own prefix cache keys them (`radixkv.vllm.request_keys`).
 
 What a user notices: a request under another adapter or salt gets no radixkv hit and the
 same output as without radixkv; under the same adapter or salt it hits (after a daemon
-restart too, from file storage); a request with prompt embeddings never reaches radixkv.
+restart too, from file storage); a request with prompt embeddings never reaches radixkv;
+after vLLM's connector reset (a weight update) nothing saved before is served again.
 Multimodal keys are checked on vLLM's own request objects (no multimodal model here).
 """
 
@@ -83,6 +84,24 @@ def test_a_request_with_prompt_embeddings_never_reaches_radixkv(engines, daemon)
     assert vllm_metric(llm, "vllm:radixkv_lookups_total") == 0
     assert vllm_metric(llm, "vllm:radixkv_save_blocks_total") == 0
     assert counters(daemon.target)["inserted_tokens"] == 0
+
+
+def test_after_a_connector_reset_nothing_saved_before_is_served_to_that_engine(engines, daemon):
+    """RL frameworks update vLLM's weights in place, then reset_prefix_cache(reset_connector=True):
+    KV saved under the old weights must not come back; what is saved after the reset does."""
+    p = prompt(PROMPT_TOKENS, seed=35)
+    llm = engines.start(daemon.target)
+    generate(llm, [p])
+    assert llm.reset_prefix_cache(reset_connector=True)
+    [after] = generate(llm, [p])
+    assert after.cached_tokens == 0  # neither vLLM's cache nor radixkv's old KV
+    assert llm.reset_prefix_cache()  # vLLM's own cache only
+    [again] = generate(llm, [p])
+    assert again.cached_tokens == CACHEABLE  # what was saved after the reset
+    engines.stop(llm)
+    fresh = engines.start(daemon.target)  # loads the weights from the model's path again
+    [first] = generate(fresh, [p])
+    assert first.cached_tokens == CACHEABLE
 
 
 # -- keys on vLLM's own request objects ----------------------------------------------------

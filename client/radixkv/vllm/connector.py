@@ -219,6 +219,14 @@ class RadixKVConnector(KVConnectorBase_V1):
         `get_finished` once the daemon's copies out of its blocks are done."""
         return self._scheduler.finished(request), None
 
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)` (after a weight update): this
+        engine stops matching anything saved before (`SchedulerSide.reset`). True."""
+        if self._scheduler is not None:
+            self._scheduler.reset()
+            log.info("radixkv: cache reset: nothing saved before is matched again by this engine")
+        return True
+
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """The tokens of the load just planned, by tier: on host already, or fetched from
         the daemon's storage for this request (vLLM's prompt_tokens_cached_by_source)."""

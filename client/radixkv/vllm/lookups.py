@@ -134,6 +134,12 @@ class Lookups:
             if hit is not None:
                 self.release(hit.lease)
 
+    def drop_all(self) -> None:
+        """`drop` every request queued, in flight or holding a hit."""
+        with self._pump.lock:
+            for req_id in [*self._hits, *self._queued, *self._inflight]:
+                self.drop(req_id)
+
     def release(self, lease: int) -> None:
         """Release a lease taken over with `take` (in the next pass; 0 is ignored)."""
         if lease:

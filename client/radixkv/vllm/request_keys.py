@@ -32,10 +32,11 @@ def cacheable(request) -> bool:
     return getattr(request, "prompt_embeds", None) is None
 
 
-def extra_key(request) -> bytes:
-    """The request's LoRA adapter and cache salt as one extra key (b"" with neither): 16
-    bytes of a hash over the tagged, length-prefixed fields."""
-    fields = []
+def extra_key(request, epoch: bytes = b"") -> bytes:
+    """The request's LoRA adapter and cache salt, and the engine's cache `epoch` (new after
+    each `reset_cache`: the weights may have changed), as one extra key (b"" with none of
+    them): 16 bytes of a hash over the tagged, length-prefixed fields."""
+    fields = [b"epoch", epoch] if epoch else []
     lora = getattr(request, "lora_request", None)
     if lora:
         fields += [b"lora", str(lora.lora_name).encode(), str(lora.lora_path or "").encode()]
@@ -71,10 +72,10 @@ def with_inputs(packed: bytes, request) -> bytes:
     return packed if out is None else bytes(out)
 
 
-def prompt_key(packed: bytes, request) -> Prompt:
+def prompt_key(packed: bytes, request, epoch: bytes = b"") -> Prompt:
     """The radixkv prompt of `request`'s tokens `packed`: multimodal inputs applied, with
-    its extra key."""
-    return Prompt(with_inputs(packed, request), extra_key(request))
+    its extra key (under the engine's cache `epoch`)."""
+    return Prompt(with_inputs(packed, request), extra_key(request, epoch))
 
 
 __all__ = ["cacheable", "extra_key", "prompt_key", "with_inputs"]

@@ -18,11 +18,18 @@ in flight is named in the next step's `flush`, which the workers wait for before
 forward. A load a worker stopped waiting for counts as one more save on that rank
 (`Saves.hold`): the daemon may write its blocks until it answers.
 
+A cache reset (`reset`, vLLM's `reset_prefix_cache(reset_connector=True)`, which RL
+frameworks call after updating the weights) starts a new epoch: every key from then on
+carries a fresh random epoch, so nothing saved before is matched again by this engine,
+and requests known before the reset neither look up nor save again (their KV may be the
+old weights'). Other engines keep sharing what they saved.
+
 For vLLM's metrics (`radixkv.vllm.stats`) this side counts loads, blocks loaded and
 recomputed, and blocks handed over to save (`take_counts`, with the lookups' counts),
 and tells which tier a load's tokens came from (`hit_sources`).
 """
 
+import os
 import struct
 
 from radixkv.types import Prompt
@@ -60,6 +67,8 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, tuple[int, dict[int, int], int]] = {}  # lease, ranks reported, pages
         self._short: set[str] = set()  # a load of theirs came back short: no more hits for them
+        self._stale: set[str] = set()  # known before the last reset: no more lookups or saves
+        self._epoch = b""  # the cache epoch (`reset`): part of every key
         self._sources: dict[str, tuple[int, int]] = {}  # request -> (host, storage) tokens of its load
         self._counts: dict[str, int] = {}
 
@@ -74,8 +83,8 @@ class SchedulerSide:
         # vLLM computes at least one token, so only whole blocks before the last token can
         # hit; asking for just those makes the daemon's match end (and split) right there.
         whole = (request.num_tokens - 1) // bs * bs
-        if (whole <= num_computed or self.lookups is None or req_id in self._short or not cacheable(request)
-                or getattr(request, "skip_reading_prefix_cache", False)):
+        if (whole <= num_computed or self.lookups is None or req_id in self._short or req_id in self._stale
+                or not cacheable(request) or getattr(request, "skip_reading_prefix_cache", False)):
             return 0, False
         hit = self.lookups.poll(req_id, lambda: self._key(request, whole))
         if hit is None:
@@ -164,6 +173,7 @@ class SchedulerSide:
                       self._held, self._sources):
             table.pop(req_id, None)
         self._short.discard(req_id)
+        self._stale.discard(req_id)
         if in_flight:
             self._delayed.append(req_id)
         return in_flight
@@ -179,6 +189,15 @@ class SchedulerSide:
         held = self._held.get(req_id, {})
         over = self._over.get(req_id, {})
         return any(over.get(rank, 0) < issued + held.get(rank, 0) for rank in range(self.tp_size))
+
+    def reset(self) -> None:
+        """reset_cache: a new epoch (see the module's docstring); lookups in flight and
+        hits not yet loaded are dropped (their leases released)."""
+        self._epoch = os.urandom(16)
+        self._prompts.clear()
+        self._stale.update(self._requests)
+        if self.lookups is not None:
+            self.lookups.drop_all()
 
     def hit_sources(self, req_id: str, num_external: int) -> tuple[int, int]:
         """(host, storage) tokens of the load `allocated` planned for `req_id` (of
@@ -207,7 +226,7 @@ class SchedulerSide:
     def _save_spec(self, req_id: str, end: int) -> SaveSpec | None:
         request = self._requests.get(req_id)
         manager = self._kv_manager()
-        if request is None or manager is None or not self.saves or not cacheable(request):
+        if request is None or manager is None or not self.saves or req_id in self._stale or not cacheable(request):
             return None
         bs = self.block_size
         end = min(end, request.num_tokens) // bs * bs
@@ -228,7 +247,7 @@ class SchedulerSide:
         when a save needs them."""
         key = self._prompts.get(request.request_id)
         if key is None:
-            key = prompt_key(_packed(request.all_token_ids, 0, request.num_prompt_tokens), request)
+            key = prompt_key(_packed(request.all_token_ids, 0, request.num_prompt_tokens), request, self._epoch)
             self._prompts[request.request_id] = key
         have = len(key.tokens) // _INT32
         if n <= have:
