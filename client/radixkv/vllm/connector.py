@@ -272,6 +272,17 @@ class RadixKVConnector(KVConnectorBase_V1):
         return meta if isinstance(meta, RadixKVMetadata) else None
 
 
+def _register_by_name() -> None:
+    """vLLM's MultiConnector finds a child's stats class by connector name in its factory's
+    registry, which lists vLLM's own connectors only: add this one (once per process; any
+    process that loads the class through `kv_connector_module_path` runs this)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    try:
+        KVConnectorFactory.register_connector("RadixKVConnector", __name__, "RadixKVConnector")
+    except ValueError:
+        pass  # registered already
+
+
 def _tp_rank(vllm_config) -> tuple[int, int]:
     size = vllm_config.parallel_config.tensor_parallel_size
     if size == 1:
@@ -282,5 +293,7 @@ def _tp_rank(vllm_config) -> tuple[int, int]:
     except (AssertionError, RuntimeError):
         return 0, size  # the scheduler process has no TP group
 
+
+_register_by_name()
 
 __all__ = ["RadixKVConnector"]
