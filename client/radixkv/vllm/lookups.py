@@ -27,6 +27,7 @@ Register named it.
 
 import asyncio
 import logging
+from collections import Counter
 
 from radixkv.aio import AsyncClient
 from radixkv.errors import RadixKVError
@@ -48,7 +49,7 @@ class Lookups:
         self._pump = pump
         self._client = client
         self.storage = storage
-        self._counts: dict[str, int] = {}
+        self._counts: Counter = Counter()
         self._queued: dict[str, Prompt] = {}  # asked this step, not sent yet
         self._inflight: set[str] = set()  # in a Match (or staging) now
         self._hits: dict[str, Hit] = {}
@@ -112,10 +113,10 @@ class Lookups:
                 return
         self._pump.tick()
 
-    def take_counts(self) -> dict[str, int]:
+    def take_counts(self) -> Counter:
         """The counts since the last call (see the module's docstring), then zero."""
         with self._pump.lock:
-            counts, self._counts = self._counts, {}
+            counts, self._counts = self._counts, Counter()
         return counts
 
     def take(self, req_id: str) -> Hit:
@@ -179,12 +180,12 @@ class Lookups:
         prompts, client = list(batch.values()), self._client
         if client is None:
             return  # closed: the daemon released its leases with the session
-        self._count("lookups", len(prompts))
+        self._counts["lookups"] += len(prompts)
         try:
             results = await client.match(prompts, lease=True, include_storage=True)
         except RadixKVError as e:
             log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
-            self._count("lookup_failures", len(prompts))
+            self._counts["lookup_failures"] += len(prompts)
             results = [None] * len(prompts)
         staging = []
         for (req_id, prompt), result in zip(batch.items(), results):
@@ -207,7 +208,7 @@ class Lookups:
             self._file(req_id, hit_of(found))
             return
         self.release(found.lease)
-        self._count("staged", 1)
+        self._counts["staged"] += 1
         self._file(req_id, hit_of(again, on_host=found.complete_tokens))
 
     async def _release_soon(self) -> None:
@@ -219,9 +220,6 @@ class Lookups:
             await self._client.release(leases)
         except RadixKVError as e:
             log.warning("radixkv: releasing %d leases failed: %s", len(leases), e)
-
-    def _count(self, name: str, n: int) -> None:
-        self._counts[name] = self._counts.get(name, 0) + n
 
     def _file(self, req_id: str, hit: Hit) -> None:
         self._inflight.discard(req_id)

@@ -31,6 +31,7 @@ and tells which tier a load's tokens came from (`hit_sources`).
 
 import os
 import struct
+from collections import Counter
 
 from radixkv.types import Prompt
 
@@ -70,7 +71,7 @@ class SchedulerSide:
         self._stale: set[str] = set()  # known before the last reset: no more lookups or saves
         self._epoch = b""  # the cache epoch (`reset`): part of every key
         self._sources: dict[str, tuple[int, int]] = {}  # request -> (host, storage) tokens of its load
-        self._counts: dict[str, int] = {}
+        self._counts: Counter = Counter()
 
     def matched(self, request, num_computed: int) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens: (tokens to load beyond `num_computed`, async), or
@@ -133,7 +134,7 @@ class SchedulerSide:
             save = self._save_spec(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
             if save is not None:
                 meta.saves.append(save)
-                self._count("save_blocks", len(save.block_ids) - before // self.block_size)
+                self._counts["save_blocks"] += len(save.block_ids) - before // self.block_size
                 self._issued[req_id] = self._issued.get(req_id, 0) + 1
         return meta
 
@@ -155,9 +156,7 @@ class SchedulerSide:
                 del self._loading[req_id]
                 self.lookups.release(entry[0])
                 loaded = min(min(entry[1].values()), entry[2])
-                self._count("loads", 1)
-                self._count("loaded_blocks", loaded)
-                self._count("failed_blocks", entry[2] - loaded)
+                self._counts.update(loads=1, loaded_blocks=loaded, failed_blocks=entry[2] - loaded)
                 if loaded < entry[2]:
                     self._short.add(req_id)  # vLLM recomputes (an async one asks again)
 
@@ -205,12 +204,11 @@ class SchedulerSide:
         return self._sources.pop(req_id, (num_external, 0))
 
     def take_counts(self) -> dict[str, int]:
-        """This side's counts and the lookups' since the last call, then zero."""
-        counts, self._counts = self._counts, {}
+        """This side's counts and the lookups' since the last call (those above 0), then zero."""
+        counts, self._counts = self._counts, Counter()
         if self.lookups is not None:
-            for name, n in self.lookups.take_counts().items():
-                counts[name] = counts.get(name, 0) + n
-        return counts
+            counts.update(self.lookups.take_counts())
+        return dict(+counts)
 
     def close(self) -> None:
         if self.lookups is not None:
@@ -218,10 +216,6 @@ class SchedulerSide:
                 self.lookups.release(lease)
             self._loading.clear()
             self.lookups.close()
-
-    def _count(self, name: str, n: int) -> None:
-        if n:
-            self._counts[name] = self._counts.get(name, 0) + n
 
     def _save_spec(self, req_id: str, end: int) -> SaveSpec | None:
         request = self._requests.get(req_id)
