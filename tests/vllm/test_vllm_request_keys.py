@@ -12,7 +12,7 @@ Multimodal keys are checked on vLLM's own request objects (no multimodal model h
 import pytest
 import torch
 
-from radixkv.vllm.request_keys import cacheable, extra_key, prompt_key
+from radixkv.vllm.request_keys import cacheable, extra_key, key_of, prompt_key
 from radixkv.vllm.testing import write_tiny_lora
 from tests.support.daemon import wait_for
 
@@ -86,6 +86,27 @@ def test_a_request_with_prompt_embeddings_never_reaches_radixkv(engines, daemon)
     assert counters(daemon.target)["inserted_tokens"] == 0
 
 
+def test_a_router_scores_a_salted_request_with_the_key_the_connector_saved_it_under(engines, daemon_factory):
+    """The daemon's KV events carry a salted request's blocks under its extra key: a router
+    fed by them (radixkv.routing over ZMQ) finds them with `key_of(cache_salt=...)`."""
+    from tests.events.followers import ZmqFollower
+    from tests.events.helpers import ipc_endpoints
+    pub, replay = ipc_endpoints("salted")
+    daemon = daemon_factory("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay)
+    router = ZmqFollower(BLOCK, pub, replay)
+    try:
+        p = prompt(PROMPT_TOKENS, seed=36)
+        llm = engines.start(daemon.target)
+        generate(llm, [salted(p, "tenant-a")])
+        key = key_of(cache_salt="tenant-a")
+        wait_for(lambda: router.index.best(p, namespace="tiny", extra_key=key).host_blocks == PROMPT_TOKENS // BLOCK,
+                 30, "the router to see the salted prompt's blocks on host")
+        assert router.index.best(p, namespace="tiny").prefix_blocks == 0  # not under the plain key
+        assert router.index.best(p, namespace="tiny", extra_key=key_of(cache_salt="tenant-b")).prefix_blocks == 0
+    finally:
+        router.close()
+
+
 def test_after_a_connector_reset_nothing_saved_before_is_served_to_that_engine(engines, daemon):
     """RL frameworks update vLLM's weights in place, then reset_prefix_cache(reset_connector=True):
     KV saved under the old weights must not come back; what is saved after the reset does."""
@@ -151,3 +172,6 @@ def test_extra_keys_differ_by_salt_and_adapter_and_are_empty_without(fields):
     other = {"cache_salt": "b"} if "cache_salt" in fields else {"lora_request": ("x", "/b")}
     assert extra_key(request(tokens, **fields_of(other))) != key
     assert cacheable(request(tokens, **fields_of(fields)))
+    plain = {"cache_salt": fields.get("cache_salt")} if "cache_salt" in fields else {
+        "lora_name": fields["lora_request"][0], "lora_path": fields["lora_request"][1]}
+    assert key_of(**plain) == key  # what a router computes without vLLM's objects

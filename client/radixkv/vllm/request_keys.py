@@ -34,15 +34,23 @@ def cacheable(request) -> bool:
 
 def extra_key(request, epoch: bytes = b"") -> bytes:
     """The request's LoRA adapter and cache salt, and the engine's cache `epoch` (new after
-    each `reset_cache`: the weights may have changed), as one extra key (b"" with none of
-    them): 16 bytes of a hash over the tagged, length-prefixed fields."""
-    fields = [b"epoch", epoch] if epoch else []
+    each `reset_cache`: the weights may have changed), as one extra key (`key_of`)."""
     lora = getattr(request, "lora_request", None)
-    if lora:
-        fields += [b"lora", str(lora.lora_name).encode(), str(lora.lora_path or "").encode()]
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        fields += [b"cache_salt", str(salt).encode()]
+    return key_of(lora_name=lora.lora_name if lora else None, lora_path=lora.lora_path if lora else None,
+                  cache_salt=getattr(request, "cache_salt", None), epoch=epoch)
+
+
+def key_of(*, lora_name: str | None = None, lora_path: str | None = None, cache_salt: str | None = None,
+           epoch: bytes = b"") -> bytes:
+    """The extra key of a request under LoRA adapter `lora_name` (at `lora_path`) and
+    `cache_salt` (b"" with none of them): 16 bytes of a hash over the tagged,
+    length-prefixed fields. Routers pass it to `RoutingIndex.score(extra_key=...)` to
+    score such a request against what the connector saved (no vLLM import needed)."""
+    fields = [b"epoch", epoch] if epoch else []
+    if lora_name:
+        fields += [b"lora", str(lora_name).encode(), str(lora_path or "").encode()]
+    if cache_salt:
+        fields += [b"cache_salt", str(cache_salt).encode()]
     if not fields:
         return b""
     h = hashlib.blake2b(digest_size=16, person=b"radixkv-vllm-key")
@@ -78,4 +86,4 @@ def prompt_key(packed: bytes, request, epoch: bytes = b"") -> Prompt:
     return Prompt(with_inputs(packed, request), extra_key(request, epoch))
 
 
-__all__ = ["cacheable", "extra_key", "prompt_key", "with_inputs"]
+__all__ = ["cacheable", "extra_key", "key_of", "prompt_key", "with_inputs"]
