@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConnectorConfig, model_identity
 from .daemon import DaemonAdapter
@@ -36,7 +35,7 @@ from .metadata import RadixKVMetadata, RadixKVWorkerMetadata
 from .registration import register_worker
 from .saves import Saves
 from .scheduler import SchedulerSide
-from .stats import RadixKVPromMetrics, RadixKVStats, hit_source
+from .stats import RadixKVPromMetrics, RadixKVStats
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
@@ -232,10 +231,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         the daemon's storage for this request (vLLM's prompt_tokens_cached_by_source)."""
         if num_external_tokens == 0:
             return {}
-        host, stored = self._scheduler.hit_sources(request.request_id, num_external_tokens)
-        lookups = self._scheduler.lookups
-        sources = {CacheHitSource.HOST: host, hit_source(lookups.storage if lookups else ""): stored}
-        return {source: n for source, n in sources.items() if n}
+        return self._scheduler.hit_sources(request.request_id, num_external_tokens)
 
     def get_kv_connector_stats(self) -> RadixKVStats | None:
         """The scheduler's counts since vLLM last asked (`radixkv.vllm.stats`); workers

@@ -38,6 +38,7 @@ from radixkv.types import Prompt
 from .lookups import Lookups
 from .metadata import LoadSpec, RadixKVMetadata, RadixKVWorkerMetadata, SaveSpec
 from .request_keys import cacheable, prompt_key
+from .stats import CacheHitSource, hit_source
 
 
 class SchedulerSide:
@@ -198,10 +199,13 @@ class SchedulerSide:
         if self.lookups is not None:
             self.lookups.drop_all()
 
-    def hit_sources(self, req_id: str, num_external: int) -> tuple[int, int]:
-        """(host, storage) tokens of the load `allocated` planned for `req_id` (of
-        `num_external` tokens: all host when none was planned)."""
-        return self._sources.pop(req_id, (num_external, 0))
+    def hit_sources(self, req_id: str, num_external: int) -> dict:
+        """vLLM's tier -> tokens of the load `allocated` planned for `req_id` (of
+        `num_external` tokens: all host when none was planned): on host already, or
+        fetched from the daemon's storage tier (`stats.hit_source`)."""
+        host, stored = self._sources.pop(req_id, (num_external, 0))
+        storage = hit_source(self.lookups.storage if self.lookups is not None else "")
+        return {tier: n for tier, n in ((CacheHitSource.HOST, host), (storage, stored)) if n}
 
     def take_counts(self) -> dict[str, int]:
         """This side's counts and the lookups' since the last call (those above 0), then zero."""

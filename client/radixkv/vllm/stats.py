@@ -78,4 +78,4 @@ class RadixKVPromMetrics(KVConnectorPromMetrics):
                 series.inc(n)
 
 
-__all__ = ["COUNTERS", "RadixKVPromMetrics", "RadixKVStats", "hit_source"]
+__all__ = ["COUNTERS", "CacheHitSource", "RadixKVPromMetrics", "RadixKVStats", "hit_source"]
