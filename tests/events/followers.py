@@ -7,6 +7,7 @@ import threading
 import grpc
 
 from radixkv.routing import RoutingIndex, ZmqFleet
+from radixkv.routing.extra_keys import event_extra_keys
 from radixkv.routing.subscriber import Daemon
 from radixkv.routing.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from radixkv.v1 import radixkv_pb2 as pb
@@ -46,12 +47,12 @@ def wire_batch(msg: pb.KvEventBatch) -> KVEventBatch:
         elif e.kind == pb.KvEvent.BLOCK_REMOVED:
             events.append(BlockRemoved(block_hashes=list(e.block_hashes), medium=e.medium))
         else:
-            n = len(e.block_hashes)
+            parent = e.parent_block_hash if e.HasField("parent_block_hash") else None
             events.append(BlockStored(
-                block_hashes=list(e.block_hashes),
-                parent_block_hash=e.parent_block_hash if e.HasField("parent_block_hash") else None,
+                block_hashes=list(e.block_hashes), parent_block_hash=parent,
                 token_ids=list(e.token_ids), block_size=e.block_size, lora_id=None, medium=e.medium,
-                lora_name=None, extra_keys=[(e.extra_key,)] * n if e.extra_key else None))
+                lora_name=e.lora_name or None,
+                extra_keys=event_extra_keys(e.extra_key, len(e.block_hashes), starts_prompt=parent is None)))
     return KVEventBatch(ts=msg.ts, events=events)
 
 

@@ -57,3 +57,46 @@ def test_chain_continues_from_a_parent_and_ignores_a_partial_block():
 def test_rejects_token_ids_cbor_cannot_carry_as_vllm_does(bad):
     with pytest.raises(ValueError):
         block_digests(bad, 4)
+
+
+@pytest.mark.parametrize("lora, salt", [(None, "tenant-a"), (("adapter", "/loras/a"), None),
+                                        (("adapter", "/loras/a"), "tenant-ü")])
+def test_lora_and_salt_keys_hash_and_publish_as_vllm_does(lora, salt):
+    """A vLLM request's own block hashes (vLLM's hasher on a real vLLM Request) and its
+    events' untagged extra keys equal radixkv's for `vllm_extra_key` of its adapter and salt,
+    also for a chain continued from a parent (the salt stays in the first block only)."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import kv_cache_utils as u
+    from vllm.v1.request import Request
+
+    from radixkv.routing.extra_keys import event_extra_keys, lora_name, vllm_extra_key
+
+    tokens = list(range(300, 300 + 5 * 16))
+    u.init_none_hash(sha256_cbor)
+    request = Request("r", tokens, SamplingParams(max_tokens=1), None, cache_salt=salt,
+                      lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None)
+    theirs = [bytes(h) for h in u.get_request_block_hasher(16, sha256_cbor)(request)]
+    their_keys = u.to_event_extra_keys(
+        [u.generate_block_hash_extra_keys(request, i * 16, (i + 1) * 16, 0)[0] for i in range(5)])
+    key = vllm_extra_key(*(lora or (None, None)), cache_salt=salt)
+    ours = block_digests(tokens, 16, extra_key=key)
+    assert ours == theirs
+    assert block_digests(tokens[32:], 16, parent=ours[1], extra_key=key) == theirs[2:]
+    assert event_extra_keys(key, 5, starts_prompt=True) == their_keys
+    assert event_extra_keys(key, 3, starts_prompt=False) == their_keys[2:]
+    assert lora_name(key) == (lora[0] if lora else None)
+    assert ours != block_digests(tokens, 16) and ours != block_digests(tokens, 16, extra_key=key + b"x")
+
+
+def test_a_key_that_only_looks_like_vllm_form_is_opaque():
+    from radixkv.routing.extra_keys import MAGIC, parse, vllm_extra_key
+
+    key = vllm_extra_key("adapter", "/a", "salt")
+    assert vllm_extra_key() == b"" and parse(key).cache_salt == "salt"
+    for bad in (MAGIC, key[:-1], key + b"\x00", MAGIC + b"\x02" + key[len(MAGIC) + 1:],
+                MAGIC + b"\x00\x01\x01\x00\x00\x00a\x00"):  # a path without an adapter
+        assert parse(bad) is None
+        assert block_digests(list(range(16)), 16, extra_key=bad) == [bytes(d) for d in vllm_chain(
+            list(range(16)), 16, (bad,))]

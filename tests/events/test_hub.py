@@ -114,3 +114,23 @@ def test_call_later_flushes_once_per_turn():
         assert len(calls) == 2
     finally:
         h.close()
+
+
+def test_watch_events_show_the_radixkv_key_and_the_adapter_of_each_event(hub):
+    """WatchEvents (grpcurl) shows each stored event's radixkv extra_key, opaque or in
+    vLLM's form, and the LoRA adapter vLLM's events name."""
+    from radixkv.routing.extra_keys import vllm_extra_key
+    from radixkv_server.service.watch import batch_message
+
+    sub = hub.subscribe(from_seq=0)
+    tree = RadixTree(PAGE)
+    listen = hub.attach("ns", PAGE)
+    tuned_key = vllm_extra_key("tiny-adapter", "/loras/tiny", "tenant-a")
+    nodes = [chain(tree, range(8), extra_key=k)[0] for k in (b"", b"tenant-b", tuned_key)]
+    for node in nodes:
+        listen("host", "stored", node)
+    hub.flush()
+    message = batch_message(drain(sub, 2)[1], "instance")
+    assert [e.extra_key for e in message.events] == [b"", b"tenant-b", tuned_key]
+    assert [e.lora_name for e in message.events] == ["", "", "tiny-adapter"]
+    assert list(message.events[2].block_hashes) == block_hashes(list(range(8)), PAGE, extra_key=tuned_key)

@@ -6,6 +6,7 @@ import pytest
 from vllm.distributed import kv_events as vllm_ev
 
 from radixkv.routing import wire
+from radixkv.routing.extra_keys import vllm_extra_key
 from radixkv_server.core.tree import RadixTree
 from radixkv_server.events.builder import CLEAR_RECORD, REMOVED, STORED, EventBuilder
 
@@ -16,10 +17,12 @@ def built_batch() -> wire.KVEventBatch:
     tree = RadixTree(PAGE)
     a, b = chain(tree, range(8), range(100, 104))
     lora = chain(tree, range(4), extra_key=b"lora-3")[0]
+    tuned = chain(tree, range(8), extra_key=vllm_extra_key("tiny-adapter", "/a", "tenant-a"))[0]
     rec = lambda kind, medium, n: (kind, medium, n.extra_key, path_of(n))
-    events = EventBuilder(PAGE).build([
+    events, keys = EventBuilder(PAGE).build([
         rec(STORED, "GPU", a), rec(STORED, "CPU", b), rec(STORED, "STORAGE", lora),
-        rec(REMOVED, "GPU", a), CLEAR_RECORD])
+        rec(REMOVED, "GPU", a), CLEAR_RECORD, rec(STORED, "CPU", tuned)])
+    assert keys == [b"", b"", b"lora-3", b"", b"", tuned.extra_key]
     return wire.KVEventBatch(ts=1234.5, events=events, data_parallel_rank=0)
 
 
@@ -33,7 +36,8 @@ def test_vllm_classes_decode_our_batches():
     got = msgspec.msgpack.Decoder(vllm_ev.KVEventBatch).decode(payload)
     assert got.ts == 1234.5 and got.data_parallel_rank == 0
     kinds = [type(e).__name__ for e in got.events]
-    assert kinds == ["BlockStored", "BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert kinds == ["BlockStored", "BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+                     "BlockStored"]
     first, second, lora = got.events[:3]
     assert isinstance(first, vllm_ev.BlockStored)
     assert first.medium == "GPU" and first.block_size == PAGE and first.parent_block_hash is None
@@ -41,6 +45,8 @@ def test_vllm_classes_decode_our_batches():
     assert second.medium == "CPU" and second.parent_block_hash == first.block_hashes[-1]
     assert lora.medium == "STORAGE" and lora.extra_keys == [(b"lora-3",)]
     assert got.events[3].block_hashes == first.block_hashes and got.events[3].medium == "GPU"
+    tuned = got.events[5]  # as vLLM publishes a LoRA request's blocks with a cache salt
+    assert tuned.lora_name == "tiny-adapter" and tuned.extra_keys == [("tiny-adapter", "tenant-a"), ("tiny-adapter",)]
 
 
 def test_encoding_is_byte_identical_to_vllm():

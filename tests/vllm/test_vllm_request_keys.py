@@ -86,25 +86,46 @@ def test_a_request_with_prompt_embeddings_never_reaches_radixkv(engines, daemon)
     assert counters(daemon.target)["inserted_tokens"] == 0
 
 
-def test_a_router_scores_a_salted_request_with_the_key_the_connector_saved_it_under(engines, daemon_factory):
-    """The daemon's KV events carry a salted request's blocks under its extra key: a router
-    fed by them (radixkv.routing over ZMQ) finds them with `key_of(cache_salt=...)`."""
-    from tests.events.followers import ZmqFollower
+def test_a_router_merges_vllms_own_events_with_the_daemons_for_lora_and_salted_requests(
+        engines, daemon_factory, tmp_path):
+    """vLLM's own KV events (its GPU blocks) and the daemon's (CPU) name a LoRA request's
+    blocks under a cache salt by the same hashes, so a router following both streams of
+    the worker (radixkv.routing over ZMQ) sees one prefix on both tiers; it scores the
+    request with `key_of(lora_name=, lora_path=, cache_salt=)` and finds nothing under
+    another salt or without the adapter."""
+    from vllm.config import KVEventsConfig
+    from vllm.lora.request import LoRARequest
+
+    from radixkv.routing import Daemon, RoutingIndex, ZmqFleet
     from tests.events.helpers import ipc_endpoints
-    pub, replay = ipc_endpoints("salted")
+    pub, replay = ipc_endpoints("tuned-daemon")
+    engine_pub, engine_replay = ipc_endpoints("tuned-engine")
     daemon = daemon_factory("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay)
-    router = ZmqFollower(BLOCK, pub, replay)
+    index = RoutingIndex(BLOCK)
+    fleet = ZmqFleet(index, [Daemon("w0", pub, replay),
+                             Daemon("w0", engine_pub, engine_replay, stream="engine", topic="",
+                                    namespace="tiny", media=("GPU",))], check_interval=0.2)
     try:
+        adapter = LoRARequest("tiny-adapter", 1, write_tiny_lora(str(tmp_path / "lora")))
+        llm = engines.start(daemon.target, enable_lora=True, max_lora_rank=8, max_loras=1,
+                            prefix_caching_hash_algo="sha256_cbor",
+                            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                            endpoint=engine_pub, replay_endpoint=engine_replay,
+                                                            topic=""))
         p = prompt(PROMPT_TOKENS, seed=36)
-        llm = engines.start(daemon.target)
-        generate(llm, [salted(p, "tenant-a")])
-        key = key_of(cache_salt="tenant-a")
-        wait_for(lambda: router.index.best(p, namespace="tiny", extra_key=key).host_blocks == PROMPT_TOKENS // BLOCK,
-                 30, "the router to see the salted prompt's blocks on host")
-        assert router.index.best(p, namespace="tiny").prefix_blocks == 0  # not under the plain key
-        assert router.index.best(p, namespace="tiny", extra_key=key_of(cache_salt="tenant-b")).prefix_blocks == 0
+        generate(llm, [salted(p, "tenant-a")], lora_request=adapter)
+        key = key_of(lora_name=adapter.lora_name, lora_path=adapter.lora_path, cache_salt="tenant-a")
+        hashes = index.hashes(p, key)
+        assert len(hashes) == PROMPT_TOKENS // BLOCK
+        wait_for(lambda: fleet.poll(0.02) >= 0 and set(hashes) <= index.blocks("w0", "tiny", "GPU")
+                 and set(hashes) <= index.blocks("w0", "tiny", "CPU"), 30,
+                 "vLLM's GPU events and the daemon's CPU events of the tuned, salted prompt")
+        assert index.best(p, namespace="tiny", extra_key=key).device_blocks == len(hashes)
+        for other in (key_of(lora_name=adapter.lora_name, lora_path=adapter.lora_path, cache_salt="tenant-b"),
+                      key_of(cache_salt="tenant-a"), b""):
+            assert index.best(p, namespace="tiny", extra_key=other).prefix_blocks == 0
     finally:
-        router.close()
+        fleet.close()
 
 
 def test_after_a_connector_reset_nothing_saved_before_is_served_to_that_engine(engines, daemon):

@@ -8,14 +8,17 @@ canonical CBOR (RFC 8949 core deterministic encoding); no radixkv code is needed
     d_0    = SHA256(CBOR(seed))                     (vLLM's NONE_HASH)
     d_i    = SHA256(CBOR([d_{i-1}, [t_1, ..., t_B], extra]))
              d_{i-1}: 32-byte digest as a CBOR byte string; t_j: the B = block_size token
-             ids of block i as CBOR integers; extra: CBOR null, or for a non-empty
-             radixkv `extra_key` x the one-element array [x] (x as a byte string)
+             ids of block i as CBOR integers; extra: CBOR null for a plain prompt;
+             for a LoRA adapter or cache salt (`extra_keys.vllm_extra_key`) vLLM's
+             tagged extra keys, [["lora", name, path], ["cache_salt", salt]] with the
+             salt in the prompt's first block only; for any other radixkv `extra_key`
+             x the one-element array [x] (x as a byte string)
     hash_i = the low 64 bits of d_i read big-endian = int.from_bytes(d_i[24:32], "big")
 
 `hash_i` is what BlockStored/BlockRemoved carry (`block_hashes`, `parent_block_hash`), as
 vLLM publishes by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1). The chain runs on the
-full 32-byte digests, so a truncation collision never propagates down a prefix. For plain
-prompts this equals vLLM's own hashes when vLLM runs with
+full 32-byte digests, so a truncation collision never propagates down a prefix. For plain,
+LoRA and salted prompts this equals vLLM's own hashes when vLLM runs with
 `--prefix-caching-hash-algo sha256_cbor` and a block size equal to radixkv's page size, so
 a router may mix a vLLM engine's GPU events and radixkv's CPU/STORAGE events of one worker.
 
@@ -26,33 +29,16 @@ import hashlib
 
 import numpy as np
 
+from .extra_keys import block_tails, cbor_head, cbor_text
+
 DEFAULT_SEED = "vllm-none-hash"
 DIGEST_BYTES = 32
 _U64 = (1 << 64) - 1
 
 
-def _cbor_head(major: int, n: int) -> bytes:
-    """CBOR initial byte(s) of an item of `major` type with argument `n` (shortest form)."""
-    if n < 24:
-        return bytes([major << 5 | n])
-    for extra, width in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if n < 1 << (8 * width):
-            return bytes([major << 5 | extra]) + n.to_bytes(width, "big")
-    raise ValueError(f"CBOR argument too large: {n}")
-
-
-def _cbor_text(text: str) -> bytes:
-    data = text.encode()
-    return _cbor_head(3, len(data)) + data
-
-
-def _cbor_bytes(data: bytes) -> bytes:
-    return _cbor_head(2, len(data)) + data
-
-
 def root_digest(seed: str = DEFAULT_SEED) -> bytes:
     """d_0: the digest every chain starts from (vLLM's NONE_HASH for this seed)."""
-    return hashlib.sha256(_cbor_text(seed)).digest()
+    return hashlib.sha256(cbor_text(seed)).digest()
 
 
 # Per token, by its width code c = (t >= 24) + (t >= 256) + (t >= 65536): the CBOR head
@@ -91,7 +77,7 @@ def block_digests(tokens, block_size: int, *, parent: bytes | None = None,
     """d_i of every whole block of `tokens`; a trailing partial block gets none.
 
     `parent` is the digest of the block just before `tokens[0]` (None: `tokens` starts a
-    prompt). Pure; raises ValueError for a block_size below 1, a negative token id or a
+    prompt, whose first block carries a cache salt). Pure; raises ValueError for a block_size below 1, a negative token id or a
     parent that is not a 32-byte digest.
     """
     if not isinstance(block_size, int) or block_size < 1:
@@ -104,12 +90,15 @@ def block_digests(tokens, block_size: int, *, parent: bytes | None = None,
         return []
     encoded, ends = _cbor_tokens(t[:n * block_size])
     base = hashlib.sha256(b"\x83\x58\x20")  # [parent, tokens, extra]; parent: 32 bytes
-    tokens_head = _cbor_head(4, block_size)
-    tail = b"\xf6" if not extra_key else b"\x81" + _cbor_bytes(bytes(extra_key))
-    prev = parent if parent is not None else root_digest(seed)
+    tokens_head = cbor_head(4, block_size)
+    first_tail, tail = block_tails(extra_key)
+    if parent is None:
+        prev, tails = root_digest(seed), [first_tail] + [tail] * (n - 1)
+    else:
+        prev, tails = parent, [tail] * n
     out = []
     lo = 0
-    for hi in ends[block_size - 1::block_size].tolist():
+    for hi, tail in zip(ends[block_size - 1::block_size].tolist(), tails):
         h = base.copy()
         h.update(prev)
         h.update(tokens_head)

@@ -506,7 +506,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, from_seq: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class KvEvent(_message.Message):
-    __slots__ = ("kind", "tier", "medium", "block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_key")
+    __slots__ = ("kind", "tier", "medium", "block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_key", "lora_name")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[KvEvent.Kind]
@@ -525,6 +525,7 @@ class KvEvent(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     kind: KvEvent.Kind
     tier: str
     medium: str
@@ -533,7 +534,8 @@ class KvEvent(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     extra_key: bytes
-    def __init__(self, kind: _Optional[_Union[KvEvent.Kind, str]] = ..., tier: _Optional[str] = ..., medium: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., extra_key: _Optional[bytes] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, kind: _Optional[_Union[KvEvent.Kind, str]] = ..., tier: _Optional[str] = ..., medium: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., extra_key: _Optional[bytes] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
     __slots__ = ("seq", "namespace", "ts", "events", "daemon_instance")

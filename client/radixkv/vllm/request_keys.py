@@ -8,7 +8,10 @@ two images behind the same placeholder tokens are different prompts). radixkv ke
 same things:
 
 - the LoRA adapter and the cache salt make the request's `extra_key`: the daemon keeps a
-  separate tree and separate storage keys per extra key, so nothing is shared across them;
+  separate tree and separate storage keys per extra key, so nothing is shared across them.
+  The key is in vLLM's form (`radixkv.routing.extra_keys`), so the daemon's KV events hash
+  and name these blocks exactly as vLLM's own events do; after a `reset_cache` the epoch
+  joins the key, which then is an opaque hash (vLLM's hashes know no epochs);
 - a multimodal input's placeholder tokens are replaced, in the tokens radixkv sees, by
   ids drawn from the input's identifier (vLLM's content hash of it): the prefix before
   the first input is shared as before, the same input at the same place matches, another
@@ -22,6 +25,7 @@ Pure functions of the request; the scheduler side computes a request's key once.
 
 import hashlib
 
+from radixkv.routing.extra_keys import vllm_extra_key
 from radixkv.types import Prompt
 
 _INT32 = 4
@@ -43,16 +47,17 @@ def extra_key(request, epoch: bytes = b"") -> bytes:
 def key_of(*, lora_name: str | None = None, lora_path: str | None = None, cache_salt: str | None = None,
            epoch: bytes = b"") -> bytes:
     """The extra key of a request under LoRA adapter `lora_name` (at `lora_path`) and
-    `cache_salt` (b"" with none of them): 16 bytes of a hash over the tagged,
-    length-prefixed fields. Routers pass it to `RoutingIndex.score(extra_key=...)` to
-    score such a request against what the connector saved (no vLLM import needed)."""
-    fields = [b"epoch", epoch] if epoch else []
+    `cache_salt` (b"" with none of them): `vllm_extra_key` of the three, or after a reset
+    (`epoch`) 16 bytes of a hash over the tagged, length-prefixed fields. Routers pass it
+    to `RoutingIndex.score(extra_key=...)` to score such a request against what the
+    connector saved (no vLLM import needed)."""
+    if not epoch:
+        return vllm_extra_key(lora_name, lora_path, cache_salt)
+    fields = [b"epoch", epoch]
     if lora_name:
         fields += [b"lora", str(lora_name).encode(), str(lora_path or "").encode()]
     if cache_salt:
         fields += [b"cache_salt", str(cache_salt).encode()]
-    if not fields:
-        return b""
     h = hashlib.blake2b(digest_size=16, person=b"radixkv-vllm-key")
     for f in fields:
         h.update(len(f).to_bytes(4, "little") + f)

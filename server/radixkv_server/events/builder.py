@@ -4,7 +4,9 @@ A record is what the loop captured when a node's residency changed: the tier, st
 removed, the node's `extra_key` and its path to the root as `(node_id, key)` pairs,
 deepest first. Keys are immutable `bytes`, so a record stays valid whatever the tree does
 afterwards. One vLLM block is one radixkv page: a node of k pages gives one event with k
-block hashes (`radixkv.routing.blockhash`).
+block hashes (`radixkv.routing.blockhash`). A LoRA or salted prompt's key in vLLM's form
+(`radixkv.routing.extra_keys`) is published as vLLM publishes it: `lora_name`, and per
+block the untagged extra keys, the salt in the prompt's first block only.
 
 The digest of a node's last page names the whole token path from the root to the node's
 end, which no split changes, so it is cached by node id (per namespace attachment: ids
@@ -13,6 +15,7 @@ core never reports storage removals; the cache is also cleared past `max_cached`
 """
 
 from radixkv.routing.blockhash import DEFAULT_SEED, as_token_array, block_digests, external_hash
+from radixkv.routing.extra_keys import event_extra_keys, lora_name
 from radixkv.routing.wire import (
     MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, Event,
 )
@@ -39,7 +42,8 @@ class EventBuilder:
         # (node id, key length, start digest) names the content: keys only shrink by splits.
         self._recent: dict[tuple, tuple[bytes, list[int], list[int]]] = {}
 
-    def build(self, records) -> list[Event]:
+    def build(self, records) -> tuple[list[Event], list[bytes]]:
+        """The records' events, and per event the radixkv extra_key of its blocks."""
         out: list[Event] = []
         for kind, medium, extra_key, path in records:
             if kind == CLEARED:
@@ -51,7 +55,7 @@ class EventBuilder:
                 out.append(self._event(kind, medium, extra_key, path))
         if len(self._digests) > self._max_cached:  # a cache only: recomputed on demand
             self._digests.clear()
-        return out
+        return out, [extra_key for _, _, extra_key, _ in records]
 
     def _blocks(self, node_id: int, key: bytes, start: bytes | None, extra_key: bytes):
         """(last digest, block hashes, token ids) of a node's pages, memoised briefly."""
@@ -89,8 +93,8 @@ class EventBuilder:
             block_size=self.block_size,
             lora_id=None,
             medium=medium,
-            lora_name=None,
-            extra_keys=[(bytes(extra_key),)] * len(hashes) if extra_key else None,
+            lora_name=lora_name(extra_key),
+            extra_keys=event_extra_keys(extra_key, len(hashes), starts_prompt=start is None),
             group_idx=0,
             kv_cache_spec_kind=FULL_ATTENTION,
         )

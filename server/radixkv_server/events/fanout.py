@@ -25,6 +25,7 @@ class PublishedBatch:
     topic: bytes
     payload: bytes          # the msgpack KVEventBatch, as sent on ZMQ
     batch: KVEventBatch     # the same, decoded (for gRPC conversion)
+    extra_keys: tuple[bytes, ...] = ()  # per event, the radixkv extra_key of its blocks (gRPC shows it)
 
 
 class SubscriberLagged(Exception):
@@ -101,10 +102,11 @@ class Broadcast:
         self.next_seq = 0
         self.num_lagged = 0  # subscriptions cut off for falling behind
 
-    def publish(self, namespace: str, topic: bytes, payload: bytes, batch: KVEventBatch) -> PublishedBatch:
+    def publish(self, namespace: str, topic: bytes, payload: bytes, batch: KVEventBatch,
+                extra_keys: tuple[bytes, ...] = ()) -> PublishedBatch:
         """Number the batch (next_seq), keep it for replay, hand it to every subscriber."""
         with self._lock:
-            item = PublishedBatch(self.next_seq, namespace, topic, payload, batch)
+            item = PublishedBatch(self.next_seq, namespace, topic, payload, batch, extra_keys)
             self.next_seq += 1
             self._ring.append(item)
             for sub in self._subs:

@@ -131,12 +131,13 @@ class Publisher:
             self._serve_replays()
 
     def _publish(self, builder, namespace: str, topic: bytes, ts: float, records) -> None:
-        events = builder.build(records)
+        events, extra_keys = builder.build(records)
         for start in range(0, max(len(events), 1), MAX_EVENTS_PER_BATCH):
-            batch = KVEventBatch(ts=ts, events=events[start:start + MAX_EVENTS_PER_BATCH],
+            end = start + MAX_EVENTS_PER_BATCH
+            batch = KVEventBatch(ts=ts, events=events[start:end],
                                  data_parallel_rank=self.config.data_parallel_rank)
             payload = encode_batch(batch)
-            item = self.broadcast.publish(namespace, topic, payload, batch)
+            item = self.broadcast.publish(namespace, topic, payload, batch, tuple(extra_keys[start:end]))
             if self._pub is not None:
                 try:
                     self._pub.send_multipart((topic, seq_bytes(item.seq), payload), flags=zmq.NOBLOCK)

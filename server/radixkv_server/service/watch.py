@@ -76,10 +76,12 @@ async def _until_stopping(sub: Subscription, stopping: asyncio.Event) -> AsyncIt
 
 def batch_message(item: PublishedBatch, instance: str) -> pb.KvEventBatch:
     return pb.KvEventBatch(seq=item.seq, namespace=item.namespace, ts=item.batch.ts,
-                           events=[_event(e) for e in item.batch.events], daemon_instance=instance)
+                           events=[_event(e, item.extra_keys[i] if i < len(item.extra_keys) else b"")
+                                   for i, e in enumerate(item.batch.events)],
+                           daemon_instance=instance)
 
 
-def _event(event) -> pb.KvEvent:
+def _event(event, extra_key: bytes) -> pb.KvEvent:
     kind = _KIND[type(event).__name__]
     if kind == pb.KvEvent.ALL_BLOCKS_CLEARED:
         return pb.KvEvent(kind=kind)
@@ -90,6 +92,6 @@ def _event(event) -> pb.KvEvent:
             out.parent_block_hash = event.parent_block_hash
         out.token_ids.extend(event.token_ids)
         out.block_size = event.block_size
-        if event.extra_keys:
-            out.extra_key = event.extra_keys[0][0]
+        out.extra_key = extra_key
+        out.lora_name = event.lora_name or ""
     return out
