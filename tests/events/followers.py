@@ -59,11 +59,12 @@ def wire_batch(msg: pb.KvEventBatch) -> KVEventBatch:
 class WatchFollower:
     """A WatchEvents reader on its own thread, from seq 0. After a broken stream it
     resumes from the next seq; a daemon that restarted meanwhile (another daemon_instance, or OUT_OF_RANGE)
-    is followed again from seq 0 with the worker forgotten."""
+    is followed again from seq 0 with the worker forgotten. With `snapshot`, every stream
+    starts with the daemon's snapshot instead (a router that joins late or lost its place)."""
 
-    def __init__(self, page_size: int, target: str, namespace: str = ""):
+    def __init__(self, page_size: int, target: str, namespace: str = "", snapshot: bool = False):
         self.index = RoutingIndex(page_size)
-        self.target, self.namespace = target, namespace
+        self.target, self.namespace, self.snapshot = target, namespace, snapshot
         self.instance: str | None = None
         self.last_seq: int | None = None
         self.codes: list[grpc.StatusCode] = []  # how each stream ended
@@ -76,8 +77,11 @@ class WatchFollower:
         while not self._stop.is_set():
             with grpc.insecure_channel(self.target) as channel:
                 stub = pb_grpc.RadixKVStub(channel)
-                start = 0 if self.last_seq is None else self.last_seq + 1
-                request = pb.WatchEventsRequest(namespace=self.namespace, from_seq=start)
+                if self.snapshot:
+                    request = pb.WatchEventsRequest(namespace=self.namespace, snapshot=True)
+                else:
+                    start = 0 if self.last_seq is None else self.last_seq + 1
+                    request = pb.WatchEventsRequest(namespace=self.namespace, from_seq=start)
                 try:
                     self._call = stub.WatchEvents(request, wait_for_ready=True)
                     for msg in self._call:
@@ -94,11 +98,11 @@ class WatchFollower:
     def _apply(self, msg: pb.KvEventBatch) -> bool:
         """Apply one batch; False when the daemon restarted and the stream must start over."""
         if msg.daemon_instance != self.instance:
-            if self.instance is not None and msg.seq != 0:
+            if self.instance is not None and msg.seq != 0 and not msg.snapshot:
                 self._restart_seen()
                 return False
             self.instance = msg.daemon_instance
-        self.last_seq = msg.seq
+        self.last_seq = msg.seq - 1 if msg.snapshot else msg.seq  # a snapshot precedes batch seq
         self.index.apply(WORKER, msg.namespace, wire_batch(msg))
         return True
 

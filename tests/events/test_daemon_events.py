@@ -165,3 +165,39 @@ def test_a_stalled_watcher_is_cut_off_and_counted_while_engines_go_on(tmp_path):
         channel.close()
         reader.close()
         stop_all([d])
+
+
+def test_a_router_that_joins_late_catches_up_from_a_snapshot(tmp_path):
+    """A WatchEvents reader that starts after the replay ring has moved on asks for a
+    snapshot: it holds what the daemon holds at once, and live batches keep it so."""
+    d = DaemonProcess("--kv-events-watch", "true", "--kv-events-replay-size", "4", "--write-policy", "write_back",
+                      "--host-pool-size", str(HOST_PAGES * LAYOUT.page_bytes),
+                      "--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
+    d.start()
+    engine = EngineDouble.connect(d.target, NS)
+    rnd = random.Random(17)
+    prompts: list = []
+    late = None
+    try:
+        workload(engine, rnd, prompts, 80)
+        with grpc.insecure_channel(d.target) as channel:
+            stub = pb_grpc.RadixKVStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                next(stub.WatchEvents(pb.WatchEventsRequest(from_seq=0)))
+            assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE  # what a late router had before
+            with pytest.raises(grpc.RpcError) as e:
+                next(stub.WatchEvents(pb.WatchEventsRequest(from_seq=0, snapshot=True)))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as e:
+                next(stub.WatchEvents(pb.WatchEventsRequest(namespace="nope", snapshot=True)))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        late = WatchFollower(PS, d.target, namespace=NS, snapshot=True)
+        wait_for(lambda: converged(late, engine.client, prompts), SETTLE_S, "the snapshot to match the daemon")
+        assert late.index.num_blocks(WORKER, NS)[2] > 0  # storage too
+        workload(engine, rnd, prompts, 60)
+        wait_for(lambda: converged(late, engine.client, prompts), SETTLE_S, "live batches after the snapshot")
+    finally:
+        engine.close()
+        if late is not None:
+            late.close()
+        stop_all([d])

@@ -498,12 +498,14 @@ class EchoResponse(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("from_seq", "namespace")
+    __slots__ = ("from_seq", "namespace", "snapshot")
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     from_seq: int
     namespace: str
-    def __init__(self, from_seq: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, from_seq: _Optional[int] = ..., namespace: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("kind", "tier", "medium", "block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_key", "lora_name")
@@ -538,18 +540,20 @@ class KvEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[KvEvent.Kind, str]] = ..., tier: _Optional[str] = ..., medium: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., extra_key: _Optional[bytes] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("seq", "namespace", "ts", "events", "daemon_instance")
+    __slots__ = ("seq", "namespace", "ts", "events", "daemon_instance", "snapshot")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     namespace: str
     ts: float
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     daemon_instance: str
-    def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[str] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., daemon_instance: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[str] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., daemon_instance: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("id", "match", "load_back", "insert", "evict", "release", "echo")

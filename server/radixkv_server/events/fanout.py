@@ -55,6 +55,7 @@ class Subscription:
         self._backlog = 0          # replayed batches not read yet (they never cut a reader off)
         self._missed_from: int | None = None
         self.on_ready: Callable[[], None] | None = None  # called (publisher thread) on news
+        self.start_seq = 0  # the seq of the first batch it gets (set by subscribe)
 
     def _offer(self, item: PublishedBatch) -> None:
         """Caller holds the owner's lock."""
@@ -138,6 +139,7 @@ class Broadcast:
                 backlog = [b for b in self._ring if b.seq >= from_seq]
                 sub._items.extend(backlog)
                 sub._backlog = len(backlog)
+            sub.start_seq = self.next_seq if from_seq is None else from_seq
             self._subs.add(sub)
         return sub
 

@@ -126,7 +126,14 @@ class NamespaceEvents:
             records, self.pending = self.pending, []
             return records
         self.pending = []
-        records = [CLEAR_RECORD]
+        return [CLEAR_RECORD] + self.snapshot_records()
+
+    def snapshot_records(self) -> list[tuple]:
+        """A "stored" record for every (tier, node) the snapshot function yields (none
+        without one, or once closed): what a resync announces after its AllBlocksCleared,
+        and what a WatchEvents reader asking for a snapshot gets. Walks the tree: call it
+        on the loop."""
+        records: list[tuple] = []
         if self.closed or self.snapshot is None:
             return records
         for tier, node in self.snapshot():
@@ -136,6 +143,10 @@ class NamespaceEvents:
                 self.num_invalid += 1
                 log.error("kv events for %s: snapshot: %s", self.namespace, e)
         return records
+
+    def snapshot_builder(self) -> EventBuilder:
+        """A builder of its own for snapshot records (the publisher thread owns `builder`)."""
+        return EventBuilder(self.builder.block_size, self.builder.seed)
 
 
 class EventHub:

@@ -1,7 +1,8 @@
 """WatchEvents: one reader of the daemon's KV events over gRPC (docs/events.md).
 
 The stream reads an in-process subscription of the event hub (`events.fanout`): the same
-numbered batches the ZMQ publisher sends, converted to `KvEventBatch` messages. Its buffer
+numbered batches the ZMQ publisher sends, converted to `KvEventBatch` messages, after the
+current state when the reader asks for a snapshot. Its buffer
 is bounded (`--kv-events-subscriber-buffer`): a reader that falls that far behind is cut
 off with ABORTED naming the from_seq to resume with, so it never slows the publisher or
 an engine. The stream ends (OK) when the daemon begins shutting down; one whose reader
@@ -10,13 +11,16 @@ stopped reading (its writes wait on gRPC flow control) holds the server's stop f
 """
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 from radixkv.v1 import radixkv_pb2 as pb
 
 from ..events import AsyncSubscription, PublishedBatch, ReplayUnavailable, SubscriberLagged, Subscription
-from ..events.builder import TIER_MEDIUM
+from ..events.builder import CLEAR_RECORD, TIER_MEDIUM
+from ..events.hub import NamespaceEvents
+from ..events.publisher import MAX_EVENTS_PER_BATCH
 from .errors import ServiceError, precondition, unavailable
 
 _TIER_OF = {medium: tier for tier, medium in TIER_MEDIUM.items()}
@@ -26,9 +30,11 @@ _KIND = {"BlockStored": pb.KvEvent.BLOCK_STORED, "BlockRemoved": pb.KvEvent.BLOC
 
 async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEventBatch]:
     """The batches of `request.namespace` ("" every one; daemon-wide batches always come),
-    from `request.from_seq` when set. FAILED_PRECONDITION when events are off,
-    OUT_OF_RANGE when the replay buffer no longer (or not yet) holds from_seq, ABORTED
-    when the reader fell behind, UNAVAILABLE once shutdown has begun."""
+    from `request.from_seq` when set, or after a snapshot of the current state when asked
+    (`snapshot_batches`). FAILED_PRECONDITION when events are off, OUT_OF_RANGE when the
+    replay buffer no longer (or not yet) holds from_seq, ABORTED when the reader fell
+    behind, UNAVAILABLE once shutdown has begun, INVALID_ARGUMENT for a snapshot with
+    from_seq, NOT_FOUND for a snapshot of an unknown namespace."""
     hub = daemon.events
     if hub is None:
         raise precondition("KV events are off: start the daemon with --kv-events-watch true "
@@ -36,11 +42,17 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
     if not daemon.accepting:
         raise unavailable("the daemon is shutting down")
     from_seq = request.from_seq if request.HasField("from_seq") else None
+    if request.snapshot and from_seq is not None:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "snapshot and from_seq exclude each other: a snapshot is followed by live batches")
+    namespaces = daemon.selected(request.namespace) if request.snapshot else []
     try:
         sub = hub.subscribe(from_seq)
     except ReplayUnavailable as e:
         raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
     try:
+        for message in await snapshot_batches(namespaces, sub.start_seq, daemon.instance):
+            yield message
         async for item in _until_stopping(sub, daemon.stopping):
             if not request.namespace or item.namespace in (request.namespace, ""):
                 yield batch_message(item, daemon.instance)
@@ -49,6 +61,32 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
                            f"this stream fell more than {hub.config.subscriber_buffer} batches behind; "
                            f"resubscribe with from_seq={e.missed_from} (OUT_OF_RANGE if the replay buffer "
                            f"no longer holds it: then start over after Inspect)") from None
+
+
+async def snapshot_batches(namespaces, seq: int, instance: str) -> list[pb.KvEventBatch]:
+    """Per namespace with events, AllBlocksCleared then a BlockStored for every node held
+    on each tier, as `snapshot` batches numbered `seq` (the first live batch's). The
+    records are taken on the loop after the live subscription began, so the live batches
+    that follow (from `seq`) bring the state on from there; the hashing runs in a thread."""
+    taken = []
+    for ns in namespaces:
+        listener = ns.cache.residency_listener
+        if isinstance(listener, NamespaceEvents) and not listener.closed:
+            taken.append((ns.name, listener.snapshot_builder(), [CLEAR_RECORD] + listener.snapshot_records()))
+    if not taken:
+        return []
+
+    def build() -> list[pb.KvEventBatch]:
+        out, ts = [], time.time()
+        for name, builder, records in taken:
+            events, keys = builder.build(records)
+            for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
+                end = start + MAX_EVENTS_PER_BATCH
+                out.append(pb.KvEventBatch(seq=seq, namespace=name, ts=ts, daemon_instance=instance, snapshot=True,
+                                           events=[_event(e, k) for e, k in zip(events[start:end], keys[start:end])]))
+        return out
+
+    return await asyncio.to_thread(build)
 
 
 async def _until_stopping(sub: Subscription, stopping: asyncio.Event) -> AsyncIterator[PublishedBatch]:
