@@ -16,7 +16,8 @@ same string where the same weights sit at other paths), `timeout_s` (deadline of
 from a session that is still registered, e.g. of an engine that was killed),
 `async_loads` (load hits while vLLM runs other requests' forwards: vLLM parks the request
 until the worker reports the load in `get_finished`; default False, loads finish before the
-forward that reads them).
+forward that reads them), `tier_events` (when vLLM publishes KV events, add the daemon's host
+and storage blocks of this namespace to them, `radixkv.vllm.tier_events`; default True).
 An unknown key is an error: a typo must not silently fall back to a default.
 """
 
@@ -35,6 +36,7 @@ class ConnectorConfig:
     host_pool_pages: int = 0
     replace_existing: bool = False
     async_loads: bool = False
+    tier_events: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict | None, served_model: str, model: str = "") -> "ConnectorConfig":

@@ -14,8 +14,9 @@ blocks that failed to load (`get_block_ids_with_load_errors`, vLLM recomputes th
 its loads (`build_connector_worker_meta`, so the scheduler releases their leases). The
 scheduler instance looks prefixes up on its own daemon session without waiting, and plans
 loads and saves (`radixkv.vllm.scheduler`); it also reports what it did to vLLM's metrics
-(`get_kv_connector_stats`, `get_external_cache_hit_sources`; `radixkv.vllm.stats`).
-docs/vllm.md describes the mapping.
+(`get_kv_connector_stats`, `get_external_cache_hit_sources`; `radixkv.vllm.stats`) and,
+when vLLM publishes KV events, adds the daemon's host and storage blocks to them
+(`take_events`; `radixkv.vllm.tier_events`). docs/vllm.md describes the mapping.
 """
 
 import logging
@@ -36,6 +37,7 @@ from .registration import register_worker
 from .saves import Saves
 from .scheduler import SchedulerSide
 from .stats import RadixKVPromMetrics, RadixKVStats
+from .tier_events import TierEvents
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
@@ -56,6 +58,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._loads: WorkerLoads | None = None
         self._allocation: ShmAllocation | None = None
         self._scheduler: SchedulerSide | None = None
+        self._tier_events: TierEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
             # kv_role: kv_both loads and saves; kv_consumer only loads, kv_producer only saves
             loads, saves = tc.is_kv_consumer, tc.is_kv_producer
@@ -65,6 +68,8 @@ class RadixKVConnector(KVConnectorBase_V1):
             if not (loads and saves):
                 log.info("radixkv: kv_role %s: %s", tc.kv_role,
                          "loads only, nothing is saved" if loads else "saves only, nothing is looked up")
+            if loads and self.config.tier_events and _publishes_kv_events(vllm_config):
+                self._tier_events = TierEvents(self.config.target, self.config.namespace)
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
             log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
                         "(daemon restarted, page evicted) fails too; set it to 'recompute'")
@@ -188,6 +193,8 @@ class RadixKVConnector(KVConnectorBase_V1):
         return RadixKVWorkerMetadata(*({req: {rank: n} for req, n in table.items()} for table in (loaded, saved, held)))
 
     def shutdown(self) -> None:
+        if self._tier_events is not None:
+            self._tier_events.close()
         if self._scheduler is not None:
             self._scheduler.close()
         if self._saves is not None:
@@ -225,6 +232,11 @@ class RadixKVConnector(KVConnectorBase_V1):
             self._scheduler.reset()
             log.info("radixkv: cache reset: nothing saved before is matched again by this engine")
         return True
+
+    def take_events(self):
+        """The daemon's host and storage blocks of this namespace, as KV events vLLM
+        publishes with its own (`radixkv.vllm.tier_events`; when vLLM publishes events)."""
+        return self._tier_events.take() if self._tier_events is not None else ()
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """The tokens of the load just planned, by tier: on host already, or fetched from
@@ -277,6 +289,11 @@ def _register_by_name() -> None:
         KVConnectorFactory.register_connector("RadixKVConnector", __name__, "RadixKVConnector")
     except ValueError:
         pass  # registered already
+
+
+def _publishes_kv_events(vllm_config) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
 
 
 def _tp_rank(vllm_config) -> tuple[int, int]:
