@@ -97,6 +97,8 @@ class TierEvents:
                 self._call = self._stub.WatchEvents(
                     pb.WatchEventsRequest(namespace=self.namespace, snapshot=True), wait_for_ready=True)
                 self.num_streams += 1
+                if self._stop.is_set():  # closed while the call was being made
+                    self._call.cancel()
                 for batch in self._call:
                     if not self._apply(batch.events, batch.snapshot):
                         self._call.cancel()
