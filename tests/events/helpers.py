@@ -63,7 +63,7 @@ class StuckJob:
     def build(self, records):
         self.entered.set()
         self.release.wait(60)
-        return []
+        return [], []
 
     def job(self) -> tuple:
         return (self, "", b"kv@stuck", 0.0, [])
