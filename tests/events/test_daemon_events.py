@@ -201,3 +201,27 @@ def test_a_router_that_joins_late_catches_up_from_a_snapshot(tmp_path):
         if late is not None:
             late.close()
         stop_all([d])
+
+
+def test_a_reader_that_leaves_during_its_snapshot_leaves_nothing_behind():
+    """A snapshot larger than one batch, its reader gone after the first: the daemon
+    drops the subscription (else it would collect batches for nobody until cut off)."""
+    d = DaemonProcess("--kv-events-watch", "true", metrics=True)
+    d.start()
+    engine = EngineDouble.connect(d.target, NS, num_pages=3400)
+    try:
+        for i in range(3300):  # a snapshot of four batches
+            engine.prefill([50_000 + i] * PS)
+        # A small flow-control window: the daemon's writes wait while the snapshot is unread.
+        with grpc.insecure_channel(d.target, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                      ("grpc.http2.bdp_probe", 0)]) as channel:
+            call = pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(namespace=NS, snapshot=True))
+            first = next(call)
+            assert first.snapshot and first.events[0].kind == pb.KvEvent.ALL_BLOCKS_CLEARED
+            assert len(first.events) == 1024  # three more follow
+            assert metric(d.scrape(), "radixkv_kv_event_watchers") == 1
+            call.cancel()
+        wait_for(lambda: metric(d.scrape(), "radixkv_kv_event_watchers") == 0, 10, "the subscription dropped")
+    finally:
+        engine.close()
+        stop_all([d])

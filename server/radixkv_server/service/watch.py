@@ -51,7 +51,7 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
     except ReplayUnavailable as e:
         raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
     try:
-        for message in await snapshot_batches(namespaces, sub.start_seq, daemon.instance):
+        async for message in snapshot_batches(namespaces, sub.start_seq, daemon.instance):
             yield message
         async for item in _until_stopping(sub, daemon.stopping):
             if not request.namespace or item.namespace in (request.namespace, ""):
@@ -60,33 +60,29 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
         raise ServiceError(grpc.StatusCode.ABORTED,
                            f"this stream fell more than {hub.config.subscriber_buffer} batches behind; "
                            f"resubscribe with from_seq={e.missed_from} (OUT_OF_RANGE if the replay buffer "
-                           f"no longer holds it: then start over after Inspect)") from None
+                           f"no longer holds it: then start over with a snapshot)") from None
+    finally:
+        sub.close()  # also when the reader left during the snapshot
 
 
-async def snapshot_batches(namespaces, seq: int, instance: str) -> list[pb.KvEventBatch]:
+async def snapshot_batches(namespaces, seq: int, instance: str) -> AsyncIterator[pb.KvEventBatch]:
     """Per namespace with events, AllBlocksCleared then a BlockStored for every node held
     on each tier, as `snapshot` batches numbered `seq` (the first live batch's). The
     records are taken on the loop after the live subscription began, so the live batches
-    that follow (from `seq`) bring the state on from there; the hashing runs in a thread."""
+    that follow (from `seq`) bring the state on from there; each batch is hashed in a
+    thread when the reader is ready for it."""
     taken = []
     for ns in namespaces:
         listener = ns.cache.residency_listener
         if isinstance(listener, NamespaceEvents) and not listener.closed:
             taken.append((ns.name, listener.snapshot_builder(), [CLEAR_RECORD] + listener.snapshot_records()))
-    if not taken:
-        return []
-
-    def build() -> list[pb.KvEventBatch]:
-        out, ts = [], time.time()
-        for name, builder, records in taken:
-            events, keys = builder.build(records)
-            for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
-                end = start + MAX_EVENTS_PER_BATCH
-                out.append(pb.KvEventBatch(seq=seq, namespace=name, ts=ts, daemon_instance=instance, snapshot=True,
-                                           events=[_event(e, k) for e, k in zip(events[start:end], keys[start:end])]))
-        return out
-
-    return await asyncio.to_thread(build)
+    ts = time.time()
+    for name, builder, records in taken:
+        for start in range(0, len(records), MAX_EVENTS_PER_BATCH):
+            chunk = records[start:start + MAX_EVENTS_PER_BATCH]  # one builder, in order: parents' digests carry over
+            events, keys = await asyncio.to_thread(builder.build, chunk)
+            yield pb.KvEventBatch(seq=seq, namespace=name, ts=ts, daemon_instance=instance, snapshot=True,
+                                  events=[_event(e, k) for e, k in zip(events, keys)])
 
 
 async def _until_stopping(sub: Subscription, stopping: asyncio.Event) -> AsyncIterator[PublishedBatch]:
