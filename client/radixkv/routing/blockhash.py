@@ -77,8 +77,8 @@ def block_digests(tokens, block_size: int, *, parent: bytes | None = None,
     """d_i of every whole block of `tokens`; a trailing partial block gets none.
 
     `parent` is the digest of the block just before `tokens[0]` (None: `tokens` starts a
-    prompt, whose first block carries a cache salt). Pure; raises ValueError for a block_size below 1, a negative token id or a
-    parent that is not a 32-byte digest.
+    prompt, whose first block carries a cache salt). Pure; raises ValueError for a
+    block_size below 1, a negative token id or a parent that is not a 32-byte digest.
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
