@@ -130,13 +130,27 @@ class NamespaceEvents:
 
     def snapshot_records(self) -> list[tuple]:
         """A "stored" record for every (tier, node) the snapshot function yields (none
-        without one, or once closed): what a resync announces after its AllBlocksCleared,
-        and what a WatchEvents reader asking for a snapshot gets. Walks the tree: call it
-        on the loop."""
+        without one, or once closed): what a resync announces after its AllBlocksCleared.
+        Walks the tree: call it on the loop."""
+        return self.records_of(*self.snapshot_nodes())
+
+    def snapshot_nodes(self) -> tuple[list[str], list]:
+        """The snapshot function's (tier, node) pairs as two lists (no object per pair:
+        a large snapshot kept for a while must not set off a full garbage collection).
+        Walks the tree: call it on the loop."""
+        tiers: list[str] = []
+        nodes: list = []
+        if not self.closed and self.snapshot is not None:
+            for tier, node in self.snapshot():
+                tiers.append(tier)
+                nodes.append(node)
+        return tiers, nodes
+
+    def records_of(self, tiers: list[str], nodes: list) -> list[tuple]:
+        """"stored" records of these nodes' token paths as they are now (a node split or
+        removed since keeps its path: its blocks hash the same). On the loop."""
         records: list[tuple] = []
-        if self.closed or self.snapshot is None:
-            return records
-        for tier, node in self.snapshot():
+        for tier, node in zip(tiers, nodes):
             try:
                 records.append(_record(tier, "stored", node))
             except ValueError as e:

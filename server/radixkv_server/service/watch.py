@@ -24,6 +24,7 @@ from ..events.publisher import MAX_EVENTS_PER_BATCH
 from .errors import ServiceError, precondition, unavailable
 
 _TIER_OF = {medium: tier for tier, medium in TIER_MEDIUM.items()}
+SNAPSHOT_SLICE = 8  # nodes hashed per turn of the loop while a snapshot is made
 _KIND = {"BlockStored": pb.KvEvent.BLOCK_STORED, "BlockRemoved": pb.KvEvent.BLOCK_REMOVED,
          "AllBlocksCleared": pb.KvEvent.ALL_BLOCKS_CLEARED}
 
@@ -67,22 +68,38 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
 
 async def snapshot_batches(namespaces, seq: int, instance: str) -> AsyncIterator[pb.KvEventBatch]:
     """Per namespace with events, AllBlocksCleared then a BlockStored for every node held
-    on each tier, as `snapshot` batches numbered `seq` (the first live batch's). The
-    records are taken on the loop after the live subscription began, so the live batches
-    that follow (from `seq`) bring the state on from there; each batch is hashed in a
-    thread when the reader is ready for it."""
-    taken = []
+    on each tier, as `snapshot` batches numbered `seq` (the first live batch's). The nodes
+    are listed on the loop after the live subscription began, so the live batches that
+    follow (from `seq`) bring the state on from there; a node split or removed since keeps
+    its token path, so its blocks hash the same. Each batch is made when the reader is
+    ready for it, on the loop in slices of SNAPSHOT_SLICE nodes (a quarter of a
+    millisecond) with the loop's other work between them. Measured with 10k nodes (20k
+    blocks' events, 0.6-0.9 s): a Match meanwhile p50 1.9 ms, max 8-55 ms, against 0.55 ms
+    idle; hashing on a thread instead made calls wait for the GIL (p50 2-24 ms, max 0.2 s)."""
+    taken = []  # the nodes now; their records are made slice by slice
     for ns in namespaces:
         listener = ns.cache.residency_listener
         if isinstance(listener, NamespaceEvents) and not listener.closed:
-            taken.append((ns.name, listener.snapshot_builder(), [CLEAR_RECORD] + listener.snapshot_records()))
+            taken.append((ns.name, listener, *listener.snapshot_nodes()))
     ts = time.time()
-    for name, builder, records in taken:
-        for start in range(0, len(records), MAX_EVENTS_PER_BATCH):
-            chunk = records[start:start + MAX_EVENTS_PER_BATCH]  # one builder, in order: parents' digests carry over
-            events, keys = await asyncio.to_thread(builder.build, chunk)
-            yield pb.KvEventBatch(seq=seq, namespace=name, ts=ts, daemon_instance=instance, snapshot=True,
-                                  events=[_event(e, k) for e, k in zip(events, keys)])
+    for name, listener, tiers, nodes in taken:
+        builder = listener.snapshot_builder()  # one per namespace, in order: parents' digests carry over
+        events: list[pb.KvEvent] = [_event(e, k) for e, k in zip(*builder.build([CLEAR_RECORD]))]
+        for first in range(0, len(nodes), SNAPSHOT_SLICE):
+            last = first + SNAPSHOT_SLICE
+            built, keys = builder.build(listener.records_of(tiers[first:last], nodes[first:last]))
+            events.extend(_event(e, k) for e, k in zip(built, keys))
+            if len(events) >= MAX_EVENTS_PER_BATCH:
+                yield _snapshot_batch(seq, name, ts, instance, events[:MAX_EVENTS_PER_BATCH])
+                events = events[MAX_EVENTS_PER_BATCH:]
+            await asyncio.sleep(0)  # engines' calls run between slices
+        if events:
+            yield _snapshot_batch(seq, name, ts, instance, events)
+
+
+def _snapshot_batch(seq: int, namespace: str, ts: float, instance: str, events: list) -> pb.KvEventBatch:
+    return pb.KvEventBatch(seq=seq, namespace=namespace, ts=ts, daemon_instance=instance, snapshot=True,
+                           events=events)
 
 
 async def _until_stopping(sub: Subscription, stopping: asyncio.Event) -> AsyncIterator[PublishedBatch]:
