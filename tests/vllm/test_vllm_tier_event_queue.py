@@ -48,3 +48,14 @@ def test_untaken_events_are_bounded_then_withdrawn_and_announced_again(daemon_fa
     finally:
         tier.close()
         engine.close()
+
+
+def test_a_daemon_without_events_leaves_vllms_stream_as_it_is(daemon_factory, caplog):
+    d = daemon_factory()  # no --kv-events-watch
+    tier = TierEvents(d.target, NS)
+    try:
+        tier._thread.join(30)
+        assert not tier._thread.is_alive() and tier.take() == []
+        assert "publishes no KV events" in caplog.text and "--kv-events-watch true" in caplog.text
+    finally:
+        tier.close()
