@@ -27,7 +27,9 @@ stay contiguous: they are assigned to batches as they are published.
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+
+from radixkv.routing.wire import Event
 
 from .builder import CLEAR_RECORD, REMOVED, STORED, TIER_MEDIUM, EventBuilder
 from .config import EventsConfig
@@ -147,8 +149,7 @@ class NamespaceEvents:
         return tiers, nodes
 
     def records_of(self, tiers: list[str], nodes: list) -> list[tuple]:
-        """"stored" records of these nodes' token paths as they are now (a node split or
-        removed since keeps its path: its blocks hash the same). On the loop."""
+        """"stored" records of these nodes' token paths as they are now. On the loop."""
         records: list[tuple] = []
         for tier, node in zip(tiers, nodes):
             try:
@@ -158,9 +159,18 @@ class NamespaceEvents:
                 log.error("kv events for %s: snapshot: %s", self.namespace, e)
         return records
 
-    def snapshot_builder(self) -> EventBuilder:
-        """A builder of its own for snapshot records (the publisher thread owns `builder`)."""
-        return EventBuilder(self.builder.block_size, self.builder.seed)
+    def snapshot_slices(self, size: int) -> Iterator[tuple[list[Event], list[bytes]]]:
+        """A snapshot's events (and their extra keys, as `EventBuilder.build`), slice by
+        slice: AllBlocksCleared, then the stored events of `size` nodes at a time. The
+        nodes are listed when the first slice is asked for and each slice's records made
+        when it is (a node split or removed meanwhile keeps its token path: its blocks
+        hash the same), with a builder of its own (the publisher thread owns `builder`).
+        Drive it on the loop."""
+        builder = EventBuilder(self.builder.block_size, self.builder.seed)
+        tiers, nodes = self.snapshot_nodes()
+        yield builder.build([CLEAR_RECORD])
+        for first in range(0, len(nodes), size):
+            yield builder.build(self.records_of(tiers[first:first + size], nodes[first:first + size]))
 
 
 class EventHub:

@@ -18,7 +18,7 @@ import grpc
 from radixkv.v1 import radixkv_pb2 as pb
 
 from ..events import AsyncSubscription, PublishedBatch, ReplayUnavailable, SubscriberLagged, Subscription
-from ..events.builder import CLEAR_RECORD, TIER_MEDIUM
+from ..events.builder import TIER_MEDIUM
 from ..events.hub import NamespaceEvents
 from ..events.publisher import MAX_EVENTS_PER_BATCH
 from .errors import ServiceError, precondition, unavailable
@@ -69,32 +69,26 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
 async def snapshot_batches(namespaces, seq: int, instance: str) -> AsyncIterator[pb.KvEventBatch]:
     """Per namespace with events, AllBlocksCleared then a BlockStored for every node held
     on each tier, as `snapshot` batches numbered `seq` (the first live batch's). The nodes
-    are listed on the loop after the live subscription began, so the live batches that
-    follow (from `seq`) bring the state on from there; a node split or removed since keeps
-    its token path, so its blocks hash the same. Each batch is made when the reader is
-    ready for it, on the loop in slices of SNAPSHOT_SLICE nodes (a quarter of a
-    millisecond) with the loop's other work between them. Measured with 10k nodes (20k
+    are listed after the live subscription began, so the live batches that follow (from
+    `seq`) bring the state on from there. Each batch is made when the reader is ready for
+    it, on the loop in slices of SNAPSHOT_SLICE nodes (`NamespaceEvents.snapshot_slices`,
+    a quarter of a millisecond each) with the loop's other work between them. Measured with 10k nodes (20k
     blocks' events, 0.6-0.9 s): a Match meanwhile p50 1.9 ms, max 8-55 ms, against 0.55 ms
     idle; hashing on a thread instead made calls wait for the GIL (p50 2-24 ms, max 0.2 s)."""
-    taken = []  # the nodes now; their records are made slice by slice
+    ts = time.time()
     for ns in namespaces:
         listener = ns.cache.residency_listener
-        if isinstance(listener, NamespaceEvents) and not listener.closed:
-            taken.append((ns.name, listener, *listener.snapshot_nodes()))
-    ts = time.time()
-    for name, listener, tiers, nodes in taken:
-        builder = listener.snapshot_builder()  # one per namespace, in order: parents' digests carry over
-        events: list[pb.KvEvent] = [_event(e, k) for e, k in zip(*builder.build([CLEAR_RECORD]))]
-        for first in range(0, len(nodes), SNAPSHOT_SLICE):
-            last = first + SNAPSHOT_SLICE
-            built, keys = builder.build(listener.records_of(tiers[first:last], nodes[first:last]))
+        if not isinstance(listener, NamespaceEvents) or listener.closed:
+            continue
+        events: list[pb.KvEvent] = []
+        for built, keys in listener.snapshot_slices(SNAPSHOT_SLICE):
             events.extend(_event(e, k) for e, k in zip(built, keys))
             if len(events) >= MAX_EVENTS_PER_BATCH:
-                yield _snapshot_batch(seq, name, ts, instance, events[:MAX_EVENTS_PER_BATCH])
+                yield _snapshot_batch(seq, ns.name, ts, instance, events[:MAX_EVENTS_PER_BATCH])
                 events = events[MAX_EVENTS_PER_BATCH:]
             await asyncio.sleep(0)  # engines' calls run between slices
         if events:
-            yield _snapshot_batch(seq, name, ts, instance, events)
+            yield _snapshot_batch(seq, ns.name, ts, instance, events)
 
 
 def _snapshot_batch(seq: int, namespace: str, ts: float, instance: str, events: list) -> pb.KvEventBatch:
