@@ -7,9 +7,8 @@ import threading
 import grpc
 
 from radixkv.routing import RoutingIndex, ZmqFleet
-from radixkv.routing.extra_keys import event_extra_keys
 from radixkv.routing.subscriber import Daemon
-from radixkv.routing.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from radixkv.routing.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, watch_event_fields
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
@@ -40,19 +39,11 @@ class ZmqFollower:
 
 def wire_batch(msg: pb.KvEventBatch) -> KVEventBatch:
     """A WatchEvents message as the vLLM batch it was made from."""
+    classes = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
     events = []
     for e in msg.events:
-        if e.kind == pb.KvEvent.ALL_BLOCKS_CLEARED:
-            events.append(AllBlocksCleared())
-        elif e.kind == pb.KvEvent.BLOCK_REMOVED:
-            events.append(BlockRemoved(block_hashes=list(e.block_hashes), medium=e.medium))
-        else:
-            parent = e.parent_block_hash if e.HasField("parent_block_hash") else None
-            events.append(BlockStored(
-                block_hashes=list(e.block_hashes), parent_block_hash=parent,
-                token_ids=list(e.token_ids), block_size=e.block_size, lora_id=None, medium=e.medium,
-                lora_name=e.lora_name or None,
-                extra_keys=event_extra_keys(e.extra_key, len(e.block_hashes), starts_prompt=parent is None)))
+        kind, fields = watch_event_fields(e)
+        events.append(classes[kind](**fields))
     return KVEventBatch(ts=msg.ts, events=events)
 
 

@@ -16,6 +16,10 @@ from typing import Any
 
 import msgspec
 
+from radixkv.v1 import radixkv_pb2 as pb
+
+from .extra_keys import event_extra_keys
+
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
@@ -83,6 +87,24 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode one payload; raises msgspec.DecodeError (a ValueError) on a bad one."""
     return _decoder.decode(payload)
+
+
+def watch_event_fields(event: pb.KvEvent) -> tuple[str, dict[str, Any]]:
+    """A WatchEvents `KvEvent` (gRPC) as the vLLM event it was made from: the class name
+    ("BlockStored", "BlockRemoved" or "AllBlocksCleared") and its fields, for these
+    classes or vLLM's own (the extra keys as the daemon publishes them on ZMQ)."""
+    if event.kind == pb.KvEvent.ALL_BLOCKS_CLEARED:
+        return "AllBlocksCleared", {}
+    hashes = list(event.block_hashes)
+    if event.kind == pb.KvEvent.BLOCK_REMOVED:
+        return "BlockRemoved", {"block_hashes": hashes, "medium": event.medium, "group_idx": 0}
+    parent = event.parent_block_hash if event.HasField("parent_block_hash") else None
+    return "BlockStored", {
+        "block_hashes": hashes, "parent_block_hash": parent, "token_ids": list(event.token_ids),
+        "block_size": event.block_size, "lora_id": None, "medium": event.medium,
+        "lora_name": event.lora_name or None,
+        "extra_keys": event_extra_keys(event.extra_key, len(hashes), starts_prompt=parent is None),
+        "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
 
 
 def seq_bytes(seq: int) -> bytes:

@@ -28,7 +28,7 @@ import grpc
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from radixkv.messages import channel_options
-from radixkv.routing.extra_keys import event_extra_keys
+from radixkv.routing.wire import watch_event_fields
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
@@ -121,18 +121,18 @@ class TierEvents:
         with self._lock:
             before = len(self._pending)
             for e in events:
-                if e.kind == pb.KvEvent.ALL_BLOCKS_CLEARED:
+                kind, fields = watch_event_fields(e)
+                if kind == "AllBlocksCleared":
                     self._withdraw_held()
-                elif e.medium not in MEDIA:
+                elif fields["medium"] not in MEDIA:
                     continue
-                elif e.kind == pb.KvEvent.BLOCK_STORED:
-                    self._stored(e)
+                elif kind == "BlockStored":
+                    self._stored(BlockStored(**fields))
                 else:
-                    hashes = list(e.block_hashes)
-                    held = self._held[e.medium]
-                    for h in hashes:
+                    held = self._held[fields["medium"]]
+                    for h in fields["block_hashes"]:
                         held.pop(h, None)
-                    self._pending.append(BlockRemoved(block_hashes=hashes, medium=e.medium, group_idx=0))
+                    self._pending.append(BlockRemoved(**fields))
             if snapshot:
                 self._room += len(self._pending) - before
             if len(self._pending) <= self._room:
@@ -140,17 +140,11 @@ class TierEvents:
             self._overflow()
             return False
 
-    def _stored(self, e: pb.KvEvent) -> None:
-        parent = e.parent_block_hash if e.HasField("parent_block_hash") else None
-        hashes = list(e.block_hashes)
-        self._pending.append(BlockStored(
-            block_hashes=hashes, parent_block_hash=parent, token_ids=list(e.token_ids),
-            block_size=e.block_size, lora_id=None, medium=e.medium, lora_name=e.lora_name or None,
-            extra_keys=event_extra_keys(e.extra_key, len(hashes), starts_prompt=parent is None),
-            group_idx=0, kv_cache_spec_kind="full_attention"))
-        held = self._held[e.medium]
-        held.update(dict.fromkeys(hashes))
-        if e.medium == "STORAGE" and len(held) > self.max_storage_blocks:
+    def _stored(self, event: BlockStored) -> None:
+        self._pending.append(event)
+        held = self._held[event.medium]
+        held.update(dict.fromkeys(event.block_hashes))
+        if event.medium == "STORAGE" and len(held) > self.max_storage_blocks:
             oldest = [h for h, _ in zip(held, range(len(held) - self.max_storage_blocks))]
             for h in oldest:
                 del held[h]
