@@ -4,7 +4,7 @@ an event loop of its own can still use it."""
 
 import asyncio
 
-from radixkv.vllm.pump import LoopPump
+from radixkv.vllm.pump import PASS_ITERATIONS, LoopPump
 from tests.support.daemon import wait_for
 
 
@@ -20,6 +20,28 @@ def test_a_spawned_task_runs_in_the_callers_pass_not_before():
         assert not task.done()
         pump.tick()
         assert task.result() == 7
+    finally:
+        pump.close()
+
+
+async def steps(n: int) -> int:
+    """A task that needs `n` loop iterations to finish."""
+    for _ in range(n - 1):
+        await asyncio.sleep(0)
+    return n
+
+
+def test_a_pass_runs_its_iterations_and_no_more():
+    """A pass is PASS_ITERATIONS iterations (an answer read, its task resumed, its
+    callbacks run): a task needing that many finishes in one tick, one needing one more
+    waits for the next tick."""
+    pump = LoopPump(idle_s=3600)
+    try:
+        enough, more = pump.spawn(steps(PASS_ITERATIONS)), pump.spawn(steps(PASS_ITERATIONS + 1))
+        pump.tick()
+        assert enough.result() == PASS_ITERATIONS and not more.done()
+        pump.tick()
+        assert more.result() == PASS_ITERATIONS + 1
     finally:
         pump.close()
 

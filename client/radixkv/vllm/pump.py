@@ -49,7 +49,8 @@ class LoopPump:
             task = self._loop.create_task(coro)
             self._tasks.add(task)
             task.add_done_callback(self._finished)
-            self._work.set()
+            if not self._work.is_set():
+                self._work.set()  # wakes the watchdog (tens of microseconds when it sleeps)
         return task
 
     def tick(self) -> None:
@@ -86,10 +87,21 @@ class LoopPump:
             self._loop.close()
 
     def _pass(self) -> None:
+        """PASS_ITERATIONS iterations of the loop in one `run_forever` (each costs about
+        as much to enter as an iteration): a callback that re-queues itself counts them,
+        and its last call stops the loop at the end of that iteration. Being queued, it
+        keeps every iteration's I/O poll from waiting."""
         self._last = time.monotonic()
-        for _ in range(PASS_ITERATIONS):
-            self._loop.call_soon(self._loop.stop)
-            self._loop.run_forever()  # stopped before it began: one iteration, I/O polled without waiting
+        loop = self._loop
+
+        def count(left: int) -> None:
+            if left:
+                loop.call_soon(count, left - 1)
+            else:
+                loop.stop()
+
+        loop.call_soon(count, PASS_ITERATIONS - 1)
+        loop.run_forever()
 
     def _finished(self, task: asyncio.Task) -> None:  # in a pass, under the lock
         self._tasks.discard(task)
