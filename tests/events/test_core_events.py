@@ -10,6 +10,7 @@ import pytest
 
 from radixkv.routing import RoutingIndex, WorkerFeed
 from radixkv.routing.blockhash import block_hashes
+from radixkv.routing.wire import KVEventBatch, decode_batch
 from radixkv_server.core import CacheConfig, HierarchicalCache
 from radixkv_server.core.engine_tier import EngineTier
 from radixkv_server.core.pages import pack
@@ -147,6 +148,42 @@ def test_dropped_batches_resync_to_the_cache_state(policy, storage):
             assert known.num_announced, "no resync had stored pages to re-announce"
     finally:
         hub.close()
+
+
+def test_a_snapshot_made_slice_by_slice_while_the_tree_changes_ends_where_the_cache_is():
+    """A WatchEvents snapshot is made a slice at a time, with the engines' calls between
+    slices: nodes are inserted, split (a split changes no residency, so no live event
+    tells of its new upper part), evicted and removed meanwhile. A reader that applies
+    the snapshot, then the live batches from where it began, holds what the cache holds
+    on device and host. Over many seeds, so that splits of listed nodes happen."""
+    splits = 0
+    for seed in range(40):
+        m = type("M", (CoreMachine,), {"policy": "write_back", "storage": "off"})()
+        hub = EventHub(EventsConfig(subscriber_buffer=100_000))
+        try:
+            listener = hub.attach(NS, PAGE, snapshot=lambda: resident(m.cache.tree))
+            m.cache.residency_listener = listener
+            rnd = random.Random(seed)
+            walk(m, rnd, 200)
+            hub.flush()
+            wait_for(lambda: hub.drained, what="the warm-up's events published")
+            newest = m.cache.tree.newest_id()
+            live = hub.subscribe()
+            index = RoutingIndex(PAGE)
+            for events, _ in listener.snapshot_slices(1):
+                index.apply("d0", NS, KVEventBatch(ts=0.0, events=events))
+                walk(m, rnd, 3)  # the loop's other work between two slices
+                hub.flush()
+            wait_for(lambda: hub.drained, what="the live events published")
+            for item in iter(live.get_nowait, None):
+                index.apply("d0", NS, decode_batch(item.payload))
+            want = cache_blocks(m)
+            assert {t: index.blocks("d0", NS, t) for t in ("GPU", "CPU")} == {t: want[t] for t in ("GPU", "CPU")}, seed
+            splits += sum(1 for n in m.cache.tree.iter_nodes()
+                          if n.id > newest and any(c.id <= newest for c in n.children.values()))
+        finally:
+            hub.close()
+    assert splits, "no listed node was split during a snapshot: the case was not exercised"
 
 
 def snapshot_blocks(cache) -> dict[str, set[int]]:

@@ -115,6 +115,11 @@ class RadixTree:
         del node.parent.children[node.key[:self.stride]]
         del self.nodes[node.id]
 
+    def newest_id(self) -> int:
+        """The id of the newest node (0 in an empty tree): ids grow with creation and
+        `nodes` keeps creation order, so a node with a larger id was made later."""
+        return next(reversed(self.nodes), 0)
+
     def iter_nodes(self):
         """Every non-root node (unordered)."""
         return (n for n in self.nodes.values() if n.parent is not None)

@@ -25,6 +25,7 @@ AllBlocksCleared alone: routers then underestimate that namespace until new even
 stay contiguous: they are assigned to batches as they are published.
 """
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -56,21 +57,43 @@ def _record(tier: str, change: str, node) -> tuple:
     return (kind, medium, node.extra_key, path)
 
 
-def resident(tree) -> Iterable[tuple[str, object]]:
+def resident(tree) -> Iterator[tuple[str, object]]:
     """A snapshot function's answer for a core tree, what a resync announces per tier:
     ("device", node) for every node whose pages are on the device, ("host", node) for
     every node with a complete valid host copy (every tensor-parallel shard arrived), and
     ("storage", node) for every node the storage tier holds (`stored`). The core knows
     storage only for nodes still in the tree: pages stored and then evicted from the host
-    (storage-only) are not in it, so a resync cannot re-announce them."""
-    for node in tree.iter_nodes():
-        s = node.full
-        if s.device_pages is not None:
-            yield "device", node
-        if s.host_valid and not s.shards_missing:
-            yield "host", node
-        if s.stored:
-            yield "storage", node
+    (storage-only) are not in it, so a resync cannot re-announce them.
+
+    It may be consumed across loop turns while the tree changes (a WatchEvents snapshot
+    takes it a slice at a time): it walks a copy of the node list taken at its first
+    step, skips nodes removed since, and tells each node's tiers as they are when it gets
+    there. A node split since then also yields its new upper part, which no live event
+    announces (a split changes no residency) and the copy does not hold."""
+    nodes = list(tree.nodes.values())
+    newest = tree.newest_id()
+    tops: set[int] = set()  # upper parts of splits since the copy, yielded once
+    for node in nodes:
+        if node.parent is None:
+            continue  # a root
+        if tree.nodes.get(node.id) is node:  # not removed since the copy
+            yield from _tiers(node)
+        up = node.parent  # (a removed node keeps it: the part split off it may still be there)
+        while up.id > newest and up.parent is not None and up.id not in tops:
+            tops.add(up.id)
+            if tree.nodes.get(up.id) is up:
+                yield from _tiers(up)
+            up = up.parent
+
+
+def _tiers(node) -> Iterator[tuple[str, object]]:
+    s = node.full
+    if s.device_pages is not None:
+        yield "device", node
+    if s.host_valid and not s.shards_missing:
+        yield "host", node
+    if s.stored:
+        yield "storage", node
 
 
 class NamespaceEvents:
@@ -134,24 +157,12 @@ class NamespaceEvents:
         """A "stored" record for every (tier, node) the snapshot function yields (none
         without one, or once closed): what a resync announces after its AllBlocksCleared.
         Walks the tree: call it on the loop."""
-        return self.records_of(*self.snapshot_nodes())
+        return self.records_of(self._snapshot_pairs())
 
-    def snapshot_nodes(self) -> tuple[list[str], list]:
-        """The snapshot function's (tier, node) pairs as two lists (no object per pair:
-        a large snapshot kept for a while must not set off a full garbage collection).
-        Walks the tree: call it on the loop."""
-        tiers: list[str] = []
-        nodes: list = []
-        if not self.closed and self.snapshot is not None:
-            for tier, node in self.snapshot():
-                tiers.append(tier)
-                nodes.append(node)
-        return tiers, nodes
-
-    def records_of(self, tiers: list[str], nodes: list) -> list[tuple]:
-        """"stored" records of these nodes' token paths as they are now. On the loop."""
+    def records_of(self, pairs: Iterable[tuple[str, object]]) -> list[tuple]:
+        """"stored" records of these (tier, node) pairs' token paths as they are now. On the loop."""
         records: list[tuple] = []
-        for tier, node in zip(tiers, nodes):
+        for tier, node in pairs:
             try:
                 records.append(_record(tier, "stored", node))
             except ValueError as e:
@@ -161,16 +172,22 @@ class NamespaceEvents:
 
     def snapshot_slices(self, size: int) -> Iterator[tuple[list[Event], list[bytes]]]:
         """A snapshot's events (and their extra keys, as `EventBuilder.build`), slice by
-        slice: AllBlocksCleared, then the stored events of `size` nodes at a time. The
-        nodes are listed when the first slice is asked for and each slice's records made
-        when it is (a node split or removed meanwhile keeps its token path: its blocks
-        hash the same), with a builder of its own (the publisher thread owns `builder`).
-        Drive it on the loop."""
+        slice: AllBlocksCleared, then the stored events of `size` (tier, node) pairs at a
+        time, each slice's pairs taken from the snapshot function and recorded when the
+        slice is asked for (`resident` is made for that: a node split or removed meanwhile
+        is still told right), with a builder of its own (the publisher thread owns
+        `builder`). Drive it on the loop; no slice costs more than `size` pairs, whatever
+        the tree's size."""
         builder = EventBuilder(self.builder.block_size, self.builder.seed)
-        tiers, nodes = self.snapshot_nodes()
         yield builder.build([CLEAR_RECORD])
-        for first in range(0, len(nodes), size):
-            yield builder.build(self.records_of(tiers[first:first + size], nodes[first:first + size]))
+        pairs = self._snapshot_pairs()
+        while chunk := list(itertools.islice(pairs, size)):
+            yield builder.build(self.records_of(chunk))
+
+    def _snapshot_pairs(self) -> Iterator[tuple[str, object]]:
+        if self.closed or self.snapshot is None:
+            return iter(())
+        return iter(self.snapshot())
 
 
 class EventHub:
