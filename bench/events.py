@@ -6,7 +6,9 @@ events). Match is timed call by call alone, then alternating with Insert, on eac
 in turn; around each timed window of the events-on daemon, its published-batches counter
 (/metrics) and a ZMQ subscriber in this process count what it published during that
 window, so the events/s stand beside the Match latency they were measured with. Then a
-burst of back-to-back inserts on the events-on daemon gives the peak publish rate.
+burst of back-to-back inserts on the events-on daemon gives the peak publish rate. Last,
+what a router joining costs the engines: Match latency while another process reads a
+WatchEvents snapshot of a namespace of many one-node prompts (`bench.events_snapshot`).
 """
 
 import os
@@ -20,6 +22,7 @@ import zmq
 
 from radixkv.routing.wire import BlockStored, decode_batch
 
+from . import events_snapshot
 from .daemon import DaemonProcess, free_port
 from .figures import Figure, Section, Table, fmt
 from .rpc import PROMPTS, Side, _ops
@@ -174,7 +177,9 @@ def run(mode: str, plot_dir=None, profiler=None) -> Section:
                             calls(k)
                             time.sleep(QUIET_S)  # the pause that follows an events-on window
             burst = _burst(ops["on"], counter, BURST_S[mode])
+            snapshot = events_snapshot.measure(mode, on.unix, ops["on"]["match"])
             _report(sec, lat, published, burst)
+            events_snapshot.report(sec, mode, snapshot)
         finally:
             counter.close()
             for s in sides.values():
