@@ -48,6 +48,27 @@ def test_replay_outside_the_ring_is_refused_with_its_bounds():
     assert drain(b.subscribe(from_seq=12)) == []
 
 
+def test_a_held_reader_keeps_what_is_published_as_backlog_up_to_its_limit():
+    """A WatchEvents stream sending its snapshot holds its subscription: what is published
+    meanwhile waits as backlog, beyond the capacity, up to the limit; after `resume` the
+    capacity bounds the lag on top of that backlog; past the limit it is cut off, and
+    says it was held."""
+    b = Broadcast(ring_size=1000, capacity=2)
+    sub = b.subscribe(hold=20)
+    publish(b, 15)              # 15 > capacity: a live reader would be cut off here
+    sub.resume()
+    publish(b, 2)               # the capacity's worth of lag on top of the backlog
+    assert drain(sub) == list(range(17))
+    sub.close()
+    held = b.subscribe(hold=5)
+    publish(b, 6)
+    assert [held.get_nowait().seq for _ in range(5)] == list(range(17, 22))  # what it held stays readable
+    with pytest.raises(SubscriberLagged) as err:
+        held.get_nowait()
+    assert err.value.missed_from == 22 and err.value.while_held
+    assert b.num_lagged == 1
+
+
 def test_a_reader_that_falls_behind_is_cut_off_not_waited_for():
     b = Broadcast(ring_size=1000, capacity=8)
     slow = b.subscribe()

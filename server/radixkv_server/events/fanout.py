@@ -29,11 +29,13 @@ class PublishedBatch:
 
 
 class SubscriberLagged(Exception):
-    """The subscriber missed batches from `missed_from` on (its buffer overflowed)."""
+    """The subscriber missed batches from `missed_from` on (its buffer overflowed);
+    `while_held`: while it was held (`Broadcast.subscribe`), past its limit."""
 
-    def __init__(self, missed_from: int):
+    def __init__(self, missed_from: int, while_held: bool = False):
         super().__init__(f"subscriber fell behind; batches from seq {missed_from} were dropped")
         self.missed_from = missed_from
+        self.while_held = while_held
 
 
 class ReplayUnavailable(Exception):
@@ -54,14 +56,29 @@ class Subscription:
         self._capacity = capacity  # room for live batches; a replay's backlog comes on top
         self._backlog = 0          # replayed batches not read yet (they never cut a reader off)
         self._missed_from: int | None = None
+        self._held: int | None = None  # while held: how many batches it may hold in all
+        self._missed_while_held = False
         self.on_ready: Callable[[], None] | None = None  # called (publisher thread) on news
         self.start_seq = 0  # the seq of the first batch it gets (set by subscribe)
+
+    def resume(self) -> None:
+        """End a hold (`Broadcast.subscribe`): what it holds stays backlog; `capacity`
+        bounds the lag from here."""
+        with self._owner._lock:
+            self._held = None
 
     def _offer(self, item: PublishedBatch) -> None:
         """Caller holds the owner's lock."""
         if self._missed_from is not None:
             return
-        if len(self._items) >= self._capacity + self._backlog:
+        if self._held is not None:
+            if len(self._items) < self._held:
+                self._items.append(item)
+                self._backlog += 1
+            else:
+                self._missed_from, self._missed_while_held = item.seq, True
+                self._owner.num_lagged += 1
+        elif len(self._items) >= self._capacity + self._backlog:
             self._missed_from = item.seq  # what it holds stays readable; then the signal
             self._owner.num_lagged += 1
         else:
@@ -76,7 +93,7 @@ class Subscription:
                 self._backlog = max(0, self._backlog - 1)
                 return self._items.popleft()
             if self._missed_from is not None:
-                raise SubscriberLagged(self._missed_from)
+                raise SubscriberLagged(self._missed_from, self._missed_while_held)
             return None
 
     def wait(self, timeout: float | None = None) -> PublishedBatch | None:
@@ -123,14 +140,20 @@ class Broadcast:
             start = seq - self._ring[0].seq
             return [self._ring[i] for i in range(start, len(self._ring))]
 
-    def subscribe(self, from_seq: int | None = None, capacity: int | None = None) -> Subscription:
+    def subscribe(self, from_seq: int | None = None, capacity: int | None = None,
+                  hold: int | None = None) -> Subscription:
         """A subscription to every batch from `from_seq` on (None: from the next one).
 
         Raises ReplayUnavailable when `from_seq` is outside [oldest in ring, next_seq]. The
         replayed backlog (references to ring entries) may exceed the subscription's
         capacity; the capacity bounds how far it falls behind the live batches after it.
+        With `hold`, until `Subscription.resume` the batches published join the backlog
+        too, up to `hold` batches held in all: for a reader that cannot take live batches
+        yet (a WatchEvents snapshot is sent first, and on a busy daemon takes longer than
+        `capacity` batches last).
         """
         sub = Subscription(self, capacity or self._capacity)
+        sub._held = hold
         with self._lock:
             if from_seq is not None:
                 oldest = self._ring[0].seq if self._ring else self.next_seq

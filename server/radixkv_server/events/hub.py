@@ -249,9 +249,10 @@ class EventHub:
         """Some namespace lost a batch and its resync is not queued yet."""
         return bool(self._dirty) and any(ns.resync for ns in self._dirty)
 
-    def subscribe(self, from_seq: int | None = None) -> Subscription:
-        """In-process subscription (WatchEvents): see fanout.Broadcast.subscribe."""
-        return self._publisher.broadcast.subscribe(from_seq)
+    def subscribe(self, from_seq: int | None = None, hold: bool = False) -> Subscription:
+        """In-process subscription (WatchEvents): see fanout.Broadcast.subscribe; `hold`
+        holds it (up to the replay ring's size) until `resume`."""
+        return self._publisher.broadcast.subscribe(from_seq, hold=self.config.ring_size if hold else None)
 
     @property
     def drained(self) -> bool:

@@ -48,16 +48,24 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
                            "snapshot and from_seq exclude each other: a snapshot is followed by live batches")
     namespaces = daemon.selected(request.namespace) if request.snapshot else []
     try:
-        sub = hub.subscribe(from_seq)
+        # What is published while a snapshot is sent waits for the reader, as a replay's backlog.
+        sub = hub.subscribe(from_seq, hold=request.snapshot)
     except ReplayUnavailable as e:
         raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
     try:
-        async for message in snapshot_batches(namespaces, sub.start_seq, daemon.instance):
-            yield message
+        if request.snapshot:
+            async for message in snapshot_batches(namespaces, sub.start_seq, daemon.instance):
+                yield message
+            sub.resume()
         async for item in _until_stopping(sub, daemon.stopping):
             if not request.namespace or item.namespace in (request.namespace, ""):
                 yield batch_message(item, daemon.instance)
     except SubscriberLagged as e:
+        if e.while_held:
+            raise ServiceError(grpc.StatusCode.ABORTED,
+                               f"more than {hub.config.ring_size} batches were published while this stream's "
+                               f"snapshot was sent: raise --kv-events-replay-size, or take the snapshot when "
+                               f"the daemon is less busy") from None
         raise ServiceError(grpc.StatusCode.ABORTED,
                            f"this stream fell more than {hub.config.subscriber_buffer} batches behind; "
                            f"resubscribe with from_seq={e.missed_from} (OUT_OF_RANGE if the replay buffer "
