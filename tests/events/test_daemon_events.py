@@ -3,6 +3,7 @@ WatchEvents rebuild exactly what the daemon holds per tier, through device and h
 evictions, storage stores and a daemon restart; a stalled reader costs engines nothing.
 """
 
+import contextlib
 import random
 import time
 
@@ -203,28 +204,40 @@ def test_a_router_that_joins_late_catches_up_from_a_snapshot(tmp_path):
         stop_all([d])
 
 
-def test_a_reader_that_leaves_during_its_snapshot_leaves_nothing_behind():
-    """A snapshot larger than one batch, its reader gone after the first: the daemon
-    drops the subscription (else it would collect batches for nobody until cut off)."""
-    d = DaemonProcess("--kv-events-watch", "true", metrics=True)
+@contextlib.contextmanager
+def snapshot_in_progress(*flags: str):
+    """(daemon, engine, WatchEvents call, its first batch): a namespace of 3300 one-page
+    prompts (a snapshot of four batches) read over a channel with a small flow-control
+    window, so the daemon's next snapshot batches wait while the reader does not read."""
+    d = DaemonProcess("--kv-events-watch", "true", *flags, metrics=True)
     d.start()
-    engine = EngineDouble.connect(d.target, NS, num_pages=3400)
+    engine = EngineDouble.connect(d.target, NS, num_pages=3500)
     try:
-        for i in range(3300):  # a snapshot of four batches
+        for i in range(3300):
             engine.prefill([50_000 + i] * PS)
-        # A small flow-control window: the daemon's writes wait while the snapshot is unread.
         with grpc.insecure_channel(d.target, options=[("grpc.http2.lookahead_bytes", 1024),
                                                       ("grpc.http2.bdp_probe", 0)]) as channel:
-            call = pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(namespace=NS, snapshot=True))
+            call = pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(namespace=NS, snapshot=True),
+                                                             timeout=60)
             first = next(call)
             assert first.snapshot and first.events[0].kind == pb.KvEvent.ALL_BLOCKS_CLEARED
             assert len(first.events) == 1024  # three more follow
-            assert metric(d.scrape(), "radixkv_kv_event_watchers") == 1
-            call.cancel()
-        wait_for(lambda: metric(d.scrape(), "radixkv_kv_event_watchers") == 0, 10, "the subscription dropped")
+            try:
+                yield d, engine, call, first
+            finally:
+                call.cancel()
     finally:
         engine.close()
         stop_all([d])
+
+
+def test_a_reader_that_leaves_during_its_snapshot_leaves_nothing_behind():
+    """A snapshot larger than one batch, its reader gone after the first: the daemon
+    drops the subscription (else it would collect batches for nobody until cut off)."""
+    with snapshot_in_progress() as (d, _, call, _):
+        assert metric(d.scrape(), "radixkv_kv_event_watchers") == 1
+        call.cancel()
+        wait_for(lambda: metric(d.scrape(), "radixkv_kv_event_watchers") == 0, 10, "the subscription dropped")
 
 
 def test_batches_published_while_a_snapshot_is_sent_wait_for_the_reader_past_its_buffer():
@@ -232,38 +245,22 @@ def test_batches_published_while_a_snapshot_is_sent_wait_for_the_reader_past_its
     meanwhile (more than --kv-events-subscriber-buffer of them) wait for it as a replay's
     backlog would, and follow the snapshot in order, none missing; without that the
     stream ended ABORTED, and its reader took a snapshot again."""
-    d = DaemonProcess("--kv-events-watch", "true", "--kv-events-subscriber-buffer", "4", metrics=True)
-    d.start()
-    engine = EngineDouble.connect(d.target, NS, num_pages=3500)
-    try:
-        for i in range(3300):  # a snapshot of four batches
-            engine.prefill([50_000 + i] * PS)
-        # A small flow-control window: the snapshot's next batches wait while it is unread.
-        with grpc.insecure_channel(d.target, options=[("grpc.http2.lookahead_bytes", 1024),
-                                                      ("grpc.http2.bdp_probe", 0)]) as channel:
-            call = pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(namespace=NS, snapshot=True),
-                                                             timeout=60)
-            first = next(call)
-            assert first.snapshot
-            published = metric(d.scrape(), "radixkv_kv_event_batches_published_total")
-            for i in range(40):  # a batch each, while the snapshot is still being sent
-                engine.prefill([90_000 + i] * PS)
-            wait_for(lambda: metric(d.scrape(), "radixkv_kv_event_batches_published_total") >= published + 40, 10,
-                     "the new prompts' batches published")
-            snapshot_events, live, stored, wanted = len(first.events), [], set(), {90_000 + i for i in range(40)}
-            for batch in call:  # an ABORTED stream raises here
-                if batch.snapshot:
-                    snapshot_events += len(batch.events)
-                    continue
-                live.append(batch)
-                stored |= {e.token_ids[0] for e in batch.events if e.kind == pb.KvEvent.BLOCK_STORED}
-                if stored >= wanted:
-                    break
-            call.cancel()
-        assert snapshot_events >= 3301  # AllBlocksCleared and every prompt's block
-        assert [b.seq for b in live] == list(range(first.seq, first.seq + len(live)))
-        assert len(live) > 4, "the new prompts came in no more batches than the buffer holds: not exercised"
-        assert stored >= wanted
-    finally:
-        engine.close()
-        stop_all([d])
+    with snapshot_in_progress("--kv-events-subscriber-buffer", "4") as (d, engine, call, first):
+        published = metric(d.scrape(), "radixkv_kv_event_batches_published_total")
+        for i in range(40):  # a batch each, while the snapshot is still being sent
+            engine.prefill([90_000 + i] * PS)
+        wait_for(lambda: metric(d.scrape(), "radixkv_kv_event_batches_published_total") >= published + 40, 10,
+                 "the new prompts' batches published")
+        snapshot_events, live, stored, wanted = len(first.events), [], set(), {90_000 + i for i in range(40)}
+        for batch in call:  # an ABORTED stream raises here
+            if batch.snapshot:
+                snapshot_events += len(batch.events)
+                continue
+            live.append(batch)
+            stored |= {e.token_ids[0] for e in batch.events if e.kind == pb.KvEvent.BLOCK_STORED}
+            if stored >= wanted:
+                break
+    assert snapshot_events >= 3301  # AllBlocksCleared and every prompt's block
+    assert [b.seq for b in live] == list(range(first.seq, first.seq + len(live)))
+    assert len(live) > 4, "the new prompts came in no more batches than the buffer holds: not exercised"
+    assert stored >= wanted
