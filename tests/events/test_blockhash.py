@@ -4,7 +4,9 @@ import random
 
 import pytest
 
-from radixkv.routing.blockhash import DEFAULT_SEED, block_digests, block_hashes, external_hash, root_digest
+from radixkv.routing.blockhash import (
+    DEFAULT_SEED, SMALL_RUN, block_digests, block_hashes, external_hash, root_digest,
+)
 
 from .helpers import packed
 
@@ -29,7 +31,7 @@ def test_equals_vllm_sha256_cbor_including_its_int_conversion():
     for _ in range(30):
         block_size = rng.choice([1, 4, 16, 17])
         tokens = [rng.choice([0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, rng.randrange(200_000)])
-                  for _ in range(rng.randrange(0, 120))]
+                  for _ in range(rng.randrange(0, 400))]  # both encodings: runs below and above SMALL_RUN
         theirs = vllm_chain(tokens, block_size)
         assert block_digests(tokens, block_size) == [bytes(d) for d in theirs]
         assert block_hashes(tokens, block_size) == [maybe_convert_block_hash(d) for d in theirs]
@@ -54,9 +56,24 @@ def test_chain_continues_from_a_parent_and_ignores_a_partial_block():
 
 
 @pytest.mark.parametrize("bad", [[-1, 2, 3, 4], [2**32, 1, 2, 3]])
-def test_rejects_token_ids_cbor_cannot_carry_as_vllm_does(bad):
+@pytest.mark.parametrize("length", [4, SMALL_RUN + 4])  # each encoding
+def test_rejects_token_ids_cbor_cannot_carry_as_vllm_does(bad, length):
     with pytest.raises(ValueError):
-        block_digests(bad, 4)
+        block_digests((bad * length)[:length], 4)
+
+
+def test_a_long_run_hashes_as_its_short_pieces_chained():
+    """Runs of SMALL_RUN tokens and more are encoded with numpy, shorter ones token by
+    token: a long run's digests equal those of its short pieces chained with `parent`,
+    at every CBOR width."""
+    rng = random.Random(3)
+    widths = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1]
+    tokens = [rng.choice(widths + [rng.randrange(2**32)]) for _ in range(4 * SMALL_RUN)]
+    pieces, parent = [], None
+    for i in range(0, len(tokens), 32):
+        part = block_digests(tokens[i:i + 32], 16, parent=parent)
+        pieces, parent = pieces + part, part[-1]
+    assert pieces == block_digests(tokens, 16)
 
 
 @pytest.mark.parametrize("lora, salt", [(None, "tenant-a"), (("adapter", "/loras/a"), None),

@@ -83,8 +83,8 @@ async def snapshot_batches(namespaces, seq: int, instance: str) -> AsyncIterator
     whatever the tree's size), its events written into the batch in place, with the
     loop's other work between slices. An engine's call waits a slice per loop turn it
     needs: measured with 10k nodes (`make bench`, events section), a Match meanwhile took
-    0.88 ms at p50 and 2.0 ms at p99 with slices of 2 pairs (the snapshot 0.89 s), 1.9
-    and 3.8 ms with slices of 8 (0.57 s), against 0.48 and 0.66 ms with no reader.
+    0.63 ms at p50 and 1.7 ms at p99 (the snapshot 0.51 s), against 0.48 and 0.67 ms with
+    no reader; slices of 8 pairs, before short nodes hashed faster, gave 1.9 and 3.8 ms.
     Hashing on a thread instead made calls wait for the GIL (p50 2-24 ms, max 0.2 s)."""
     ts = time.time()
     for ns in namespaces:
