@@ -15,50 +15,19 @@ import time
 
 import numpy as np
 
-from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pbg
-from radixkv_server.core.pages import pack
 
-from .daemon import channel, register
+from .daemon import channel
 from .figures import Figure, Section, Table, fmt
-from .rpc import LAYOUT, PAGE
+from .rpc import PAGE, Side
 from .timing import percentile, progress
 
 NODES = {"tiny": 300, "quick": 10_000, "full": 20_000}  # one-node prompts in the snapshotted namespace
 ROUNDS = {"tiny": 1, "quick": 2, "full": 3}  # snapshots, each with its idle baseline before it
 IDLE_CALLS = {"tiny": 50, "quick": 500, "full": 1000}  # Matches with no reader, per round
-PROMPT_PAGES = 2
+PROMPT_PAGES = 2  # write-through: every node on device and host, two pairs to tell per node
 NAMESPACE = "bench-ev-snapshot"
-
-
-class SnapshotNamespace:
-    """A namespace of `n` one-node prompts of PROMPT_PAGES pages each, write-through (so
-    every node is on device and host: two pairs to tell per node)."""
-
-    def __init__(self, target: str, n: int):
-        self.stub = pbg.RadixKVStub(channel(target))
-        self.num_pages = (n + 16) * PROMPT_PAGES
-        self.buffers = ShmKvBuffers.create(LAYOUT, self.num_pages)
-        reg = register(self.stub, NAMESPACE, LAYOUT, self.buffers, self.num_pages,
-                       write_policy="write_through", host_pool_pages=self.num_pages)
-        self.session = reg.session
-        self._rng = np.random.default_rng(7)
-        self._next = 0
-        for _ in range(n):
-            self.insert()
-
-    def insert(self) -> None:
-        tokens = self._rng.integers(1, 1 << 30, size=PROMPT_PAGES * PAGE, dtype=np.int32).tobytes()
-        pages = pack(range(self._next, self._next + PROMPT_PAGES))
-        self._next += PROMPT_PAGES
-        self.stub.Insert(pb.InsertRequest(session=self.session, tokens=tokens, device_pages=pages))
-
-    def close(self) -> None:
-        try:
-            self.stub.Close(pb.CloseRequest(session=self.session), timeout=30)
-        finally:
-            self.buffers.close()
 
 
 def read_snapshot(target: str, started, done, counts) -> None:
@@ -84,7 +53,7 @@ def measure(mode: str, target: str, match) -> dict:
     """Per round: Match latencies with no reader, then while a snapshot is read, and the
     snapshot's batches, events and seconds. `match()` times one Match (seconds)."""
     progress(f"events: {NODES[mode]:,} one-node prompts for the snapshot rows")
-    ns = SnapshotNamespace(target, NODES[mode])
+    side = Side(NAMESPACE, target, NODES[mode], 7, prompt_pages=PROMPT_PAGES)
     ctx = multiprocessing.get_context("spawn")
     out = {"idle": [], "during": [], "seconds": [], "batches": 0, "events": 0}
     try:
@@ -97,7 +66,10 @@ def measure(mode: str, target: str, match) -> dict:
             if not started.wait(60):
                 raise RuntimeError("the snapshot reader got no batch within 60 s")
             t0 = time.perf_counter()
-            ns.insert()  # a live batch: the reader's end of the snapshot
+            # A new prompt: a live batch, the reader's end of the snapshot.
+            marker = side.rng.integers(1, 1 << 30, size=PROMPT_PAGES * PAGE, dtype=np.int32).tobytes()
+            side.stub.Insert(pb.InsertRequest(session=side.session, tokens=marker,
+                                              device_pages=side.pages(PROMPT_PAGES)))
             during = []
             while not done.is_set():
                 during.append(match())
@@ -111,7 +83,7 @@ def measure(mode: str, target: str, match) -> dict:
             out["batches"] += counts[0]
             out["events"] += counts[1]
     finally:
-        ns.close()
+        side.close()
     return out
 
 

@@ -38,27 +38,28 @@ TARGETS = {"match": 1.3, "match_batch32": 3.0}
 
 
 class Side:
-    """One namespace and session reached over one transport, with its warm tree."""
+    """One namespace and session reached over one transport, with its warm tree:
+    `num_prompts` prompts of `prompt_pages` pages, write-through, one node each."""
 
-    def __init__(self, name: str, target: str, num_prompts: int, seed: int):
+    def __init__(self, name: str, target: str, num_prompts: int, seed: int, prompt_pages: int = PROMPT_PAGES):
         self.stub = pbg.RadixKVStub(channel(target))
         spare = 64 * 1024
-        self.num_pages = num_prompts * PROMPT_PAGES + spare
+        used = num_prompts * prompt_pages
+        self.num_pages = used + spare
         self.buffers = ShmKvBuffers.create(LAYOUT, self.num_pages)
         reg = register(self.stub, name, LAYOUT, self.buffers, self.num_pages,
-                       write_policy="write_through", host_pool_pages=num_prompts * PROMPT_PAGES + spare)
+                       write_policy="write_through", host_pool_pages=self.num_pages)
         self.session = reg.session
         rng = np.random.default_rng(seed)
-        self.prompts = [rng.integers(1, 1 << 30, size=PROMPT_PAGES * PAGE, dtype=np.int32).tobytes()
+        self.prompts = [rng.integers(1, 1 << 30, size=prompt_pages * PAGE, dtype=np.int32).tobytes()
                         for _ in range(num_prompts)]
-        self.free = list(range(self.num_pages - 1, num_prompts * PROMPT_PAGES - 1, -1))
+        self.free = list(range(self.num_pages - 1, used - 1, -1))
         self.rng = rng
-        for i, p in enumerate(self.prompts):
-            self.stub.Insert(pb.InsertRequest(session=self.session, tokens=p,
-                                              device_pages=pack(range(i * PROMPT_PAGES, (i + 1) * PROMPT_PAGES))))
         # Each prompt's device pages while wholly on device (None while partly on host).
-        self.pages_of: list[bytes | None] = [pack(range(i * PROMPT_PAGES, (i + 1) * PROMPT_PAGES))
+        self.pages_of: list[bytes | None] = [pack(range(i * prompt_pages, (i + 1) * prompt_pages))
                                              for i in range(num_prompts)]
+        for p, pages in zip(self.prompts, self.pages_of):
+            self.stub.Insert(pb.InsertRequest(session=self.session, tokens=p, device_pages=pages))
         self.acks = AckChannel(self.stub, self.session)
         self.payload = os.urandom(len(self.prompts[0]))
 
