@@ -9,8 +9,8 @@ last KV events (namespaces cleared) and stop the event publisher -> remove socke
 """
 
 import asyncio
-import gc
 import errno
+import gc
 import logging
 import os
 import signal
