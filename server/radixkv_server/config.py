@@ -76,6 +76,8 @@ class DaemonConfig:
     max_message_size: int = _opt(64 * 1024**2, "largest gRPC message, bytes", size=True)
     max_concurrent_rpcs: int = _opt(1024, "RPCs in progress before new ones get RESOURCE_EXHAUSTED")
     shutdown_grace: float = _opt(10.0, "seconds in-flight RPCs get on shutdown")
+    shutdown_store_timeout: float = _opt(20.0, "seconds a graceful shutdown may spend storing host pages that "
+                                         "storage does not hold yet (with --storage; 0: none)")
     lease_timeout: float = _opt(0.0, "seconds a lease may be held before the daemon releases it "
                                 "(a stuck engine); 0: never")
     ack_timeout: float = _opt(0.0, "seconds a load-back may stay unacknowledged before the daemon "
@@ -120,7 +122,8 @@ class DaemonConfig:
                      "max_prompts_per_match", "max_concurrent_rpcs", "max_acks_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("shutdown_grace", "lease_timeout", "ack_timeout", "fault_copy_delay"):
+        for name in ("shutdown_grace", "shutdown_store_timeout", "lease_timeout", "ack_timeout",
+                     "fault_copy_delay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.fault_fail_loads <= 1:

@@ -157,3 +157,27 @@ def test_unaligned_storage_probe_and_extra_key_salt_the_keys():
     plain = cache.storage_probe(tokens(1, 2, 3)).keys
     lora = cache.storage_probe(tokens(1, 2, 3), b"lora").keys
     assert len(plain) == 1 and plain != lora
+
+
+def test_host_copies_storage_lacks_are_listed_parents_first_and_stored_once():
+    """What a shutdown stores under storage write-back: every whole host copy not in
+    storage, parents before children; a node stored meanwhile is skipped."""
+    cache, copier = make_cache("write_through", storage="write_back")
+    eng = Engine(cache, copier)
+    eng.insert(tokens(1, 2, 3, 4, 5, 6))
+    eng.insert(tokens(1, 2, 3, 4, 7, 8))  # splits: [1 2 3 4] with children [5 6] and [7 8]
+    eng.insert(tokens(9, 10))
+    assert cache.unstored_host_nodes() == []  # backups in flight: no host copy is whole yet
+    drain(cache, copier, eng)
+    nodes = cache.unstored_host_nodes()
+    parent = cache.node(cache.match(tokens(1, 2, 3, 4)).device_node)
+    assert len(nodes) == 4 and nodes.index(parent) < min(nodes.index(c) for c in parent.children.values())
+    first = cache.store_host_copies(nodes[:2])
+    assert first and {n.id for n in cache.unstored_host_nodes()} == {n.id for n in nodes[2:]}
+    clean(cache)
+    drain(cache, copier, eng)
+    assert cache.store_host_copies(nodes[:2]) == 0  # stored already: nothing to start
+    assert cache.store_host_copies(nodes) and cache.unstored_host_nodes() == []
+    drain(cache, copier, eng)
+    assert cache.counters.stored_tokens == 10 and len(copier.storage) == 5
+    clean(cache)

@@ -110,8 +110,8 @@ def test_sidecar_matches_the_daemons_flags():
     limits, requests = side["resources"]["limits"], side["resources"]["requests"]
     assert limits["memory"] == requests["memory"]
     assert parse_size(limits["memory"]) >= config.host_pool_size * config.max_namespaces + 2**30
-    # Shutdown: the kubelet waits longer than the daemon's grace.
-    assert spec["terminationGracePeriodSeconds"] > config.shutdown_grace
+    # Shutdown: the kubelet waits longer than the daemon's grace and its storing.
+    assert spec["terminationGracePeriodSeconds"] > config.shutdown_grace + config.shutdown_store_timeout
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["securityContext"]["runAsUser"] == dockerfile_uid()
     assert labels["radixkv/sidecar"] == "true"
@@ -180,7 +180,7 @@ def test_systemd_unit_settings():
     config = load_config([], environ=env)
     assert all(k[len("RADIXKV_"):].lower() in DaemonConfig.__dataclass_fields__ for k in env)
     assert config.listen == (f"unix://{SOCKET_DIR}/radixkv.sock",)
-    assert float(unit["TimeoutStopSec"][0]) > config.shutdown_grace
+    assert float(unit["TimeoutStopSec"][0]) > config.shutdown_grace + config.shutdown_store_timeout
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")

@@ -197,6 +197,16 @@ class HierarchicalCache:
         """Storage keys of the node's pages."""
         return self.storage_tier.keys(node)
 
+    def unstored_host_nodes(self) -> list[Node]:
+        """See `StorageTier.unstored`. Changes nothing."""
+        return self.storage_tier.unstored()
+
+    def store_host_copies(self, nodes: list[Node]) -> int:
+        """Start storing the host copies of `nodes` (from `unstored_host_nodes`) that still
+        need it, in one store; its transfer id (0: none did). Completes through
+        `on_copy_done`, as every store does."""
+        return self.storage_tier.store_now(nodes)
+
     def start_prefetch(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
                        ahead: object = None) -> int:
         """See `Prefetches.start`."""

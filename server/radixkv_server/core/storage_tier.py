@@ -6,6 +6,8 @@ each node caches the key of its last page (`chain`) for its children to continue
 Prefetches (storage -> host) live in prefetch.py.
 """
 
+from collections import deque
+
 from .copier import Copier
 from .node import Node
 from .page_keys import ROOT, page_keys
@@ -63,22 +65,42 @@ class StorageTier:
 
     # -- storing -------------------------------------------------------------------------
 
-    def start_store(self, nodes: list[Node], evicting_host: bool) -> None:
+    def start_store(self, nodes: list[Node], evicting_host: bool) -> int:
         """Write these nodes' (valid) host copies to storage; the host copies stay
-        host-locked until the store completes (`finish_store`)."""
+        host-locked until the store completes (`finish_store`). Returns the store's
+        transfer id (0: no nodes, nothing started)."""
         if not nodes:
-            return
+            return 0
         t = self.state.new_transfer(TransferKind.STORE, nodes)
         t.keys = [k for n in nodes for k in self.keys(n)]
         for n in nodes:
             self.state.begin_store(n, t.id, evicting_host)
         self.copier.store(t.id, t.host_pages, t.keys)
+        return t.id
 
     def store_written_through(self, nodes: list[Node]) -> None:
         """Storage write-through: store nodes whose host copy just became valid."""
         if self.config.storage is StoragePolicy.WRITE_THROUGH:
-            self.start_store([n for n in nodes if not n.full.stored and n.full.store is None
-                              and n.full.host_valid], evicting_host=False)
+            self.start_store([n for n in nodes if _storable(n)], evicting_host=False)
+
+    def unstored(self) -> list[Node]:
+        """Every node with a whole host copy that storage does not hold and no store is
+        writing (under storage write-back, host copies reach storage only when evicted),
+        parents before children: stored in this order, a run cut short still leaves
+        prefixes that storage can serve."""
+        out, todo = [], deque(self.state.tree.roots.values())
+        while todo:
+            for child in todo.popleft().children.values():
+                todo.append(child)
+                if _storable(child):
+                    out.append(child)
+        return out
+
+    def store_now(self, nodes: list[Node]) -> int:
+        """Start one store of those `nodes` still in the tree that are still storable (as
+        `unstored` chose them); its transfer id, 0 when none was."""
+        live = self.state.tree.nodes
+        return self.start_store([n for n in nodes if live.get(n.id) is n and _storable(n)], evicting_host=False)
 
     def finish_store(self, tid: int, error: str | None) -> None:
         """A store completed (`error` set when it failed). Host copies that waited for it
@@ -99,6 +121,13 @@ class StorageTier:
                 if error is not None:
                     counters.store_dropped_tokens += tokens
                 state.remove_node(node)
+
+
+def _storable(node: Node) -> bool:
+    """Whether a store may take the node's host copy now: whole (every rank's shard
+    arrived), not in storage, not being stored."""
+    s = node.full
+    return s.host_valid and not s.stored and s.store is None and not s.shards_missing
 
 
 __all__ = ["StorageTier"]

@@ -18,6 +18,7 @@ from .errors import exhausted, not_found, precondition, unavailable
 from .expiry import Expiry
 from .namespace import Namespace
 from .sessions import Session, SessionRegistry
+from .shutdown_store import store_host_copies
 
 log = logging.getLogger("radixkv.daemon")
 
@@ -176,14 +177,19 @@ class Daemon:
             await ns.drain()
 
     async def close(self) -> None:
-        """Close every session, then every namespace (device handles, pinned pool).
-        Idempotent."""
+        """Close every session, store what only the host tier holds (shutdown_store.py,
+        for up to `shutdown_store_timeout` seconds), then close every namespace (device
+        handles, pinned pool). Idempotent."""
         self.stop_accepting()
         await self.expiry.stop()
         for session in self.sessions.all():
             await self.close_session(session, "daemon shutting down")
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.config.shutdown_store_timeout > 0:
+            deadline = time.monotonic() + self.config.shutdown_store_timeout
+            for ns in list(self.namespaces.values()):
+                await store_host_copies(ns.core, deadline)
         for ns in list(self.namespaces.values()):
             await ns.close()  # KV-event subscribers forget what it held
         self.namespaces.clear()
