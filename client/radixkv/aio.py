@@ -203,6 +203,9 @@ class AsyncClient(ClientBase):
     async def check_invariants(self, namespace: str = "") -> list[Violation]:
         return await self._run(self._session.check_invariants(namespace))
 
+    async def drop_namespace(self, namespace: str, *, store: bool = False) -> pb.DropNamespaceResponse:
+        return await self._run(self._session.drop_namespace(namespace, store))
+
     async def echo(self, payload: bytes = b"") -> bytes:
         return await self._run(self._session.echo(payload))
 

@@ -239,6 +239,12 @@ class Client(ClientBase):
         """Every violated invariant ("" : every namespace); empty when sound."""
         return self._run(self._session.check_invariants(namespace))
 
+    def drop_namespace(self, namespace: str, *, store: bool = False) -> pb.DropNamespaceResponse:
+        """Forget a namespace no engine is attached to (its host pool freed; storage
+        keeps its pages), storing its host copies storage lacks first with `store`.
+        FailedPrecondition while a session is attached, NotFound for an unknown name."""
+        return self._run(self._session.drop_namespace(namespace, store))
+
     def echo(self, payload: bytes = b"") -> bytes:
         """The payload back: one RPC's floor cost."""
         return self._run(self._session.echo(payload))

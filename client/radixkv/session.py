@@ -275,6 +275,9 @@ class Session:
         resp = yield from self._call("CheckInvariants", pb.CheckInvariantsRequest(namespace=namespace))
         return [Violation(v.namespace, v.message) for v in resp.violations]
 
+    def drop_namespace(self, namespace: str, store: bool) -> Plan[pb.DropNamespaceResponse]:
+        return (yield from self._call("DropNamespace", pb.DropNamespaceRequest(namespace=namespace, store=store)))
+
     def echo(self, payload: bytes) -> Plan[bytes]:
         return (yield from self._call("Echo", pb.EchoRequest(payload=payload))).payload
 

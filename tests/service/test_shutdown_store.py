@@ -8,10 +8,8 @@ import time
 
 import pytest
 
-from tests.support.daemon import wait_for
-from tests.support.engine import LAYOUT, PS, EngineDouble, prompt
+from tests.support.engine import PS, EngineDouble, prompt
 
-DEADLINE_S = 20.0
 PROMPTS = 4
 PAGES = 8  # per prompt
 
@@ -22,12 +20,8 @@ def events(log: str, name: str) -> list[dict]:
 
 
 def fill_host(engine: EngineDouble) -> None:
-    """Prefill the prompts and wait until their host copies are made (write-through to
-    host, the daemon's default); storage holds none of them yet."""
-    for i in range(PROMPTS):
-        engine.prefill(prompt(i))
-    want = PROMPTS * PAGES * LAYOUT.page_bytes
-    wait_for(lambda: engine.counters()["backed_up_bytes"] >= want, DEADLINE_S, "the host copies")
+    """The prompts on host; storage (write-back) holds none of them yet."""
+    engine.prefill_to_host([prompt(i) for i in range(PROMPTS)])
     assert engine.counters()["stored_tokens"] == 0
 
 

@@ -26,6 +26,8 @@ from radixkv.sim.kv import KvPattern, page_keys
 from radixkv.sim.pages import PagePool
 from radixkv.types import InsertResult, Registration, pack
 
+from .daemon import wait_for
+
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4)
 PS = LAYOUT.page_size
 RPC_TIMEOUT_S = 20.0
@@ -112,6 +114,15 @@ class EngineDouble:
         self.pool.free(result.redundant_pages, "Insert redundant")
         self.pool.to_cache([p for p in pages if p not in redundant], "Insert")
         return result
+
+    def prefill_to_host(self, prompts) -> None:
+        """`prefill` each prompt, then wait until their host copies are made (write-through
+        to host, the daemon's default)."""
+        before = self.counters()["backed_up_bytes"]
+        for tokens in prompts:
+            self.prefill(tokens)
+        want = before + sum(len(t) // self.page_size for t in prompts) * self.layout.page_bytes
+        wait_for(lambda: self.counters()["backed_up_bytes"] >= want, RPC_TIMEOUT_S, "the host copies")
 
     def load(self, tokens) -> tuple[int, tuple[int, int]]:
         """Load back what the host holds of `tokens` and verify the device prefix:

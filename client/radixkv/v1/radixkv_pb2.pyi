@@ -485,6 +485,24 @@ class CheckInvariantsResponse(_message.Message):
     namespaces_checked: int
     def __init__(self, violations: _Optional[_Iterable[_Union[Violation, _Mapping]]] = ..., namespaces_checked: _Optional[int] = ...) -> None: ...
 
+class DropNamespaceRequest(_message.Message):
+    __slots__ = ("namespace", "store")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    store: bool
+    def __init__(self, namespace: _Optional[str] = ..., store: _Optional[bool] = ...) -> None: ...
+
+class DropNamespaceResponse(_message.Message):
+    __slots__ = ("host_tokens", "freed_host_bytes", "stored_tokens")
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREED_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    host_tokens: int
+    freed_host_bytes: int
+    stored_tokens: int
+    def __init__(self, host_tokens: _Optional[int] = ..., freed_host_bytes: _Optional[int] = ..., stored_tokens: _Optional[int] = ...) -> None: ...
+
 class EchoRequest(_message.Message):
     __slots__ = ("payload",)
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]

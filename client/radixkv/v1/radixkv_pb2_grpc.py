@@ -94,6 +94,11 @@ class RadixKVStub:
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.CheckInvariantsRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.CheckInvariantsResponse.FromString,
                 _registered_method=True)
+        self.DropNamespace = channel.unary_unary(
+                '/radixkv.v1.RadixKV/DropNamespace',
+                request_serializer=radixkv_dot_v1_dot_radixkv__pb2.DropNamespaceRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_radixkv__pb2.DropNamespaceResponse.FromString,
+                _registered_method=True)
         self.Echo = channel.unary_unary(
                 '/radixkv.v1.RadixKV/Echo',
                 request_serializer=radixkv_dot_v1_dot_radixkv__pb2.EchoRequest.SerializeToString,
@@ -207,6 +212,17 @@ class RadixKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropNamespace(self, request, context):
+        """Operators: forget a namespace no engine is attached to (a model no longer served):
+        its tree goes, its host pool is freed (and unpinned), routers are told it is
+        cleared; the storage tier keeps what it holds. With `store`, the host copies storage
+        lacks are stored first, as at shutdown (within --shutdown-store-timeout).
+        FAILED_PRECONDITION while a session is attached, NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Echo(self, request, context):
         """Returns its payload: the floor cost of an RPC on this server, for benchmarks.
         """
@@ -302,6 +318,11 @@ def add_RadixKVServicer_to_server(servicer, server):
                     servicer.CheckInvariants,
                     request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.CheckInvariantsRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_radixkv__pb2.CheckInvariantsResponse.SerializeToString,
+            ),
+            'DropNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropNamespace,
+                    request_deserializer=radixkv_dot_v1_dot_radixkv__pb2.DropNamespaceRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_radixkv__pb2.DropNamespaceResponse.SerializeToString,
             ),
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
@@ -643,6 +664,33 @@ class RadixKV:
             '/radixkv.v1.RadixKV/CheckInvariants',
             radixkv_dot_v1_dot_radixkv__pb2.CheckInvariantsRequest.SerializeToString,
             radixkv_dot_v1_dot_radixkv__pb2.CheckInvariantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.RadixKV/DropNamespace',
+            radixkv_dot_v1_dot_radixkv__pb2.DropNamespaceRequest.SerializeToString,
+            radixkv_dot_v1_dot_radixkv__pb2.DropNamespaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

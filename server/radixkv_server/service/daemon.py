@@ -31,6 +31,16 @@ class Violation:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """What DropNamespace removed: the host tier's tokens, the host pool's bytes, and
+    the tokens stored first (when asked)."""
+
+    host_tokens: int
+    freed_host_bytes: int
+    stored_tokens: int
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig, metrics=None, storage=None, events=None):
         self.config = config
@@ -119,6 +129,33 @@ class Daemon:
             ns.report_to(self.events)
         return ns
 
+    async def drop_namespace(self, name: str, store: bool = False) -> Dropped:
+        """Forget namespace `name`, which no session may be attached to: with `store`,
+        its host copies that storage lacks are stored first (shutdown_store.py); then it
+        closes (host pool freed, routers told it is cleared). Registrations wait
+        meanwhile. NOT_FOUND, FAILED_PRECONDITION (a session attached), UNAVAILABLE
+        (shutting down)."""
+        async with self._register_lock:
+            if not self.accepting:
+                raise unavailable("the daemon is shutting down")
+            ns = self.namespace(name)
+            attached = [s for s in self.sessions.all() if s.namespace is ns]
+            if attached:
+                engines = ", ".join(sorted({s.engine or "unnamed" for s in attached}))
+                raise precondition(f"namespace {name} has {len(attached)} live session(s) (engines: {engines}); "
+                                   "stop those engines (or close their sessions) first")
+            stored = 0
+            if store and self.config.shutdown_store_timeout > 0:
+                stored = await store_host_copies(ns.core, time.monotonic() + self.config.shutdown_store_timeout)
+            pool, page_size = ns.host_pool, ns.config.layout.page_size
+            host_tokens = (pool.num_pages - ns.cache.host.num_free) * page_size
+            dropped = Dropped(host_tokens, pool.nbytes, stored * page_size)
+            del self.namespaces[name]
+            await ns.close()
+        log_event(log, "namespace.dropped", namespace=name, host_tokens=dropped.host_tokens,
+                  freed_host_bytes=dropped.freed_host_bytes, stored_tokens=dropped.stored_tokens)
+        return dropped
+
     # -- sessions ----------------------------------------------------------------------
 
     def session(self, session_id: str) -> Session:
@@ -198,4 +235,4 @@ class Daemon:
         return time.monotonic() - self.started
 
 
-__all__ = ["Daemon", "Violation"]
+__all__ = ["Daemon", "Dropped", "Violation"]

@@ -170,6 +170,14 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             namespaces_checked=len(namespaces))
 
     @rpc
+    async def DropNamespace(self, request, context):
+        if not request.namespace:
+            raise invalid("DropNamespace needs the namespace to drop")
+        d = await self.daemon.drop_namespace(request.namespace, request.store)
+        return pb.DropNamespaceResponse(host_tokens=d.host_tokens, freed_host_bytes=d.freed_host_bytes,
+                                        stored_tokens=d.stored_tokens)
+
+    @rpc
     async def WatchEvents(self, request, context):
         """Stream KV event batches (see the proto and watch.py); errors end it with a status."""
         async for batch in watch(self.daemon, request):

@@ -27,14 +27,14 @@ PROGRESS_EVERY_S = 1.0
 ALL_STORED = "all stored"
 
 
-async def store_host_copies(core: NamespaceCore, deadline: float) -> None:
+async def store_host_copies(core: NamespaceCore, deadline: float) -> int:
     """Store `core`'s host copies that storage lacks until done, a store fails, or
-    `deadline` (time.monotonic) passes; logs progress and the outcome. Nothing to do
-    without a storage tier."""
+    `deadline` (time.monotonic) passes; logs progress and the outcome. Returns the pages
+    stored. Nothing to do without a storage tier."""
     cache, copies, config = core.cache, core.copies, core.config
     nodes = cache.unstored_host_nodes() if copies.storage is not None else []
     if not nodes:
-        return
+        return 0
     pages_of = cache.tree.pages_of
     total = sum(pages_of(n) for n in nodes)
     in_flight = config.storage_workers
@@ -73,6 +73,7 @@ async def store_host_copies(core: NamespaceCore, deadline: float) -> None:
     log_event(log, "shutdown.stored", logging.INFO if outcome == ALL_STORED else logging.WARNING,
               namespace=config.name, stored_pages=stored, of=total, seconds=round(time.monotonic() - started, 2),
               outcome=outcome)
+    return stored
 
 
 def _batches(nodes: list[Node], pages: int, pages_of) -> Iterator[list[Node]]:
