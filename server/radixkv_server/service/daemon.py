@@ -147,9 +147,8 @@ class Daemon:
             stored = 0
             if store and self.config.shutdown_store_timeout > 0:
                 stored = await store_host_copies(ns.core, time.monotonic() + self.config.shutdown_store_timeout)
-            pool, page_size = ns.host_pool, ns.config.layout.page_size
-            host_tokens = (pool.num_pages - ns.cache.host.num_free) * page_size
-            dropped = Dropped(host_tokens, pool.nbytes, stored * page_size)
+            page_size = ns.config.layout.page_size
+            dropped = Dropped(ns.cache.host.num_used * page_size, ns.host_pool.nbytes, stored * page_size)
             del self.namespaces[name]
             await ns.close()
         log_event(log, "namespace.dropped", namespace=name, host_tokens=dropped.host_tokens,
