@@ -79,6 +79,11 @@ def test_a_hung_storage_tier_holds_the_shutdown_only_as_long_as_its_calls_last(d
     [failed] = events(log, "copy.failed")
     [stopped] = events(log, "daemon.stopped")
     assert stored["ts"] <= failed["ts"] <= stopped["ts"]
+    # That call began with the step and lasted its (retries + 1) rounds of socket_timeout
+    # plus backoff (redis-py's defaults here: 3 x 0.5 s + at most 2 x 0.5 s), not rounds
+    # nested in a connection health check's own retries (9 x 0.5 s).
+    began = stored["ts"] - stored["seconds"]
+    assert failed["ts"] - began < 3.0, (stored, failed)
 
 
 def test_a_storage_tier_that_is_down_ends_the_storing_at_its_first_failure(daemon_factory, private_redis):

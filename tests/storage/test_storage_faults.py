@@ -61,6 +61,20 @@ def test_redis_that_hangs_times_out(private_redis):
     backend.close()
 
 
+def test_redis_connections_the_server_dropped_reconnect_on_the_next_call(private_redis):
+    # Connections are not health-checked before use (that check nests a second retry
+    # loop and stretches a hung server's calls); the command's own retry reconnects.
+    backend = RedisStorage(private_redis.url, retries=1)
+    assert backend.put([(KEY_A, b"page")]) == 1
+    admin = redis.Redis(unix_socket_path=str(private_redis.socket))
+    assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+    assert backend.get([KEY_A]) == [b"page"]
+    assert backend.put([(KEY_B, b"page")]) == 1
+    assert backend.stats.errors == 0
+    admin.close()
+    backend.close()
+
+
 def test_redis_error_message_leaves_out_the_password():
     backend = open_storage("redis://user:s3cret@127.0.0.1:1/0?socket_connect_timeout=0.2")
     exc = _assert_unavailable(lambda: backend.get([KEY_A]), "redis://127.0.0.1:1/0", "get")

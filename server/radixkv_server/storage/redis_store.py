@@ -11,10 +11,12 @@ whether used or not).
 
 Every batch is one round trip (a non-transactional pipeline). A lost connection is retried
 by redis-py with jittered exponential backoff, at most `retries` times; a call that still
-fails raises StorageUnavailable. Against a server that stopped answering (SIGSTOP), with
-the defaults: a pipelined call from a fresh client failed after 6.2 s, about
-`(retries + 1) * socket_timeout`, but a daemon's store of 32 pages only after 18 s (not
-explained yet): budget several times that product for a hung server.
+fails raises StorageUnavailable. A call against a server that stopped answering (SIGSTOP)
+fails after about `(retries + 1) * socket_timeout` (6.2 s with the defaults). Connections
+are not health-checked before use: redis-py's check runs its own retry loop inside the
+command's, which made a call on a connection idle for the check's interval fail only
+after 10-18 s; a connection the server dropped fails its command instead, which the
+command's retry reconnects.
 """
 
 from urllib.parse import parse_qs, urlsplit
@@ -69,7 +71,7 @@ class RedisStorage(StorageBackend):
             pool = redis.BlockingConnectionPool.from_url(
                 url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
                 retry=retry, max_connections=max_connections, timeout=socket_timeout,
-                health_check_interval=30)
+                health_check_interval=0)
         except ValueError as exc:
             raise ValueError(f"bad Redis URL {self.name}: {exc}") from None
         self._client = redis.Redis(connection_pool=pool)
