@@ -71,6 +71,13 @@ class Metrics:
         if not ok:
             self.storage_errors.labels(operation).inc()
 
+    def forget_namespace(self, name: str) -> None:
+        """Stop exporting the series labelled with namespace `name` (it was dropped); the
+        state the collector reads at scrape time forgets it by itself. A namespace of that
+        name registered later starts its series from zero."""
+        for metric in (self.copy_duration, self.invariant_violations, self.expirations):
+            metric.remove_by_labels({"namespace": name})
+
     def watch(self, daemon, loop: asyncio.AbstractEventLoop) -> None:
         """Export the daemon's state, read on `loop` at each scrape."""
         self.registry.register(_StateCollector(daemon, loop))

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from radixkv.client import Client
 from radixkv.v1 import radixkv_pb2 as pb
 from tests.support.daemon import free_port, wait_for
 
@@ -213,3 +214,27 @@ def test_dashboard_panels_are_well_formed():
         assert p["targets"] and len({t["refId"] for t in p["targets"]}) == len(p["targets"]), p["title"]
         grid = p["gridPos"]
         assert grid["x"] + grid["w"] <= 24, p["title"]
+
+
+def test_a_dropped_namespace_leaves_no_series_behind(daemon_factory):
+    """After DropNamespace no series is labelled with that namespace (copy histograms
+    included), while another namespace's series stay."""
+    d = daemon_factory()
+    for ns in ("ops/dropped", "ops/kept"):
+        small_workload(d, ns)  # load-backs: copy durations observed for each namespace
+
+    def namespaces(text: str) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if "namespace" in s.labels:
+                    out.setdefault(s.labels["namespace"], set()).add(s.name)
+        return out
+
+    before = namespaces(d.scrape())
+    assert "radixkv_copy_duration_seconds_count" in before["ops/dropped"]
+    with Client(d.target, timeout=SCRAPE_TIMEOUT_S) as admin:
+        admin.drop_namespace("ops/dropped")
+    after = namespaces(d.scrape())
+    assert "ops/dropped" not in after
+    assert after["ops/kept"] == before["ops/kept"]

@@ -151,6 +151,8 @@ class Daemon:
             dropped = Dropped(ns.cache.host.num_used * page_size, ns.host_pool.nbytes, stored * page_size)
             del self.namespaces[name]
             await ns.close()
+            if self.metrics is not None:
+                self.metrics.forget_namespace(name)
         log_event(log, "namespace.dropped", namespace=name, host_tokens=dropped.host_tokens,
                   freed_host_bytes=dropped.freed_host_bytes, stored_tokens=dropped.stored_tokens)
         return dropped
