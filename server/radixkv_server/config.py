@@ -60,8 +60,9 @@ class DaemonConfig:
     write_through_threshold: int = _opt(2, "hits before write_through_selective backs a node up")
     eviction_policy: str = _opt("lru", "eviction order", choices=tuple(STRATEGIES))
     copy_workers: int = _opt(2, "threads copying pages per namespace")
-    storage: str = _opt("", "L3 storage: file:///dir, a path, redis://host:port/db or unix:///redis.sock "
-                        "(empty: off)")
+    storage: str = _opt("", "L3 storage: file:///dir (or a path), redis://host:port/db, unix:///redis.sock, "
+                        "redis+cluster://host:port,host:port,... or mooncake://master:port?... "
+                        "(docs/operations.md lists each URL's options; empty: off)")
     storage_policy: str = _opt("write_back", "when pages go to storage: on host eviction (write_back) or "
                                "as soon as they reach host (write_through)",
                                choices=_values(StoragePolicy, skip=(StoragePolicy.OFF,)))
