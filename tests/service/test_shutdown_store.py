@@ -76,7 +76,7 @@ def test_a_hung_storage_tier_holds_the_shutdown_only_as_long_as_its_calls_last(d
     assert 1.0 <= stored["seconds"] < 5, stored
     # The store in flight when the time was up failed within redis-py's timeouts, and the
     # daemon stopped then: it waited for that call, and for nothing else.
-    [failed] = events(log, "copy.failed")
+    [failed] = events(log, "storage.unavailable")
     [stopped] = events(log, "daemon.stopped")
     assert stored["ts"] <= failed["ts"] <= stopped["ts"]
     # That call began with the step and lasted its (retries + 1) rounds of socket_timeout

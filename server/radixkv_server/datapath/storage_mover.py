@@ -11,8 +11,10 @@ can register it.
 
 Writes are asynchronous and bounded: past `max_pending_pages` pages queued, a new store
 fails at once ("queue full") instead of growing memory; the core then treats the node
-as not stored. Errors become strings reported on the loop, and the first error of an
-outage and the recovery after it are logged once each.
+as not stored. Errors become strings reported on the loop. The log says each condition
+once, not once per store: the first error of an outage and the recovery after it
+(`storage.unavailable`, `storage.recovered`), the first store refused for a full queue
+and the first accepted after it (`storage.queue_full`, `storage.queue_drained`).
 """
 
 import asyncio
@@ -48,6 +50,7 @@ class StorageMover:
         self.namespace = namespace
         self.pending_pages = 0
         self.healthy = True
+        self.refused_stores = 0  # since the queue last filled up (0: it is not full)
         self._closed = False
         self._pages = None  # numpy view of the pool, [num_pages, page_bytes], made lazily
         self._attach()
@@ -74,10 +77,23 @@ class StorageMover:
         if self._closed or self.pending_pages + n > self._max_pending:
             reason = "storage is closed" if self._closed else (
                 f"storage write queue full ({self.pending_pages} pages pending)")
+            if not self._closed:
+                self._refused(n)
             self._loop.call_soon(self._stored, transfer, 0, reason)  # nothing was queued
             return
+        if self.refused_stores:
+            log_event(log, "storage.queue_drained", namespace=self.namespace, refused_stores=self.refused_stores,
+                      pending_pages=self.pending_pages)
+            self.refused_stores = 0
         self.pending_pages += n
         self._pool.submit(self._store, transfer, bytes(host_pages), list(keys))
+
+    def _refused(self, pages: int) -> None:
+        if not self.refused_stores:
+            log_event(log, "storage.queue_full", logging.WARNING, namespace=self.namespace,
+                      pending_pages=self.pending_pages, refused_pages=pages, max_pending_pages=self._max_pending,
+                      note="stores are refused (their pages stay on host only) until the queue drains")
+        self.refused_stores += 1
 
     def fetch(self, transfer: int, keys: list[bytes], host_pages: bytes, ahead: ReadAhead | None = None) -> None:
         """Read `keys` into `host_pages`; from `ahead` (a `find_run` answer) where it

@@ -131,11 +131,14 @@ class Copies:
     # -- completions, on the loop ---------------------------------------------------------
 
     def _copied(self, transfer: int, error: str | None) -> None:
-        self._observe(transfer, error)
+        direction = self._observe(transfer, error)
         outcome = self._cache.on_copy_done(transfer, error)
         if error is not None:
-            log_event(log, "copy.failed", logging.WARNING, namespace=self._config.name,
-                      transfer=transfer, error=error)
+            # A failed store is the storage tier's condition, which the StorageMover logs
+            # once per outage (or full queue): a line per store would flood the log.
+            level = logging.DEBUG if direction == "store" else logging.WARNING
+            log_event(log, "copy.failed", level, namespace=self._config.name, transfer=transfer,
+                      direction=direction, error=error)
         _resolve(self._write_backs.pop(transfer, None), outcome.freed_pages)
         self._wake(transfer)
 
@@ -145,10 +148,12 @@ class Copies:
         _resolve(self._fetches.pop(transfer, None), outcome)
         self._wake(transfer)
 
-    def _observe(self, transfer: int, error: str | None) -> None:
+    def _observe(self, transfer: int, error: str | None) -> str | None:
+        """Time a finished copy (a good one) for the metrics; returns its direction."""
         direction, start = self._started.pop(transfer, (None, 0.0))
         if self._metrics is not None and error is None and direction is not None:
             self._metrics.copy_duration.labels(self._config.name, direction).observe(time.perf_counter() - start)
+        return direction
 
     def _wake(self, transfer: int) -> None:
         event = self._waiters.pop(transfer, None)

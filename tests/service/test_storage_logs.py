@@ -1,0 +1,72 @@
+"""A storage tier in trouble is said once in the log, not once per store: an outage as
+`storage.unavailable` then `storage.recovered`, a full write queue as `storage.queue_full`
+then `storage.queue_drained` (docs/operations.md). Engines insert at scheduler speed, so
+a line per failed store would bury every other line while storage is down."""
+
+import json
+import signal
+
+from tests.support.daemon import wait_for
+from tests.support.engine import PS, EngineDouble, prompt
+
+DEADLINE_S = 20.0
+PAGES = 8  # per prompt: one store each (write-through)
+
+
+def events(log: str) -> list[dict]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+
+def warnings(log: str) -> list[str]:
+    return [e["event"] for e in events(log) if e["level"] in ("warning", "error")]
+
+
+def count(log: str, name: str) -> int:
+    return sum(1 for e in events(log) if e["event"] == name)
+
+
+def test_an_outage_is_one_warning_and_one_recovery_however_many_stores_fail(daemon_factory, private_redis):
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through", "--log-format", "json")
+    engine = EngineDouble.connect(d.target)
+    try:
+        private_redis.stop()
+        for i in range(30):
+            engine.prefill(prompt(i))
+        wait_for(lambda: engine.counters()["store_failed_tokens"] == 30 * PAGES * PS, DEADLINE_S,
+                 "every store to fail")
+        assert warnings(d.log()) == ["storage.unavailable"]
+        private_redis.start()
+        engine.prefill(prompt(99))
+        wait_for(lambda: engine.counters()["stored_tokens"] == PAGES * PS, DEADLINE_S, "the store after it")
+    finally:
+        engine.close()
+    log = d.log()
+    assert warnings(log) == ["storage.unavailable"] and count(log, "storage.recovered") == 1
+
+
+def test_a_full_write_queue_is_one_warning_until_it_drains(daemon_factory, private_redis):
+    # Redis frozen with a long socket timeout: the first two stores wait in flight and
+    # fill the queue of 2 x PAGES pages, the next four are refused.
+    d = daemon_factory("--storage", private_redis.url + "?socket_timeout=60", "--storage-policy", "write_through",
+                       "--storage-queue-pages", str(2 * PAGES), "--log-format", "json")
+    engine = EngineDouble.connect(d.target)
+    try:
+        private_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(6):
+                engine.prefill(prompt(i))
+            wait_for(lambda: engine.counters()["store_failed_tokens"] == 4 * PAGES * PS, DEADLINE_S,
+                     "four stores refused")
+            [full] = [e for e in events(d.log()) if e["event"] == "storage.queue_full"]
+            assert (full["pending_pages"], full["max_pending_pages"]) == (2 * PAGES, 2 * PAGES)
+        finally:
+            private_redis.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: engine.counters()["stored_tokens"] == 2 * PAGES * PS, DEADLINE_S, "the queued stores")
+        engine.prefill(prompt(7))
+        wait_for(lambda: engine.counters()["stored_tokens"] == 3 * PAGES * PS, DEADLINE_S, "a store after it")
+    finally:
+        engine.close()
+    log = d.log()
+    assert warnings(log) == ["storage.queue_full"]
+    [drained] = [e for e in events(log) if e["event"] == "storage.queue_drained"]
+    assert drained["refused_stores"] == 4
