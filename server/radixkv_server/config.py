@@ -68,6 +68,9 @@ class DaemonConfig:
                                choices=_values(StoragePolicy, skip=(StoragePolicy.OFF,)))
     storage_workers: int = _opt(2, "threads doing storage I/O per namespace")
     storage_queue_pages: int = _opt(4096, "pages queued for storage writes before new ones are refused")
+    storage_lookup_timeout: float = _opt(2.0, "seconds an engine call (Match with storage, Prefetch) waits for "
+                                         "storage to say what it holds; past it the call answers without "
+                                         "storage and lookups skip storage until that one answers (0: no limit)")
     malloc_trim_threshold: int = _opt(256 * 1024**2, "freed heap glibc's malloc keeps for reuse instead of "
                                       "returning it to the kernel, so the reply buffers of each storage fetch do "
                                       "not fault in fresh memory (0: glibc's default)", size=True)
@@ -123,8 +126,8 @@ class DaemonConfig:
                      "max_prompts_per_match", "max_concurrent_rpcs", "max_acks_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("shutdown_grace", "shutdown_store_timeout", "lease_timeout", "ack_timeout",
-                     "fault_copy_delay"):
+        for name in ("shutdown_grace", "shutdown_store_timeout", "storage_lookup_timeout", "lease_timeout",
+                     "ack_timeout", "fault_copy_delay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.fault_fail_loads <= 1:

@@ -2,6 +2,7 @@
 while readers and writers run; maxmemory eviction in the middle of a prefix. Misses
 and StorageUnavailable are allowed, wrong bytes never, and no call outlives its bound."""
 
+import signal
 import threading
 import time
 
@@ -137,6 +138,30 @@ def test_maxmemory_eviction_in_the_middle_of_a_prefix_stops_it_there(cluster):
     assert backend.exists_prefix(keys) <= n
     checker.close()
     backend.close()
+
+
+def test_a_cluster_that_stops_answering_raises_storage_unavailable_then_works_again():
+    # redis-py says "no node reachable" with RedisClusterException, which is no RedisError.
+    c = RedisCluster(masters=3, replicas=0).start()
+    try:
+        backend = open_storage(f"{c.url}?socket_timeout=0.2&retries=0&prefix=frozen:")
+        keys = lender_keys(2, 8)
+        data = pages(8, 2)
+        assert backend.put([(k, memoryview(data[i])) for i, k in enumerate(keys)]) == 8
+        for proc in c.procs.values():
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            for call in (lambda: backend.get(keys), lambda: backend.exists_prefix(keys),
+                         lambda: backend.put([(lender_keys(3, 1)[0], b"page")])):
+                with pytest.raises(StorageUnavailable):
+                    call()
+        finally:
+            for proc in c.procs.values():
+                proc.send_signal(signal.SIGCONT)
+        assert backend.get(keys) == [bytes(row) for row in data]
+        backend.close()
+    finally:
+        c.cleanup()
 
 
 def test_url_forms():

@@ -15,6 +15,13 @@ as not stored. Errors become strings reported on the loop. The log says each con
 once, not once per store: the first error of an outage and the recovery after it
 (`storage.unavailable`, `storage.recovered`), the first store refused for a full queue
 and the first accepted after it (`storage.queue_full`, `storage.queue_drained`).
+
+Lookups (`find_run`, `probe`) answer engine calls, so they are waited for at most
+`lookup_timeout` seconds, whatever the backend's own timeouts add up to (a frozen Redis
+Cluster costs a call one socket timeout per shard and more per topology refresh). Past
+it the lookup answers "nothing stored", and so does every lookup after it, without
+asking storage, until the late one ends: engines never queue behind a store that does
+not answer, and a hung store holds one lookup, not one per engine call.
 """
 
 import asyncio
@@ -38,7 +45,7 @@ def _close_read(done) -> None:
 class StorageMover:
     def __init__(self, loop: asyncio.AbstractEventLoop, backend: StorageBackend, host_pool,
                  on_stored, on_fetched, *, workers: int = 2, max_pending_pages: int = 4096,
-                 namespace: str = "", observe=None):
+                 lookup_timeout: float = 0.0, namespace: str = "", observe=None):
         self._loop = loop
         self._backend = backend
         self._host = host_pool
@@ -46,6 +53,8 @@ class StorageMover:
         self._on_fetched = on_fetched    # (transfer, pages_read, error | None), on the loop
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixkv-storage")
         self._max_pending = max_pending_pages
+        self._lookup_timeout = lookup_timeout  # 0: lookups are waited for as long as they take
+        self.late_lookups = 0  # lookups past lookup_timeout still running: storage is skipped meanwhile
         self._observe = observe          # (operation, seconds, ok) from worker threads
         self.namespace = namespace
         self.pending_pages = 0
@@ -112,7 +121,7 @@ class StorageMover:
         where the backend can (StorageBackend.read_ahead): then the caller hands it to
         `fetch` or closes it (if the caller is cancelled meanwhile, it is closed when the
         read completes). Without, only a probe (exists_prefix)."""
-        if not keys or self._closed:
+        if not keys or self._closed or self.late_lookups:
             return ReadAhead([])
         if read:
             job = self._pool.submit(self._timed, "exists", self._backend.read_ahead, keys,
@@ -120,7 +129,7 @@ class StorageMover:
         else:
             job = self._pool.submit(lambda: ReadAhead(keys[:self._probe([keys])[0]]))
         try:
-            return await asyncio.wrap_future(job)
+            return await self._answer(job, _close_read)
         except StorageUnavailable as e:
             self._health(str(e))
             return ReadAhead([])
@@ -130,13 +139,42 @@ class StorageMover:
 
     async def probe(self, key_lists: list[list[bytes]]) -> list[int]:
         """How many leading keys of each list storage holds; zeros while it is down."""
-        if not any(key_lists):
+        if not any(key_lists) or self.late_lookups:
             return [0] * len(key_lists)
         try:
-            return await self._loop.run_in_executor(self._pool, self._probe, key_lists)
+            return await self._answer(self._pool.submit(self._probe, key_lists))
         except StorageUnavailable as e:
             self._health(str(e))
             return [0] * len(key_lists)
+
+    async def _answer(self, job, discard=None):
+        """The lookup `job`'s answer, waited for at most lookup_timeout. Past it, raises
+        StorageUnavailable; lookups then skip storage until the job ends, which says
+        whether storage recovered (its answer, nobody's now, goes to `discard`)."""
+        answer = asyncio.wrap_future(job)
+        if not self._lookup_timeout:
+            return await answer
+        try:
+            done, _ = await asyncio.wait([answer], timeout=self._lookup_timeout)
+        except asyncio.CancelledError:
+            answer.cancel()  # as awaiting it would have: the job is not run if not started yet
+            raise
+        if done:
+            return answer.result()
+        self.late_lookups += 1
+        answer.add_done_callback(lambda late: self._late_answer(late, discard))
+        raise StorageUnavailable(self._backend.name, "lookup", detail=(
+            f"no answer within {self._lookup_timeout:g}s (--storage-lookup-timeout); lookups skip storage "
+            "until it answers"))
+
+    def _late_answer(self, late: asyncio.Future, discard) -> None:
+        self.late_lookups -= 1
+        if late.cancelled():
+            return
+        error = late.exception()
+        self._health(None if error is None else str(error))
+        if discard is not None:
+            discard(late)
 
     # -- worker threads ----------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class Copies:
             self.storage = StorageMover(
                 self._loop, storage_backend, host_pool, self._copied, self._fetched,
                 workers=config.storage_workers, max_pending_pages=config.storage_queue_pages,
+                lookup_timeout=config.storage_lookup_timeout,
                 namespace=config.name, observe=metrics.observe_storage if metrics is not None else None)
 
     def bind(self, cache: HierarchicalCache) -> None:

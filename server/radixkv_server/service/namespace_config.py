@@ -19,6 +19,7 @@ class NamespaceConfig:
     copy_workers: int          # threads copying pages between device and host
     storage_workers: int       # threads doing storage I/O
     storage_queue_pages: int   # pages queued for storage writes before new ones are refused
+    storage_lookup_timeout: float = 0.0  # seconds an engine call waits for a storage lookup (0: no limit)
     copy_delay: float = 0.0    # fault injection for tests (DaemonConfig.fault_copy_delay)
     fail_loads: float = 0.0    # fault injection for tests (DaemonConfig.fault_fail_loads)
     model: str = ""            # whose KV it holds (Registration.model_name): another model is refused

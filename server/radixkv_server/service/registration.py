@@ -124,7 +124,8 @@ def namespace_config(config: DaemonConfig, reg: Registration, policy: str, stora
         name=reg.namespace, layout=reg.layout, cache=cache_config(config, reg, policy, storage_on),
         host_pages=host_pages(config, reg), pin_device=pin_device(reg), prefault_host=config.host_pool_prefault,
         copy_workers=config.copy_workers, storage_workers=config.storage_workers,
-        storage_queue_pages=config.storage_queue_pages, copy_delay=config.fault_copy_delay,
+        storage_queue_pages=config.storage_queue_pages, storage_lookup_timeout=config.storage_lookup_timeout,
+        copy_delay=config.fault_copy_delay,
         fail_loads=config.fault_fail_loads, model=reg.model_name)
 
 

@@ -13,14 +13,18 @@ Failure behaviour:
   re-reads the slot map so the promoted replica is used once the cluster has one.
 - `maxmemory` eviction removing a page in the middle of a prefix: that page is a miss,
   and prefetch and `exists_prefix` stop there.
-- every call is bounded: `socket_timeout` per command round, at most `retries` rounds.
+- a cluster that stops answering (frozen nodes, dropped packets): a call fails after a
+  socket timeout per shard its pipeline reaches, then one per startup node while
+  redis-py refreshes the topology (3 frozen masters, defaults: a GET 8 s, a SET 14 s).
+  The daemon's engine calls wait for no more than --storage-lookup-timeout
+  (datapath/storage_mover.py); stores wait it out on the storage threads.
 """
 
 from urllib.parse import unquote
 
 from redis.backoff import EqualJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from .base import StorageBackend, StorageUnavailable
@@ -32,7 +36,8 @@ class RedisClusterStorage(StorageBackend):
     Connects on the first call (construction raises only ValueError): that call reads
     the slot map from the first node that answers. Thread-safe."""
 
-    faults = (RedisError, OSError)
+    # RedisClusterException (no node reachable, a slot no node serves) is not a RedisError.
+    faults = (RedisError, RedisClusterException, OSError)
     kind = "redis+cluster"
 
     def __init__(self, nodes: list[tuple[str, int]], key_prefix: bytes = b"radixkv:",
