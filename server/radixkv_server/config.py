@@ -8,6 +8,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from .core.evictable import STRATEGIES
 from .core.policy import StoragePolicy, WritePolicy
@@ -154,11 +155,33 @@ class DaemonConfig:
         return self.max_host_pool_size or self.host_pool_size
 
     def describe(self) -> dict:
-        """Every field, for the start-up log; the token itself is never shown."""
+        """Every field, for the start-up log; secrets (the token, a password in the
+        storage URL) are never shown."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if out["auth_token"]:
             out["auth_token"] = "<set>"
+        out["storage"] = without_passwords(out["storage"])
         return out
+
+
+def without_passwords(url: str) -> str:
+    """`url` with the password of its user part and of any `*password*` option replaced
+    by `<set>`; the rest (user, hosts, options) kept for the log."""
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    secret_options = any("password" in k.lower() for k, _ in pairs)
+    if parts.password is None and not secret_options:
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, hosts = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:<set>@{hosts}"
+    query = parts.query
+    if secret_options:
+        query = urlencode([(k, "<set>" if "password" in k.lower() else v) for k, v in pairs], safe="<>")
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def _convert(f: dataclasses.Field, text: str):

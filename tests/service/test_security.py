@@ -282,3 +282,21 @@ def test_bad_security_config_is_refused_at_start(tmp_path):
         assert "auth token file" in d.log() and "is empty" in d.log()
     finally:
         d.cleanup()
+
+
+def test_a_storage_password_is_never_logged(daemons):
+    # Nothing listens on port 1: the store's errors are logged too, with its name only.
+    d = daemons("--storage", "redis://tenant:s3cret-a@127.0.0.1:1/0?password=s3cret-b&socket_connect_timeout=0.2",
+                "--storage-policy", "write_through")
+    with Client(d.target, timeout=10) as c:
+        buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+        try:
+            c.register("pw/tp0", LAYOUT, buffers.specs(), NUM_PAGES, host_pool_pages=16)
+            [m] = c.match([tokens(0, 2)], include_storage=True)
+            assert m.storage_tokens == 0
+        finally:
+            buffers.close()
+    wait_for(lambda: "storage.unavailable" in d.log(), 10, "the store's error logged")
+    log = d.log()
+    assert "s3cret" not in log
+    assert "redis://tenant:<set>@127.0.0.1:1/0?password=<set>&socket_connect_timeout=0.2" in log
