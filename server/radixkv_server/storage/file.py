@@ -12,6 +12,10 @@ and no reader sees a mix. A writer that crashes mid-page leaves only its `.tmp` 
 which nothing reads; an operator may delete old ones
 (`find <dir> -name '.*.tmp' -mmin +60 -delete`).
 
+With `max_bytes` the directory is kept near that size, the pages used least recently
+removed first (file_budget.py); without, it grows until the disk is full, and stores
+then fail (reads go on).
+
 The top directory is created when the backend opens and never again: if it disappears
 later (an unmounted volume, an operator's `rm -r`), every call raises StorageUnavailable
 instead of quietly refilling the underlying filesystem; it works again once the
@@ -23,6 +27,7 @@ import os
 import secrets
 
 from .base import Read, StorageBackend, StorageUnavailable
+from .file_budget import DiskBudget
 from .record import HEADER_BYTES, header
 
 SUFFIX = ".page"
@@ -32,15 +37,17 @@ class FileStorage(StorageBackend):
     """Pages as files under `directory`. `fsync=True` flushes each page and its directory
     to disk before the page becomes visible (durable across power loss; slower).
     Without it a crash can lose recent pages, and a page damaged by one reads as a miss.
-    Raises StorageUnavailable if the directory cannot be created."""
+    `max_bytes` bounds the directory (DiskBudget; None: no bound). Raises
+    StorageUnavailable if the directory cannot be created, ValueError for a bad bound."""
 
     faults = (OSError,)
     kind = "file"
 
-    def __init__(self, directory: str | os.PathLike, *, fsync: bool = False):
+    def __init__(self, directory: str | os.PathLike, *, fsync: bool = False, max_bytes: int | None = None):
         self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
         super().__init__(f"file://{self.directory}")
         self.fsync = fsync
+        self.budget = DiskBudget(self.directory, max_bytes, SUFFIX) if max_bytes is not None else None
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
@@ -121,7 +128,10 @@ class FileStorage(StorageBackend):
             path = self.path_for(key)
             present = os.path.exists(path)
             if not present:
-                self._write(path, blob if isinstance(blob, tuple) else (blob,))
+                parts = blob if isinstance(blob, tuple) else (blob,)
+                self._write(path, parts)
+                if self.budget is not None:
+                    self.budget.wrote(path, sum(memoryview(p).nbytes for p in parts))
             stored.append(not present)
         return stored
 

@@ -9,6 +9,7 @@ its schemes in `SCHEMES`. The backends import `base`, never this module.
 from collections.abc import Callable
 from urllib.parse import SplitResult, parse_qs, unquote, urlencode, urlsplit
 
+from ..config import parse_size
 from .base import StorageBackend, redact_url
 
 Opener = Callable[[str, SplitResult, dict[str, str]], StorageBackend]
@@ -19,7 +20,9 @@ def open_storage(url: str) -> StorageBackend:
 
     - `file:///abs/dir` (or `file://localhost/abs/dir`) and a bare path (`/abs/dir`,
       `rel/dir`, `~/dir`): a directory of page files (`FileStorage`), created if absent.
-      Option: `?fsync=1` to fsync each page and its directory before it becomes visible.
+      Options: `?fsync=1` to fsync each page and its directory before it becomes visible;
+      `max_size=<bytes>` (e.g. `200GiB`) to keep the directory near that size, removing
+      the pages used least recently.
     - `redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS), and
       `unix:///path/redis.sock[?db=N]`: Redis or Valkey (`RedisStorage`), connected lazily.
       Options: `ttl=<seconds>` (pages expire that long after they are written),
@@ -51,11 +54,16 @@ def _open_file(url: str, parts: SplitResult, options: dict[str, str]) -> Storage
     if not path:
         raise ValueError(f"file storage URL {url!r} has no path")
     fsync = options.pop("fsync", "0")
+    max_size = options.pop("max_size", None)
     if options:
-        raise ValueError(f"unknown option(s) {sorted(options)} in {url!r}; file storage takes fsync")
+        raise ValueError(f"unknown option(s) {sorted(options)} in {url!r}; file storage takes fsync, max_size")
     if fsync not in ("0", "1", "true", "false"):
         raise ValueError(f"fsync must be 0, 1, true or false in {url!r}, got {fsync!r}")
-    return FileStorage(path, fsync=fsync in ("1", "true"))
+    try:
+        max_bytes = parse_size(max_size) if max_size is not None else None
+    except ValueError as exc:
+        raise ValueError(f"max_size in {url!r}: {exc}") from None
+    return FileStorage(path, fsync=fsync in ("1", "true"), max_bytes=max_bytes)
 
 
 def _open_redis(url: str, parts: SplitResult, options: dict[str, str]) -> StorageBackend:

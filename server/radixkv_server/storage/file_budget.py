@@ -1,0 +1,119 @@
+"""DiskBudget: keeps a page directory (FileStorage) under a size, removing the pages
+used least recently.
+
+The directory's first fan-out level splits it into 256 shards (`<dir>/<h[0:2]>/`); keys
+are hashes, so pages spread evenly over them, and each shard is kept under 1/256 of the
+budget on its own. A shard's size is counted as pages are written; once this process
+has written a tenth of the shard's share since it last looked, the shard is measured
+on disk again (so pages other daemons wrote into a shared directory count too), and if
+it is over its share its oldest pages are removed until it is at 90% of it. Work per
+look is one scan of one shard (a 256th of the directory), paid by the write that
+crosses the mark, on a storage thread.
+
+A page's age is the later of its last read and its write (atime and mtime): with the
+`relatime` mount option, Linux's default, a read updates atime when it is the first
+read since the page was written or a day has passed, so a page read since written, or
+read today, counts as used. On `noatime` mounts the order is first-written,
+first-removed. A scan also removes temporary files more than an hour old (left by a
+writer that crashed mid-page).
+
+Between looks a shard may pass its share by a tenth (plus the page that crosses the
+mark), and by another tenth for each other daemon writing into a shared directory.
+Removing a page never disturbs a reader: one that has the file open reads it whole, one
+that opens it after finds no file (a miss, the run ends there). A share should hold
+many pages: with pages larger than a quarter of it, a warning says so once.
+"""
+
+import logging
+import os
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+SHARDS = 256  # the first fan-out level: two hex digits
+LOOK_EVERY = 0.1  # of a shard's share written by this process: measure the shard again
+KEEP = 0.9  # of a shard's share left after removing pages
+TMP_MAX_AGE_S = 3600.0
+MIN_BYTES = SHARDS * 64 * 1024  # 16 MiB: a shard's share holds at least one 64 KiB page
+
+
+class DiskBudget:
+    """`max_bytes` for the page files under `directory` (names ending in `suffix`)."""
+
+    def __init__(self, directory: str, max_bytes: int, suffix: str):
+        if not isinstance(max_bytes, int) or max_bytes < MIN_BYTES:
+            raise ValueError(f"max_size must be at least {MIN_BYTES >> 20}MiB, got {max_bytes!r}")
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.share = max_bytes // SHARDS
+        self._suffix = suffix
+        self._written = [self.share] * SHARDS  # bytes written since the last look: look at first write
+        self._locks = [threading.Lock() for _ in range(SHARDS)]
+        self._warned = False
+        self.removed_pages = 0
+
+    def wrote(self, path: str, nbytes: int) -> None:
+        """A page file of `nbytes` was written at `path` (under the directory's shard
+        level); measure and trim its shard when this process has written enough there."""
+        shard = int(path[len(self.directory) + 1:len(self.directory) + 3], 16)
+        if nbytes * 4 > self.share and not self._warned:
+            self._warned = True
+            log.warning("storage %s: max_size %d gives each of its %d shards %d bytes, under 4 pages of %d: "
+                        "pages are removed soon after they are written; give it at least %d",
+                        self.directory, self.max_bytes, SHARDS, self.share, nbytes, SHARDS * 64 * nbytes)
+        with self._locks[shard]:
+            self._written[shard] += nbytes
+            if self._written[shard] < self.share * LOOK_EVERY:
+                return
+            self._written[shard] = 0
+            self._trim(shard)
+
+    def _trim(self, shard: int) -> None:
+        pages, total = self._scan(f"{self.directory}/{shard:02x}")
+        if total <= self.share:
+            return
+        pages.sort()  # oldest first
+        goal = self.share * KEEP
+        removed = 0
+        for _, size, path in pages:
+            if total <= goal:
+                break
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # another daemon removed it first
+                pass
+            total -= size
+            removed += 1
+        self.removed_pages += removed
+        log.debug("storage %s: shard %02x over its %d bytes: removed %d pages", self.directory, shard,
+                  self.share, removed)
+
+    def _scan(self, shard_dir: str) -> tuple[list[tuple[float, int, str]], int]:
+        """(age, size, path) of every page in the shard, and their total size; removes
+        stale temporary files on the way."""
+        pages, total = [], 0
+        now = time.time()
+        try:
+            subdirs = [e.path for e in os.scandir(shard_dir) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return pages, total
+        for sub in subdirs:
+            try:
+                entries = list(os.scandir(sub))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if entry.name.endswith(self._suffix):
+                    pages.append((max(st.st_atime, st.st_mtime), st.st_size, entry.path))
+                    total += st.st_size
+                elif entry.name.endswith(".tmp") and now - st.st_mtime > TMP_MAX_AGE_S:
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+        return pages, total
