@@ -259,6 +259,7 @@ class _StateCollector(Collector):
             pages.add_metric(["get", "corrupt"], st.corrupt)
             pages.add_metric(["put", "stored"], st.puts)
             pages.add_metric(["put", "already_present"], st.put_skipped)
+            pages.add_metric(["evict", "removed"], st.evicted)
             nbytes = CounterMetricFamily("radixkv_storage_bytes", "Storage payload bytes by direction",
                                          labels=["direction"])
             nbytes.add_metric(["read"], st.get_bytes)

@@ -57,7 +57,7 @@ def test_the_directory_stays_near_its_budget_and_keeps_the_pages_used_last(tmp_p
     assert sum(1 for k in old if not present(k)) > 0.9 * len(old)
     assert backend.get(read) == [payload(k) for k in read]
     assert len(survivors) > 1000 and backend.get(survivors) == [payload(k) for k in survivors]
-    assert backend.budget.removed_pages == sum(1 for k in old + new if not present(k))
+    assert backend.stats.evicted == sum(1 for k in old + new if not present(k))
 
 
 def test_a_directory_filled_before_opening_is_trimmed_as_pages_are_written(tmp_path):

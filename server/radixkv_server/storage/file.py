@@ -131,7 +131,7 @@ class FileStorage(StorageBackend):
                 parts = blob if isinstance(blob, tuple) else (blob,)
                 self._write(path, parts)
                 if self.budget is not None:
-                    self.budget.wrote(path, sum(memoryview(p).nbytes for p in parts))
+                    self._count(evicted=self.budget.wrote(path, sum(memoryview(p).nbytes for p in parts)))
             stored.append(not present)
         return stored
 

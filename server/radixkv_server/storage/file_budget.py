@@ -51,11 +51,11 @@ class DiskBudget:
         self._written = [self.share] * SHARDS  # bytes written since the last look: look at first write
         self._locks = [threading.Lock() for _ in range(SHARDS)]
         self._warned = False
-        self.removed_pages = 0
 
-    def wrote(self, path: str, nbytes: int) -> None:
+    def wrote(self, path: str, nbytes: int) -> int:
         """A page file of `nbytes` was written at `path` (under the directory's shard
-        level); measure and trim its shard when this process has written enough there."""
+        level); measure and trim its shard when this process has written enough there.
+        Returns the pages removed."""
         shard = int(path[len(self.directory) + 1:len(self.directory) + 3], 16)
         if nbytes * 4 > self.share and not self._warned:
             self._warned = True
@@ -65,14 +65,14 @@ class DiskBudget:
         with self._locks[shard]:
             self._written[shard] += nbytes
             if self._written[shard] < self.share * LOOK_EVERY:
-                return
+                return 0
             self._written[shard] = 0
-            self._trim(shard)
+            return self._trim(shard)
 
-    def _trim(self, shard: int) -> None:
+    def _trim(self, shard: int) -> int:
         pages, total = self._scan(f"{self.directory}/{shard:02x}")
         if total <= self.share:
-            return
+            return 0
         pages.sort()  # oldest first
         goal = self.share * KEEP
         removed = 0
@@ -85,9 +85,9 @@ class DiskBudget:
                 pass
             total -= size
             removed += 1
-        self.removed_pages += removed
         log.debug("storage %s: shard %02x over its %d bytes: removed %d pages", self.directory, shard,
                   self.share, removed)
+        return removed
 
     def _scan(self, shard_dir: str) -> tuple[list[tuple[float, int, str]], int]:
         """(age, size, path) of every page in the shard, and their total size; removes
