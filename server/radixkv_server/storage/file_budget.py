@@ -67,7 +67,12 @@ class DiskBudget:
             if self._written[shard] < self.share * LOOK_EVERY:
                 return 0
             self._written[shard] = 0
-            return self._trim(shard)
+            try:
+                return self._trim(shard)
+            except OSError as e:  # the page itself was stored: say why the bound slips, go on
+                log.warning("storage %s: could not trim shard %02x to its %d bytes: %s", self.directory,
+                            shard, self.share, e)
+                return 0
 
     def _trim(self, shard: int) -> int:
         pages, total = self._scan(f"{self.directory}/{shard:02x}")
