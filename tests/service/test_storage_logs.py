@@ -70,3 +70,33 @@ def test_a_full_write_queue_is_one_warning_until_it_drains(daemon_factory, priva
     assert warnings(log) == ["storage.queue_full"]
     [drained] = [e for e in events(log) if e["event"] == "storage.queue_drained"]
     assert drained["refused_stores"] == 4
+
+
+def test_a_store_that_serves_reads_but_refuses_writes_is_one_warning_not_a_flapping_pair(daemon_factory,
+                                                                                         private_redis):
+    # Redis at maxmemory with noeviction (its default policy) refuses every SET and serves
+    # every GET, as a full disk does: prefetches work between the failing stores.
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through", "--log-format", "json")
+    engine = EngineDouble.connect(d.target, host_pool_pages=2 * PAGES)
+    redis = private_redis.client()
+    stored = 20  # more than the host holds: the first ones are in storage only
+    try:
+        for i in range(stored):
+            engine.prefill(prompt(i))
+        wait_for(lambda: engine.counters()["stored_tokens"] == stored * PAGES * PS, DEADLINE_S, "the stores")
+        redis.config_set("maxmemory-policy", "noeviction")
+        redis.config_set("maxmemory", str(redis.info("memory")["used_memory"] + 1000))
+        for i in range(10):
+            engine.prefill(prompt(100 + i))  # its store is refused
+            engine.evict(engine.pool.num_pages)
+            [done] = engine.client.prefetch(prompt(i), policy="wait_complete")[-1:]
+            assert done.state == "done"  # the read works
+        wait_for(lambda: engine.counters()["store_failed_tokens"] > 0, DEADLINE_S, "the stores refused")
+        assert engine.counters()["stored_tokens"] == stored * PAGES * PS
+    finally:
+        redis.close()
+        engine.close()
+    log = d.log()
+    assert warnings(log) == ["storage.unavailable"] and count(log, "storage.recovered") == 0
+    [unavailable] = [e for e in events(log) if e["event"] == "storage.unavailable"]
+    assert unavailable["direction"] == "write" and "maxmemory" in unavailable["error"]

@@ -14,7 +14,10 @@ fails at once ("queue full") instead of growing memory; the core then treats the
 as not stored. Errors become strings reported on the loop. The log says each condition
 once, not once per store: the first error of an outage and the recovery after it
 (`storage.unavailable`, `storage.recovered`), the first store refused for a full queue
-and the first accepted after it (`storage.queue_full`, `storage.queue_drained`).
+and the first accepted after it (`storage.queue_full`, `storage.queue_drained`). Reads
+and writes are told apart (`direction`): a store that serves reads but refuses writes
+(a full disk, Redis at `maxmemory` with `noeviction`, a full Mooncake store) is one
+failing direction, not an outage and a recovery with every read and write.
 
 Lookups (`find_run`, `probe`) answer engine calls, so they are waited for at most
 `lookup_timeout` seconds, whatever the backend's own timeouts add up to (a frozen Redis
@@ -58,7 +61,7 @@ class StorageMover:
         self._observe = observe          # (operation, seconds, ok) from worker threads
         self.namespace = namespace
         self.pending_pages = 0
-        self.healthy = True
+        self.failing: dict[str, str] = {}  # "read" / "write" -> the error that began its outage
         self.refused_stores = 0  # since the queue last filled up (0: it is not full)
         self._closed = False
         self._pages = None  # numpy view of the pool, [num_pages, page_bytes], made lazily
@@ -131,7 +134,7 @@ class StorageMover:
         try:
             return await self._answer(job, _close_read)
         except StorageUnavailable as e:
-            self._health(str(e))
+            self._health(str(e), "read")
             return ReadAhead([])
         except asyncio.CancelledError:
             job.add_done_callback(_close_read)
@@ -144,7 +147,7 @@ class StorageMover:
         try:
             return await self._answer(self._pool.submit(self._probe, key_lists))
         except StorageUnavailable as e:
-            self._health(str(e))
+            self._health(str(e), "read")
             return [0] * len(key_lists)
 
     async def _answer(self, job, discard=None):
@@ -172,7 +175,7 @@ class StorageMover:
         if late.cancelled():
             return
         error = late.exception()
-        self._health(None if error is None else str(error))
+        self._health(None if error is None else str(error), "read")
         if discard is not None:
             discard(late)
 
@@ -226,23 +229,31 @@ class StorageMover:
 
     def _stored(self, transfer: int, queued_pages: int, error: str | None) -> None:
         self.pending_pages -= queued_pages
-        self._health(error)
+        if queued_pages:  # a store refused before it was queued says nothing of the store
+            self._health(error, "write")
         self._on_stored(transfer, error)
 
     def _fetched(self, transfer: int, read: int, error: str | None) -> None:
-        self._health(error)
+        if error != "storage is closed":
+            self._health(error, "read")
         self._on_fetched(transfer, read, error)
 
-    def _health(self, error: str | None) -> None:
-        if error and "queue full" in error:
-            return
-        if error and self.healthy:
-            self.healthy = False
-            log_event(log, "storage.unavailable", logging.WARNING, namespace=self.namespace, error=error,
-                      note="serving from device and host; retrying with each new storage operation")
-        elif error is None and not self.healthy:
-            self.healthy = True
-            log_event(log, "storage.recovered", namespace=self.namespace)
+    @property
+    def healthy(self) -> bool:
+        """Neither reads nor writes are failing."""
+        return not self.failing
+
+    def _health(self, error: str | None, direction: str) -> None:
+        """Log the first failure of `direction` ("read" or "write") and its first success after."""
+        if error and direction not in self.failing:
+            self.failing[direction] = error
+            note = ("stores fail: pages stay on host only; each new store tries again" if direction == "write"
+                    else "lookups and prefetches find nothing in storage; each new one tries again")
+            log_event(log, "storage.unavailable", logging.WARNING, namespace=self.namespace, direction=direction,
+                      error=error, note=note)
+        elif error is None and direction in self.failing:
+            del self.failing[direction]
+            log_event(log, "storage.recovered", namespace=self.namespace, direction=direction)
 
     def close(self) -> None:
         """Finish queued work and stop the threads. Idempotent."""
