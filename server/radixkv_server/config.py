@@ -77,6 +77,9 @@ class DaemonConfig:
                                       "not fault in fresh memory (0: glibc's default)", size=True)
     max_sessions: int = _opt(64, "most sessions at once")
     max_namespaces: int = _opt(64, "most namespaces at once")
+    max_host_memory: int = _opt(0, "most bytes all namespaces' host pools may take together; a Register "
+                                "past it is refused (0: a cgroup memory limit less 1 GiB, or else 80%% of "
+                                "the machine's memory)", size=True)
     max_prompts_per_match: int = _opt(4096, "most prompts in one Match")
     max_message_size: int = _opt(64 * 1024**2, "largest gRPC message, bytes", size=True)
     max_concurrent_rpcs: int = _opt(1024, "RPCs in progress before new ones get RESOURCE_EXHAUSTED")

@@ -11,7 +11,7 @@ import pytest
 from radixkv.v1 import radixkv_pb2 as pb
 from tests.support.daemon import rss_of, wait_for
 
-from faultkit import RawSession, status, stub_for
+from faultkit import LAYOUT, RawSession, status, stub_for
 
 
 def test_session_and_namespace_limits(daemon_factory):
@@ -32,6 +32,42 @@ def test_session_and_namespace_limits(daemon_factory):
     finally:
         for s in sessions:
             s.close()
+        channel.close()
+
+
+def test_host_pools_stay_within_the_daemons_host_memory(daemon_factory):
+    page = LAYOUT.page_bytes
+    d = daemon_factory("--max-host-memory", str(100 * page))
+    channel, stub = stub_for(d.target)
+    a = RawSession(stub, "mem/a", host_pool_pages=64)
+    sessions = [a]
+    try:
+        code, message = status(lambda: stub.Register(a.request(namespace="mem/b", host_pool_pages=64)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert message.startswith(f"a host pool of {64 * page} bytes for namespace mem/b would take the host "
+                                  f"pools to {128 * page} bytes, past {100 * page} (--max-host-memory); "
+                                  f"pools held: mem/a: {64 * page}.")
+        sessions.append(RawSession(stub, "mem/b", host_pool_pages=36))  # what is left fits
+        a.close()
+        sessions.append(RawSession(stub, "mem/a", host_pool_pages=64))  # re-attached: no new memory
+        code, _ = status(lambda: stub.Register(a.request(namespace="mem/c", host_pool_pages=1)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for s in sessions:
+            s.close()
+        channel.close()
+
+
+def test_by_default_no_host_pool_is_made_past_the_memory_there_is(daemon_factory):
+    d = daemon_factory("--max-host-pool-size", "64TiB")  # the per-namespace limit allows it
+    channel, stub = stub_for(d.target)
+    a = RawSession(stub, "mem/small", host_pool_pages=4)
+    try:
+        huge = (64 << 40) // LAYOUT.page_bytes
+        code, message = status(lambda: stub.Register(a.request(namespace="mem/huge", host_pool_pages=huge)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "set --max-host-memory" in message
+    finally:
+        a.close()
         channel.close()
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import DaemonConfig
 from ..logs import log_event
-from . import engine_registration, registration
+from . import engine_registration, host_budget, registration
 from .errors import exhausted, not_found, precondition, unavailable
 from .expiry import Expiry
 from .namespace import Namespace
@@ -56,6 +56,7 @@ class Daemon:
         self._register_lock = asyncio.Lock()  # registrations await I/O; one at a time
         self._background: set[asyncio.Task] = set()
         self.expiry = Expiry(self)
+        self.host_memory_limit, self._host_memory_source = host_budget.host_memory_limit(config.max_host_memory)
 
     def start(self) -> None:
         """Start background duties (expiring what a stuck engine holds). Call on the loop."""
@@ -90,6 +91,7 @@ class Daemon:
             if ns is None:
                 ns_config = registration.namespace_config(
                     self.config, reg, reg.write_policy or self.config.write_policy, self.storage is not None)
+                self.check_host_room(ns_config)
             device = await registration.open_device(reg)
             try:
                 if ns is None:
@@ -119,6 +121,13 @@ class Daemon:
                 f"namespace {reg.namespace} is attached to a live session (engine "
                 f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
         await self.close_session(ns.session, "replaced by a new registration")
+
+    def check_host_room(self, ns_config) -> None:
+        """RESOURCE_EXHAUSTED when a new namespace's host pool would take all host pools
+        past the daemon's host memory budget (host_budget.py)."""
+        held = {name: ns.host_pool.nbytes for name, ns in self.namespaces.items()}
+        host_budget.check_room(held, ns_config.name, ns_config.host_pages * ns_config.layout.page_bytes,
+                               self.host_memory_limit, self._host_memory_source)
 
     def add_namespace(self, ns):
         """Enter a new namespace (managed or engine-managed) in the registry; its
