@@ -10,6 +10,8 @@ is never refused here.
 
 import os
 
+from .errors import exhausted
+
 MACHINE_SHARE = 0.8  # of the machine's memory, outside a memory-limited cgroup
 DAEMON_OWN = 1 << 30  # kept from a cgroup's limit for the daemon itself (Python, gRPC, buffers)
 
@@ -48,7 +50,6 @@ def host_memory_limit(max_host_memory: int) -> tuple[int, str]:
 def check_room(held: dict[str, int], name: str, nbytes: int, limit: int, source: str) -> None:
     """Raise RESOURCE_EXHAUSTED (saying what holds the memory) when a new host pool of
     `nbytes` for namespace `name` would take the pools in `held` (name -> bytes) past `limit`."""
-    from .errors import exhausted
     total = sum(held.values()) + nbytes
     if total > limit:
         holders = ", ".join(f"{n}: {b}" for n, b in sorted(held.items(), key=lambda kv: -kv[1])[:8]) or "none"
