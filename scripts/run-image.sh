@@ -14,7 +14,7 @@ HEALTHY_TIMEOUT_S=${HEALTHY_TIMEOUT_S:-90}
 read -r -a flags <<<"${ARGS:---host-pool-size 1GiB}"
 
 docker rm -f "$NAME" >/dev/null 2>&1 || true
-docker run -d --name "$NAME" --ipc=shareable --shm-size=2g -v "$NAME-run:/run/radixkv" --stop-timeout 40 \
+docker run -d --name "$NAME" --ipc=shareable --shm-size=2g -v "$NAME-run:/run/radixkv" --stop-timeout 50 \
   -p "127.0.0.1:$METRICS_PORT:9464" "$IMAGE" "${flags[@]}" >/dev/null
 deadline=$((SECONDS + HEALTHY_TIMEOUT_S))
 until [[ $(docker inspect -f '{{.State.Health.Status}}' "$NAME") == healthy ]]; do
