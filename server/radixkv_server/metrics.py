@@ -100,10 +100,11 @@ def snapshot(daemon) -> dict:
     events = getattr(daemon, "events", None)
     out["events"] = events.stats() if events is not None else None
     if daemon.storage is not None:
+        movers = [ns.copies.storage for ns in daemon.namespaces.values() if ns.copies.storage is not None]
         out["storage"] = {
             "stats": daemon.storage.stats.snapshot(),
-            "up": all(ns.copies.storage.healthy for ns in daemon.namespaces.values()
-                     if ns.copies.storage is not None),
+            "up": all(m.healthy for m in movers),
+            "failing": {d: any(d in m.failing for m in movers) for d in ("read", "write")},
         }
     for ns in daemon.namespaces.values():
         cache = ns.cache
@@ -252,6 +253,11 @@ class _StateCollector(Collector):
             st = snap["storage"]["stats"]
             up = GaugeMetricFamily("radixkv_storage_up", "1 while the storage tier answers, else 0")
             up.add_metric([], 1 if snap["storage"]["up"] else 0)
+            failing = GaugeMetricFamily("radixkv_storage_failing", "1 while storage calls of this direction "
+                                        "fail (a full store fails writes and serves reads), else 0",
+                                        labels=["direction"])
+            for direction, on in snap["storage"]["failing"].items():
+                failing.add_metric([direction], 1 if on else 0)
             pages = CounterMetricFamily("radixkv_storage_pages", "Storage pages by operation and result",
                                         labels=["operation", "result"])
             pages.add_metric(["get", "hit"], st.gets - st.misses - st.corrupt)
@@ -264,7 +270,7 @@ class _StateCollector(Collector):
                                          labels=["direction"])
             nbytes.add_metric(["read"], st.get_bytes)
             nbytes.add_metric(["write"], st.put_bytes)
-            yield from (up, pages, nbytes)
+            yield from (up, failing, pages, nbytes)
         if snap["events"] is not None:
             yield from _event_families(snap["events"])
 

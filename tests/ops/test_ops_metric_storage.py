@@ -111,6 +111,8 @@ def test_storage_calls_and_pages_of_a_known_workload(daemon_factory, tmp_path):
             ("radixkv_storage_bytes_total", (("direction", "read"),)): PAGE_BYTES,
             ("radixkv_storage_bytes_total", (("direction", "write"),)): 0,
             ("radixkv_storage_up", ()): 1,
+            ("radixkv_storage_failing", (("direction", "read"),)): 0,
+            ("radixkv_storage_failing", (("direction", "write"),)): 0,
         }
         assert {k: got.get(k) for k in want} == want
         assert not any(name == "radixkv_storage_errors_total" for name, _ in got)   # none failed
