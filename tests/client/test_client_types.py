@@ -3,6 +3,7 @@
 from array import array
 
 import grpc
+import numpy as np
 import pytest
 
 from radixkv import errors
@@ -33,8 +34,25 @@ def test_as_packed_accepts_lists_arrays_bytes_and_tensors():
     assert as_packed(want) is want
     assert as_packed(bytearray(want)) == want
     assert as_packed(torch.tensor([3, 4, 5], dtype=torch.int64)) == want
+    assert as_packed(torch.tensor([3, 4, 5], dtype=torch.int32)) == want
+    for dtype in ("int64", "int32", "uint16"):
+        assert as_packed(np.array([3, 4, 5], dtype=dtype)) == want
+    assert as_packed(np.array([[3, 4], [5, 6]])) == pack([3, 4, 5, 6])  # whole arrays, flattened
+    assert as_packed(np.array([], dtype=np.int64)) == b""
     assert Prompt.of([3, 4, 5]) == Prompt(want)
+    assert Prompt.of(np.array([3, 4, 5])) == Prompt(want)
     assert Prompt.of(Prompt(want, b"lora")).extra_key == b"lora"
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("list", OverflowError), ("np", OverflowError), ("np-negative", OverflowError), ("torch", OverflowError),
+    ("np-float", TypeError), ("torch-float", TypeError)])
+def test_as_packed_refuses_what_int32_cannot_carry(bad, error):
+    import torch
+    value = {"list": [1 << 31], "np": np.array([1 << 31]), "np-negative": np.array([-(1 << 31) - 1]),
+             "torch": torch.tensor([1 << 40]), "np-float": np.array([1.5]), "torch-float": torch.tensor([1.0])}[bad]
+    with pytest.raises(error):
+        as_packed(value)  # never a silently wrapped token id
 
 
 def test_results_expose_pages_as_int_arrays():
