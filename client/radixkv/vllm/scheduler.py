@@ -30,10 +30,9 @@ and tells which tier a load's tokens came from (`hit_sources`).
 """
 
 import os
-import struct
 from collections import Counter
 
-from radixkv.types import Prompt
+from radixkv.types import Prompt, pack
 
 from .lookups import Lookups
 from .metadata import LoadSpec, RadixKVMetadata, RadixKVWorkerMetadata, SaveSpec
@@ -262,10 +261,8 @@ def _add(counts: dict[int, int], ranks: dict[int, int]) -> None:
 
 
 def _packed(tokens, start: int, end: int) -> bytes:
-    """Tokens [start, end) as packed little-endian int32 bytes (struct packs a list about
-    twice as fast as array does)."""
-    part = tokens[start:end]
-    return struct.pack(f"<{len(part)}i", *part)
+    """Tokens [start, end) as packed little-endian int32 bytes."""
+    return pack(tokens[start:end])
 
 
 __all__ = ["SchedulerSide"]
