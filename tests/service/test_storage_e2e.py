@@ -315,8 +315,9 @@ def test_mooncake_frozen_segment_owner_never_blocks_the_reader(mooncake_master, 
     a, b = daemon_factory(*mooncake_flags(mooncake_master)), daemon_factory(*mooncake_flags(mooncake_master))
     writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
     try:
-        writer.prefill(prompt(6))
-        wait_stored(writer, 8 * PS)
+        for i in (6, 7, 8):
+            writer.prefill(prompt(i))
+        wait_stored(writer, 3 * 8 * PS)
         os.kill(a.pid, signal.SIGSTOP)  # alive but silent: the store's own call would hang ~60 s
         try:
             ([m], seconds) = timed(lambda: reader.client.match([prompt(6)], include_storage=True))
@@ -325,6 +326,8 @@ def test_mooncake_frozen_segment_owner_never_blocks_the_reader(mooncake_master, 
             assert seconds < ENGINE_BOUND_S
             wait_for(lambda: "storage.fetch_timeout" in b.log(), DEADLINE_S, "the fetch to time out")
             assert _fetch_pending(reader)  # its host pages stay reserved while the store holds them
+            for i in (7, 8):  # their fetches time out too, and say so at debug level only
+                timed(lambda: reader.client.prefetch(prompt(i), policy="best_effort"))
             loaded, mismatches = reader.load(prompt(6))  # nothing fetched yet: nothing to load
             assert mismatches == (0, 0) and loaded == 0
             # Waiting for the whole fetch, the read that finds the run is the one that hangs:
@@ -342,6 +345,7 @@ def test_mooncake_frozen_segment_owner_never_blocks_the_reader(mooncake_master, 
         reader.close()
         writer.client.close()
     assert "Traceback" not in b.log()
+    assert b.log().count("storage.fetch_timeout") == 1  # one line while the node is frozen
 
 
 def _fetch_pending(engine: EngineDouble) -> bool:

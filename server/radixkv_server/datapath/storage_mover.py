@@ -63,6 +63,7 @@ class StorageMover:
         self.pending_pages = 0
         self.failing: dict[str, str] = {}  # "read" / "write" -> the error that began its outage
         self.refused_stores = 0  # since the queue last filled up (0: it is not full)
+        self._fetch_timeout_said = False  # since reads last succeeded
         self._closed = False
         self._pages = None  # numpy view of the pool, [num_pages, page_bytes], made lazily
         self._attach()
@@ -210,9 +211,8 @@ class StorageMover:
             read = self._timed("get", self._backend.place, ahead, self._page_views(host_pages))
         except StorageTimeout as e:
             # The store may still write these pages: they stay reserved until it returns.
-            log_event(log, "storage.fetch_timeout", logging.WARNING, namespace=self.namespace,
-                      transfer=transfer, error=str(e), note="pages stay reserved until the store answers")
             message = str(e)  # `e` is unbound once this block ends
+            self._to_loop(self._fetch_timed_out, transfer, message)
             e.settled.add_done_callback(lambda _: self._to_loop(self._fetched, transfer, 0, message))
             return
         except Exception as e:
@@ -238,6 +238,14 @@ class StorageMover:
             self._health(error, "read")
         self._on_fetched(transfer, read, error)
 
+    def _fetch_timed_out(self, transfer: int, error: str) -> None:
+        """Say the first fetch that timed out while reads work, at WARNING; the next ones,
+        until a read succeeds again, at DEBUG (a frozen node times out every fetch)."""
+        level = logging.DEBUG if self._fetch_timeout_said else logging.WARNING
+        self._fetch_timeout_said = True
+        log_event(log, "storage.fetch_timeout", level, namespace=self.namespace, transfer=transfer, error=error,
+                  note="pages stay reserved until the store answers")
+
     @property
     def healthy(self) -> bool:
         """Neither reads nor writes are failing."""
@@ -251,7 +259,9 @@ class StorageMover:
                     else "lookups and prefetches find nothing in storage; each new one tries again")
             log_event(log, "storage.unavailable", logging.WARNING, namespace=self.namespace, direction=direction,
                       error=error, note=note)
-        elif error is None and direction in self.failing:
+        if error is None and direction == "read":
+            self._fetch_timeout_said = False
+        if error is None and direction in self.failing:
             del self.failing[direction]
             log_event(log, "storage.recovered", namespace=self.namespace, direction=direction)
 
