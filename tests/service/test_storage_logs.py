@@ -81,9 +81,9 @@ def test_a_store_that_serves_reads_but_refuses_writes_is_one_warning_not_a_flapp
     redis = private_redis.client()
     stored = 20  # more than the host holds: the first ones are in storage only
     try:
-        for i in range(stored):
+        for i in range(stored):  # one at a time: a host full of unstored copies would drop backups
             engine.prefill(prompt(i))
-        wait_for(lambda: engine.counters()["stored_tokens"] == stored * PAGES * PS, DEADLINE_S, "the stores")
+            wait_for(lambda: engine.counters()["stored_tokens"] == (i + 1) * PAGES * PS, DEADLINE_S, "the store")
         redis.config_set("maxmemory-policy", "noeviction")
         redis.config_set("maxmemory", str(redis.info("memory")["used_memory"] + 1000))
         for i in range(10):
