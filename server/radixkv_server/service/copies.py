@@ -46,7 +46,7 @@ class Copies:
         self.storage: StorageMover | None = None
         if storage_backend is not None:
             self.storage = StorageMover(
-                self._loop, storage_backend, host_pool, self._copied, self._fetched,
+                self._loop, storage_backend, host_pool, self._stored, self._fetched,
                 workers=config.storage_workers, max_pending_pages=config.storage_queue_pages,
                 lookup_timeout=config.storage_lookup_timeout,
                 namespace=config.name, observe=metrics.observe_storage if metrics is not None else None)
@@ -132,13 +132,20 @@ class Copies:
     # -- completions, on the loop ---------------------------------------------------------
 
     def _copied(self, transfer: int, error: str | None) -> None:
+        """A device<->host copy ended (a failure is logged as a warning)."""
+        self._settle(transfer, error, logging.WARNING)
+
+    def _stored(self, transfer: int, error: str | None) -> None:
+        """A store ended. A failure is the storage tier's condition, which the StorageMover
+        logs once per outage (or full queue): here only at debug, or a line per store
+        would flood the log."""
+        self._settle(transfer, error, logging.DEBUG)
+
+    def _settle(self, transfer: int, error: str | None, failure_level: int) -> None:
         direction = self._observe(transfer, error)
         outcome = self._cache.on_copy_done(transfer, error)
         if error is not None:
-            # A failed store is the storage tier's condition, which the StorageMover logs
-            # once per outage (or full queue): a line per store would flood the log.
-            level = logging.DEBUG if direction == "store" else logging.WARNING
-            log_event(log, "copy.failed", level, namespace=self._config.name, transfer=transfer,
+            log_event(log, "copy.failed", failure_level, namespace=self._config.name, transfer=transfer,
                       direction=direction, error=error)
         _resolve(self._write_backs.pop(transfer, None), outcome.freed_pages)
         self._wake(transfer)

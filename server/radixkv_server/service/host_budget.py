@@ -19,10 +19,15 @@ _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",                    # cgroup v2
                   "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v1
 
 
+def machine_memory() -> int:
+    """The machine's memory in bytes (MemTotal)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def cgroup_limit() -> int | None:
     """This process's cgroup memory limit in bytes, or None when it has none (or it is
     above the machine's memory, as cgroup v1 says "none")."""
-    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    machine = machine_memory()
     for path in _CGROUP_LIMITS:
         try:
             with open(path) as f:
@@ -42,7 +47,7 @@ def host_memory_limit(max_host_memory: int) -> tuple[int, str]:
     if limit is not None:
         return max(0, limit - DAEMON_OWN), f"the cgroup's memory limit of {limit} bytes less 1 GiB; " \
                                            "set --max-host-memory"
-    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    machine = machine_memory()
     return int(machine * MACHINE_SHARE), f"{MACHINE_SHARE:.0%} of the machine's {machine} bytes; " \
                                          "set --max-host-memory"
 
