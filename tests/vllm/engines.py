@@ -43,15 +43,18 @@ class Engines:
         """An engine (of `model=` when given, else this Engines' model); with `target`,
         connected to the radixkv daemon there."""
         from vllm import LLM
+        from vllm.distributed.kv_transfer.kv_transfer_state import (ensure_kv_transfer_shutdown,
+                                                                    has_kv_transfer_group)
         if target is not None:
             overrides.setdefault("kv_transfer_config", connector_config(target))
+        had_connector = has_kv_transfer_group()  # a live engine's, which a failed start keeps
         try:
             llm = LLM(**engine_args(overrides.pop("model", self.model), **overrides))
         except BaseException:
             # An engine that failed to start leaves its worker's connector registered in
             # this process (vLLM's engine core runs here in tests): drop it.
-            from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-            ensure_kv_transfer_shutdown()
+            if not had_connector:
+                ensure_kv_transfer_shutdown()
             raise
         self._live.append(llm)
         return llm

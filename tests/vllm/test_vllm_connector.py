@@ -201,3 +201,24 @@ def test_a_step_whose_load_failed_saves_nothing_it_computed(engines, daemon_fact
     after = counters(daemon.target)
     assert after["failed_load_tokens"] >= 1024
     assert after["inserted_tokens"] == 1024, "blocks computed over a failed load were saved"
+
+
+def test_a_second_engine_in_the_process_is_refused_and_the_first_keeps_its_hits(engines, daemon):
+    """vLLM keeps one worker-side connector per process: a second engine here would get
+    the first one's and register its KV memory over the first's (both then read wrong
+    KV). It fails to start saying so; the first engine goes on, hits included."""
+    p = prompt(PROMPT_TOKENS, seed=21)
+    plain = engines.start()
+    [base] = generate(plain, [p])
+    engines.stop(plain)
+
+    first = engines.start(daemon.target)
+    generate(first, [p])  # radixkv now holds it
+    with pytest.raises(Exception, match="another vLLM engine in this process already uses this KV connector"):
+        engines.start(daemon.target)
+    assert first.reset_prefix_cache()  # the next hit can only come from radixkv
+    before = counters(daemon.target)
+    [again] = generate(first, [p])
+    assert again.cached_tokens == CACHEABLE
+    assert again.tokens == base.tokens
+    assert counters(daemon.target)["loaded_tokens"] - before["loaded_tokens"] == CACHEABLE

@@ -41,6 +41,15 @@ from .tier_events import TierEvents
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
+# vLLM keeps one worker-side connector per process (kv_transfer_state's global): a second
+# engine in the same process gets the first one's, which would describe the second
+# engine's KV memory over the first's and copy both engines' blocks into one of them.
+SECOND_ENGINE = (
+    "radixkv: another vLLM engine in this process already uses this KV connector, and vLLM "
+    "keeps one worker-side connector per process: this engine's KV memory would be registered "
+    "over the first engine's, and both would read wrong KV. Run each engine in a process of its "
+    "own (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default), or shut the first engine down first")
+
 
 class RadixKVConnector(KVConnectorBase_V1):
     """vLLM's KVConnectorBase_V1 backed by a radixkv daemon."""
@@ -77,7 +86,10 @@ class RadixKVConnector(KVConnectorBase_V1):
     # -- worker side -------------------------------------------------------------------
 
     def get_mem_pool_context(self):
-        """On CPU: place vLLM's one KV allocation in a shared-memory segment."""
+        """On CPU: place vLLM's one KV allocation in a shared-memory segment. RuntimeError
+        (SECOND_ENGINE) for a second engine of this process."""
+        if self._allocation is not None or self._adapter is not None:
+            raise RuntimeError(SECOND_ENGINE)
         if self._vllm_config.device_config.device.type != "cpu":
             return None  # CUDA: vLLM allocates; register_kv_caches exports IPC handles
         self._allocation = ShmAllocation()
@@ -87,7 +99,9 @@ class RadixKVConnector(KVConnectorBase_V1):
         """Describe vLLM's KV memory to the daemon and open the session: on CPU the
         shared-memory allocation, on CUDA the views' storages by IPC handle (backend
         "cuda", docs/vllm.md). Raises RuntimeError (vLLM fails to start) when the daemon
-        is unreachable or refuses."""
+        is unreachable or refuses, and for a second engine of this process (SECOND_ENGINE)."""
+        if self._adapter is not None:
+            raise RuntimeError(SECOND_ENGINE)
         adapter = DaemonAdapter(self.config, engine=f"vllm pid {os.getpid()} rank {self.tp_rank}",
                                 tp_rank=self.tp_rank, tp_size=self.tp_size,
                                 instance=self._kv_transfer_config.engine_id or "")
