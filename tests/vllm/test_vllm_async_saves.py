@@ -75,3 +75,43 @@ def test_asynchronous_loads_give_vllms_own_bytes_and_a_failed_one_is_recomputed(
     restarted = engines.start(kv_transfer_config=config)
     [again] = generate(restarted, [p])
     assert again.tokens == base.tokens
+
+
+def test_a_request_aborted_while_its_asynchronous_load_runs_is_freed_once(engines, daemon_factory):
+    """A request vLLM parked for its asynchronous load and then aborted: vLLM keeps its
+    blocks until the worker reports the receive over and frees them then. Were the
+    connector to also keep them for itself (`request_finished` True, listed again among
+    the finished sends), vLLM would free the request twice, and its scheduler stops on an
+    assertion. (Checked: that is what the connector did, found by a randomized run.)"""
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    from tests.support.daemon import wait_for
+
+    from tests.vllm.test_vllm_leases import namespace_stats
+
+    p = prompt(PROMPT_TOKENS, seed=33)
+    plain = engines.start()
+    [base] = generate(plain, [p])
+    engines.stop(plain)
+
+    daemon = daemon_factory("--fault-copy-delay", "0.5")  # each copy starts 0.5 s late
+    config = connector_config(daemon.target, async_loads=True)
+    first = engines.start(kv_transfer_config=config)
+    generate(first, [p])  # radixkv now holds p
+    engines.stop(first)
+    llm = engines.start(kv_transfer_config=config)  # its own prefix cache is empty
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler  # vLLM's engine core runs in this process here
+    rid = engine.add_request("aborted", {"prompt_token_ids": p}, SamplingParams(max_tokens=4))  # vLLM's own id
+    parked = RequestStatus.WAITING_FOR_REMOTE_KVS
+    wait_for(lambda: engine.step() is not None and getattr(scheduler.requests.get(rid), "status", None) == parked,
+             30, "the request parked for its load")
+    engine.abort_request(["aborted"])
+    assert rid in scheduler.requests  # its blocks wait for the load
+    wait_for(lambda: engine.step() is not None and rid not in scheduler.requests,
+             30, "vLLM freeing the aborted request once its load is over")
+
+    [again] = generate(llm, [p])
+    assert again.tokens == base.tokens
+    wait_for(lambda: namespace_stats(daemon.target).leases == 0, 30, "every lease released")

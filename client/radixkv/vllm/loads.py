@@ -71,10 +71,10 @@ class WorkerLoads:
         is left writing blocks unobserved."""
         for spec in specs:
             if self.async_loads:  # answered in `received`, once the daemon copied
+                # Not held like a save: vLLM keeps the blocks of a request aborted while it
+                # waits for its receive until `received` lists it, and frees them then.
                 pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
                 self._receiving[spec.req_id] = (spec, pending)
-                if pending.late:  # held like a save: a request aborted meanwhile keeps its blocks
-                    self._saves.hold(spec.req_id, pending.answer)
                 continue
             pending = self._early.pop(spec.req_id, None) or self._begin(spec)
             self._over(spec, self._finish(spec.req_id, pending, self._layers))

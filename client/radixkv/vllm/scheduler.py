@@ -181,8 +181,11 @@ class SchedulerSide:
         """Whether a save (or held load) of `req_id` is not over on some rank, or a load of
         it is not reported by every rank yet: vLLM frees a request that finishes in a step
         before it hands this side that step's worker reports, so a load held in that step
-        (or one the request was aborted during) is not known here yet."""
-        if req_id in self._loading:
+        (or one the request was aborted during) is not known here yet. Not an asynchronous
+        load: vLLM itself keeps the blocks of a request aborted while it waits for one until
+        the workers report the receive over, and frees them then; naming the request in
+        `get_finished`'s sending as well would free it twice (vLLM's scheduler asserts)."""
+        if req_id in self._loading and not self.async_loads:
             return True
         issued = self._issued.get(req_id, 0)
         held = self._held.get(req_id, {})
