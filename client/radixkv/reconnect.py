@@ -42,6 +42,7 @@ class Recovery:
         self.reason: str | None = None  # None: the session is fine
         self.attempts = 0
         self.next_at = 0.0
+        self.registering = False  # a call is registering the session again now
 
     @property
     def lost(self) -> bool:

@@ -206,6 +206,8 @@ class Session:
                 return None
         while True:
             yield Sleep(min(rec.wait_time(time.monotonic()), max(0.0, deadline - time.monotonic())))
+            if not rec.lost:
+                return None  # another call registered it again (and raised SessionLost)
             try:
                 yield from self._recover()
             except SessionLost as e:
@@ -345,26 +347,38 @@ class Session:
 
     def _recover(self) -> Plan[None]:
         """Try to register again if an attempt is due. Raises SessionLost on success,
-        Unavailable (or the daemon's refusal) otherwise; never returns."""
+        Unavailable (or the daemon's refusal) otherwise; never returns. One call registers
+        at a time: calls of other tasks or threads that find the session lost meanwhile
+        fail Unavailable instead of registering a session each."""
         rec, reg = self._recovery, self.registration
         now = time.monotonic()
+        with self._lock:
+            reason = rec.reason
+            if reason is None:  # registered again by another call since this one looked
+                raise Unavailable("the session was lost and registered again by another call: "
+                                  "drop every cached device page")
+            if rec.registering:
+                raise Unavailable(f"session lost ({reason}); another call is registering it again")
+            due = rec.due(now)
+            rec.registering = due
         if self._acks is not None:
-            self._acks.abandon(f"the session was lost ({rec.reason})")
+            self._acks.abandon(f"the session was lost ({reason})")
         if self._calls is not None:
-            self._calls.abandon(f"the session was lost ({rec.reason})")
-        if not rec.due(now):
-            raise Unavailable(f"session lost ({rec.reason}); next reconnect attempt in "
-                              f"{rec.wait_time(now):.2f}s")
+            self._calls.abandon(f"the session was lost ({reason})")
+        if not due:
+            raise Unavailable(f"session lost ({reason}); next reconnect attempt in {rec.wait_time(now):.2f}s")
         try:  # as first registered: replace_existing only if the engine asked for it then
             new = Registration.from_pb((yield Rpc("Register", self._registration_again(), self.timeout)))
         except Unavailable as err:
             rec.failed(time.monotonic())
-            raise Unavailable(f"session lost ({rec.reason}); reconnect attempt {rec.attempts} failed: "
+            raise Unavailable(f"session lost ({reason}); reconnect attempt {rec.attempts} failed: "
                               f"{err.message}") from None
         except RadixKVError:
             rec.failed(time.monotonic())
             raise
-        cls, message = lost_message(reg, new, rec.reason)
+        finally:
+            rec.registering = False
+        cls, message = lost_message(reg, new, reason)
         with self._lock:
             rec.recovered()
         self._attach(new)

@@ -139,3 +139,32 @@ def test_async_client_survives_a_daemon_kill(daemon_factory):
             buffers.close()
 
     asyncio.run(main())
+
+
+def test_async_calls_in_flight_together_register_the_lost_session_once(daemon_factory):
+    """Several tasks of one AsyncClient find the session lost at once (the daemon
+    restarted): one of them registers again and raises DaemonRestarted, the others fail
+    Unavailable meanwhile, and the daemon holds one session of the client, not one per task
+    (a second registration would be a session nobody uses, keeping its leases)."""
+    d = daemon_factory()
+
+    def sessions() -> int:
+        """The daemon's sessions (the probe registers none)."""
+        with Client(d.target, reconnect=None) as probe:
+            return probe.stats("aio-together").sessions
+
+    async def main():
+        async with AsyncClient(d.target, timeout=5, reconnect=FAST, stream=True) as c:
+            first = await c.register("aio-together", LAYOUT, [], 0, device_tier="engine_managed", role="scheduler")
+            assert (await c.match([tokens(0, 4)]))[0].host_tokens == 0
+            d.kill()
+            await asyncio.get_running_loop().run_in_executor(None, d.start)
+            results = await asyncio.gather(*(c.match([tokens(i, 4)]) for i in range(6)), return_exceptions=True)
+            restarted = [r for r in results if isinstance(r, errors.DaemonRestarted)]
+            assert len(restarted) == 1 and restarted[0].old_instance == first.daemon_instance, results
+            assert all(isinstance(r, (errors.DaemonRestarted, errors.Unavailable)) for r in results), results
+            assert not any("None" in str(r) for r in results), results
+            assert sessions() == 1
+            assert (await c.match([tokens(0, 4)]))[0].host_tokens == 0  # and the session works
+
+    asyncio.run(main())
