@@ -61,6 +61,14 @@ class ClientBase:
         return self._session.registration
 
     @property
+    def session_lost(self) -> bool:
+        """The session is gone (the daemon restarted, or stopped answering) and not
+        registered again yet: the next call registers it again, when the backoff lets it,
+        or fails Unavailable. An engine that must not wait for that registration (a
+        deadline of its own) can answer misses meanwhile and call `reconnect` apart."""
+        return self._session.lost
+
+    @property
     def session(self) -> str:
         """The session id. Raises FailedPrecondition before `register` or after `close`."""
         return self._session.id

@@ -138,6 +138,11 @@ class Session:
         self._on_session_lost = on_session_lost
 
     @property
+    def lost(self) -> bool:
+        """The session is gone and not registered again yet (see `_recover`)."""
+        return self._recovery is not None and self._recovery.lost
+
+    @property
     def id(self) -> str:
         """The session id. Raises FailedPrecondition before `register` or after `close`."""
         self._check_open()

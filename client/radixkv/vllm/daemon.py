@@ -111,6 +111,7 @@ class DaemonAdapter:
         self._client = Client(config.target, timeout=config.timeout_s, stream=True,
                               on_session_lost=self._session_lost)
         self._lock = threading.Lock()
+        self._saves_skipped = 0  # saves the daemon did not take since the last it did
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -228,11 +229,18 @@ class DaemonAdapter:
         daemon could not take them: logged)."""
         try:
             with self._lock:
-                return self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
-                                           engine_event=engine_event, extra_key=extra_key).transfer
+                transfer = self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
+                                               engine_event=engine_event, extra_key=extra_key).transfer
         except RadixKVError as e:
-            log.warning("radixkv: save of %d pages skipped: %s", len(block_ids), e)
+            self._saves_skipped += 1  # a warning for the first of a run, then debug
+            level = logging.WARNING if self._saves_skipped == 1 else logging.DEBUG
+            log.log(level, "radixkv: saves are skipped until the daemon answers (%d pages now): %s",
+                    len(block_ids), e)
             return 0
+        if self._saves_skipped:
+            log.info("radixkv: saves go through again (%d skipped before)", self._saves_skipped)
+            self._saves_skipped = 0
+        return transfer
 
     def done(self, transfers: Iterable[int], timeout: float | None = 0) -> set[int]:
         """Of `transfers`, those whose copy is over (copied, failed, or the session gone:

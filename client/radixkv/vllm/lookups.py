@@ -11,8 +11,11 @@ first ask of the next step reads what landed in another, both on the scheduler's
 tens of microseconds each and no thread in between. A prompt whose Match says storage
 holds more is staged meanwhile (Prefetch, waiting for it, and Match again, that first
 Match's lease kept until then), as a task on the same loop. A Match that fails, or stays
-unanswered past the session's timeout, gives misses; the next one registers a lost
-session again.
+unanswered past the session's timeout, gives misses. So does every lookup while the
+session is lost: they answer at once, and a task of their loop registers the session
+again (one attempt at a time, paced by the client's backoff), so that no request waits
+on a registration that a daemon which stopped answering would hold for the timeout.
+Failing lookups log a warning once, and a line when they are answered again.
 
 A hit holds its lease until the caller takes it over (`take`, for a load whose ranks then
 report back) or drops it (`drop`: not loaded, finished, aborted). `drop` is idempotent and
@@ -30,7 +33,7 @@ import logging
 from collections import Counter
 
 from radixkv.aio import AsyncClient
-from radixkv.errors import RadixKVError
+from radixkv.errors import RadixKVError, Unavailable
 from radixkv.layout import KvLayout
 from radixkv.types import Prompt
 
@@ -57,6 +60,8 @@ class Lookups:
         self._releases: list[int] = []  # leases for the next Release
         self._steps = 0  # build_connector_meta calls so far
         self._read_at = -1  # the step whose answers were last read
+        self._registering: asyncio.Task | None = None  # registering a lost session again
+        self._failing = 0  # lookups failed since the last one answered (logged once)
 
     @classmethod
     def open(cls, config: ConnectorConfig, layout: KvLayout, *, engine: str, tp_size: int,
@@ -182,11 +187,15 @@ class Lookups:
             return  # closed: the daemon released its leases with the session
         self._counts["lookups"] += len(prompts)
         try:
+            if client.session_lost:
+                self._register_again(client)
+                raise Unavailable("the scheduler's session is lost and being registered again")
             results = await client.match(prompts, lease=True, include_storage=True)
         except RadixKVError as e:
-            log.warning("radixkv: lookup of %d prompts failed, treated as misses: %s", len(prompts), e)
-            self._counts["lookup_failures"] += len(prompts)
+            self._failed(len(prompts), e)
             results = [None] * len(prompts)
+        else:
+            self._answered()
         staging = []
         for (req_id, prompt), result in zip(batch.items(), results):
             if result is not None and result.storage_tokens:
@@ -210,6 +219,32 @@ class Lookups:
         self.release(found.lease)
         self._counts["staged"] += 1
         self._file(req_id, hit_of(again, on_host=found.complete_tokens))
+
+    def _failed(self, prompts: int, error: RadixKVError) -> None:
+        """A lookup failed: its prompts are misses. A warning for the first of a run."""
+        self._counts["lookup_failures"] += prompts
+        self._failing += 1
+        level = logging.WARNING if self._failing == 1 else logging.DEBUG
+        log.log(level, "radixkv: lookups fail and are treated as misses until the daemon answers: %s", error)
+
+    def _answered(self) -> None:
+        if self._failing:
+            log.info("radixkv: lookups answered again (%d failed before)", self._failing)
+            self._failing = 0
+
+    def _register_again(self, client: AsyncClient) -> None:
+        """Register the lost session in a task of its own (one at a time)."""
+        if self._registering is None or self._registering.done():
+            self._registering = self._pump.spawn(self._reconnect(client))
+
+    @staticmethod
+    async def _reconnect(client: AsyncClient) -> None:
+        try:
+            lost = await client.reconnect(timeout=0)  # one attempt, if the backoff lets it
+            if lost is not None:
+                log.warning("radixkv: scheduler: %s", lost)
+        except RadixKVError as e:
+            log.debug("radixkv: the scheduler's session is not back yet: %s", e)
 
     async def _release_soon(self) -> None:
         """One Release of every lease released before this task ran."""
