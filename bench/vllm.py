@@ -24,7 +24,7 @@ import os
 import tempfile
 import time
 
-from radixkv.vllm.testing import VOCAB, apply_cpu_env, engine_args, write_tiny_llama
+from radixkv.vllm.testing import VOCAB, apply_cpu_env, engine_args, reset_prefix_cache, write_tiny_llama
 
 from .daemon import DaemonProcess
 from .figures import Figure, Section, Table, fmt
@@ -56,7 +56,7 @@ LOOKUP_WAIT: list[tuple[float, int]] = []
 _asked: dict[str, tuple[float, int]] = {}
 _steps = [0]
 # Only steps and calls of the timed requests count (not the warm-up request, nor the steps
-# that `_reset_prefix_cache` runs while saves are still being acknowledged).
+# that `reset_prefix_cache` runs while saves are still being acknowledged).
 _recording = [False]
 
 
@@ -150,7 +150,7 @@ def _measure(model: str, kv_transfer_config: dict | None, prompts: list[list[int
         times, cached = [], 0
         for r in range(rounds):
             if reset:
-                _reset_prefix_cache(llm)
+                reset_prefix_cache(llm)
             _recording[0] = True
             try:
                 dt, cached = _ttft(llm, prompts[r % len(prompts)])
@@ -160,17 +160,6 @@ def _measure(model: str, kv_transfer_config: dict | None, prompts: list[list[int
         return times, cached
     finally:
         llm.llm_engine.engine_core.shutdown()
-
-
-def _reset_prefix_cache(llm) -> None:
-    """Empty vLLM's prefix cache. Blocks a connector still holds (radixkv's saves in flight
-    keep a finished request's blocks until the daemon's copy is acknowledged) are freed by
-    the engine step that reports them, so step the idle engine until the reset succeeds."""
-    for _ in range(100_000):
-        if llm.reset_prefix_cache():
-            return
-        llm.llm_engine.step()
-    raise RuntimeError("vLLM's prefix cache could not be reset: blocks never freed")
 
 
 def run(mode: str, plot_dir=None, profiler=None) -> Section:

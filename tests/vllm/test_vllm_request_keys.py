@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixkv.vllm.request_keys import cacheable, extra_key, key_of, prompt_key
-from radixkv.vllm.testing import write_tiny_lora
+from radixkv.vllm.testing import reset_prefix_cache, write_tiny_lora
 from tests.support.daemon import wait_for
 
 from tests.vllm.engines import generate, prompt, vllm_metric
@@ -134,10 +134,10 @@ def test_after_a_connector_reset_nothing_saved_before_is_served_to_that_engine(e
     p = prompt(PROMPT_TOKENS, seed=35)
     llm = engines.start(daemon.target)
     generate(llm, [p])
-    assert llm.reset_prefix_cache(reset_connector=True)
+    reset_prefix_cache(llm, reset_connector=True)
     [after] = generate(llm, [p])
     assert after.cached_tokens == 0  # neither vLLM's cache nor radixkv's old KV
-    assert llm.reset_prefix_cache()  # vLLM's own cache only
+    reset_prefix_cache(llm)  # vLLM's own cache only
     [again] = generate(llm, [p])
     assert again.cached_tokens == CACHEABLE  # what was saved after the reset
     engines.stop(llm)

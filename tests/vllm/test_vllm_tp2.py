@@ -13,6 +13,7 @@ test empties vLLM's prefix cache instead of restarting vLLM.
 
 from radixkv import Client
 
+from radixkv.vllm.testing import reset_prefix_cache
 from tests.vllm.engines import generate, prompt, vllm_metric
 
 PROMPT_TOKENS = 2048
@@ -31,16 +32,6 @@ def stats(target: str, namespace: str = "tiny"):
         s = c.stats(namespace)
         [ns] = s.namespaces
         return s.sessions, ns
-
-
-def reset_prefix_cache(llm) -> None:
-    """Empty vLLM's own prefix cache. Blocks of a save still in flight stay held until the
-    step that reports the daemon's copy done, so step the idle engine until it succeeds."""
-    for _ in range(100_000):
-        if llm.reset_prefix_cache():
-            return
-        llm.llm_engine.step()
-    raise AssertionError("vLLM's prefix cache could not be reset: blocks never freed")
 
 
 def test_tensor_parallel_2_hits_radixkv_with_both_ranks_shards(engines, daemon):

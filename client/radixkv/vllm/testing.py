@@ -93,4 +93,18 @@ def engine_args(model: str, **overrides) -> dict:
     return args
 
 
-__all__ = ["CPU_ENV", "HEAD_DIM", "VOCAB", "apply_cpu_env", "engine_args", "write_tiny_llama", "write_tiny_lora"]
+def reset_prefix_cache(llm, *, reset_connector: bool = False, max_steps: int = 100_000) -> None:
+    """Empty an `LLM`'s own prefix cache (and with `reset_connector`, radixkv's epoch for
+    it). The blocks of a finished request whose saves are still in flight stay held until
+    the engine step that reports the daemon's copy done, and vLLM refuses the reset while
+    any block is held: so step the idle engine until it succeeds. RuntimeError if it never
+    does."""
+    for _ in range(max_steps):
+        if llm.reset_prefix_cache(reset_connector=reset_connector):
+            return
+        llm.llm_engine.step()
+    raise RuntimeError("vLLM's prefix cache could not be reset: blocks never freed")
+
+
+__all__ = ["CPU_ENV", "HEAD_DIM", "VOCAB", "apply_cpu_env", "engine_args", "reset_prefix_cache", "write_tiny_llama",
+           "write_tiny_lora"]
