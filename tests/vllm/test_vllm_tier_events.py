@@ -49,7 +49,11 @@ def start_engine(engines, daemon, name: str):
     return llm, endpoints
 
 
-def test_engines_streams_name_the_daemons_host_blocks_and_withdraw_them_when_it_dies(engines, daemon_factory):
+def test_engines_streams_name_the_daemons_host_blocks_and_withdraw_them_when_it_dies(engines, daemon_factory,
+                                                                                   monkeypatch):
+    # Two engines at once: each engine core (with its worker connector) in a process of its
+    # own, as vLLM runs by default; one process takes one engine with a connector.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     daemon = daemon_factory("--kv-events-watch", "true")
     router = Router()
     try:
