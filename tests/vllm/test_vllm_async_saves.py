@@ -115,3 +115,45 @@ def test_a_request_aborted_while_its_asynchronous_load_runs_is_freed_once(engine
     [again] = generate(llm, [p])
     assert again.tokens == base.tokens
     wait_for(lambda: namespace_stats(daemon.target).leases == 0, 30, "every lease released")
+
+
+def test_an_asynchronous_load_the_daemon_never_answers_is_recomputed_after_the_timeout(engines, daemon_factory):
+    """The daemon stops answering (SIGSTOP) while it copies a request's asynchronous load:
+    after `timeout_s` the load counts as failed and vLLM recomputes the request, which
+    completes with its own output while the daemon is still frozen; its blocks stay held
+    until the daemon answers (it may still write them), then vLLM frees them."""
+    import os
+    import signal
+
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    from tests.support.daemon import wait_for
+
+    p = prompt(PROMPT_TOKENS, seed=34)
+    plain = engines.start()
+    [base] = generate(plain, [p], max_tokens=4)
+    engines.stop(plain)
+
+    daemon = daemon_factory("--fault-copy-delay", "0.5")
+    config = connector_config(daemon.target, async_loads=True, timeout_s=1)
+    first = engines.start(kv_transfer_config=config)
+    generate(first, [p])  # radixkv now holds p
+    engines.stop(first)
+    llm = engines.start(kv_transfer_config=config)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    rid = engine.add_request("frozen", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=4))
+    parked = RequestStatus.WAITING_FOR_REMOTE_KVS
+    wait_for(lambda: engine.step() is not None and getattr(scheduler.requests.get(rid), "status", None) == parked,
+             30, "the request parked for its load")
+    os.kill(daemon.pid, signal.SIGSTOP)  # mid-copy: the answer will not come while frozen
+    out = []
+    try:
+        wait_for(lambda: out.extend(o for o in engine.step() if o.finished) or out, 20,
+                 "the request recomputed while the daemon is frozen")
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert tuple(out[0].outputs[0].token_ids) == base.tokens
+    wait_for(lambda: engine.step() is not None and rid not in scheduler.requests, 30,
+             "vLLM freeing the request's blocks once the daemon answered")
