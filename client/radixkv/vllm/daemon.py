@@ -18,6 +18,7 @@ logged. The client registers again after the daemon restarts.
 import contextlib
 import logging
 import threading
+import time
 from array import array
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -112,6 +113,7 @@ class DaemonAdapter:
                               on_session_lost=self._session_lost)
         self._lock = threading.Lock()
         self._saves_skipped = 0  # saves the daemon did not take since the last it did
+        self._saves_resume_at = 0.0  # time.monotonic(): saves skipped until then (daemon not answering)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -226,21 +228,31 @@ class DaemonAdapter:
         daemon's host tier (asynchronous Insert), after `engine_event` (`step_event()` of the
         step that filled the blocks) on CUDA. Returns the transfer to wait for before vLLM
         may reuse the blocks; 0 when nothing is being copied (all there already, or the
-        daemon could not take them: logged)."""
+        daemon could not take them: logged). After a save the daemon left unanswered or could
+        not take (down), the saves of the next timeout_s are skipped without asking: each
+        would wait timeout_s in turn, and a finished request keeps its blocks until its
+        saves are over, so queued saves would hold vLLM's KV cache for that long."""
+        if time.monotonic() < self._saves_resume_at:
+            return self._skip_save(len(block_ids), "the daemon did not answer the last save")
         try:
             with self._lock:
                 transfer = self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
                                                engine_event=engine_event, extra_key=extra_key).transfer
         except RadixKVError as e:
-            self._saves_skipped += 1  # a warning for the first of a run, then debug
-            level = logging.WARNING if self._saves_skipped == 1 else logging.DEBUG
-            log.log(level, "radixkv: saves are skipped until the daemon answers (%d pages now): %s",
-                    len(block_ids), e)
-            return 0
+            if isinstance(e, (DeadlineExceeded, Unavailable)):
+                self._saves_resume_at = time.monotonic() + self.config.timeout_s
+            return self._skip_save(len(block_ids), e)
         if self._saves_skipped:
             log.info("radixkv: saves go through again (%d skipped before)", self._saves_skipped)
             self._saves_skipped = 0
         return transfer
+
+    def _skip_save(self, pages: int, why) -> int:
+        """A save not made: a warning for the first of a run, then debug. Returns 0."""
+        self._saves_skipped += 1
+        level = logging.WARNING if self._saves_skipped == 1 else logging.DEBUG
+        log.log(level, "radixkv: saves are skipped until the daemon answers (%d pages now): %s", pages, why)
+        return 0
 
     def done(self, transfers: Iterable[int], timeout: float | None = 0) -> set[int]:
         """Of `transfers`, those whose copy is over (copied, failed, or the session gone:
