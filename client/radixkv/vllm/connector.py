@@ -180,7 +180,7 @@ class RadixKVConnector(KVConnectorBase_V1):
             return None, None
         meta = self._meta()
         sending = self._saves.finished(finished_req_ids, meta.delayed if meta else ())
-        recving = self._loads.received(finished_req_ids)
+        recving = self._loads.received()
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]):

@@ -19,10 +19,6 @@ what came of it. Per step, in vLLM's order:
 
 With `async_loads` the loads are vLLM's asynchronous receives instead: begun in
 `load`, reported over by `received` (get_finished) and failed by `take_failed_receiving`.
-One the daemon has not answered within timeout_s is reported failed (vLLM recomputes the
-request, which waits no longer) and held like a late load until the daemon answers; but
-not for a request vLLM already finished (aborted while it waited): vLLM keeps that one's
-blocks until the receive is reported, so it is reported once the daemon answers.
 
 A load answered too late (timeout_s) fills no block and keeps the request's blocks held
 (`Saves.hold`) until the daemon answers; so does a queued load whose acknowledgement does
@@ -56,11 +52,9 @@ class WorkerLoads:
         self._errors: set[int] = set()  # blocks that failed to load, for vLLM
         self._short: set[str] = set()  # requests whose load this step left blocks unfilled
         self._loaded: dict[str, int] = {}  # loads over since the last report: pages
-        # async loads in flight: request -> (spec, pending, time.monotonic() deadline)
-        self._receiving: dict[str, tuple[LoadSpec, PendingLoad, float]] = {}
+        self._receiving: dict[str, tuple[LoadSpec, PendingLoad]] = {}  # async loads in flight
         self._recv_done: set[str] = set()  # async loads over, for get_finished
         self._recv_failed: set[str] = set()
-        self._recv_finished: set[str] = set()  # async loads in flight of requests vLLM finished
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -80,7 +74,7 @@ class WorkerLoads:
                 # Not held like a save: vLLM keeps the blocks of a request aborted while it
                 # waits for its receive until `received` lists it, and frees them then.
                 pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
-                self._receiving[spec.req_id] = (spec, pending, time.monotonic() + self._adapter.config.timeout_s)
+                self._receiving[spec.req_id] = (spec, pending)
                 continue
             pending = self._early.pop(spec.req_id, None) or self._begin(spec)
             self._over(spec, self._finish(spec.req_id, pending, self._layers))
@@ -124,11 +118,8 @@ class WorkerLoads:
         loaded, self._loaded = self._loaded, {}
         return loaded
 
-    def received(self, finished_req_ids=()) -> set[str]:
-        """Asynchronous loads over since the last call, failed or not, and those past
-        timeout_s (failed, see the module's docstring); never waits. `finished_req_ids`:
-        the requests vLLM finished this step (get_finished's)."""
-        self._recv_finished.update(r for r in finished_req_ids if r in self._receiving)
+    def received(self) -> set[str]:
+        """Asynchronous loads over since the last call, failed or not (never waits)."""
         answered = self._answered()
         if self._receiving and not answered:
             # Hand the GIL over: vLLM's loop, stepping while these requests wait, holds it,
@@ -137,25 +128,10 @@ class WorkerLoads:
             time.sleep(0)
             answered = self._answered()
         for req_id in answered:
-            spec, pending, _ = self._receiving.pop(req_id)
-            self._recv_finished.discard(req_id)
+            spec, pending = self._receiving.pop(req_id)
             self._over(spec, self._adapter.finish_load(pending))  # does not wait: answered
-        self._give_up_late()
         done, self._recv_done = self._recv_done, set()
         return done
-
-    def _give_up_late(self) -> None:
-        """Asynchronous loads past their deadline, of requests still waiting: failed now,
-        their blocks held until the daemon answers."""
-        now = time.monotonic()
-        late = [r for r, (_, _, deadline) in self._receiving.items()
-                if now >= deadline and r not in self._recv_finished]
-        for req_id in late:
-            spec, pending, _ = self._receiving.pop(req_id)
-            self._saves.hold(req_id, pending.answer)
-            log.warning("radixkv: a load of %d pages got no answer within %gs: recomputed (its blocks stay "
-                        "held until the daemon answers)", pending.want, self._adapter.config.timeout_s)
-            self._over(spec, 0)
 
     def take_failed_receiving(self, finished: set[str]) -> set[str]:
         """Of `finished` receives, those whose load failed (each once)."""
@@ -207,7 +183,7 @@ class WorkerLoads:
 
     def _answered(self) -> list[str]:
         """Requests whose asynchronous load `finish_load` would not wait for (answered, or never sent)."""
-        return [r for r, (_, pending, _) in self._receiving.items() if not pending.late]
+        return [r for r, (_, pending) in self._receiving.items() if not pending.late]
 
 
 __all__ = ["WorkerLoads"]
