@@ -214,15 +214,18 @@ class AsyncClient(ClientBase):
     async def _run(self, plan: Plan):
         """Run a plan on this channel: each step is awaited here."""
         run = PlanRun(plan)
-        while (step := run.next()) is not None:
-            try:
-                run.answer(await self._perform(step))
-            except grpc.RpcError as e:
-                run.fail(from_rpc_error(e))
-            except grpc.aio.UsageError as e:
-                run.fail(RadixKVError(str(e)))
-            except RadixKVError as e:  # a call on the session stream
-                run.fail(e)
+        try:
+            while (step := run.next()) is not None:
+                try:
+                    run.answer(await self._perform(step))
+                except grpc.RpcError as e:
+                    run.fail(from_rpc_error(e))
+                except grpc.aio.UsageError as e:
+                    run.fail(RadixKVError(str(e)))
+                except RadixKVError as e:  # a call on the session stream
+                    run.fail(e)
+        finally:
+            run.close()
         return run.result
 
     async def _perform(self, step: Rpc | Sleep):

@@ -254,15 +254,18 @@ class Client(ClientBase):
     def _run(self, plan: Plan):
         """Run a plan on this channel, blocking: each step is performed here."""
         run = PlanRun(plan)
-        while (step := run.next()) is not None:
-            try:
-                run.answer(self._perform(step))
-            except grpc.RpcError as e:
-                run.fail(from_rpc_error(e))
-            except ValueError as e:  # grpc raises ValueError on a closed channel
-                run.fail(RadixKVError(str(e)))
-            except RadixKVError as e:  # a call on the session stream
-                run.fail(e)
+        try:
+            while (step := run.next()) is not None:
+                try:
+                    run.answer(self._perform(step))
+                except grpc.RpcError as e:
+                    run.fail(from_rpc_error(e))
+                except ValueError as e:  # grpc raises ValueError on a closed channel
+                    run.fail(RadixKVError(str(e)))
+                except RadixKVError as e:  # a call on the session stream
+                    run.fail(e)
+        finally:
+            run.close()
         return run.result
 
     def _perform(self, step: Rpc | Sleep):

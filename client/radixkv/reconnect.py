@@ -64,10 +64,12 @@ class Recovery:
     def failed(self, now: float) -> None:
         self.next_at = now + self.backoff.delay(self.attempts, self._rng)
         self.attempts += 1
+        self.registering = False
 
     def recovered(self) -> None:
         self.reason = None
         self.attempts = 0
+        self.registering = False
 
 
 __all__ = ["Backoff", "Recovery"]

@@ -38,6 +38,7 @@ from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, Pref
 SERVICE = "radixkv.v1.RadixKV"
 DEFAULT_TARGET = "unix:///run/radixkv/radixkv.sock"
 PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
+RETRY_WHILE_REGISTERING_S = 0.05  # `reconnect` looks again this soon while another call registers
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 T = TypeVar("T")
@@ -90,6 +91,11 @@ class PlanRun:
         except StopIteration as done:
             self.result = done.value
             return None
+
+    def close(self) -> None:
+        """End the plan (its cleanup runs now, not when it is collected): call once the
+        shell stops stepping it, however it stops."""
+        self._plan.close()
 
     def answer(self, value: Any) -> None:
         self._answer = value
@@ -210,7 +216,8 @@ class Session:
             if not rec.lost:
                 return None
         while True:
-            yield Sleep(min(rec.wait_time(time.monotonic()), max(0.0, deadline - time.monotonic())))
+            wait = RETRY_WHILE_REGISTERING_S if rec.registering else rec.wait_time(time.monotonic())
+            yield Sleep(min(wait, max(0.0, deadline - time.monotonic())))
             if not rec.lost:
                 return None  # another call registered it again (and raised SessionLost)
             try:
@@ -365,24 +372,31 @@ class Session:
             if rec.registering:
                 raise Unavailable(f"session lost ({reason}); another call is registering it again")
             due = rec.due(now)
-            rec.registering = due
         if self._acks is not None:
             self._acks.abandon(f"the session was lost ({reason})")
         if self._calls is not None:
             self._calls.abandon(f"the session was lost ({reason})")
         if not due:
             raise Unavailable(f"session lost ({reason}); next reconnect attempt in {rec.wait_time(now):.2f}s")
+        with self._lock:
+            if rec.registering or rec.reason is None:
+                raise Unavailable(f"session lost ({reason}); another call is registering it again")
+            rec.registering = True  # cleared with the outcome: failed() or recovered()
         try:  # as first registered: replace_existing only if the engine asked for it then
             new = Registration.from_pb((yield Rpc("Register", self._registration_again(), self.timeout)))
         except Unavailable as err:
-            rec.failed(time.monotonic())
+            with self._lock:
+                rec.failed(time.monotonic())
             raise Unavailable(f"session lost ({reason}); reconnect attempt {rec.attempts} failed: "
                               f"{err.message}") from None
         except RadixKVError:
-            rec.failed(time.monotonic())
+            with self._lock:
+                rec.failed(time.monotonic())
             raise
-        finally:
-            rec.registering = False
+        except BaseException:  # cancelled, or the plan closed: no outcome, the next call tries
+            with self._lock:
+                rec.registering = False
+            raise
         cls, message = lost_message(reg, new, reason)
         with self._lock:
             rec.recovered()

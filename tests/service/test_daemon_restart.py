@@ -168,3 +168,35 @@ def test_async_calls_in_flight_together_register_the_lost_session_once(daemon_fa
             assert (await c.match([tokens(0, 4)]))[0].host_tokens == 0  # and the session works
 
     asyncio.run(main())
+
+
+def test_a_call_cancelled_while_it_registers_leaves_the_registering_to_the_next(daemon_factory):
+    """A task cancelled while its call registers the lost session again (the daemon stopped
+    answering: SIGSTOP) gives the registering up: once the daemon answers, a reconnect
+    registers the session, instead of every call failing "another call is registering it
+    again" for as long as the cancelled task is referenced."""
+    import os
+    import signal
+
+    d = daemon_factory()
+
+    async def main():
+        async with AsyncClient(d.target, timeout=1, reconnect=FAST, stream=True) as c:
+            await c.register("aio-cancel", LAYOUT, [], 0, device_tier="engine_managed", role="scheduler")
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(errors.DeadlineExceeded):
+                    await c.match([tokens(0, 4)])  # unanswered: the session counts as lost
+                stuck = asyncio.ensure_future(c.match([tokens(0, 4)]))  # registers: no answer either
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(stuck), 0.5)
+                stuck.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await stuck  # kept referenced, as a caller's task list would
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            lost = await c.reconnect(timeout=20)
+            assert isinstance(lost, errors.SessionLost), lost
+            assert (await c.match([tokens(0, 4)]))[0].host_tokens == 0
+
+    asyncio.run(main())
