@@ -45,7 +45,7 @@ def test_a_frozen_daemon_costs_one_request_the_timeout_and_the_connector_comes_b
     apart, never by a request's lookup, which would wait out the timeout again), and the
     failure is one warning. Every request completes with its own output; once the daemon
     answers again the connector registers again and saves. (Checked: before, every
-    lookup that found a registration attempt due waited the timeout: 4 of 12 requests.)"""
+    lookup that found a registration attempt due waited the timeout: 3 of these 6.)"""
     import logging
     import os
     import signal
@@ -133,4 +133,4 @@ def test_saves_against_a_frozen_daemon_do_not_starve_vllms_kv_cache(engines, dae
         os.kill(daemon.pid, signal.SIGCONT)
     assert [out.get(f"r{i}") for i in range(len(prompts))] == base
     # Measured: 9.1 s when every queued save waited its timeout in turn, 2.2 s now.
-    assert took < 5, f"{len(prompts)} requests took {took:.1f}s against a frozen daemon (timeout_s 1)"
+    assert took < 6, f"{len(prompts)} requests took {took:.1f}s against a frozen daemon (timeout_s 1)"

@@ -27,7 +27,8 @@ PROMPTS, ROUNDS, DECODE = 24, 40, 16
 
 
 def run(llm, requests: dict, rng: random.Random, abort_p: float) -> dict:
-    """Step until every request finished or was aborted: the finished ones' tokens."""
+    """Step until every request finished or was aborted: the finished ones' tokens. `rng`
+    draws per step, and the number of steps depends on timing: give it one of its own."""
     from vllm import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=DECODE, ignore_eos=True)
     for req_id, tokens in requests.items():
@@ -53,12 +54,13 @@ def namespace_stats(target: str):
 
 @pytest.mark.parametrize("async_loads", [False, True], ids=["loads", "async-loads"])
 def test_random_rounds_give_every_finished_request_its_own_tokens(engines, daemon_factory, tmp_path, async_loads):
-    rng = random.Random(7 + async_loads)
+    rng = random.Random(7 + async_loads)  # the workload: prompts, picks, resets
+    aborts = random.Random(17 + async_loads)  # drawn per step, so apart from the workload's
     prefixes = [prompt(n, seed=100 + i) for i, n in enumerate((256, 512, 768))]
     pool = [rng.choice(prefixes) + prompt(rng.randrange(1, 300), seed=200 + i) for i in range(PROMPTS)]
 
     alone = engines.start(**ENGINE)
-    want = [run(alone, {"p": p}, rng, 0.0)["p"] for p in pool]
+    want = [run(alone, {"p": p}, aborts, 0.0)["p"] for p in pool]
     engines.stop(alone)
 
     daemon = daemon_factory("--host-pool-size", "3MiB", "--storage", f"file://{tmp_path}/pages")
@@ -66,7 +68,7 @@ def test_random_rounds_give_every_finished_request_its_own_tokens(engines, daemo
     finished, before_kill = 0, {}
     for r in range(ROUNDS):
         picks = rng.sample(range(PROMPTS), rng.randrange(1, 5))
-        out = run(llm, {f"r{r}-{j}-{i}": pool[i] for j, i in enumerate(picks)}, rng, abort_p=0.03)
+        out = run(llm, {f"r{r}-{j}-{i}": pool[i] for j, i in enumerate(picks)}, aborts, abort_p=0.03)
         for req_id, tokens in out.items():
             i = int(req_id.rsplit("-", 1)[1])
             assert tokens == want[i], f"round {r}: request {req_id} got other tokens than prompt {i} alone"

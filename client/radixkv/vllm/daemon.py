@@ -228,8 +228,9 @@ class DaemonAdapter:
         daemon's host tier (asynchronous Insert), after `engine_event` (`step_event()` of the
         step that filled the blocks) on CUDA. Returns the transfer to wait for before vLLM
         may reuse the blocks; 0 when nothing is being copied (all there already, or the
-        daemon could not take them: logged). After a save the daemon left unanswered or could
-        not take (down), the saves of the next timeout_s are skipped without asking: each
+        daemon could not take them: logged). After a save the daemon left unanswered, the
+        saves of the next timeout_s are skipped without asking (a daemon that is down fails
+        them at once anyway): each
         would wait timeout_s in turn, and a finished request keeps its blocks until its
         saves are over, so queued saves would hold vLLM's KV cache for that long."""
         if time.monotonic() < self._saves_resume_at:
@@ -239,7 +240,7 @@ class DaemonAdapter:
                 transfer = self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
                                                engine_event=engine_event, extra_key=extra_key).transfer
         except RadixKVError as e:
-            if isinstance(e, (DeadlineExceeded, Unavailable)):
+            if isinstance(e, DeadlineExceeded):  # not answered: the next would wait as long
                 self._saves_resume_at = time.monotonic() + self.config.timeout_s
             return self._skip_save(len(block_ids), e)
         if self._saves_skipped:
@@ -251,7 +252,7 @@ class DaemonAdapter:
         """A save not made: a warning for the first of a run, then debug. Returns 0."""
         self._saves_skipped += 1
         level = logging.WARNING if self._saves_skipped == 1 else logging.DEBUG
-        log.log(level, "radixkv: saves are skipped until the daemon answers (%d pages now): %s", pages, why)
+        log.log(level, "radixkv: saves are skipped while they fail (%d pages now): %s", pages, why)
         return 0
 
     def done(self, transfers: Iterable[int], timeout: float | None = 0) -> set[int]:

@@ -33,7 +33,7 @@ import logging
 from collections import Counter
 
 from radixkv.aio import AsyncClient
-from radixkv.errors import RadixKVError, Unavailable
+from radixkv.errors import DeadlineExceeded, RadixKVError, Unavailable
 from radixkv.layout import KvLayout
 from radixkv.types import Prompt
 
@@ -243,8 +243,10 @@ class Lookups:
             lost = await client.reconnect(timeout=0)  # one attempt, if the backoff lets it
             if lost is not None:
                 log.warning("radixkv: scheduler: %s", lost)
-        except RadixKVError as e:
+        except (Unavailable, DeadlineExceeded) as e:
             log.debug("radixkv: the scheduler's session is not back yet: %s", e)
+        except RadixKVError as e:  # the daemon refused it (another layout or model now?)
+            log.warning("radixkv: registering the scheduler's session again was refused: %s", e)
 
     async def _release_soon(self) -> None:
         """One Release of every lease released before this task ran."""

@@ -157,7 +157,7 @@ class SchedulerSide:
                 self.lookups.release(entry[0])
                 loaded = min(min(entry[1].values()), entry[2])
                 self._counts.update(loads=1, loaded_blocks=loaded, failed_blocks=entry[2] - loaded)
-                if loaded < entry[2]:
+                if loaded < entry[2] and req_id in self._requests:
                     self._short.add(req_id)  # vLLM recomputes (an async one asks again)
 
     def finished(self, request) -> bool:

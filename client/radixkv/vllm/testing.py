@@ -99,10 +99,12 @@ def reset_prefix_cache(llm, *, reset_connector: bool = False, max_steps: int = 1
     the engine step that reports the daemon's copy done, and vLLM refuses the reset while
     any block is held: so step the idle engine until it succeeds. RuntimeError if it never
     does."""
+    if llm.reset_prefix_cache(reset_connector=reset_connector):  # the connector's reset runs either way
+        return
     for _ in range(max_steps):
-        if llm.reset_prefix_cache(reset_connector=reset_connector):
-            return
         llm.llm_engine.step()
+        if llm.reset_prefix_cache():
+            return
     raise RuntimeError("vLLM's prefix cache could not be reset: blocks never freed")
 
 
