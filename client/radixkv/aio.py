@@ -22,7 +22,8 @@ from .base import ClientBase
 from .channel import open_aio_channel
 from .errors import DeadlineExceeded, RadixKVError, SessionLost, from_rpc_error
 from .layout import KvLayout
-from .session import SERVICE, Plan, PlanRun, Rpc, Sleep
+from .plans import Plan, PlanRun, Rpc, Sleep
+from .session import SERVICE
 from .streaming import AsyncCallStream
 from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
                     PrefetchProgress, Registration, Violation)

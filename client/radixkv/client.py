@@ -35,7 +35,8 @@ from .base import ClientBase
 from .channel import open_channel
 from .errors import RadixKVError, SessionLost, from_rpc_error
 from .layout import KvLayout
-from .session import DEFAULT_TARGET, SERVICE, Plan, PlanRun, Rpc, Sleep
+from .plans import Plan, PlanRun, Rpc, Sleep
+from .session import DEFAULT_TARGET, SERVICE
 from .streaming import CallStream
 from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, MatchResult,
                     PrefetchProgress, Registration, Violation)

@@ -18,9 +18,8 @@ registration opens one, and the engine calls it carries are marked `Rpc.on_strea
 
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from grpc_health.v1 import health_pb2
 
@@ -30,6 +29,7 @@ from . import messages as msg
 from .errors import (DaemonRestarted, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
                      Unavailable)
 from .layout import KvLayout
+from .plans import Plan, PlanRun, Rpc, Sleep
 from .reconnect import Backoff, Recovery
 from .streaming import STREAM_METHODS
 from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, PrefetchProgress,
@@ -40,69 +40,6 @@ DEFAULT_TARGET = "unix:///run/radixkv/radixkv.sock"
 PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
 RETRY_WHILE_REGISTERING_S = 0.05  # `reconnect` looks again this soon while another call registers
 _SERVING = health_pb2.HealthCheckResponse.SERVING
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Rpc:
-    """A call for the shell to make: `method` of the RadixKV stub (of the health stub
-    when `health`) with `request` and a deadline of `timeout` seconds. Its answer is the
-    response message; for a server-streaming call (`stream`), the list of messages. With
-    `on_stream`, the shell sends it as a message on the session stream instead."""
-
-    method: str
-    request: Any
-    timeout: float | None
-    health: bool = False
-    stream: bool = False
-    wait_for_ready: bool | None = None
-    on_stream: bool = False  # send it on the session stream (`Session.calls()`), not as a unary call
-
-
-@dataclass(frozen=True, slots=True)
-class Sleep:
-    """A pause of `seconds` for the shell to take (answer: None)."""
-
-    seconds: float
-
-
-Step = Rpc | Sleep
-Plan = Generator[Step, Any, T]
-
-
-class PlanRun:
-    """Steps through one plan for a shell: `next()` gives the step to perform (None once
-    the plan returned, its value in `result`); the shell then calls `answer` with what
-    the step gave, or `fail` with the error it raised. Errors the plan raises propagate
-    out of `next()`."""
-
-    def __init__(self, plan: Plan):
-        self._plan = plan
-        self._answer: Any = None
-        self._error: RadixKVError | None = None
-        self.result: Any = None
-
-    def next(self) -> Step | None:
-        answer, error = self._answer, self._error
-        self._answer = self._error = None
-        try:
-            return self._plan.throw(error) if error is not None else self._plan.send(answer)
-        except StopIteration as done:
-            self.result = done.value
-            return None
-
-    def close(self) -> None:
-        """End the plan (its cleanup runs now, not when it is collected): call once the
-        shell stops stepping it, however it stops."""
-        self._plan.close()
-
-    def answer(self, value: Any) -> None:
-        self._answer = value
-
-    def fail(self, error: RadixKVError) -> None:
-        self._error = error
-
 
 def lost_message(reg: Registration, new: Registration, reason: str) -> tuple[type[SessionLost], str]:
     """The exception class and message for a session replaced by `new`."""
