@@ -20,6 +20,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--engines-per-daemon", type=int, default=d.engines_per_daemon)
     p.add_argument("--no-steady", action="store_true", help="only the daemon that gets killed")
+    p.add_argument("--no-storage", action="store_true", help="no storage tier on the daemon that gets killed")
     p.add_argument("--daemon-fault-every", type=float, default=d.daemon_fault_every, help="mean seconds")
     p.add_argument("--engine-kill-every", type=float, default=d.engine_kill_every, help="mean seconds")
     p.add_argument("--sample-every", type=float, default=d.sample_every)
@@ -30,7 +31,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seconds = a.seconds if a.seconds is not None else a.minutes * 60
     out = run(SoakConfig(seconds=seconds, seed=a.seed, engines_per_daemon=a.engines_per_daemon,
-                         steady=not a.no_steady, daemon_fault_every=a.daemon_fault_every,
+                         steady=not a.no_steady, storage=not a.no_storage, daemon_fault_every=a.daemon_fault_every,
                          engine_kill_every=a.engine_kill_every, sample_every=a.sample_every,
                          verbose=not a.quiet))
     if a.report:

@@ -2,13 +2,17 @@
 checks that a cache failure never becomes wrong output.
 
     python -m tests.soak.engine --target T --namespace N --policy write_back --seed 1 \\
-        --stats /tmp/x/e1.json --stop /tmp/x/stop --ready /tmp/x/e1.ready
+        --stats /tmp/x/e1.json --stop /tmp/x/stop --ready /tmp/x/e1.ready [--storage]
 
 Each step matches a small batch of prompts (shared system prompts, random suffixes,
 two extra keys) with leases, loads host hits back, waits for every transfer the
 prefix depends on, then reads the prefix: every page the daemon said is valid must
 hold exactly the pattern of its tokens (`KvPattern`), else the bytes are counted as
-mismatches. It then "prefills" the rest and inserts it. A load that failed, a call
+mismatches. With --storage (a daemon with a storage tier) a Match also asks what storage
+holds past host; such a prompt is prefetched (wait_complete) and matched again, the
+first match's lease kept until then, so pages a daemon stored before it was killed come
+back through storage and are verified like any other. It then "prefills" the rest and
+inserts it. A load that failed, a call
 that failed, a session that was lost: those tokens are recomputed, never read.
 
 Faults it survives: `SessionLost`/`DaemonRestarted` (drop the whole device view: every
@@ -55,6 +59,8 @@ class Counts:
     byte_mismatches: int = 0
     device_hit_pages: int = 0
     host_loaded_pages: int = 0
+    prefetches: int = 0              # prompts staged from storage (--storage)
+    staged_pages: int = 0            # pages a prefetch brought to host, then matched on host
     load_backs: int = 0
     failed_loads: int = 0            # reported failed (copy, ack refused, daemon lost)
     session_losses: int = 0          # SessionLost / DaemonRestarted seen
@@ -73,12 +79,14 @@ class ChaosEngine(EngineDouble):
     """The engine double (`tests.support.engine`: buffers, pattern KV, page pool,
     allocation) driven by random scheduler steps that survive daemon faults."""
 
-    def __init__(self, target: str, namespace: str, policy: str, seed: int, stall: float = 0.0):
+    def __init__(self, target: str, namespace: str, policy: str, seed: int, stall: float = 0.0,
+                 storage: bool = False):
         super().__init__(LAYOUT, NUM_PAGES)
         self.rng = random.Random(seed)
         self.namespace = namespace
         self.policy = policy
         self.stall = stall
+        self.storage = storage
         self.counts = Counts()
         self.page_bytes = LAYOUT.page_bytes
         client = Client(target, timeout=30, reconnect=Backoff(initial=0.05, maximum=1.0))
@@ -168,7 +176,10 @@ class ChaosEngine(EngineDouble):
         c, counts = self.client, self.counts
         counts.steps += 1
         batch = [self.prompt() for _ in range(self.rng.randint(1, 3))]
-        matches = c.match([Prompt(t, x) for t, x in batch], lease=True)
+        prompts = [Prompt(t, x) for t, x in batch]
+        matches = c.match(prompts, lease=True, include_storage=self.storage)
+        if self.storage:
+            matches = [self.staged(p, m) for p, m in zip(prompts, matches)]
         plans = []
         for (tokens, extra), m in zip(batch, matches):
             prefix = list(m.device_pages)
@@ -192,6 +203,19 @@ class ChaosEngine(EngineDouble):
             self.finish(tokens, extra, lease, prefix)
         if self.rng.random() < 0.1:
             self.evict(self.rng.randint(1, 24))
+
+    def staged(self, prompt: Prompt, m):
+        """`m`, or where storage holds more: the Match after prefetching it to host (the
+        first lease released once the second holds the path)."""
+        if not m.storage_tokens:
+            return m
+        self.client.prefetch(prompt.tokens, extra_key=prompt.extra_key, policy="wait_complete")
+        [again] = self.client.match([prompt], lease=True, include_storage=True)
+        self.release(m.lease)
+        self.counts.prefetches += 1
+        self.counts.staged_pages += max(0, again.device_tokens + again.host_tokens
+                                        - m.device_tokens - m.host_tokens) // PS
+        return again
 
     def load_host(self, m, prefix: list[int], deps: set[int]):
         need = m.host_tokens // PS
@@ -283,10 +307,11 @@ def main(argv=None) -> int:
     p.add_argument("--stop", required=True, help="stop once this file exists")
     p.add_argument("--max-seconds", type=float, default=3600)
     p.add_argument("--ready", default="", help="create this file once registered")
+    p.add_argument("--storage", action="store_true", help="the daemon has a storage tier: prefetch from it")
     a = p.parse_args(argv)
     import torch
     torch.set_num_threads(1)
-    engine = ChaosEngine(a.target, a.namespace, a.policy, a.seed, a.stall)
+    engine = ChaosEngine(a.target, a.namespace, a.policy, a.seed, a.stall, a.storage)
     if a.ready:
         open(a.ready, "w").close()
     try:

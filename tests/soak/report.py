@@ -14,7 +14,8 @@ def summary(out: dict) -> list[str]:
         f"{t.get('unavailable', 0)} unavailable calls, {t.get('stalls', 0)} stuck-engine missteps, "
         f"{t.get('errors', 0)} unexplained client errors (listed as problems)",
         f"verified: {t.get('prefix_pages_verified', 0)} pages, {t.get('bytes_verified', 0)} bytes "
-        f"({t.get('device_hit_pages', 0)} device-hit pages, {t.get('host_loaded_pages', 0)} loaded from host)",
+        f"({t.get('device_hit_pages', 0)} device-hit pages, {t.get('host_loaded_pages', 0)} loaded from host; "
+        f"{t.get('prefetches', 0)} prefetches from storage brought {t.get('staged_pages', 0)} pages)",
         f"daemon counters at the end (since each one's last start): {out['daemon_counters']}",
         f"invariant violations: {out['num_violations']}",
         f"rss: {out['rss']}",

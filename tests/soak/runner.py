@@ -1,7 +1,9 @@
 """The soak run: mixed load and faults for a bounded time, every byte verified.
 
 Two daemons on loopback unix sockets. The "crashy" one is SIGKILLed (now and then
-SIGTERMed) and restarted at random points; the "steady" one is never killed, so its
+SIGTERMed) and restarted at random points, with a file storage tier written through
+(`storage`) that outlives its restarts, so its engines also prefetch what an earlier
+incarnation stored (and, at SIGTERM, stored at shutdown); the "steady" one is never killed, so its
 resident memory over the whole run shows whether anything grows. Each daemon serves
 `engines_per_daemon` ChaosEngine processes (write_through, write_through_selective,
 write_back in turn) that are themselves SIGKILLed and restarted at random points and
@@ -64,6 +66,7 @@ class SoakConfig:
     verbose: bool = True
     min_daemon_faults: int = 1       # the run goes on past `seconds` until this many happened
     min_engine_kills: int = 1
+    storage: bool = True             # the crashy daemon has a file storage tier (write-through)
 
     def scaled(self) -> "SoakConfig":
         """Short runs get proportionally frequent faults (several even in 20 s)."""
@@ -94,8 +97,10 @@ class Soak:
         self.dir = tempfile.mkdtemp(prefix="rkv-soak-")
         self.stop_file = os.path.join(self.dir, "stop")
         # Copies on the crashy daemon take a little longer, so kills often catch some in flight.
+        storage = ("--storage", os.path.join(self.dir, "storage"), "--storage-policy", "write_through")
         self.daemons: dict[str, DaemonProcess] = {
-            "crashy": DaemonProcess(*DAEMON_FLAGS, "--fault-copy-delay", "0.005")}
+            "crashy": DaemonProcess(*DAEMON_FLAGS, "--fault-copy-delay", "0.005",
+                                    *(storage if self.cfg.storage else ()))}
         if self.cfg.steady:
             self.daemons["steady"] = DaemonProcess(*DAEMON_FLAGS)
         self.engines: list[EngineSlot] = []
@@ -120,7 +125,8 @@ class Soak:
             [sys.executable, "-m", "tests.soak.engine", "--target", self.daemons[slot.daemon].target,
              "--namespace", slot.namespace, "--policy", slot.policy, "--stall", str(self.cfg.stall),
              "--seed", str(self.rng.randrange(1 << 30)), "--stats", stats, "--stop", self.stop_file,
-             "--max-seconds", str(self.cfg.seconds + READY_TIMEOUT_S + 120), "--ready", self.ready_file(slot)],
+             "--max-seconds", str(self.cfg.seconds + READY_TIMEOUT_S + 120), "--ready", self.ready_file(slot),
+             *(["--storage"] if self.cfg.storage and slot.daemon == "crashy" else [])],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
@@ -356,6 +362,7 @@ class Soak:
             "bytes verified on every daemon": all(d.get("bytes_verified", 0) > 0 for d in out["per_daemon"].values())
             and len(out["per_daemon"]) == len(self.daemons),
             "loads verified": t.get("host_loaded_pages", 0) > 0,
+            "storage hits prefetched": not self.cfg.storage or t.get("staged_pages", 0) > 0,
             "faults injected": faults["daemon_sigkill"] + faults["daemon_sigterm"] > 0 and faults["engine_sigkill"] > 0,
             "engines saw the restarts": t.get("daemon_restarts", 0) > 0,
             "rss flat after warm-up": not out["rss"].get("checked") or out["rss"]["flat"],
