@@ -374,3 +374,83 @@ def test_a_save_goes_out_when_the_next_step_begins_or_soon_after_without_one(ses
         wait_for(lambda: saved(second), 10, "the save sent with no step to come")
     finally:
         saves.close()
+
+
+def test_saves_that_fail_while_the_daemon_is_away_log_one_warning_then_one_line_when_back(shm_kv, daemon):
+    """A worker saves every step; while the daemon is away each save is skipped. The log
+    says so once (a warning), not once per save, and says when saves go through again."""
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append((record.levelno, record.getMessage()))
+
+    lines, logger = Lines(), logging.getLogger("vllm.radixkv")
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.DEBUG)  # as vLLM's logging setup makes it (INFO) and more
+    try:
+        with open_sessions(shm_kv, daemon, timeout_s=2.0) as (views, adapter, scheduler):
+            daemon.kill()
+            prompts = [torch.arange(k, k + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
+                       for k in range(5000, 5600, 100)]
+            assert [adapter.save(p, [3, 4]) for p in prompts] == [0] * len(prompts)
+            daemon.start()
+            seeds = iter(range(7000, 100_000, 100))
+
+            def saved() -> bool:
+                k = next(seeds)
+                transfer = adapter.save(torch.arange(k, k + 2 * TOKENS, dtype=torch.int32).numpy().tobytes(), [3, 4])
+                return bool(transfer) and adapter.done([transfer], timeout=None) == {transfer}
+
+            wait_for(saved, 20, "saves going through once the daemon is back")
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    warnings = [m for level, m in lines.records if level >= logging.WARNING and "saves are skipped" in m]
+    again = [m for level, m in lines.records if level == logging.INFO and "saves go through again" in m]
+    assert len(warnings) == 1, lines.records
+    skipped = sum("saves are skipped" in m for _, m in lines.records)
+    assert skipped >= len(prompts) and again == [f"radixkv: saves go through again ({skipped} failed before)"], \
+        lines.records
+
+
+def test_a_preemption_waits_for_its_saves_and_says_so_while_the_daemon_is_slow(shm_kv, daemon_factory):
+    """vLLM reuses a preempted request's blocks right after `flush`, so the flush waits for
+    every save of the request, however long the daemon takes (it may still read the
+    blocks): no giving up at timeout_s, but a warning each timeout_s, so an operator
+    whose vLLM stalls on a stuck daemon sees why."""
+    import logging
+
+    from radixkv.vllm.metadata import SaveSpec
+
+    class Warnings(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    daemon = daemon_factory("--fault-copy-delay", "1.0")  # every copy starts 1 s late
+    prompt = torch.arange(9000, 9000 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
+    said = Warnings()
+    with open_sessions(shm_kv, daemon, timeout_s=0.3) as (views, adapter, scheduler):
+        saves = Saves(adapter)
+        logging.getLogger("vllm.radixkv").addHandler(said)
+        try:
+            saves.start(SaveSpec("r", prompt, (3, 4)))
+            saves.flush(["r"])
+            [hit] = scheduler.lookup([prompt])  # the copy the flush waited for is in
+            scheduler.release([hit.lease])
+            assert hit.tokens == 2 * TOKENS
+            assert saves.finished({"r"}, ["r"]) == {"r"}
+        finally:
+            logging.getLogger("vllm.radixkv").removeHandler(said)
+            saves.close()
+    waits = [line for line in said.lines if "waits to reuse the blocks of preempted requests" in line]
+    assert waits and "1 of their saves are unacknowledged after 0.3s" in waits[0], said.lines

@@ -31,6 +31,7 @@ from radixkv.layout import KvLayout
 from radixkv.types import as_packed
 
 from .config import ConnectorConfig
+from .outages import OutageLog
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
@@ -112,7 +113,7 @@ class DaemonAdapter:
         self._client = Client(config.target, timeout=config.timeout_s, stream=True,
                               on_session_lost=self._session_lost)
         self._lock = threading.Lock()
-        self._saves_skipped = 0  # saves the daemon did not take since the last it did
+        self._skipped = OutageLog(log, "saves are skipped while they fail", "saves go through again")
         self._saves_resume_at = 0.0  # time.monotonic(): saves skipped until then (daemon not answering)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -243,16 +244,12 @@ class DaemonAdapter:
             if isinstance(e, DeadlineExceeded):  # not answered: the next would wait as long
                 self._saves_resume_at = time.monotonic() + self.config.timeout_s
             return self._skip_save(len(block_ids), e)
-        if self._saves_skipped:
-            log.info("radixkv: saves go through again (%d skipped before)", self._saves_skipped)
-            self._saves_skipped = 0
+        self._skipped.worked()
         return transfer
 
     def _skip_save(self, pages: int, why) -> int:
-        """A save not made: a warning for the first of a run, then debug. Returns 0."""
-        self._saves_skipped += 1
-        level = logging.WARNING if self._saves_skipped == 1 else logging.DEBUG
-        log.log(level, "radixkv: saves are skipped while they fail (%d pages now): %s", pages, why)
+        """A save not made (logged as part of a run of them). Returns 0."""
+        self._skipped.failed(f"{pages} pages now, {why}")
         return 0
 
     def done(self, transfers: Iterable[int], timeout: float | None = 0) -> set[int]:

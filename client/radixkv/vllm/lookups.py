@@ -39,6 +39,7 @@ from radixkv.types import Prompt
 
 from .config import ConnectorConfig
 from .daemon import MISS, Hit, hit_of, register_options, registration_refused
+from .outages import OutageLog
 from .pump import LoopPump
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
@@ -61,7 +62,8 @@ class Lookups:
         self._steps = 0  # build_connector_meta calls so far
         self._read_at = -1  # the step whose answers were last read
         self._registering: asyncio.Task | None = None  # registering a lost session again
-        self._failing = 0  # lookups failed since the last one answered (logged once)
+        self._failing = OutageLog(log, "lookups fail and are treated as misses until the daemon answers",
+                                  "lookups answered again")
 
     @classmethod
     def open(cls, config: ConnectorConfig, layout: KvLayout, *, engine: str, tp_size: int,
@@ -192,10 +194,11 @@ class Lookups:
                 raise Unavailable("the scheduler's session is lost and being registered again")
             results = await client.match(prompts, lease=True, include_storage=True)
         except RadixKVError as e:
-            self._failed(len(prompts), e)
+            self._counts["lookup_failures"] += len(prompts)
+            self._failing.failed(e)
             results = [None] * len(prompts)
         else:
-            self._answered()
+            self._failing.worked()
         staging = []
         for (req_id, prompt), result in zip(batch.items(), results):
             if result is not None and result.storage_tokens:
@@ -219,18 +222,6 @@ class Lookups:
         self.release(found.lease)
         self._counts["staged"] += 1
         self._file(req_id, hit_of(again, on_host=found.complete_tokens))
-
-    def _failed(self, prompts: int, error: RadixKVError) -> None:
-        """A lookup failed: its prompts are misses. A warning for the first of a run."""
-        self._counts["lookup_failures"] += prompts
-        self._failing += 1
-        level = logging.WARNING if self._failing == 1 else logging.DEBUG
-        log.log(level, "radixkv: lookups fail and are treated as misses until the daemon answers: %s", error)
-
-    def _answered(self) -> None:
-        if self._failing:
-            log.info("radixkv: lookups answered again (%d failed before)", self._failing)
-            self._failing = 0
 
     def _register_again(self, client: AsyncClient) -> None:
         """Register the lost session in a task of its own (one at a time)."""

@@ -15,7 +15,8 @@ the worker metadata); the scheduler answers `request_finished` with True while a
 the request is not over on every rank, and names such requests in the next step's
 metadata (`delayed`). This worker then lists a delayed request in `finished` (vLLM's
 `get_finished` finished_sending) once none of its saves is in flight. `flush` waits for
-the saves of preempted requests, whose blocks vLLM frees at once.
+the saves of preempted requests, whose blocks vLLM frees at once: for as long as the
+daemon takes (it may still read those blocks), saying so in a warning every timeout_s.
 
 A load the worker stopped waiting for (no answer within timeout_s: vLLM recomputes its
 blocks) is held the same way (`hold`): the daemon may still write those blocks until it
@@ -26,6 +27,7 @@ loads (`report`, held) and the scheduler counts them with the request's saves.
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -114,12 +116,28 @@ class Saves:
             ids = [t for t, (ticket, _) in self._transfers.items() if ticket in tickets]
             late = [answer for ticket, (_, answer) in self._late.items() if ticket in tickets]
         if ids:
-            self._landed(self._adapter.done(ids, timeout=None))
+            self._landed(self._acknowledged(ids))
         if late:
             if wait_futures(late, LATE_FLUSH_TIMEOUT_S).not_done:
                 log.error("radixkv: %d loads into blocks vLLM reuses now are still unanswered after %gs",
                           len(late), LATE_FLUSH_TIMEOUT_S)
             self._settle_late()
+
+    def _acknowledged(self, ids: list[int]) -> set[int]:
+        """Wait until the daemon acknowledged every save of `ids` (their blocks are reused
+        next, and the daemon may still read them: no giving up), with a warning each
+        timeout_s it has not. An error that ends the wait early ends this one too."""
+        timeout = self._adapter.config.timeout_s
+        done: set[int] = set()
+        waited = 0.0
+        while True:
+            began = time.monotonic()
+            done |= self._adapter.done([t for t in ids if t not in done], timeout=timeout)
+            if len(done) >= len(ids) or time.monotonic() - began < timeout:
+                return done
+            waited += timeout
+            log.warning("radixkv: vLLM waits to reuse the blocks of preempted requests: %d of their saves "
+                        "are unacknowledged after %gs (the daemon may still read them)", len(ids) - len(done), waited)
 
     def finished(self, finished_req_ids, delayed) -> set[str]:
         """The `delayed` requests (now or before) that vLLM reported finished (now or
