@@ -274,8 +274,8 @@ def test_the_scheduler_keeps_a_held_loads_blocks_until_its_rank_says_it_is_over(
         side.matched(SimpleNamespace(request_id=req_id, num_tokens=4 * TOKENS), 0)
         side.answered(RadixKVWorkerMetadata(held={req_id: {1: 1}}))
     side.answered(RadixKVWorkerMetadata(saved={"over": {1: 1}}))
-    assert side.finished(SimpleNamespace(request_id="held")) is True
-    assert side.finished(SimpleNamespace(request_id="over")) is False
+    assert side.finished(SimpleNamespace(request_id="held", num_computed_tokens=0)) is True
+    assert side.finished(SimpleNamespace(request_id="over", num_computed_tokens=0)) is False
     meta = side.build(_step(preempted_req_ids=["preempted"]))
     assert (meta.delayed, meta.flush) == (["held"], ["preempted"])
 
@@ -290,7 +290,7 @@ def test_a_request_finished_before_its_load_is_reported_keeps_its_blocks(session
     try:
         tokens = list(range(3, 3 + 2 * TOKENS + 1))  # SAVED and one token more
         request = SimpleNamespace(request_id="r", num_tokens=len(tokens), all_token_ids=tokens,
-                                  num_prompt_tokens=len(tokens))
+                                  num_prompt_tokens=len(tokens), num_computed_tokens=0)
         deadline = time.monotonic() + 10
         while (got := side.matched(request, 0))[0] is None:  # asks until the Match landed
             assert time.monotonic() < deadline, "the lookup never landed"

@@ -4,7 +4,9 @@ Prompts share a few prefixes; each round sends a random handful of them at once 
 engine whose KV cache holds about two (so vLLM preempts), aborts a random request now
 and then, empties vLLM's own prefix cache at random (so hits come from radixkv), with a
 daemon whose host pool holds a few prompts (so pages go to file storage and come back
-by prefetch), killed and restarted once midway. The invariant a user relies on: every
+by prefetch), killed and restarted once midway; and with vLLM's asynchronous scheduling
+(on by default on GPUs, turned on here: `tests/vllm/async_scheduling.py`), where the
+scheduler plans a step before the workers reported the one before. The invariant a user relies on: every
 request that finishes gets exactly the tokens the same prompt gets alone without radixkv,
 and vLLM never stops. Afterwards the daemon holds no lease and no unacknowledged load.
 
@@ -18,6 +20,7 @@ import pytest
 
 from radixkv import Client
 from tests.support.daemon import wait_for
+from tests.vllm.async_scheduling import asynchronous_scheduling
 from tests.vllm.engines import connector_config, prompt
 
 BLOCK = 128
@@ -53,9 +56,11 @@ def namespace_stats(target: str):
 
 
 @pytest.mark.parametrize("async_loads", [False, True], ids=["loads", "async-loads"])
-def test_random_rounds_give_every_finished_request_its_own_tokens(engines, daemon_factory, tmp_path, async_loads):
-    rng = random.Random(7 + async_loads)  # the workload: prompts, picks, resets
-    aborts = random.Random(17 + async_loads)  # drawn per step, so apart from the workload's
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-scheduling", "async-scheduling"])
+def test_random_rounds_give_every_finished_request_its_own_tokens(engines, daemon_factory, tmp_path, monkeypatch,
+                                                                  async_loads, async_scheduling):
+    rng = random.Random(7 + async_loads + 2 * async_scheduling)  # the workload: prompts, picks, resets
+    aborts = random.Random(17 + async_loads + 2 * async_scheduling)  # drawn per step, apart from the workload's
     prefixes = [prompt(n, seed=100 + i) for i, n in enumerate((256, 512, 768))]
     pool = [rng.choice(prefixes) + prompt(rng.randrange(1, 300), seed=200 + i) for i in range(PROMPTS)]
 
@@ -64,7 +69,11 @@ def test_random_rounds_give_every_finished_request_its_own_tokens(engines, daemo
     engines.stop(alone)
 
     daemon = daemon_factory("--host-pool-size", "3MiB", "--storage", f"file://{tmp_path}/pages")
+    if async_scheduling:  # the references above were scheduled synchronously
+        asynchronous_scheduling(monkeypatch)
     llm = engines.start(kv_transfer_config=connector_config(daemon.target, async_loads=async_loads), **ENGINE)
+    core = llm.llm_engine.engine_core.engine_core  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    assert (core.batch_queue is not None) == async_scheduling  # a step scheduled while one runs
     finished, before_kill = 0, {}
     for r in range(ROUNDS):
         picks = rng.sample(range(PROMPTS), rng.randrange(1, 5))

@@ -65,6 +65,7 @@ class SchedulerSide:
         self._over: dict[str, dict[int, int]] = {}  # request -> rank -> saves over
         self._held: dict[str, dict[int, int]] = {}  # request -> rank -> loads held (counted as saves)
         self._delayed: list[str] = []  # finished with saves in flight, for the next step
+        self._last_saves: list[SaveSpec] = []  # finished requests' last blocks, for the next step
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, tuple[int, dict[int, int], int]] = {}  # lease, ranks reported, pages
         self._short: set[str] = set()  # a load of theirs came back short: no more hits for them
@@ -124,8 +125,9 @@ class SchedulerSide:
         # vLLM zeroes new blocks (and copies blocks) early in the worker's step: a load
         # started before that could be overwritten, so such a step loads later.
         early = not (scheduler_output.new_block_ids_to_zero or scheduler_output.kv_cache_block_copies)
-        meta = RadixKVMetadata(flush=flush, delayed=self._delayed, loads=self._loads, early_loads=early)
-        self._loads, self._delayed = [], []
+        meta = RadixKVMetadata(flush=flush, delayed=self._delayed, loads=self._loads, early_loads=early,
+                               saves=self._last_saves)
+        self._loads, self._delayed, self._last_saves = [], [], []
         steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         steps += list(zip(cached.req_ids, cached.num_computed_tokens))
@@ -161,12 +163,14 @@ class SchedulerSide:
                     self._short.add(req_id)  # vLLM recomputes (an async one asks again)
 
     def finished(self, request) -> bool:
-        """request_finished (and aborts): drop every trace and the lookup's lease. True
-        when a save of the request is in flight: its blocks stay until every worker
-        lists it in `get_finished`."""
+        """request_finished (and aborts): the full blocks vLLM computed that no step saved
+        yet are saved in the next step (`_last_save`); then drop every trace and the
+        lookup's lease. True when a save of the request is planned or in flight: its
+        blocks stay until every worker lists it in `get_finished`."""
         req_id = request.request_id
         if self.lookups is not None:
             self.lookups.drop(req_id)
+        self._last_save(request)
         in_flight = self._saving(req_id)
         for table in (self._requests, self._prompts, self._computed, self._saved, self._issued, self._over,
                       self._held, self._sources):
@@ -176,6 +180,23 @@ class SchedulerSide:
         if in_flight:
             self._delayed.append(req_id)
         return in_flight
+
+    def _last_save(self, request) -> None:
+        """A request's steps save the blocks they fill whose tokens the scheduler knows when
+        it plans them. Under vLLM's asynchronous scheduling a step is planned before the
+        previous step's sampled token arrives, so the block the request's last forward
+        completed is known full only now: it goes out with the next step's saves (which
+        the workers start after that step's forward, so after every forward of the
+        request) and the request is named delayed in the same step."""
+        req_id = request.request_id
+        if req_id in self._short:  # a load came back short: what it then computed is not saved
+            return
+        before = self._saved.get(req_id, 0)
+        save = self._save_spec(req_id, request.num_computed_tokens)
+        if save is not None:
+            self._last_saves.append(save)
+            self._counts["save_blocks"] += len(save.block_ids) - before // self.block_size
+            self._issued[req_id] = self._issued.get(req_id, 0) + 1
 
     def _saving(self, req_id: str) -> bool:
         """Whether a save (or held load) of `req_id` is not over on some rank, or a load of
