@@ -47,7 +47,7 @@ def test_a_healthy_load_reports_its_pages_and_no_errors_answered_either_way(shm_
             for v in views.values():
                 v[8:10].fill_(-1)
             loads, spec = one_step(views, adapter, scheduler, queued=queued, early=early)
-            assert loads.take_errors() == set() and loads.take_short() == set()
+            assert loads.take_errors() == set() and loads.short == set()
             assert loads.take_loaded() == {"r": 2}, (queued, early)
             assert_loaded(views)
 
@@ -55,12 +55,14 @@ def test_a_healthy_load_reports_its_pages_and_no_errors_answered_either_way(shm_
 def test_a_failed_copy_makes_vllm_recompute_whether_answered_once_copied_or_once_queued(shm_kv, daemon_factory):
     """Answered once copied, the failure comes with the answer; answered once queued, it
     comes only with the acknowledgement after the forward. Either way vLLM is told the
-    blocks failed (it recomputes them) and the request saves nothing this step."""
+    blocks failed (it recomputes them) and the request saves nothing more until it finishes."""
     daemon = daemon_factory("--fault-fail-loads", "1")  # every host->device copy fails
     with open_sessions(shm_kv, daemon) as (views, adapter, scheduler):
         for queued in (False, True):
             loads, spec = one_step(views, adapter, scheduler, queued=queued)
             assert loads.take_errors() == {8, 9}, queued
-            assert loads.take_short() == {"r"}
+            assert loads.short == {"r"}
+            loads.forget({"r"})
+            assert loads.short == set()
             assert loads.take_loaded() == {"r": 0}
             assert loads.take_errors() == set()  # told once

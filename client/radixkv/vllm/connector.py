@@ -65,6 +65,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._adapter: DaemonAdapter | None = None
         self._saves: Saves | None = None
         self._loads: WorkerLoads | None = None
+        self._saves_started: RadixKVMetadata | None = None  # the metadata whose saves wait_for_save started
         self._allocation: ShmAllocation | None = None
         self._scheduler: SchedulerSide | None = None
         self._tier_events: TierEvents | None = None
@@ -159,18 +160,19 @@ class RadixKVConnector(KVConnectorBase_V1):
         """Queue the Inserts of the blocks this step filled (asynchronous: the saves'
         thread sends them and the copies run in the daemon while vLLM goes on;
         `get_finished` says when a finished request's blocks are free). A request whose
-        load this step left blocks unfilled saves nothing: its forward read those
-        blocks, so what it computed is wrong (vLLM recomputes it)."""
+        load left blocks unfilled saves nothing more (`WorkerLoads.short`): its forward
+        read those blocks, so what it computed is wrong (vLLM recomputes it)."""
         self._forward_queued()
         meta = self._meta()
         if meta is None or self._loads is None:
             return
-        short = self._loads.take_short()
+        short = self._loads.short
         for spec in meta.saves:
             if spec.req_id in short:
                 self._saves.skip(spec.req_id)
             else:
                 self._saves.start(spec)
+        self._saves_started = meta
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose blocks the scheduler kept for saves in flight, once
@@ -179,7 +181,12 @@ class RadixKVConnector(KVConnectorBase_V1):
         if self._saves is None:
             return None, None
         meta = self._meta()
-        sending = self._saves.finished(finished_req_ids, meta.delayed if meta else ())
+        # With speculative decoding vLLM calls this before wait_for_save (which it defers
+        # past the drafter): a request whose last save is in this step's metadata must not
+        # be listed before that save is in flight.
+        unstarted = {s.req_id for s in meta.saves} if meta and self._saves_started is not meta else ()
+        sending = self._saves.finished(finished_req_ids, meta.delayed if meta else (), unstarted)
+        self._loads.forget(finished_req_ids)
         recving = self._loads.received()
         return sending or None, recving or None
 

@@ -14,7 +14,9 @@ what came of it. Per step, in vLLM's order:
   get_block_ids_with_load_errors): loads whose events some layer never waited for, and
   queued loads whose copy turned out to have failed (`DaemonAdapter.settle_loads`), count
   as failed: their blocks are load errors (vLLM recomputes them) and their requests save
-  nothing this step (`take_short`);
+  nothing more (`short`: under vLLM's asynchronous scheduling the next step, planned
+  before vLLM learns of the failure, computed on from those blocks too) until they finish
+  (`forget`);
 - `take_errors`, `take_loaded` (the worker's report to the scheduler: its leases go).
 
 With `async_loads` the loads are vLLM's asynchronous receives instead: begun in
@@ -50,7 +52,7 @@ class WorkerLoads:
         self._early: dict[str, PendingLoad] = {}  # begun in begin_early, by request
         self._unsettled: dict[str, int] = {}  # queued loads of this step: transfer
         self._errors: set[int] = set()  # blocks that failed to load, for vLLM
-        self._short: set[str] = set()  # requests whose load this step left blocks unfilled
+        self._short: set[str] = set()  # requests a load of theirs left blocks unfilled, until they finish
         self._loaded: dict[str, int] = {}  # loads over since the last report: pages
         self._receiving: dict[str, tuple[LoadSpec, PendingLoad]] = {}  # async loads in flight
         self._recv_done: set[str] = set()  # async loads over, for get_finished
@@ -102,11 +104,17 @@ class WorkerLoads:
 
     # -- what vLLM is told ------------------------------------------------------------------
 
-    def take_short(self) -> set[str]:
-        """Requests whose load this step left blocks unfilled: their forward read those
-        blocks, so they save nothing (vLLM recomputes them)."""
-        short, self._short = self._short, set()
-        return short
+    @property
+    def short(self) -> set[str]:
+        """Requests a load of theirs left blocks unfilled: their forward read those blocks,
+        and so may the step after it (planned before vLLM learned of the failure), so
+        they save nothing more (vLLM recomputes them)."""
+        return self._short
+
+    def forget(self, finished_req_ids) -> None:
+        """vLLM finished these requests (get_finished)."""
+        if self._short:
+            self._short.difference_update(finished_req_ids)
 
     def take_errors(self) -> set[int]:
         """Blocks that failed to load since the last call (get_block_ids_with_load_errors)."""

@@ -57,7 +57,8 @@ class Saves:
         self._transfers: dict[int, tuple[int, str]] = {}  # transfer in flight -> (ticket, request)
         self._over: dict[str, int] = {}  # request -> saves over since the last report
         self._finished: dict[str, None] = {}  # vLLM reported them finished (the latest ones)
-        self._delayed: set[str] = set()  # finished, blocks kept until we list them
+        self._delayed: set[str] = set()  # blocks kept until we list them; vLLM has not said finished yet
+        self._waiting: set[str] = set()  # delayed and finished: listed once no save of theirs is in flight
         self._late: dict[int, tuple[str, Future]] = {}  # held load's ticket -> (request, its answer)
         self._held: dict[str, int] = {}  # request -> loads held since the last report
         self._closed = False
@@ -139,19 +140,24 @@ class Saves:
             log.warning("radixkv: vLLM waits to reuse the blocks of preempted requests: %d of their saves "
                         "are unacknowledged after %gs (the daemon may still read them)", len(ids) - len(done), waited)
 
-    def finished(self, finished_req_ids, delayed) -> set[str]:
+    def finished(self, finished_req_ids, delayed, unstarted=()) -> set[str]:
         """The `delayed` requests (now or before) that vLLM reported finished (now or
-        before) with no save in flight: vLLM frees their blocks. Each is returned once."""
+        before) with no save in flight, nor one of `unstarted` (saves of this step not
+        started yet): vLLM frees their blocks. Each is returned once. A request both
+        delayed and finished waits here however many others finish meanwhile."""
         self._finished.update(dict.fromkeys(finished_req_ids))
-        while len(self._finished) > FINISHED_KEPT:
-            del self._finished[next(iter(self._finished))]
         self._delayed.update(delayed)
+        both = [r for r in self._delayed if r in self._finished]
+        for r in both:
+            del self._finished[r]
+        self._delayed.difference_update(both)
+        self._waiting.update(both)
+        while len(self._finished) > FINISHED_KEPT:  # finished and never delayed: most requests
+            del self._finished[next(iter(self._finished))]
         self.poll()
         with self._cond:
-            ready = {r for r in self._delayed if r in self._finished and not self._pending.get(r)}
-        self._delayed -= ready
-        for r in ready:
-            del self._finished[r]
+            ready = {r for r in self._waiting if not self._pending.get(r) and r not in unstarted}
+        self._waiting -= ready
         return ready
 
     def poll(self) -> None:

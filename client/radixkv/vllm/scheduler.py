@@ -170,8 +170,14 @@ class SchedulerSide:
         req_id = request.request_id
         if self.lookups is not None:
             self.lookups.drop(req_id)
-        self._last_save(request)
-        in_flight = self._saving(req_id)
+        if self.async_loads and req_id in self._loading:
+            # Waiting for its asynchronous load: vLLM itself keeps the blocks until the
+            # workers report the receive over, and the saves from before a preemption were
+            # flushed before the load began; delaying as well would free them twice.
+            in_flight = False
+        else:
+            self._last_save(request)
+            in_flight = self._saving(req_id)
         for table in (self._requests, self._prompts, self._computed, self._saved, self._issued, self._over,
                       self._held, self._sources):
             table.pop(req_id, None)
