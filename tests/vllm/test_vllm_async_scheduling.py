@@ -36,3 +36,34 @@ def test_the_block_the_last_forward_fills_is_saved_for_the_next_turn(engines, da
         answers.append((turn.cached_tokens, computed))
         first = prompt(100, seed=10 + seed)
     assert all(cached == computed for cached, computed in answers), answers
+
+
+def test_vllm_in_its_own_processes_with_two_ranks_under_asynchronous_scheduling(engines, daemon, monkeypatch):
+    """As vLLM runs on a GPU node: the engine core in a process of its own, one worker
+    process per tensor-parallel rank, asynchronous scheduling (set in the configuration
+    made here; vLLM's CPU tensor-parallel workers stand in for CUDA events themselves).
+    Rounds of requests sharing prefixes, vLLM's prefix cache emptied after each, so later
+    rounds load from radixkv: every request gets the tokens it gets alone without radixkv."""
+    prefixes = [prompt(n, seed=60 + i) for i, n in enumerate((256, 512))]
+    rounds = [[prefixes[(r + j) % 2] + prompt(40 + 30 * j, seed=70 + 3 * r + j) for j in range(3)] for r in range(3)]
+    plain = engines.start()
+    want = [[r.tokens for r in generate(plain, batch)] for batch in rounds]
+    engines.stop(plain)
+
+    asynchronous_scheduling(monkeypatch)  # the engine's config is made in this process
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function, below
+    llm = engines.start(daemon.target, tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert llm.collective_rpc(_schedules_asynchronously) == [True, True]  # each rank's model runner
+    cached = []
+    for batch, tokens in zip(rounds, want):
+        got = generate(llm, batch)
+        assert [r.tokens for r in got] == tokens
+        cached.append(sum(r.cached_tokens for r in got))
+        reset_prefix_cache(llm)
+    assert all(cached[1:]), cached  # hits, from radixkv's host tier
+
+
+def _schedules_asynchronously(worker) -> bool:
+    return worker.model_runner.use_async_scheduling
+
