@@ -5,6 +5,7 @@ it is back the connector registers again and saves blocks again."""
 from radixkv import Client
 from tests.support.daemon import wait_for
 from tests.vllm.engines import generate, prompt
+from tests.vllm.log_lines import LogLines
 
 RECONNECT_TIMEOUT_S = 90.0
 
@@ -53,14 +54,6 @@ def test_a_frozen_daemon_costs_one_request_the_timeout_and_the_connector_comes_b
 
     from tests.vllm.engines import connector_config
 
-    class Warnings(logging.Handler):  # vLLM's loggers do not propagate to pytest's caplog
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
-
     timeout_s = 2.0
     prompts = [prompt(512, seed=s) for s in range(22, 29)]
     plain = engines.start()
@@ -69,22 +62,21 @@ def test_a_frozen_daemon_costs_one_request_the_timeout_and_the_connector_comes_b
 
     llm = engines.start(kv_transfer_config=connector_config(daemon.target, timeout_s=timeout_s))
     assert generate(llm, prompts[:1]) == base[:1]
-    said = Warnings()  # added now: vLLM's logging setup at engine start clears its children's handlers
-    logging.getLogger("vllm.radixkv").addHandler(said)
-    os.kill(daemon.pid, signal.SIGSTOP)
     frozen, took = [], []
-    try:
-        for p in prompts[1:]:
-            start = time.monotonic()
-            frozen += generate(llm, [p])
-            took.append(time.monotonic() - start)
-    finally:
-        os.kill(daemon.pid, signal.SIGCONT)
+    # entered now: vLLM's logging setup at engine start clears its children's handlers
+    with LogLines(logging.WARNING) as said:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            for p in prompts[1:]:
+                start = time.monotonic()
+                frozen += generate(llm, [p])
+                took.append(time.monotonic() - start)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
     assert [(r.tokens, r.logprobs) for r in frozen] == [(r.tokens, r.logprobs) for r in base[1:]]
     waited = [t for t in took if t >= 0.9 * timeout_s]
     assert len(waited) == 1, f"requests against the frozen daemon took {[round(t, 2) for t in took]} s"
-    logging.getLogger("vllm.radixkv").removeHandler(said)
-    assert sum("lookups fail" in line for line in said.lines) == 1, said.lines
+    assert sum("lookups fail" in line for line in said.messages()) == 1, said.records
 
     before = inserted_tokens(daemon.target)
     seeds = iter(range(200, 10_000))

@@ -17,32 +17,8 @@ from radixkv.vllm.metadata import SaveSpec
 from radixkv.vllm.saves import FINISHED_KEPT, Saves
 from radixkv.vllm.scheduler import SchedulerSide
 from tests.support.daemon import wait_for
+from tests.vllm.log_lines import LogLines
 from tests.vllm.test_vllm_adapter import SAVED, TOKENS, _step, open_sessions, sessions, shm_kv  # noqa: F401 (fixtures)
-
-
-class Lines(logging.Handler):
-    """The records of the connector's logger at `level` and above."""
-
-    def __init__(self, level=logging.DEBUG):
-        super().__init__(level)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append((record.levelno, record.getMessage()))
-
-    def __enter__(self):
-        self._logger = logging.getLogger("vllm.radixkv")
-        self._level = self._logger.level
-        self._logger.addHandler(self)
-        self._logger.setLevel(logging.DEBUG)  # as vLLM's logging setup makes it (INFO) and more
-        return self
-
-    def __exit__(self, *exc):
-        self._logger.removeHandler(self)
-        self._logger.setLevel(self._level)
-
-    def messages(self, level=logging.WARNING) -> list[str]:
-        return [m for lv, m in self.records if lv >= level]
 
 
 def packed(start: int, n: int) -> bytes:
@@ -110,7 +86,7 @@ def test_a_finished_request_saves_the_blocks_no_step_saved(sessions):
 def test_saves_that_fail_while_the_daemon_is_away_log_one_warning_then_one_line_when_back(shm_kv, daemon):
     """A worker saves every step; while the daemon is away each save is skipped. The log
     says so once (a warning), not once per save, and says when saves go through again."""
-    with Lines() as lines, open_sessions(shm_kv, daemon, timeout_s=2.0) as (views, adapter, scheduler):
+    with LogLines() as lines, open_sessions(shm_kv, daemon, timeout_s=2.0) as (views, adapter, scheduler):
         daemon.kill()
         prompts = [packed(k, 2 * TOKENS) for k in range(5000, 5600, 100)]
         assert [adapter.save(p, [3, 4]) for p in prompts] == [0] * len(prompts)
@@ -140,7 +116,7 @@ def test_a_preemption_waits_for_its_saves_and_says_so_while_the_daemon_is_slow(s
     with open_sessions(shm_kv, daemon, timeout_s=0.3) as (views, adapter, scheduler):
         saves = Saves(adapter)
         try:
-            with Lines() as lines:
+            with LogLines() as lines:
                 saves.start(SaveSpec("r", prompt, (3, 4)))
                 saves.flush(["r"])
             [hit] = scheduler.lookup([prompt])  # the copy the flush waited for is in

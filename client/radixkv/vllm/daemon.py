@@ -231,9 +231,9 @@ class DaemonAdapter:
         may reuse the blocks; 0 when nothing is being copied (all there already, or the
         daemon could not take them: logged). After a save the daemon left unanswered, the
         saves of the next timeout_s are skipped without asking (a daemon that is down fails
-        them at once anyway): each
-        would wait timeout_s in turn, and a finished request keeps its blocks until its
-        saves are over, so queued saves would hold vLLM's KV cache for that long."""
+        them at once anyway): each would wait timeout_s in turn, and a finished request
+        keeps its blocks until its saves are over, so queued saves would hold vLLM's KV
+        cache for that long."""
         if time.monotonic() < self._saves_resume_at:
             return self._skip_save(len(block_ids), "the daemon did not answer the last save")
         try:

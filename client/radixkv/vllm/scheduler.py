@@ -132,12 +132,7 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         steps += list(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, computed in steps:
-            before = self._saved.get(req_id, 0)
-            save = self._save_spec(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
-            if save is not None:
-                meta.saves.append(save)
-                self._counts["save_blocks"] += len(save.block_ids) - before // self.block_size
-                self._issued[req_id] = self._issued.get(req_id, 0) + 1
+            self._plan_save(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta.saves)
         return meta
 
     def answered(self, meta: RadixKVWorkerMetadata) -> None:
@@ -195,12 +190,16 @@ class SchedulerSide:
         the workers start after that step's forward, so after every forward of the
         request) and the request is named delayed in the same step."""
         req_id = request.request_id
-        if req_id in self._short:  # a load came back short: what it then computed is not saved
-            return
+        if req_id not in self._short:  # a load came back short: what it then computed is not saved
+            self._plan_save(req_id, request.num_computed_tokens, self._last_saves)
+
+    def _plan_save(self, req_id: str, end: int, saves: list[SaveSpec]) -> None:
+        """Append to `saves` the save of `req_id`'s blocks up to token `end` that radixkv
+        does not hold yet (if any), counted as planned."""
         before = self._saved.get(req_id, 0)
-        save = self._save_spec(req_id, request.num_computed_tokens)
+        save = self._save_spec(req_id, end)
         if save is not None:
-            self._last_saves.append(save)
+            saves.append(save)
             self._counts["save_blocks"] += len(save.block_ids) - before // self.block_size
             self._issued[req_id] = self._issued.get(req_id, 0) + 1
 
