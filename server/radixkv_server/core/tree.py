@@ -21,9 +21,14 @@ class RadixTree:
         self.roots: dict[bytes, Node] = {}
         self.nodes: dict[int, Node] = {}
         self._ids = itertools.count(1)
+        self._emptied: list[Node] = []  # roots of an extra_key whose last child left
 
     def root(self, extra_key: bytes) -> Node:
-        """The root for `extra_key`, created on first use."""
+        """The root for `extra_key`, created on first use. Here, where no caller holds a
+        root, the roots of extra keys whose last node left are dropped (one per LoRA id
+        or cache salt ever seen would otherwise stay); the b"" root always stays."""
+        if self._emptied:
+            self._drop_emptied()
         root = self.roots.get(extra_key)
         if root is None:
             root = Node(next(self._ids), None, b"", extra_key)
@@ -111,9 +116,20 @@ class RadixTree:
         return top
 
     def remove(self, node: Node) -> None:
-        """Unlink a childless node."""
-        del node.parent.children[node.key[:self.stride]]
+        """Unlink a childless node. A root it leaves empty stays until the next `root`
+        call (the operation removing it may still hold that root)."""
+        parent = node.parent
+        del parent.children[node.key[:self.stride]]
         del self.nodes[node.id]
+        if parent.parent is None and not parent.children and parent.extra_key:
+            self._emptied.append(parent)
+
+    def _drop_emptied(self) -> None:
+        for root in self._emptied:
+            if not root.children and self.roots.get(root.extra_key) is root:
+                del self.roots[root.extra_key]
+                del self.nodes[root.id]
+        self._emptied.clear()
 
     def newest_id(self) -> int:
         """The id of the newest node (0 in an empty tree): ids grow with creation and

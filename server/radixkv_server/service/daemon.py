@@ -81,19 +81,20 @@ class Daemon:
                 return await engine_registration.register(self, reg)
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
-            if ns is not None:
-                await self._free_for(ns, reg)
-            elif len(self.namespaces) >= self.config.max_namespaces:
+            replacing = ns is not None and self._check_free(ns, reg)
+            if ns is None and len(self.namespaces) >= self.config.max_namespaces:
                 raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
-            if len(self.sessions) >= self.config.max_sessions:
+            if len(self.sessions) - replacing >= self.config.max_sessions:
                 raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions")
             ns_config = None
             if ns is None:
                 ns_config = registration.namespace_config(
                     self.config, reg, reg.write_policy or self.config.write_policy, self.storage is not None)
                 self.check_host_room(ns_config)
-            device = await registration.open_device(reg)
+            device = await registration.open_device(reg)  # before the live session goes: errors change nothing
             try:
+                if replacing and ns.session is not None:
+                    await self.close_session(ns.session, "replaced by a new registration")
                 if ns is None:
                     ns = self.add_namespace(await Namespace.open(
                         ns_config, device, metrics=self.metrics, storage=self.storage))
@@ -110,17 +111,18 @@ class Daemon:
                   host_pages=ns.host_pool.num_pages, warm=warm, dropped_tokens=dropped)
         return registration.Registered(session, warm, dropped)
 
-    async def _free_for(self, ns: Namespace, reg: registration.Registration) -> None:
-        """Make an existing namespace ready for `reg`: compatible, and its live session
-        closed if the engine asked to replace it (FAILED_PRECONDITION otherwise)."""
+    def _check_free(self, ns: Namespace, reg: registration.Registration) -> bool:
+        """Whether `reg` may take the existing namespace `ns`: compatible, and free or
+        asked to replace its live session (FAILED_PRECONDITION otherwise). Returns
+        whether a live session is to be replaced."""
         registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
         if ns.session is None:
-            return
+            return False
         if not reg.replace_existing:
             raise precondition(
                 f"namespace {reg.namespace} is attached to a live session (engine "
                 f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
-        await self.close_session(ns.session, "replaced by a new registration")
+        return True
 
     def check_host_room(self, ns_config) -> None:
         """RESOURCE_EXHAUSTED when a new namespace's host pool would take all host pools

@@ -16,6 +16,7 @@ The event loop owns all of it.
 import asyncio
 import dataclasses
 import functools
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from radixkv.layout import KvLayout
@@ -106,8 +107,10 @@ class EngineNamespace:
         elif tid:
             await self._finish_copied(tid, session, "Insert: the copy from the engine's pages failed")
             tid = 0
-        if request.release_lease:
-            self.cache.unlock(session.pop_lease(request.release_lease))
+            session.check_open()  # a session that closed meanwhile released its leases and takes none
+        if request.release_lease:  # released or expired meanwhile: nothing left to release
+            for node in session.pop_held([request.release_lease]):
+                self.cache.unlock(node)
         stored = self.cache.node(saved.node).parent is not None  # the root: no host room for any of it
         lease = self.core.lease(session, saved.node) if request.lease and stored else 0
         return InsertAnswer(InsertResult(saved.cached_tokens, b"", saved.node), lease, transfer=tid)
@@ -142,7 +145,10 @@ class EngineNamespace:
         """Finish a transfer answered once copied (a synchronous Insert, LoadBack(wait)):
         no ack is due; UNAVAILABLE "`failed` (why)" if the copy failed. Shielded: a caller
         that gives up (deadline, cancel) leaves nothing unfinished."""
-        done = await asyncio.shield(self.finish(transfer, session.id))
+        done = await asyncio.shield(self.finish(transfer, session.id, missing_ok=True))
+        if done is None:  # the session's close finished it meanwhile
+            session.check_open()
+            raise precondition(f"{failed} (transfer {transfer} was finished by another call)")
         if done.error is not None:
             raise unavailable(f"{failed} ({done.error})")
 
@@ -182,6 +188,9 @@ class EngineNamespace:
             if min(p) < 0 or max(p) >= session.device_pages:
                 raise invalid(f"{what}: device page {min(p) if min(p) < 0 else max(p)} out of range "
                               f"0..{session.device_pages - 1} (this session registered {session.device_pages})")
+            if len(set(p)) != len(p):
+                twice = next(x for x, n in Counter(p).items() if n > 1)
+                raise invalid(f"{what}: device page {twice} is listed twice")
 
     def _check_lease_covers(self, lease: int, node: int) -> None:
         held = next((s.leases[lease] for s in self.sessions.values() if lease in s.leases), None)

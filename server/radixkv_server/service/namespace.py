@@ -43,6 +43,7 @@ class Namespace:
         self.name, self.layout, self.config, self.host_pool = config.name, config.layout, config, host_pool
         self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
         self.session: Session | None = None  # the attached engine's session; set by the Daemon
+        self._abandoned: set[asyncio.Task] = set()  # Evicts whose callers gave up (see `evict`)
         self.copies.attach(device)
 
     @classmethod
@@ -114,9 +115,42 @@ class Namespace:
         write-through backups in flight when too few nodes could leave (a node being
         backed up stays until its host copy is whole: with asynchronous copies, a GPU's,
         an engine that inserted just before would otherwise get fewer pages than the
-        cache could give). The answer says how many freed pages were written back first."""
-        freed: list[bytes] = []
-        written_back = 0
+        cache could give). The answer says how many freed pages were written back first.
+
+        An Evict whose caller gave up (deadline, cancel) runs to its end: the pages it
+        frees have left the tree and belong to the engine, so the next Evict waits for it
+        and answers them too, on top of what it frees itself (up to `num_pages` in all,
+        or more when the abandoned one freed more)."""
+        earlier = await self._abandoned_answer()
+        # No await since `earlier` was taken: the task holds its pages from here on.
+        task = asyncio.ensure_future(self._evict(num_pages - count(earlier.freed_pages), earlier))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():  # this caller gave up, not the namespace closing
+                self._abandoned.add(task)
+            raise
+
+    async def _abandoned_answer(self) -> EvictAnswer:
+        """The pages freed by Evicts whose callers gave up, once those ended (they are
+        forgotten at once, with nothing awaited after, so no answer carries them twice)."""
+        tasks = list(self._abandoned)
+        if not tasks:
+            return EvictAnswer(b"", 0)
+        await asyncio.wait(tasks)  # a caller cancelled here leaves them for the next
+        freed, written_back = [], 0
+        for task in tasks:
+            if task in self._abandoned:
+                self._abandoned.discard(task)
+                if not task.cancelled() and task.exception() is None:
+                    freed.append(task.result().freed_pages)
+                    written_back += task.result().written_back_pages
+        return EvictAnswer(b"".join(freed), written_back)
+
+    async def _evict(self, num_pages: int, earlier: EvictAnswer) -> EvictAnswer:
+        """`evict`'s work; the answer starts with `earlier`'s pages."""
+        freed: list[bytes] = [earlier.freed_pages]
+        written_back = earlier.written_back_pages
         need = num_pages
         waited_backups = False
         while need > 0:
@@ -163,6 +197,7 @@ class Namespace:
         """Swap in a restarted engine's device buffers: wait for copies, drop the old
         device residency (host copies stay). Returns tokens dropped from the cache."""
         await self.copies.drain()
+        self._abandoned.clear()  # pages of the engine that left
         dropped = self.cache.drop_device(device.num_pages)
         self.copies.attach(device)
         log_event(log, "namespace.reattached", namespace=self.name, dropped_tokens=dropped)
@@ -174,6 +209,7 @@ class Namespace:
         IPC mapping keeps it allocated) is not held until the next registration.
         Returns tokens dropped from the cache. Idempotent."""
         await self.copies.drain()
+        self._abandoned.clear()  # pages of the engine that left
         if self.copies.device is None:
             return 0
         dropped = self.cache.drop_device(0)

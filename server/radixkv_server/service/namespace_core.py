@@ -62,7 +62,13 @@ class NamespaceCore:
         stored = [0] * len(prompts)
         if include_storage and self.copies.storage is not None:
             probes = [self.cache.storage_probe(p.tokens, p.extra_key).keys for p in prompts]
-            stored = [n * self.config.layout.page_size for n in await self.copies.probe(probes)]
+            try:
+                found = await self.copies.probe(probes)
+            except BaseException:  # the caller gave up (deadline) or the probe failed:
+                for node in session.pop_held([lease_id for _, lease_id in matched if lease_id]):
+                    self.cache.unlock(node)  # nobody could release leases never answered
+                raise
+            stored = [n * self.config.layout.page_size for n in found]
             self.cache.counters.storage_hit_tokens += sum(stored)
         return [MatchAnswer(r, lease_id, n) for (r, lease_id), n in zip(matched, stored)]
 

@@ -85,6 +85,12 @@ class Session:
             raise invalid(f"leases {sorted(x for x in set(leases) if leases.count(x) > 1)} are listed twice")
         return [self.pop_lease(lease) for lease in leases]
 
+    def pop_held(self, leases: list[int]) -> list[int]:
+        """Forget those of `leases` this session still holds (a call taking them failed
+        before answering); returns their node ids."""
+        held = [lease for lease in leases if lease in self.leases]
+        return [self.pop_lease(lease) for lease in held]
+
     def pop_all_leases(self) -> list[int]:
         """Forget every lease (the session is closing); returns their node ids."""
         nodes = list(self.leases.values())
