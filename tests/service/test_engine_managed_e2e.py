@@ -2,6 +2,8 @@
 two engine instances share one namespace's host tier, tensor-parallel ranks save and load
 their own shards, and an injected load fault reaches the engine as a failed load."""
 
+import dataclasses
+
 import pytest
 from radixkv import Client
 from radixkv.kvbuffers import BufferSpec, ShmKvBuffers
@@ -159,6 +161,34 @@ def test_a_restarted_daemon_serves_every_shard_from_file_storage(daemon_factory,
         for r in fresh:
             r.client.close()
         sched.close()
+
+
+def test_the_model_at_another_tensor_parallel_size_does_not_read_those_shards(daemon_factory, tmp_path):
+    """A host page of two rank shards holds as many bytes as a page of the whole model
+    (twice the heads) at tp_size 1, in another order: a daemon serving the model unsharded
+    on the same storage must miss, not load rank 0's shard as heads 0-1 of layer 0."""
+    flags = ("--storage", f"file://{tmp_path}", "--storage-policy", "write_through")
+    sharded = daemon_factory(*flags)
+    ranks = [Rank(sharded.target, "m", tp_rank=r, tp_size=2) for r in (0, 1)]
+    prompt = tokens(7, 2)
+    try:
+        for r in ranks:
+            r.fill([0, 1], seed=5)
+            r.save(prompt, [0, 1])
+        sched = scheduler(sharded.target, "m", tp_size=2)
+        wait_for_stored(sched, "m", 8)
+        sched.close()
+    finally:
+        for r in ranks:
+            r.close()
+    whole = Client(daemon_factory(*flags).target, timeout=10)
+    try:
+        wide = dataclasses.replace(LAYOUT, num_kv_heads=2 * LAYOUT.num_kv_heads)
+        whole.register("m", wide, [], 0, device_tier="engine_managed", role="scheduler", tp_size=1)
+        (m,) = whole.match([prompt], include_storage=True)
+        assert m.storage_tokens == 0
+    finally:
+        whole.close()
 
 
 def wait_for_stored(client: Client, namespace: str, tokens: int) -> None:

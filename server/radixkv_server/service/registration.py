@@ -57,10 +57,14 @@ class Registered:
     dropped_device_tokens: int
 
 
-def layout_fingerprint(layout: KvLayout) -> str:
-    """Everything about a layout that changes a page's bytes (part of storage keys)."""
+def layout_fingerprint(layout: KvLayout, tp_size: int = 1) -> str:
+    """Everything about a layout that changes a page's bytes (part of storage keys). An
+    engine-managed namespace's host page holds `tp_size` rank shards one after another:
+    as many heads as one unsharded page, in another order, so the shard count is part of
+    it (written only past 1, so unsharded keys stay as they were)."""
+    shards = f":tp{tp_size}" if tp_size > 1 else ""
     return (f"{layout.kv_format}:{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}:"
-            f"{layout.dtype}:p{layout.page_size}")
+            f"{layout.dtype}:p{layout.page_size}{shards}")
 
 
 def validate(reg: Registration) -> None:
@@ -149,7 +153,7 @@ def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_o
             write_through_threshold=config.write_through_threshold,
             eviction_policy=config.eviction_policy,
             storage=config.storage_policy if storage_on else "off",
-            storage_salt=namespace_salt(reg.model_name, layout_fingerprint(reg.layout)))
+            storage_salt=namespace_salt(reg.model_name, layout_fingerprint(reg.layout, reg.tp_size)))
     except ValueError as e:
         raise invalid(str(e)) from None
 
