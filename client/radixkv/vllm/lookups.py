@@ -33,7 +33,7 @@ import logging
 from collections import Counter
 
 from radixkv.aio import AsyncClient
-from radixkv.errors import DeadlineExceeded, RadixKVError, Unavailable
+from radixkv.errors import DeadlineExceeded, NotFound, RadixKVError, Unavailable
 from radixkv.layout import KvLayout
 from radixkv.types import Prompt
 
@@ -246,8 +246,23 @@ class Lookups:
             return  # close took them
         try:
             await self._client.release(leases)
+        except NotFound:  # some from a session lost since (a restarted daemon): release the rest
+            await self._release_each(leases)
         except RadixKVError as e:
             log.warning("radixkv: releasing %d leases failed: %s", len(leases), e)
+
+    async def _release_each(self, leases: list[int]) -> None:
+        """A Release answers all or nothing; one by one, the leases the daemon no
+        longer knows (taken before it restarted, or expired) are skipped."""
+        gone = 0
+        for lease in leases:
+            try:
+                await self._client.release([lease])
+            except NotFound:
+                gone += 1
+            except RadixKVError as e:
+                log.warning("radixkv: releasing lease %d failed: %s", lease, e)
+        log.debug("radixkv: %d of %d leases released were no longer held", gone, len(leases))
 
     def _file(self, req_id: str, hit: Hit) -> None:
         self._inflight.discard(req_id)

@@ -9,11 +9,10 @@ touch those structures directly; nothing here calls them back.
 Residency changes are reported to the optional `listener` (see residency.py).
 """
 
-import itertools
-
 from .device_ledger import DeviceLedger
 from .evictable import EvictableSet, strategy
 from .host_allocator import HostAllocator
+from .ids import fresh_ids
 from .node import Node
 from .pages import count
 from .policy import CacheConfig
@@ -47,7 +46,7 @@ class CacheState:
         self.host_reserved = 0    # host pages reserved by fetches in flight
         self.listener = listener
         self._clock = 0
-        self._transfer_ids = itertools.count(1)
+        self._transfer_ids = fresh_ids()
 
     # -- small helpers -----------------------------------------------------------------
 

@@ -6,9 +6,8 @@ Each `extra_key` (LoRA id, cache salt) has a root of its own. Residency bookkeep
 the cache's; `split` copies a node's state to its new upper half and nothing more.
 """
 
-import itertools
-
 from .errors import UnknownNode
+from .ids import fresh_ids
 from .node import Node
 
 
@@ -20,7 +19,7 @@ class RadixTree:
         self.stride = page_size * 4  # bytes of one page of tokens
         self.roots: dict[bytes, Node] = {}
         self.nodes: dict[int, Node] = {}
-        self._ids = itertools.count(1)
+        self._ids = fresh_ids()
         self._emptied: list[Node] = []  # roots of an extra_key whose last child left
 
     def root(self, extra_key: bytes) -> Node:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ..core.ids import fresh_ids
 from .errors import invalid, not_found, precondition, unauthenticated
 
 REMEMBER_EXPIRED = 4096  # expired leases and load-backs remembered per session, for clear errors
@@ -180,7 +181,7 @@ class SessionRegistry:
         self._live: dict[str, Session] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()
         self._remember = remember_closed
-        self._lease_ids = itertools.count(1)
+        self._lease_ids = fresh_ids()
 
     def __len__(self) -> int:
         return len(self._live)
