@@ -9,11 +9,16 @@ import os
 import signal
 import time
 
+import grpc
 import pytest
+import redis
 
+from radixkv.v1 import radixkv_pb2 as pb
 from tests.storage.fleet import RedisCluster
 from tests.support.daemon import wait_for
 from tests.support.engine import PS, EngineDouble, prompt
+
+from faultkit import LAYOUT, RawSession, status, stub_for, tokens
 
 LOOKUP_TIMEOUT_S = 0.5
 CALL_BOUND_S = LOOKUP_TIMEOUT_S + 1.5  # the lookup's wait and the call's own work, on a busy machine
@@ -79,3 +84,63 @@ def test_a_frozen_store_holds_engine_calls_no_longer_than_the_lookup_timeout(req
     [unavailable] = [e for e in events if e["event"] == "storage.unavailable"]
     assert "--storage-lookup-timeout" in unavailable["error"]
     assert [e["event"] for e in events if e["event"] == "storage.recovered"] == ["storage.recovered"]
+
+
+def test_a_lookup_whose_caller_gave_up_makes_the_next_lookups_skip_storage(private_redis, daemon_factory):
+    """An engine whose deadline is shorter than --storage-lookup-timeout gives up on a
+    lookup of a frozen store: the lookup still holds a storage thread, so the next ones
+    skip storage at once (they used to queue behind it, every call past its deadline
+    for as long as the store stayed frozen), and the log says storage is unavailable."""
+    d = daemon_factory("--storage", private_redis.url + "?socket_timeout=60", "--storage-lookup-timeout", "60",
+                       "--log-format", "json")
+    channel, stub = stub_for(d.target)
+    s = RawSession(stub, "gave/up")
+    ask = lambda deadline: stub.Match(pb.MatchRequest(  # noqa: E731
+        session=s.id, prompts=[pb.Prompt(tokens=tokens(0, 4))], include_storage=True), timeout=deadline)
+    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    try:
+        assert status(lambda: ask(0.5))[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(3):
+            assert ask(20).results[0].storage_tokens == 0
+    finally:
+        os.kill(private_redis.proc.pid, signal.SIGCONT)
+    wait_for(lambda: "storage.recovered" in d.log(), DEADLINE_S, "the late lookup's end")
+    [unavailable] = [json.loads(line) for line in d.log().splitlines() if '"storage.unavailable"' in line]
+    assert "gave up" in unavailable["error"]
+    s.close()
+    channel.close()
+
+
+def test_lookups_do_not_wait_behind_stores_that_a_store_is_slow_to_take(private_redis, daemon_factory):
+    """Redis pausing writes (CLIENT PAUSE WRITE: a fork, a failover) while reads work:
+    stores wait on the storage write threads, lookups on threads of their own still read
+    what storage holds (they queued behind the stores, then answered "nothing")."""
+    flags = ("--storage", private_redis.url, "--storage-policy", "write_through", "--storage-lookup-timeout", "60")
+    writer, reader = daemon_factory(*flags), daemon_factory(*flags)
+    prefix = tokens(0, 4)
+    channel_w, stub_w = stub_for(writer.target)
+    w = RawSession(stub_w, "shared/m", write_policy="write_through")
+    w.insert(prefix, [0, 1, 2, 3])
+    stored = lambda stub, n: stub.Stats(pb.StatsRequest(namespace="shared/m")).namespaces[0].counters[  # noqa: E731
+        "stored_tokens"] >= n
+    wait_for(lambda: stored(stub_w, 4 * PS), DEADLINE_S, "the writer's store")
+    channel_r, stub_r = stub_for(reader.target)
+    r = RawSession(stub_r, "shared/m", write_policy="write_through")
+    admin = redis.Redis(unix_socket_path=private_redis.socket)
+    admin.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+    try:
+        backed = lambda: stub_r.Stats(pb.StatsRequest(namespace="shared/m")).namespaces[0].counters[  # noqa: E731
+            "backed_up_bytes"]
+        for i in range(1, 5):  # the reader's own write-through stores, each waiting on the paused server
+            r.insert(tokens(1000 * i, 4), [4 * i + j for j in range(4)])
+        wait_for(lambda: backed() >= 16 * LAYOUT.page_bytes, DEADLINE_S, "host copies made, stores begun")
+        m = stub_r.Match(pb.MatchRequest(session=r.id, prompts=[pb.Prompt(tokens=prefix)], include_storage=True),
+                         timeout=10)
+        assert m.results[0].storage_tokens == 4 * PS
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+    for s in (w, r):
+        s.close()
+    channel_w.close()
+    channel_r.close()

@@ -24,7 +24,10 @@ Lookups (`find_run`, `probe`) answer engine calls, so they are waited for at mos
 Cluster costs a call one socket timeout per shard and more per topology refresh). Past
 it the lookup answers "nothing stored", and so does every lookup after it, without
 asking storage, until the late one ends: engines never queue behind a store that does
-not answer, and a hung store holds one lookup, not one per engine call.
+not answer, and a hung store holds one lookup, not one per engine call. A lookup whose
+caller gave up first (its deadline) counts as late the same way. Lookups and fetches run
+on threads apart from the stores', so writes a store is slow to take (a fork, a failover)
+never hold up reads.
 """
 
 import asyncio
@@ -54,7 +57,10 @@ class StorageMover:
         self._host = host_pool
         self._on_stored = on_stored      # (transfer, error | None), on the loop
         self._on_fetched = on_fetched    # (transfer, pages_read, error | None), on the loop
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixkv-storage")
+        # Stores queue on threads of their own: lookups and fetches, which engines wait
+        # for, never wait behind writes a slow store is taking its time over.
+        self._writes = ThreadPoolExecutor(workers, thread_name_prefix="radixkv-storage-write")
+        self._reads = ThreadPoolExecutor(workers, thread_name_prefix="radixkv-storage-read")
         self._max_pending = max_pending_pages
         self._lookup_timeout = lookup_timeout  # 0: lookups are waited for as long as they take
         self.late_lookups = 0  # lookups past lookup_timeout still running: storage is skipped meanwhile
@@ -99,7 +105,7 @@ class StorageMover:
                       pending_pages=self.pending_pages)
             self.refused_stores = 0
         self.pending_pages += n
-        self._pool.submit(self._store, transfer, bytes(host_pages), list(keys))
+        self._writes.submit(self._store, transfer, bytes(host_pages), list(keys))
 
     def _refused(self, pages: int) -> None:
         if not self.refused_stores:
@@ -118,7 +124,7 @@ class StorageMover:
         if self._closed:
             self._loop.call_soon(self._fetched, transfer, 0, "storage is closed")
             return
-        self._pool.submit(self._fetch, transfer, ahead or ReadAhead(keys), bytes(host_pages))
+        self._reads.submit(self._fetch, transfer, ahead or ReadAhead(keys), bytes(host_pages))
 
     async def find_run(self, keys: list[bytes], read: bool) -> ReadAhead:
         """The run of `keys` storage holds; none while it is down. With `read`, read along
@@ -128,10 +134,10 @@ class StorageMover:
         if not keys or self._closed or self.late_lookups:
             return ReadAhead([])
         if read:
-            job = self._pool.submit(self._timed, "exists", self._backend.read_ahead, keys,
+            job = self._reads.submit(self._timed, "exists", self._backend.read_ahead, keys,
                                     self._host.layout.page_bytes)
         else:
-            job = self._pool.submit(lambda: ReadAhead(keys[:self._probe([keys])[0]]))
+            job = self._reads.submit(lambda: ReadAhead(keys[:self._probe([keys])[0]]))
         try:
             return await self._answer(job, _close_read)
         except StorageUnavailable as e:
@@ -146,7 +152,7 @@ class StorageMover:
         if not any(key_lists) or self.late_lookups:
             return [0] * len(key_lists)
         try:
-            return await self._answer(self._pool.submit(self._probe, key_lists))
+            return await self._answer(self._reads.submit(self._probe, key_lists))
         except StorageUnavailable as e:
             self._health(str(e), "read")
             return [0] * len(key_lists)
@@ -161,15 +167,23 @@ class StorageMover:
         try:
             done, _ = await asyncio.wait([answer], timeout=self._lookup_timeout)
         except asyncio.CancelledError:
-            answer.cancel()  # as awaiting it would have: the job is not run if not started yet
+            if not job.done() and not job.cancel():  # started (not run if not): holds a thread till it ends
+                self._late(answer, None, "the caller gave up (its deadline) before storage answered")
             raise
         if done:
             return answer.result()
-        self.late_lookups += 1
-        answer.add_done_callback(lambda late: self._late_answer(late, discard))
+        self._late(answer, discard)
         raise StorageUnavailable(self._backend.name, "lookup", detail=(
             f"no answer within {self._lookup_timeout:g}s (--storage-lookup-timeout); lookups skip storage "
             "until it answers"))
+
+    def _late(self, answer: asyncio.Future, discard, why: str | None = None) -> None:
+        """A lookup nobody waits for still runs: lookups skip storage until it ends
+        (`why`: logged as the read outage's cause, once)."""
+        self.late_lookups += 1
+        answer.add_done_callback(lambda late: self._late_answer(late, discard))
+        if why is not None:
+            self._health(f"{self._backend.name}: {why}; lookups skip storage until it answers", "read")
 
     def _late_answer(self, late: asyncio.Future, discard) -> None:
         self.late_lookups -= 1
@@ -269,4 +283,5 @@ class StorageMover:
         """Finish queued work and stop the threads. Idempotent."""
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            self._reads.shutdown(wait=True)
+            self._writes.shutdown(wait=True)
