@@ -10,6 +10,7 @@ Driven with the connector's own scheduler lookups (`Lookups` on its pump) and a 
 `WorkerLoads`/`DaemonAdapter`, against a real daemon SIGKILLed and restarted (what
 test_vllm_daemon_away does to a real engine). Found by a review (2026-12-05).
 """
+import contextlib
 import time
 
 import torch
@@ -62,42 +63,53 @@ def hit_of(lookups, req, prompt):
     raise AssertionError(f"no hit for {req}")
 
 
-def test_a_hit_held_across_a_daemon_restart_fails_its_load_instead_of_loading_another_prompt(shm_kv, daemon):  # noqa: F811
+@contextlib.contextmanager
+def connector_sides(shm_kv, daemon, namespace: str):
+    """(KV views, a worker's DaemonAdapter, the scheduler's Lookups) on `namespace`."""
     views, alloc = shm_kv
     memory = describe(views, alloc.segment.tensor, alloc.segment.name.encode(), TOKENS)
-    config = ConnectorConfig(target=daemon.target, namespace="restart", timeout_s=2.0)
+    config = ConnectorConfig(target=daemon.target, namespace=namespace, timeout_s=2.0)
     adapter = DaemonAdapter(config, engine="worker")
-    adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
-    lookups = Lookups.open(config, memory.layout, engine="scheduler", tp_size=1, instance="")
-    saves = Saves(adapter)
-    loads = WorkerLoads(adapter, saves, None)
     try:
-        fill(views, [1, 2], 1.0)  # A's KV
-        save(adapter, A, [1, 2])
-        hit_of(lookups, "reqA", A)  # reqA waits (vLLM had no free blocks yet)
-
-        daemon.kill()
-        daemon.restart()
-
-        fill(views, [3, 4], 2.0)  # B's KV, saved to the restarted daemon
-        save(adapter, B, [3, 4])
-        hit_of(lookups, "reqB", B)
-
-        # vLLM now allocates reqA's blocks 7 and 8: update_state_after_alloc takes its hit.
-        stale = lookups.take("reqA")
-        fill(views, [7, 8], -1.0)
-        spec = LoadSpec("reqA", (7, 8), 0, stale.node, stale.lease)
-        loads.begin_early([spec])
-        loads.load([spec])
-        loads.forward_queued([spec])
-        errors = loads.take_errors()
-        got = next(iter(views.values()))[7].flatten()[0].item()
-        assert got != 2.0, "reqA was loaded with prompt B's KV"
-        assert errors == {7, 8} and got == -1.0, "the stale hit's load fails: vLLM recomputes both blocks"
+        adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
+        lookups = Lookups.open(config, memory.layout, engine="scheduler", tp_size=1, instance="")
+        try:
+            yield views, adapter, lookups
+        finally:
+            lookups.close()
     finally:
-        saves.close()
-        lookups.close()
         adapter.close()
+
+
+def test_a_hit_held_across_a_daemon_restart_fails_its_load_instead_of_loading_another_prompt(shm_kv, daemon):  # noqa: F811
+    with connector_sides(shm_kv, daemon, "restart") as (views, adapter, lookups):
+        saves = Saves(adapter)
+        loads = WorkerLoads(adapter, saves, None)
+        try:
+            fill(views, [1, 2], 1.0)  # A's KV
+            save(adapter, A, [1, 2])
+            hit_of(lookups, "reqA", A)  # reqA waits (vLLM had no free blocks yet)
+
+            daemon.kill()
+            daemon.restart()
+
+            fill(views, [3, 4], 2.0)  # B's KV, saved to the restarted daemon
+            save(adapter, B, [3, 4])
+            hit_of(lookups, "reqB", B)
+
+            # vLLM now allocates reqA's blocks 7 and 8: update_state_after_alloc takes its hit.
+            stale = lookups.take("reqA")
+            fill(views, [7, 8], -1.0)
+            spec = LoadSpec("reqA", (7, 8), 0, stale.node, stale.lease)
+            loads.begin_early([spec])
+            loads.load([spec])
+            loads.forward_queued([spec])
+            errors = loads.take_errors()
+            got = next(iter(views.values()))[7].flatten()[0].item()
+            assert got != 2.0, "reqA was loaded with prompt B's KV"
+            assert errors == {7, 8} and got == -1.0, "the stale hit's load fails: vLLM recomputes both blocks"
+        finally:
+            saves.close()
 
 
 def namespace_leases(target, ns):
@@ -108,13 +120,7 @@ def namespace_leases(target, ns):
 
 
 def test_a_stale_lease_in_a_release_batch_does_not_keep_the_others_held(shm_kv, daemon):  # noqa: F811
-    views, alloc = shm_kv
-    memory = describe(views, alloc.segment.tensor, alloc.segment.name.encode(), TOKENS)
-    config = ConnectorConfig(target=daemon.target, namespace="leak", timeout_s=2.0)
-    adapter = DaemonAdapter(config, engine="worker")
-    adapter.attach(memory.layout, memory.buffers, memory.num_blocks)
-    lookups = Lookups.open(config, memory.layout, engine="scheduler", tp_size=1, instance="")
-    try:
+    with connector_sides(shm_kv, daemon, "leak") as (views, adapter, lookups):
         fill(views, [1, 2], 1.0)
         save(adapter, A, [1, 2])
         for i in range(5):  # earlier requests, looked up and finished
@@ -135,6 +141,3 @@ def test_a_stale_lease_in_a_release_batch_does_not_keep_the_others_held(shm_kv, 
         # out in one Release with reqC's stale one.
         wait_for(lambda: (lookups.send(), namespace_leases(daemon.target, "leak") == 0)[1], 20,
                  "every lease released")
-    finally:
-        lookups.close()
-        adapter.close()

@@ -67,7 +67,9 @@ class SchedulerSide:
         self._delayed: list[str] = []  # finished with saves in flight, for the next step
         self._last_saves: list[SaveSpec] = []  # finished requests' last blocks, for the next step
         self._loads: list[LoadSpec] = []
-        self._loading: dict[str, tuple[int, dict[int, int], int]] = {}  # lease, ranks reported, pages
+        # Loads not reported by every rank yet: lease, ranks reported, pages, the blocks it fills.
+        self._loading: dict[str, tuple[int, dict[int, int], int, tuple[int, ...]]] = {}
+        self._held_last: dict[str, tuple[SaveSpec, int]] = {}  # finished: last save, tokens saved before
         self._short: set[str] = set()  # a load of theirs came back short: no more hits for them
         self._stale: set[str] = set()  # known before the last reset: no more lookups or saves
         self._epoch = b""  # the cache epoch (`reset`): part of every key
@@ -113,7 +115,7 @@ class SchedulerSide:
         self._sources[req_id] = (num_external - stored, stored)
         block_ids = tuple(blocks.get_block_ids()[0][:end // bs])
         self._loads.append(LoadSpec(req_id, block_ids, local // bs, hit.node, hit.lease))
-        self._loading[req_id] = (hit.lease, {}, len(block_ids) - local // bs)
+        self._loading[req_id] = (hit.lease, {}, len(block_ids) - local // bs, block_ids[local // bs:])
         self._saved[req_id] = end
 
     def build(self, scheduler_output) -> RadixKVMetadata:
@@ -131,9 +133,26 @@ class SchedulerSide:
         steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         steps += list(zip(cached.req_ids, cached.num_computed_tokens))
+        pending = self._unreported_blocks()
         for req_id, computed in steps:
-            self._plan_save(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta.saves)
+            if not (pending and self._holds_any(req_id, pending)):  # else planned once reported
+                self._plan_save(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0), meta.saves)
         return meta
+
+    def _unreported_blocks(self) -> set[int]:
+        """The blocks of synchronous loads not every rank reported yet. A step's forward
+        computes over them, and so does another request holding them as its prefix hit
+        (vLLM caches a loading request's blocks at once). With tensor parallelism a rank
+        whose load failed spoils the KV every rank computes over it (the layers mix the
+        ranks' heads), and a rank learns only of its own loads: so what was computed over
+        these blocks is saved only once every rank reported them loaded."""
+        if self.async_loads or not self._loading:
+            return set()
+        return set().union(*(blocks for *_, blocks in self._loading.values()))
+
+    def _holds_any(self, req_id: str, blocks: set[int]) -> bool:
+        manager = self._kv_manager()
+        return manager is not None and not blocks.isdisjoint(manager.get_block_ids(req_id)[0])
 
     def answered(self, meta: RadixKVWorkerMetadata) -> None:
         """update_connector_output: count the saves (and held loads) begun and over; a
@@ -154,8 +173,34 @@ class SchedulerSide:
                 self.lookups.release(entry[0])
                 loaded = min(min(entry[1].values()), entry[2])
                 self._counts.update(loads=1, loaded_blocks=loaded, failed_blocks=entry[2] - loaded)
-                if loaded < entry[2] and req_id in self._requests:
-                    self._short.add(req_id)  # vLLM recomputes (an async one asks again)
+                if loaded < entry[2]:
+                    if req_id in self._requests:
+                        self._short.add(req_id)  # vLLM recomputes (an async one asks again)
+                    self._spoiled(set(entry[3][loaded:]))
+        if self._held_last:
+            self._release_held()
+
+    def _spoiled(self, blocks: set[int]) -> None:
+        """A load left `blocks` unfilled on some rank: every request holding one computed
+        over them (on every rank), so it saves nothing more (vLLM recomputes it)."""
+        for req_id in self._requests:
+            if self._holds_any(req_id, blocks):
+                self._short.add(req_id)
+        for req_id, (spec, _) in list(self._held_last.items()):
+            if not blocks.isdisjoint(spec.block_ids):
+                del self._held_last[req_id]
+                self._delayed.append(req_id)
+
+    def _release_held(self) -> None:
+        """Finished requests' last saves whose blocks every rank reported loaded: out with
+        the next step, the request named delayed in it."""
+        pending = self._unreported_blocks()
+        for req_id, (spec, before) in list(self._held_last.items()):
+            if pending.isdisjoint(spec.block_ids):
+                del self._held_last[req_id]
+                self._last_saves.append(spec)
+                self._count_save(spec, before)
+                self._delayed.append(req_id)
 
     def finished(self, request) -> bool:
         """request_finished (and aborts): the full blocks vLLM computed that no step saved
@@ -165,33 +210,45 @@ class SchedulerSide:
         req_id = request.request_id
         if self.lookups is not None:
             self.lookups.drop(req_id)
+        held = False
         if self.async_loads and req_id in self._loading:
             # Waiting for its asynchronous load: vLLM itself keeps the blocks until the
             # workers report the receive over, and the saves from before a preemption were
             # flushed before the load began; delaying as well would free them twice.
             in_flight = False
         else:
-            self._last_save(request)
-            in_flight = self._saving(req_id)
+            held = self._last_save(request)
+            in_flight = held or self._saving(req_id)
         for table in (self._requests, self._prompts, self._computed, self._saved, self._issued, self._over,
                       self._held, self._sources):
             table.pop(req_id, None)
         self._short.discard(req_id)
         self._stale.discard(req_id)
-        if in_flight:
+        if in_flight and not held:
             self._delayed.append(req_id)
         return in_flight
 
-    def _last_save(self, request) -> None:
+    def _last_save(self, request) -> bool:
         """A request's steps save the blocks they fill whose tokens the scheduler knows when
         it plans them. Under vLLM's asynchronous scheduling a step is planned before the
         previous step's sampled token arrives, so the block the request's last forward
         completed is known full only now: it goes out with the next step's saves (which
         the workers start after that step's forward, so after every forward of the
-        request) and the request is named delayed in the same step."""
+        request) and the request is named delayed in the same step. A save over blocks
+        of loads not every rank reported yet is held until they did (`_release_held`):
+        True then (the request is named delayed with it)."""
         req_id = request.request_id
-        if req_id not in self._short:  # a load came back short: what it then computed is not saved
-            self._plan_save(req_id, request.num_computed_tokens, self._last_saves)
+        if req_id in self._short:  # a load came back short: what it then computed is not saved
+            return False
+        before = self._saved.get(req_id, 0)
+        spec = self._save_spec(req_id, request.num_computed_tokens)
+        if spec is None:
+            return False
+        if not self._unreported_blocks().isdisjoint(spec.block_ids):
+            self._held_last[req_id] = (spec, before)
+            return True
+        self._planned(req_id, spec, before, self._last_saves)
+        return False
 
     def _plan_save(self, req_id: str, end: int, saves: list[SaveSpec]) -> None:
         """Append to `saves` the save of `req_id`'s blocks up to token `end` that radixkv
@@ -199,9 +256,17 @@ class SchedulerSide:
         before = self._saved.get(req_id, 0)
         save = self._save_spec(req_id, end)
         if save is not None:
-            saves.append(save)
-            self._counts["save_blocks"] += len(save.block_ids) - before // self.block_size
-            self._issued[req_id] = self._issued.get(req_id, 0) + 1
+            self._planned(req_id, save, before, saves)
+
+    def _planned(self, req_id: str, save: SaveSpec, before: int, saves: list[SaveSpec]) -> None:
+        """`save` goes out with `saves`: counted as issued for the request, and its blocks
+        past the `before` tokens radixkv held as handed over to save."""
+        saves.append(save)
+        self._count_save(save, before)
+        self._issued[req_id] = self._issued.get(req_id, 0) + 1
+
+    def _count_save(self, save: SaveSpec, before: int) -> None:
+        self._counts["save_blocks"] += len(save.block_ids) - before // self.block_size
 
     def _saving(self, req_id: str) -> bool:
         """Whether a save (or held load) of `req_id` is not over on some rank, or a load of
@@ -252,7 +317,8 @@ class SchedulerSide:
     def _save_spec(self, req_id: str, end: int) -> SaveSpec | None:
         request = self._requests.get(req_id)
         manager = self._kv_manager()
-        if request is None or manager is None or not self.saves or req_id in self._stale or not cacheable(request):
+        if (request is None or manager is None or not self.saves or req_id in self._stale or req_id in self._short
+                or not cacheable(request)):
             return None
         bs = self.block_size
         end = min(end, request.num_tokens) // bs * bs
