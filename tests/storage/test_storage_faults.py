@@ -134,3 +134,23 @@ def test_file_storage_that_cannot_be_created(tmp_path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(StorageUnavailable, match="during open"):
         open_storage(str(tmp_path / "file" / "pages"))
+
+
+def test_a_page_file_that_cannot_be_read_is_a_miss_there_and_the_pages_before_it_are_served(tmp_path, caplog):
+    """A directory where page 2 belongs (an operator's mistake, a half-restored backup):
+    the pages before it are served and it is one miss, logged once; it was a tier-wide
+    outage that threw away the whole prefix (and the probe counted it present)."""
+    backend = FileStorage(tmp_path / "pages")
+    keys = [bytes([i + 1]) * 32 for i in range(4)]
+    payloads = [bytes([i + 1]) * 4096 for i in range(4)]
+    assert backend.put(list(zip(keys, payloads))) == 4
+    path = backend.path_for(keys[2])
+    os.unlink(path)
+    os.mkdir(path)
+    assert backend.exists_prefix(keys) == 2
+    for _ in range(2):
+        pages = [bytearray(4096) for _ in keys]
+        assert backend.get_into(keys, pages) == 2
+        assert [bytes(p) for p in pages[:2]] == payloads[:2]
+    [warning] = [r for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert path in warning.getMessage()

@@ -20,17 +20,29 @@ The top directory is created when the backend opens and never again: if it disap
 later (an unmounted volume, an operator's `rm -r`), every call raises StorageUnavailable
 instead of quietly refilling the underlying filesystem; it works again once the
 directory is back.
+
+A page file that cannot be read while its directory can (another owner's file without
+read permission, a directory where the page belongs) is that page's miss, logged once per
+path: the run before it is served.
 """
 
+import errno
 import itertools
+import logging
 import os
 import secrets
+import stat
 
 from .base import Read, StorageBackend, StorageUnavailable
 from .file_budget import DiskBudget
 from .record import HEADER_BYTES, header
 
 SUFFIX = ".page"
+# Errors of one page file, not of the directory or the disk: that page is a miss.
+_PAGE_ERRORS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP})
+_LOGGED_PATHS = 1024  # unreadable page files logged (each once), at most
+
+log = logging.getLogger(__name__)
 
 
 class FileStorage(StorageBackend):
@@ -58,6 +70,7 @@ class FileStorage(StorageBackend):
         # still refuses a clash (another host sharing the directory).
         self._tmp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._tmp_count = itertools.count()
+        self._unreadable_logged: set[str] = set()
 
     def path_for(self, key: bytes) -> str:
         """The file that holds (or would hold) the page stored under `key`."""
@@ -69,9 +82,11 @@ class FileStorage(StorageBackend):
     def _exists_prefix(self, keys: list[bytes]) -> int:
         for i, key in enumerate(keys):
             try:
-                os.stat(self.path_for(key))
+                directory = stat.S_ISDIR(os.stat(self.path_for(key)).st_mode)
             except FileNotFoundError:
                 self._require_directory("exists_prefix")
+                return i
+            if directory:  # not a page: `_read_into` would find it unreadable
                 return i
         return len(keys)
 
@@ -103,19 +118,33 @@ class FileStorage(StorageBackend):
             self._require_directory("get")
         return reads + [Read.MISS] * (len(keys) - len(reads))
 
-    @staticmethod
-    def _read_into(path: str, head: bytearray, page, spare: bytearray) -> bool | None:
-        """Fill head and page from the file; None if absent, False if its size is not
-        exactly header + page (the caller then reads it whole to tell why). One readv
-        also asks for a byte past the page: a longer file fills it."""
+    def _read_into(self, path: str, head: bytearray, page, spare: bytearray) -> bool | None:
+        """Fill head and page from the file; None if absent (or unreadable, `_unreadable`),
+        False if its size is not exactly header + page (the caller then reads it whole to
+        tell why). One readv also asks for a byte past the page: a longer file fills it."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            return self._unreadable(path, exc)
         try:
             return os.readv(fd, [head, page, spare]) == HEADER_BYTES + memoryview(page).nbytes
+        except OSError as exc:
+            return self._unreadable(path, exc)
         finally:
             os.close(fd)
+
+    def _unreadable(self, path: str, why) -> None:
+        """A page file this process cannot read: a miss, logged once per path. Errors
+        that are not about the one file (EIO, a lost mount) are the tier's: raised."""
+        if isinstance(why, OSError) and why.errno not in _PAGE_ERRORS:
+            raise why
+        if path not in self._unreadable_logged and len(self._unreadable_logged) < _LOGGED_PATHS:
+            self._unreadable_logged.add(path)
+            log.warning("storage %s: page file %s cannot be read (%s): a miss there, and every page after "
+                        "it in a prefix; remove it to let it be written again", self.name, path, why)
+        return None
 
     def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
         """Each page is written with one writev of its record header and the page itself
