@@ -242,6 +242,7 @@ class EngineTier:
                 if not n.full.shards_missing:
                     state._emit("host", "stored", n)
                     completed.append(n)
+        state.counters.backed_up_tokens += sum(state.pages(n) for n in completed) * state.config.page_size
         t.nodes = []
         self.host_space.storage.store_written_through(completed)  # storage write-through: complete nodes only
 
