@@ -54,12 +54,15 @@ class SimConfig:
     ready_timeout: float = 10.0
     progress_every: int = 100
     torch_threads: int = 1   # the KV work is tiny: more threads only add overhead (0: leave torch's)
+    token: str = ""          # for a daemon started with --auth-token(-file)
 
 
 def parse_args(argv=None) -> SimConfig:
     d = SimConfig()
     p = argparse.ArgumentParser(prog="radixkv-sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=d.target, help="daemon address (unix:///path or host:port)")
+    p.add_argument("--token", default=d.token,
+                   help="the token of a daemon started with --auth-token or --auth-token-file")
     p.add_argument("--namespace", default=d.namespace)
     p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
     p.add_argument("--requests", type=int, default=d.requests)
@@ -132,7 +135,7 @@ def run(c: SimConfig, out=sys.stdout) -> Report:
     buffers = SimBuffers.create(layout, c.device_pages, c.backend, c.device)
     engine = None
     try:
-        with Client(c.target) as client:
+        with Client(c.target, token=c.token or None) as client:
             client.wait_ready(c.ready_timeout)
             reg = client.register(c.namespace, layout, buffers.specs, c.device_pages,
                                   backend=c.backend, device=buffers.device,

@@ -18,11 +18,16 @@ from a session that is still registered, e.g. of an engine that was killed),
 until the worker reports the load in `get_finished`; default False, loads finish before the
 forward that reads them), `tier_events` (when vLLM publishes KV events, add the daemon's host
 and storage blocks of this namespace to them, `radixkv.vllm.tier_events`; default True).
+For a daemon that requires them (docs/operations.md, "Security"): `token` or `token_file`
+(a file holding the token, read at startup; sent as `authorization: Bearer`), and TLS over
+TCP: `tls_ca` (PEM roots that signed the daemon's certificate; "" with `tls` true: the
+system's), `tls_cert` and `tls_key` (this engine's, for mutual TLS), `tls_server_name`.
 An unknown key is an error: a typo must not silently fall back to a default.
 """
 
 from dataclasses import dataclass, fields
 
+from radixkv.channel import Tls
 from radixkv.client import DEFAULT_TARGET
 
 
@@ -37,6 +42,13 @@ class ConnectorConfig:
     replace_existing: bool = False
     async_loads: bool = False
     tier_events: bool = True
+    token: str = ""
+    token_file: str = ""
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict | None, served_model: str, model: str = "") -> "ConnectorConfig":
@@ -63,7 +75,29 @@ class ConnectorConfig:
         config = cls(**values)
         if config.timeout_s <= 0 or config.connect_timeout_s <= 0:
             raise ValueError("radixkv: timeout_s and connect_timeout_s must be > 0")
+        if config.token and config.token_file:
+            raise ValueError("radixkv: give token or token_file, not both")
+        if bool(config.tls_cert) != bool(config.tls_key):
+            raise ValueError("radixkv: tls_cert and tls_key go together")
+        config.channel()  # a token file or a certificate that cannot be read fails vLLM's start
         return config
+
+    def channel(self) -> dict:
+        """The `tls` and `token` keywords of a radixkv Client for these settings. Raises
+        ValueError for a token file that cannot be read or is empty."""
+        token = self.token or None
+        if self.token_file:
+            try:
+                with open(self.token_file) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise ValueError(f"radixkv: token_file {self.token_file}: {e.strerror}") from None
+            if not token:
+                raise ValueError(f"radixkv: token_file {self.token_file} is empty")
+        tls = None
+        if self.tls or self.tls_ca or self.tls_cert:
+            tls = Tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
+        return {"tls": tls, "token": token}
 
 
 def model_identity(model_config) -> str:

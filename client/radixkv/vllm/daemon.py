@@ -111,7 +111,7 @@ class DaemonAdapter:
         self.page_size = 0
         self.cuda_device: int | None = None  # vLLM's GPU when its KV cache is on CUDA
         self._client = Client(config.target, timeout=config.timeout_s, stream=True,
-                              on_session_lost=self._session_lost)
+                              on_session_lost=self._session_lost, **config.channel())
         self._lock = threading.Lock()
         self._skipped = OutageLog(log, "saves are skipped while they fail", "saves go through again")
         self._saves_resume_at = 0.0  # time.monotonic(): saves skipped until then (daemon not answering)

@@ -74,7 +74,7 @@ class Lookups:
         pump = LoopPump()
 
         async def attach() -> tuple[AsyncClient, str]:
-            client = AsyncClient(config.target, timeout=config.timeout_s, stream=True)
+            client = AsyncClient(config.target, timeout=config.timeout_s, stream=True, **config.channel())
             try:
                 await client.wait_ready(config.connect_timeout_s)
                 reg = await client.register(config.namespace, layout, [], 0,
