@@ -10,7 +10,7 @@ prefer_polling_io()  # before the imports below bring gRPC in (grpc_io says why)
 import torch
 import uvloop
 
-from .config import load_config
+from .config import load_config, unknown_variables
 from .logs import log_event, setup_logging
 from .malloc import keep_freed_heap
 from .server import StartupError, serve
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
                   note="storage fetches fault in fresh memory for every batch")
     settings = {k: (",".join(v) if isinstance(v, tuple) else v) for k, v in config.describe().items()}
     log_event(log, "config", grpc_io="polling" if polling_io_in_effect() else "event_engine", **settings)
+    unknown = unknown_variables()
+    if unknown:
+        log_event(log, "config.unknown_variables", logging.WARNING, names=",".join(unknown),
+                  note="no radixkv-server setting has these names: ignored (radixkv-server --help lists them)")
     try:
         return uvloop.run(serve(config))
     except StartupError as e:

@@ -5,6 +5,7 @@ environment, then the default written here."""
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -132,8 +133,8 @@ class DaemonConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("shutdown_grace", "shutdown_store_timeout", "storage_lookup_timeout", "lease_timeout",
                      "ack_timeout", "fault_copy_delay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)}")
         if not 0 <= self.fault_fail_loads <= 1:
             raise ValueError(f"fault_fail_loads must be in [0, 1], got {self.fault_fail_loads}")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -192,8 +193,23 @@ def _convert(f: dataclasses.Field, text: str):
         return parse_size(text)
     kind = type(f.default) if f.default is not dataclasses.MISSING else str
     if kind is bool:
-        return text.lower() in ("1", "true", "yes", "on")
+        word = text.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"expected true or false (or {'/'.join(_TRUE[1:])}, {'/'.join(_FALSE[1:])}), "
+                             f"got {text!r}")
+        return word in _TRUE
     return kind(text)
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """The RADIXKV_* variables of `environ` that name no setting (a typo, or one meant
+    for another program): ignored, which the daemon says at start."""
+    environ = os.environ if environ is None else environ
+    known = {"RADIXKV_" + f.name.upper() for f in dataclasses.fields(DaemonConfig)}
+    return sorted(name for name in environ if name.startswith("RADIXKV_") and name not in known)
 
 
 def _shown(f: dataclasses.Field, default) -> str:

@@ -71,6 +71,13 @@ class Metrics:
         if not ok:
             self.storage_errors.labels(operation).inc()
 
+    def add_namespace(self, name: str) -> None:
+        """Export the namespace's counters from 0 at once, not from their first increment
+        (a dashboard's rate and an `absent()` alert need the series)."""
+        self.invariant_violations.labels(name)
+        for kind in ("lease", "load_back"):
+            self.expirations.labels(name, kind)
+
     def forget_namespace(self, name: str) -> None:
         """Stop exporting the series labelled with namespace `name` (it was dropped); the
         state the collector reads at scrape time forgets it by itself. A namespace of that
@@ -103,7 +110,7 @@ def snapshot(daemon) -> dict:
         movers = [ns.copies.storage for ns in daemon.namespaces.values() if ns.copies.storage is not None]
         out["storage"] = {
             "stats": daemon.storage.stats.snapshot(),
-            "up": all(m.healthy for m in movers),
+            "up": daemon.storage_answered is not False and all(m.healthy for m in movers),
             "failing": {d: any(d in m.failing for m in movers) for d in ("read", "write")},
         }
     for ns in daemon.namespaces.values():

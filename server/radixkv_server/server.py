@@ -29,7 +29,8 @@ from .logs import log_event
 from .metrics import Metrics
 from .service.auth import AuthError, ReloadableTls, TokenAuth
 from .service.daemon import Daemon
-from .storage import open_storage
+from .storage import StorageUnavailable, open_storage
+from .storage_check import check_storage
 from .service.servicer import RadixKVServicer
 from .service.tenants import TokenFileError, Tokens
 from .service.wire import guarded
@@ -123,12 +124,16 @@ def _resolve_listen(config: DaemonConfig) -> list[str]:
     return addresses
 
 
-def _bind(server: grpc.aio.Server, address: str, tls: grpc.ServerCredentials | None = None) -> str | None:
+def _bind(server: grpc.aio.Server, address: str,
+          tls: grpc.ServerCredentials | None = None) -> tuple[str | None, str]:
     """Listen on `address`; TCP uses `tls` when given (unix sockets are guarded by their
-    file mode instead). Returns the socket path for a unix address."""
+    file mode instead). Returns (the socket path of a unix address, else None; the
+    address as bound: a TCP port 0 replaced by the port the system chose)."""
     path = _unix_path(address)
     if path is not None:
         _prepare_socket(path)
+    else:
+        _check_port(address)
     try:
         if path is None and tls is not None:
             port = server.add_secure_port(address, tls)
@@ -141,16 +146,25 @@ def _bind(server: grpc.aio.Server, address: str, tls: grpc.ServerCredentials | N
         raise StartupError(f"cannot listen on {address}: {e}") from None
     if path is None and port == 0:
         raise StartupError(f"cannot listen on {address} (address in use or not local?)")
-    return path
+    return path, address if path is not None else f"{address.rpartition(':')[0]}:{port}"
+
+
+def _check_port(address: str) -> None:
+    """StartupError for a TCP address without a port in 0-65535 (gRPC would bind a port
+    modulo 65536, not the one asked for)."""
+    port = address.rpartition(":")[2]
+    if not (port.isdigit() and int(port) < 65536):
+        raise StartupError(f"cannot listen on {address}: the port must be a number in 0-65535")
 
 
 def _open_events(config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> EventHub | None:
     """The KV-event hub, when ZMQ events or WatchEvents are on (None otherwise: the core's
     residency seam then costs nothing)."""
-    if not (config.kv_events_endpoint or config.kv_events_watch):
-        return None
     try:
-        hub = EventHub(EventsConfig.from_daemon(config), call_later=loop.call_later)
+        events_config = EventsConfig.from_daemon(config)  # checked even when off: a flag given is meant
+        if not (config.kv_events_endpoint or config.kv_events_watch):
+            return None
+        hub = EventHub(events_config, call_later=loop.call_later)
     except ValueError as e:
         raise StartupError(f"kv events: {e}") from None
     log_event(log, "kv_events.started", endpoint=config.kv_events_endpoint or "-",
@@ -189,7 +203,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     if config.storage:
         try:
             storage = open_storage(config.storage)
-        except ValueError as e:
+        except (ValueError, StorageUnavailable) as e:
             raise StartupError(f"--storage {config.storage!r}: {e}") from None
         log_event(log, "storage.opened", store=storage.name, policy=config.storage_policy)
     try:
@@ -219,7 +233,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         reflection.aio.ReflectionServicer((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), services)
 
     addresses = _resolve_listen(config)  # once: a fallback is logged once
-    sockets = [p for p in (_bind(server, a, tls) for a in addresses) if p]
+    bound = [_bind(server, a, tls) for a in addresses]
+    sockets = [path for path, _ in bound if path]
     await server.start()
     daemon.start()
     for path in sockets:
@@ -234,7 +249,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _freeze_startup_objects()
-    log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(addresses))
+    log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(shown for _, shown in bound))
+    if storage is not None:
+        check_storage(storage, daemon, loop)
 
     await stop.wait()
     log_event(log, "daemon.stopping", sessions=len(daemon.sessions))

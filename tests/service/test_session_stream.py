@@ -9,6 +9,7 @@ daemon's shutdown ends it with UNAVAILABLE.
 """
 
 import asyncio
+import dataclasses
 import queue
 import threading
 
@@ -19,7 +20,7 @@ from radixkv import errors
 from radixkv.aio import AsyncClient
 from radixkv.client import Client
 from radixkv.reconnect import Backoff
-from radixkv.types import pack
+from radixkv.types import InsertResult, MatchResult, pack
 from radixkv.v1 import radixkv_pb2 as pb
 from tests.support.daemon import wait_for
 from tests.support.engine import LAYOUT, EngineDouble, prompt
@@ -90,6 +91,17 @@ def raw(daemon):
 
 # -- the same answers as unary ---------------------------------------------------------
 
+def without_ids(x):
+    """`x` with its node ids made booleans: each namespace numbers its nodes from a random
+    start (the daemon's core/ids.py), so two namespaces' answers differ only there."""
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(without_ids(v) for v in x)
+    if isinstance(x, (MatchResult, InsertResult)):
+        return dataclasses.replace(x, **{f: bool(getattr(x, f)) for f in ("device_node", "host_node", "node")
+                                         if hasattr(x, f)})
+    return x
+
+
 def engine_script(engine: EngineDouble) -> list:
     """A few steps of an engine, verifying every byte it loads; what each call answered
     (lease ids are daemon-wide, so only whether one was given)."""
@@ -120,7 +132,7 @@ def test_engine_steps_answer_as_unary(daemon):
             e.register(Client(daemon, timeout=10, stream=stream), f"same/{name}", write_policy="write_through",
                        host_pool_pages=128)
         unary, streamed = engine_script(engines["unary"]), engine_script(engines["stream"])
-        assert streamed == unary
+        assert without_ids(streamed) == without_ids(unary)
         assert streamed[5][1] == (0, 0) and streamed[5][0] == 16  # loaded back, every byte right
         for e in engines.values():
             assert e.pool.errors == 0
@@ -142,7 +154,7 @@ def test_async_client_pipelines_many_calls(daemon):
                 asks = [[pack(prompt(i % 6, 4))] for i in range(200)]
                 got = await asyncio.gather(*(streamed.match(p) for p in asks), streamed.echo(b"x" * 100))
                 want = [await unary.match(p) for p in asks]
-                assert got[:-1] == want and got[-1] == b"x" * 100
+                assert without_ids(got[:-1]) == without_ids(want) and got[-1] == b"x" * 100
                 with pytest.raises(errors.NotFound, match="lease 77 is not held"):
                     await streamed.release([77])
                 assert [r.device_tokens for [r] in await asyncio.gather(*(streamed.match(p) for p in asks[:6]))] \

@@ -52,6 +52,7 @@ class Daemon:
         self.namespaces: dict[str, Namespace] = {}
         self.sessions = SessionRegistry()
         self.accepting = True
+        self.storage_answered: bool | None = None  # the start's storage check (storage_check.py)
         self.stopping = asyncio.Event()
         self._register_lock = asyncio.Lock()  # registrations await I/O; one at a time
         self._background: set[asyncio.Task] = set()
@@ -136,6 +137,8 @@ class Daemon:
         residency changes are reported as KV events from now on (when they are on).
         Returns `ns`."""
         self.namespaces[ns.name] = ns
+        if self.metrics is not None:
+            self.metrics.add_namespace(ns.name)
         if self.events is not None:
             ns.report_to(self.events)
         return ns
@@ -157,7 +160,8 @@ class Daemon:
                                    "stop those engines (or close their sessions) first")
             stored = 0
             if store and self.config.shutdown_store_timeout > 0:
-                stored = await store_host_copies(ns.core, time.monotonic() + self.config.shutdown_store_timeout)
+                stored = await store_host_copies(ns.core, time.monotonic() + self.config.shutdown_store_timeout,
+                                                 event="namespace")
             page_size = ns.config.layout.page_size
             dropped = Dropped(ns.cache.host.num_used * page_size, ns.host_pool.nbytes, stored * page_size)
             del self.namespaces[name]

@@ -31,10 +31,15 @@ from .wire import end_call
 log = logging.getLogger("radixkv.rpc")
 
 
+STREAMS = frozenset({"Acks", "Session", "WatchEvents"})  # live as long as an engine or watcher
+
+
 def rpc(method):
     """Map caller errors to statuses; log and hide anything unexpected; count and time
-    every call by method and status code."""
+    every call by method and status code (not the long-lived STREAMS: their duration is
+    an engine's lifetime, and each engine's exit would count as a cancelled call)."""
     name = method.__name__
+    counted = name not in STREAMS
 
     @functools.wraps(method)
     async def handler(self, request, context):
@@ -65,7 +70,7 @@ def rpc(method):
             await end_call(context, code, f"internal error in {name}: {type(e).__name__}", name)
         finally:
             metrics = self.daemon.metrics
-            if metrics is not None:
+            if metrics is not None and counted:
                 metrics.rpc_done(name, code.name, time.perf_counter() - start)
 
     return handler

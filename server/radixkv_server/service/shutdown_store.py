@@ -27,10 +27,11 @@ PROGRESS_EVERY_S = 1.0
 ALL_STORED = "all stored"
 
 
-async def store_host_copies(core: NamespaceCore, deadline: float) -> int:
+async def store_host_copies(core: NamespaceCore, deadline: float, event: str = "shutdown") -> int:
     """Store `core`'s host copies that storage lacks until done, a store fails, or
-    `deadline` (time.monotonic) passes; logs progress and the outcome. Returns the pages
-    stored. Nothing to do without a storage tier."""
+    `deadline` (time.monotonic) passes; logs progress (`<event>.storing`) and the outcome
+    (`<event>.stored`: "namespace" for a DropNamespace). Returns the pages stored.
+    Nothing to do without a storage tier."""
     cache, copies, config = core.cache, core.copies, core.config
     nodes = cache.unstored_host_nodes() if copies.storage is not None else []
     if not nodes:
@@ -66,11 +67,11 @@ async def store_host_copies(core: NamespaceCore, deadline: float) -> int:
                 break
             if now - last_report >= PROGRESS_EVERY_S:
                 last_report = now
-                log_event(log, "shutdown.storing", namespace=config.name, stored_pages=stored, of=total)
+                log_event(log, f"{event}.storing", namespace=config.name, stored_pages=stored, of=total)
     finally:
         for task in flying:  # the stores go on; the namespace's close waits for them
             task.cancel()
-    log_event(log, "shutdown.stored", logging.INFO if outcome == ALL_STORED else logging.WARNING,
+    log_event(log, f"{event}.stored", logging.INFO if outcome == ALL_STORED else logging.WARNING,
               namespace=config.name, stored_pages=stored, of=total, seconds=round(time.monotonic() - started, 2),
               outcome=outcome)
     return stored

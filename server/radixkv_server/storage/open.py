@@ -41,8 +41,8 @@ def open_storage(url: str) -> StorageBackend:
     opener = SCHEMES.get(parts.scheme.lower())
     if opener is None:
         raise ValueError(
-            f"unsupported storage URL scheme {parts.scheme!r} in {redact_url(url)}; use file://, "
-            "a bare path, redis://, rediss:// or unix://")
+            f"unsupported storage URL scheme {parts.scheme!r} in {redact_url(url)}; use a bare path "
+            f"or one of {', '.join(scheme + '://' for scheme in SCHEMES)}")
     return opener(url, parts, _query(parts.query, url))
 
 

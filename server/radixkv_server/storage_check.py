@@ -1,0 +1,64 @@
+"""The storage tier checked at start, on a thread of its own: a store that does not answer
+(a wrong address, a server not up yet, a password refused) is logged at once, not at the
+first store, which may be the shutdown's. Until a check succeeds it is checked again every
+RETRY_S seconds, and `radixkv_storage_up` reads 0 (the daemon serves meanwhile: lookups
+find nothing in storage, stores fail and are retried as they come).
+"""
+
+import asyncio
+import logging
+import threading
+import time
+
+from .logs import log_event
+
+log = logging.getLogger("radixkv.storage")
+
+RETRY_S = 10.0
+
+
+def check_storage(storage, daemon, loop: asyncio.AbstractEventLoop) -> None:
+    """Start checking `storage` (StorageBackend.check) in a daemon thread: a check lasts
+    as long as the store's own timeouts allow, a hung store's forever, and the daemon
+    never waits for it. Sets `daemon.storage_answered` on the loop: False after a failed
+    check, True once one succeeded."""
+
+    def report(answered: bool, error: str = "") -> None:
+        daemon.storage_answered = answered
+        if answered:
+            log_event(log, "storage.recovered", store=storage.name, direction="check")
+        else:
+            log_event(log, "storage.unavailable", logging.WARNING, store=storage.name, direction="check",
+                      error=error, note=f"checked at start: lookups find nothing in storage and stores fail "
+                      f"until it answers; checked again every {RETRY_S:g}s")
+
+    def run() -> None:
+        failed = False
+        while True:
+            try:
+                storage.check()
+            except Exception as e:  # StorageUnavailable, or whatever a closed backend raises
+                if not failed and not _tell(loop, report, False, str(e)):
+                    return
+                failed = True
+                time.sleep(RETRY_S)
+                if not daemon.accepting:  # shutting down
+                    return
+                continue
+            if failed:
+                _tell(loop, report, True)
+            return
+
+    threading.Thread(target=run, name="radixkv-storage-check", daemon=True).start()
+
+
+def _tell(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Run `fn(*args)` on the loop; False once the loop closed (the daemon stopped)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
+
+
+__all__ = ["check_storage"]
