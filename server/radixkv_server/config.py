@@ -68,7 +68,7 @@ class DaemonConfig:
     storage_policy: str = _opt("write_back", "when pages go to storage: on host eviction (write_back) or "
                                "as soon as they reach host (write_through)",
                                choices=_values(StoragePolicy, skip=(StoragePolicy.OFF,)))
-    storage_workers: int = _opt(2, "threads doing storage I/O per namespace")
+    storage_workers: int = _opt(2, "threads doing storage I/O per namespace, for reads and for writes each")
     storage_queue_pages: int = _opt(4096, "pages queued for storage writes before new ones are refused")
     storage_lookup_timeout: float = _opt(2.0, "seconds an engine call (Match with storage, Prefetch) waits for "
                                          "storage to say what it holds; past it the call answers without "

@@ -5,8 +5,9 @@ into fresh blocks, which vLLM caches at allocation, so R2 takes them as its own 
 and computes its continuation over them in the same forward. R1's load fails. R1 saved
 nothing after it, but R2 (no load of its own) saved the blocks it computed over the
 unfilled prefix, and a healthy daemon on the same storage later served them: another
-engine's output for R2's prompt differed from vLLM alone. Now a save whose blocks include
-one a load left unfilled is skipped (`WorkerLoads.read_unfilled`). Found by a review.
+engine's output for R2's prompt differed from vLLM alone. Now saves over a load's blocks
+wait until every rank reported the load, and none follows a failure
+(`SchedulerSide.build`; unit tests: test_vllm_load_reports.py). Found by a review.
 """
 from radixkv import Client
 from tests.vllm.engines import connector_config, generate, prompt

@@ -161,16 +161,16 @@ class RadixKVConnector(KVConnectorBase_V1):
         thread sends them and the copies run in the daemon while vLLM goes on;
         `get_finished` says when a finished request's blocks are free). A request whose
         load left blocks unfilled saves nothing more (`WorkerLoads.short`): its forward
-        read those blocks, so what it computed is wrong (vLLM recomputes it); so does one
-        holding such a block as its prefix hit (`WorkerLoads.read_unfilled`)."""
+        read those blocks, so what it computed is wrong (vLLM recomputes it). (Another
+        request holding such a block, and every rank's saves over a load, wait on the
+        scheduler side until every rank reported the load: `SchedulerSide.build`.)"""
         self._forward_queued()
         meta = self._meta()
         if meta is None or self._loads is None:
             return
         short = self._loads.short
         for spec in meta.saves:
-            if spec.req_id in short or self._loads.read_unfilled(spec.block_ids):
-                short.add(spec.req_id)  # its later steps build on that KV too
+            if spec.req_id in short:
                 self._saves.skip(spec.req_id)
             else:
                 self._saves.start(spec)

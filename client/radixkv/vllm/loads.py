@@ -57,8 +57,6 @@ class WorkerLoads:
         self._receiving: dict[str, tuple[LoadSpec, PendingLoad]] = {}  # async loads in flight
         self._recv_done: set[str] = set()  # async loads over, for get_finished
         self._recv_failed: set[str] = set()
-        self._step = 0  # steps begun (`load`)
-        self._bad_blocks: dict[int, int] = {}  # block that failed to load -> the step it failed in
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -73,7 +71,6 @@ class WorkerLoads:
         """Before the forward: wait for each load's answer (begin it first unless early).
         Loads begun early for a step that never came here are waited for too, so that none
         is left writing blocks unobserved."""
-        self._step += 1
         for spec in specs:
             if self.async_loads:  # answered in `received`, once the daemon copied
                 # Not held like a save: vLLM keeps the blocks of a request aborted while it
@@ -113,18 +110,6 @@ class WorkerLoads:
         and so may the step after it (planned before vLLM learned of the failure), so
         they save nothing more (vLLM recomputes them)."""
         return self._short
-
-    def read_unfilled(self, block_ids) -> bool:
-        """Whether a request with these blocks read one a load left unfilled, in this step
-        or the two before (vLLM learns of a failure after the step; under asynchronous
-        scheduling the next step was planned before that). vLLM caches a loading
-        request's blocks at once, so another request of the step can hold them as its own
-        prefix hit: its KV was computed over the unfilled block, and vLLM recomputes it."""
-        if not self._bad_blocks:
-            return False
-        recent = self._step - 2
-        self._bad_blocks = {b: step for b, step in self._bad_blocks.items() if step >= recent}
-        return any(b in self._bad_blocks for b in block_ids)
 
     def forget(self, finished_req_ids) -> None:
         """vLLM finished these requests (get_finished)."""
@@ -199,7 +184,6 @@ class WorkerLoads:
         if failed:
             self._errors.update(failed)
             self._short.add(spec.req_id)
-            self._bad_blocks.update(dict.fromkeys(failed, self._step))
         if self.async_loads:
             self._recv_done.add(spec.req_id)
             if failed:

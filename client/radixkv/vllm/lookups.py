@@ -244,20 +244,21 @@ class Lookups:
         leases, self._releases = self._releases, []
         if not leases or self._client is None:
             return  # close took them
+        client = self._client
         try:
-            await self._client.release(leases)
+            await client.release(leases)
         except NotFound:  # some from a session lost since (a restarted daemon): release the rest
-            await self._release_each(leases)
+            await self._release_each(client, leases)
         except RadixKVError as e:
             log.warning("radixkv: releasing %d leases failed: %s", len(leases), e)
 
-    async def _release_each(self, leases: list[int]) -> None:
+    async def _release_each(self, client: AsyncClient, leases: list[int]) -> None:
         """A Release answers all or nothing; one by one, the leases the daemon no
         longer knows (taken before it restarted, or expired) are skipped."""
         gone = 0
         for lease in leases:
             try:
-                await self._client.release([lease])
+                await client.release([lease])
             except NotFound:
                 gone += 1
             except RadixKVError as e:

@@ -164,11 +164,12 @@ class StorageMover:
         answer = asyncio.wrap_future(job)
         if not self._lookup_timeout:
             return await answer
+        due = self._loop.time() + self._lookup_timeout
         try:
             done, _ = await asyncio.wait([answer], timeout=self._lookup_timeout)
         except asyncio.CancelledError:
             if not job.done() and not job.cancel():  # started (not run if not): holds a thread till it ends
-                self._late(answer, None, "the caller gave up (its deadline) before storage answered")
+                self._loop.call_at(due, self._outlived, answer)
             raise
         if done:
             return answer.result()
@@ -177,13 +178,19 @@ class StorageMover:
             f"no answer within {self._lookup_timeout:g}s (--storage-lookup-timeout); lookups skip storage "
             "until it answers"))
 
-    def _late(self, answer: asyncio.Future, discard, why: str | None = None) -> None:
-        """A lookup nobody waits for still runs: lookups skip storage until it ends
-        (`why`: logged as the read outage's cause, once)."""
+    def _late(self, answer: asyncio.Future, discard) -> None:
+        """A lookup past lookup_timeout still runs: lookups skip storage until it ends."""
         self.late_lookups += 1
         answer.add_done_callback(lambda late: self._late_answer(late, discard))
-        if why is not None:
-            self._health(f"{self._backend.name}: {why}; lookups skip storage until it answers", "read")
+
+    def _outlived(self, answer: asyncio.Future) -> None:
+        """A lookup whose caller gave up (its deadline, a disconnect) before lookup_timeout:
+        still running at that timeout, it counts as late as if its caller had waited."""
+        if not answer.done():
+            self._late(answer, None)
+            self._health(f"{self._backend.name}: no answer within {self._lookup_timeout:g}s "
+                         "(--storage-lookup-timeout; its caller gave up before); lookups skip storage "
+                         "until it answers", "read")
 
     def _late_answer(self, late: asyncio.Future, discard) -> None:
         self.late_lookups -= 1

@@ -40,7 +40,7 @@ from .record import HEADER_BYTES, header
 SUFFIX = ".page"
 # Errors of one page file, not of the directory or the disk: that page is a miss.
 _PAGE_ERRORS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP})
-_LOGGED_PATHS = 1024  # unreadable page files logged (each once), at most
+_LOGGED_PATHS = 1024  # unreadable page files remembered (the probe skips them) and logged once each, at most
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class FileStorage(StorageBackend):
         # still refuses a clash (another host sharing the directory).
         self._tmp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._tmp_count = itertools.count()
-        self._unreadable_logged: set[str] = set()
+        self._unreadable_paths: set[str] = set()
 
     def path_for(self, key: bytes) -> str:
         """The file that holds (or would hold) the page stored under `key`."""
@@ -82,12 +82,13 @@ class FileStorage(StorageBackend):
     def _exists_prefix(self, keys: list[bytes]) -> int:
         for i, key in enumerate(keys):
             try:
-                directory = stat.S_ISDIR(os.stat(self.path_for(key)).st_mode)
+                path = self.path_for(key)
+                directory = stat.S_ISDIR(os.stat(path).st_mode)
             except FileNotFoundError:
                 self._require_directory("exists_prefix")
                 return i
-            if directory:  # not a page: `_read_into` would find it unreadable
-                return i
+            if directory or (path in self._unreadable_paths and not self._readable_again(path)):
+                return i  # not a page, or one `_unreadable` met
         return len(keys)
 
     def _get_blobs(self, keys: list[bytes]) -> list[bytes | None]:
@@ -135,13 +136,20 @@ class FileStorage(StorageBackend):
         finally:
             os.close(fd)
 
+    def _readable_again(self, path: str) -> bool:
+        """Whether a page file `_unreadable` met can be read now (its mode fixed)."""
+        if os.access(path, os.R_OK):
+            self._unreadable_paths.discard(path)
+            return True
+        return False
+
     def _unreadable(self, path: str, why) -> None:
         """A page file this process cannot read: a miss, logged once per path. Errors
         that are not about the one file (EIO, a lost mount) are the tier's: raised."""
         if isinstance(why, OSError) and why.errno not in _PAGE_ERRORS:
             raise why
-        if path not in self._unreadable_logged and len(self._unreadable_logged) < _LOGGED_PATHS:
-            self._unreadable_logged.add(path)
+        if path not in self._unreadable_paths and len(self._unreadable_paths) < _LOGGED_PATHS:
+            self._unreadable_paths.add(path)
             log.warning("storage %s: page file %s cannot be read (%s): a miss there, and every page after "
                         "it in a prefix; remove it to let it be written again", self.name, path, why)
         return None
@@ -179,13 +187,14 @@ class FileStorage(StorageBackend):
 
     # -- helpers ----------------------------------------------------------------------
 
-    @staticmethod
-    def _read(path: str) -> bytes | None:
+    def _read(self, path: str) -> bytes | None:
         try:
             with open(path, "rb") as f:
                 return f.read()
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            return self._unreadable(path, exc)
 
     def _write(self, path: str, parts: tuple) -> None:
         """Write the concatenation of `parts` to `path`, atomically (a temporary file
