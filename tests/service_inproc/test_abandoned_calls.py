@@ -14,6 +14,8 @@ exactly the await a deadline would hit.
   session is untouched (before: closed first, its device residency dropped).
 - Roots of extra keys (LoRA ids, cache salts) whose last node left are dropped (before: one
   root per extra key ever seen, kept for good).
+- A default host pool that holds no page of the layout is refused (before: a namespace that
+  could cache nothing).
 """
 
 import asyncio
@@ -148,4 +150,16 @@ def test_roots_of_extra_keys_whose_nodes_all_left_are_dropped():
             assert len(live) <= 2
             assert len(tree.roots) <= len(live) + 2, "the b'' root, the live keys' roots, one emptied since"
             assert daemon.check_invariants("") == []
+    run(scenario())
+
+
+def test_a_host_pool_that_holds_no_page_of_the_layout_is_refused():
+    """A pool smaller than one page (a large page at a small --host-pool-size) made a
+    namespace that could never cache anything, and Register said OK."""
+    async def scenario():
+        async with running_daemon(host_pool_size=LAYOUT.page_bytes - 1) as daemon:
+            with pytest.raises(ServiceError, match="more than the whole host pool") as e:
+                await Engine.register(daemon, "t/tiny")
+            assert status_of(e.value)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert daemon.namespaces == {}
     run(scenario())

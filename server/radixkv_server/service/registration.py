@@ -159,7 +159,8 @@ def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_o
 
 
 def host_pages(config: DaemonConfig, reg: Registration) -> int:
-    """Host pool pages for a new namespace; RESOURCE_EXHAUSTED past the per-namespace limit."""
+    """Host pool pages for a new namespace; RESOURCE_EXHAUSTED past the per-namespace limit,
+    or when the default pool holds no page of the layout (a namespace that can cache nothing)."""
     page_bytes = reg.layout.page_bytes
     limit = config.host_pool_limit // page_bytes
     if reg.host_pool_pages:
@@ -168,7 +169,11 @@ def host_pages(config: DaemonConfig, reg: Registration) -> int:
                 f"host pool of {reg.host_pool_pages} pages ({reg.host_pool_pages * page_bytes} bytes) "
                 f"exceeds the per-namespace limit of {limit} pages ({config.host_pool_limit} bytes)")
         return reg.host_pool_pages
-    return config.host_pool_size // page_bytes
+    pages = config.host_pool_size // page_bytes
+    if pages < 1:
+        raise exhausted(f"a host page of this layout is {page_bytes} bytes, more than the whole host pool "
+                        f"({config.host_pool_size} bytes): raise --host-pool-size, or ask for host_pool_pages")
+    return pages
 
 
 async def open_device(reg: Registration):
