@@ -128,18 +128,10 @@ def test_an_injected_load_fault_is_a_failed_load_with_its_pages(daemon_factory, 
 def test_a_restarted_daemon_serves_every_shard_from_file_storage(daemon_factory, tmp_path):
     flags = ("--storage", f"file://{tmp_path}", "--storage-policy", "write_through")
     first = daemon_factory(*flags)
-    r0, r1 = Rank(first.target, "st", tp_rank=0, tp_size=2), Rank(first.target, "st", tp_rank=1, tp_size=2)
     prompt = tokens(7, 2)
-    try:
-        for r in (r0, r1):
-            r.fill([0, 1], seed=21)
-            r.save(prompt, [0, 1])
-        sched = scheduler(first.target, "st", tp_size=2)
-        wait_for_stored(sched, "st", 8)
-        sched.close()
-    finally:
-        for r in (r0, r1):
-            r.client.close()
+    r0, r1 = save_shards(first.target, "st", prompt, seed=21)
+    for r in (r0, r1):
+        r.client.close()
     assert first.stop() == 0
     target = daemon_factory(*flags).target
     sched = scheduler(target, "st", tp_size=2)
@@ -168,19 +160,9 @@ def test_the_model_at_another_tensor_parallel_size_does_not_read_those_shards(da
     (twice the heads) at tp_size 1, in another order: a daemon serving the model unsharded
     on the same storage must miss, not load rank 0's shard as heads 0-1 of layer 0."""
     flags = ("--storage", f"file://{tmp_path}", "--storage-policy", "write_through")
-    sharded = daemon_factory(*flags)
-    ranks = [Rank(sharded.target, "m", tp_rank=r, tp_size=2) for r in (0, 1)]
     prompt = tokens(7, 2)
-    try:
-        for r in ranks:
-            r.fill([0, 1], seed=5)
-            r.save(prompt, [0, 1])
-        sched = scheduler(sharded.target, "m", tp_size=2)
-        wait_for_stored(sched, "m", 8)
-        sched.close()
-    finally:
-        for r in ranks:
-            r.close()
+    for r in save_shards(daemon_factory(*flags).target, "m", prompt, seed=5):
+        r.close()
     whole = Client(daemon_factory(*flags).target, timeout=10)
     try:
         wide = dataclasses.replace(LAYOUT, num_kv_heads=2 * LAYOUT.num_kv_heads)
@@ -189,6 +171,25 @@ def test_the_model_at_another_tensor_parallel_size_does_not_read_those_shards(da
         assert m.storage_tokens == 0
     finally:
         whole.close()
+
+
+def save_shards(target: str, namespace: str, prompt: bytes, seed: int) -> list[Rank]:
+    """Two tensor-parallel ranks that each saved their shard of `prompt` (pages 0 and 1),
+    once the write-through store holds them; the caller closes them (their buffers keep
+    what was saved)."""
+    ranks = [Rank(target, namespace, tp_rank=r, tp_size=2) for r in (0, 1)]
+    try:
+        for r in ranks:
+            r.fill([0, 1], seed=seed)
+            r.save(prompt, [0, 1])
+        sched = scheduler(target, namespace, tp_size=2)
+        wait_for_stored(sched, namespace, 2 * LAYOUT.page_size)
+        sched.close()
+    except BaseException:
+        for r in ranks:
+            r.close()
+        raise
+    return ranks
 
 
 def wait_for_stored(client: Client, namespace: str, tokens: int) -> None:
