@@ -24,6 +24,7 @@ from .logs import log_event
 log = logging.getLogger("radixkv.metrics")
 
 COPY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5)
+STORAGE_OPERATIONS = ("exists", "get", "put")  # the storage mover's timed calls
 RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1, 5)
 
 
@@ -70,6 +71,12 @@ class Metrics:
         self.storage_duration.labels(operation).observe(seconds)
         if not ok:
             self.storage_errors.labels(operation).inc()
+
+    def add_storage(self) -> None:
+        """Export the storage tier's error counters from 0 (called once a tier is configured):
+        an alert on their rate needs the series before the first failure."""
+        for operation in STORAGE_OPERATIONS:
+            self.storage_errors.labels(operation)
 
     def add_namespace(self, name: str) -> None:
         """Export the namespace's counters from 0 at once, not from their first increment

@@ -206,6 +206,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         except (ValueError, StorageUnavailable) as e:
             raise StartupError(f"--storage {config.storage!r}: {e}") from None
         log_event(log, "storage.opened", store=storage.name, policy=config.storage_policy)
+        metrics.add_storage()
     try:
         tokens = Tokens(config.auth_token, config.auth_token_file)
         reloadable_tls = ReloadableTls.open(config.tls_cert, config.tls_key, config.tls_client_ca)

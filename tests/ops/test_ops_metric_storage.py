@@ -115,7 +115,8 @@ def test_storage_calls_and_pages_of_a_known_workload(daemon_factory, tmp_path):
             ("radixkv_storage_failing", (("direction", "write"),)): 0,
         }
         assert {k: got.get(k) for k in want} == want
-        assert not any(name == "radixkv_storage_errors_total" for name, _ in got)   # none failed
+        errors = {labels: v for (name, labels), v in got.items() if name == "radixkv_storage_errors_total"}
+        assert errors == {(("operation", op),): 0 for op in ("exists", "get", "put")}   # exported, none failed
         assert value(second, ns, "radixkv_prefetched_tokens_total") == PAGE
         e.close()
     finally:
