@@ -1,6 +1,7 @@
 """vLLM's ZMQ framing end to end on real sockets: live PUB frames, ROUTER replay after a
 disconnect without gap or duplicate, and a stalled subscriber that costs the loop nothing."""
 
+import os
 import threading
 
 import pytest
@@ -235,3 +236,27 @@ def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):
         stalled.close(0)
         healthy.close()
         hub.close()
+
+
+def test_closing_removes_its_ipc_socket_files_but_not_a_successors(ctx):
+    pub, rep = ipc_endpoints("files")
+    pub_path, rep_path = pub[len("ipc://"):], rep[len("ipc://"):]
+    hub = EventHub(EventsConfig(endpoint=pub, replay_endpoint=rep))
+    assert os.path.exists(pub_path) and os.path.exists(rep_path)
+    hub.close()
+    assert not os.path.exists(pub_path) and not os.path.exists(rep_path)   # libzmq leaves them
+
+    # A daemon started on the same endpoints while an old one still runs takes the paths
+    # over (libzmq unlinks and binds anew): the old one's close must not remove the new files.
+    old = EventHub(EventsConfig(endpoint=pub, replay_endpoint=rep))
+    new = EventHub(EventsConfig(endpoint=pub, replay_endpoint=rep))
+    try:
+        old.close()
+        assert os.path.exists(pub_path) and os.path.exists(rep_path)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub)
+        sub.close(0)
+    finally:
+        new.close()
+    assert not os.path.exists(pub_path) and not os.path.exists(rep_path)

@@ -13,6 +13,7 @@ the readers. The event loop only puts jobs on the bounded queue.
 """
 
 import logging
+import os
 import queue
 import threading
 
@@ -28,11 +29,35 @@ _IDLE_POLL_S = 0.005  # how often an idle thread looks at the replay socket
 MAX_EVENTS_PER_BATCH = 1024  # a larger job (a resync's snapshot) goes out as several batches
 
 
-def _bind_or_connect(sock: zmq.Socket, endpoint: str) -> None:
+def _bind_or_connect(sock: zmq.Socket, endpoint: str, bound_files: list) -> None:
     if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-        sock.bind(endpoint)
+        _bind(sock, endpoint, bound_files)
     else:
         sock.connect(endpoint)
+
+
+def _bind(sock: zmq.Socket, endpoint: str, bound_files: list) -> None:
+    """Bind; an `ipc://` path's socket file is noted as (path, inode) so that closing can
+    remove it (libzmq leaves it behind). Abstract (`ipc://@name`) endpoints have none."""
+    sock.bind(endpoint)
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
+    if path and not path.startswith("@"):
+        try:
+            bound_files.append((path, os.stat(path).st_ino))
+        except OSError:
+            pass
+
+
+def _remove_socket_files(bound_files: list) -> None:
+    """Remove the socket files this publisher bound, unless another process has bound the
+    path since (a daemon started meanwhile on the same endpoint: its file has another inode)."""
+    for path, inode in bound_files:
+        try:
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
+        except OSError:
+            pass
+    bound_files.clear()
 
 
 class Publisher:
@@ -44,16 +69,17 @@ class Publisher:
         self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
         self._ctx = zmq.Context()
         self._pub = self._replay = None
+        self._bound_files: list[tuple[str, int]] = []
         try:
             if config.endpoint:
                 self._pub = self._ctx.socket(zmq.PUB)
                 self._pub.set_hwm(config.hwm)
                 self._pub.setsockopt(zmq.LINGER, 0)
-                _bind_or_connect(self._pub, config.endpoint)
+                _bind_or_connect(self._pub, config.endpoint, self._bound_files)
             if config.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
+                _bind(self._replay, config.replay_endpoint, self._bound_files)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(f"kv events: cannot open {config.endpoint or config.replay_endpoint}: {e}") from e
@@ -105,6 +131,7 @@ class Publisher:
                 sock.close(linger=0)
         self._pub = self._replay = None
         self._ctx.term()
+        _remove_socket_files(self._bound_files)
 
     def _thread_alive(self) -> bool:
         return getattr(self, "_thread", None) is not None and self._thread.is_alive()
