@@ -218,9 +218,10 @@ class LoadOutcome:
     Otherwise `reason` says why (the copy failed, the ack was refused, the daemon or the
     ack stream was lost) and the tokens must be recomputed; `failed_pages` are device
     pages the daemon handed back with a failed load (the caller's again; empty when the
-    daemon did not answer). `expired`: the daemon finished the load itself because it
-    was not acknowledged within its ack_timeout (told unasked on the ack stream); its
-    device pages other than `failed_pages` stay with the cache.
+    daemon did not answer). `expired`: the daemon finished the transfer itself because
+    it was not acknowledged within its ack_timeout (told unasked on the ack stream;
+    `reason` says what became of it): a load's device pages other than `failed_pages`
+    stay with the cache; an engine-managed save's pages are the engine's, stored or not.
     """
 
     transfer: int
@@ -240,7 +241,7 @@ class LoadOutcome:
     @classmethod
     def from_pb(cls, m: pb.AckResponse) -> "LoadOutcome":
         if m.expired:
-            return cls(m.transfer, False, f"load-back expired: {m.message}", unpack(m.failed_pages), True)
+            return cls(m.transfer, False, m.message, unpack(m.failed_pages), True)
         if m.code != 0:
             name = code_from_int(m.code).name
             return cls.failure(m.transfer, f"ack refused ({name}): {m.message}", m.failed_pages)

@@ -45,8 +45,8 @@ class Metrics:
             ["namespace", "direction"], buckets=COPY_BUCKETS, registry=r)
         self.invariant_violations = Counter("radixkv_invariant_violations", "Invariant violations found",
                                             ["namespace"], registry=r)
-        self.expirations = Counter("radixkv_expirations", "Leases and load-backs the daemon released "
-                                   "after lease_timeout / ack_timeout (a slow or stuck engine)",
+        self.expirations = Counter("radixkv_expirations", "Leases, load-backs and engine-managed saves the "
+                                   "daemon released or finished after lease_timeout / ack_timeout (a slow or stuck engine)",
                                    ["namespace", "kind"], registry=r)
         self.storage_duration = Histogram(
             "radixkv_storage_operation_duration_seconds", "Storage tier calls (batched), by operation",
@@ -82,7 +82,7 @@ class Metrics:
         """Export the namespace's counters from 0 at once, not from their first increment
         (a dashboard's rate and an `absent()` alert need the series)."""
         self.invariant_violations.labels(name)
-        for kind in ("lease", "load_back"):
+        for kind in ("lease", "load_back", "save"):
             self.expirations.labels(name, kind)
 
     def forget_namespace(self, name: str) -> None:

@@ -134,3 +134,35 @@ def test_leases_and_unacked_loads_show_in_stats_and_metrics():
     finally:
         channel.close()
         stop_all([d])
+
+
+def test_an_engine_managed_save_never_acknowledged_is_finished_as_a_save():
+    """An engine-managed rank that never acknowledges its asynchronous save: the daemon
+    finishes it at ack_timeout and says so as a save (logged, counted and labelled
+    `save`, never a "load-back"; nothing to recompute); its pages are stored."""
+    from test_engine_managed_e2e import Rank, scheduler
+    from test_engine_managed_e2e import tokens as shard_tokens
+
+    d = DaemonProcess("--ack-timeout", TIMEOUT, metrics=True).start()
+    rank = Rank(d.target, "exp/save")
+    sched = scheduler(d.target, "exp/save")
+    try:
+        rank.fill([1, 2, 3], seed=5)
+        saved = rank.client.insert(shard_tokens(0, 3), [1, 2, 3], async_=True)
+        assert saved.transfer
+        wait_for(lambda: sched.stats("exp/save").namespaces[0].counters["saves_expired"] == 1,
+                 10, "the save to expire")
+        assert sched.stats("exp/save").namespaces[0].counters["load_backs_expired"] == 0
+        outcome = rank.client.wait([saved.transfer], timeout=10)[saved.transfer]  # the pushed answer
+        assert outcome.expired and not outcome.ok and len(outcome.failed_pages) == 0, outcome
+        assert "the daemon finished the save itself; its pages were stored" in outcome.reason, outcome
+        assert "load" not in outcome.reason, outcome
+        assert 'radixkv_expirations_total{kind="save",namespace="exp/save"} 1.0' in d.scrape()
+        log = d.log()
+        assert "event=save.expired " in log and "event=load_back.expired" not in log
+        (hit,) = sched.match([shard_tokens(0, 3)])
+        assert hit.complete_tokens == 12, "the save the daemon finished is served"
+    finally:
+        rank.close()
+        sched.close()
+        stop_all([d])

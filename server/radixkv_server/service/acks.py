@@ -126,9 +126,9 @@ class AckStream:
         try:
             result = await self.session.namespace.ack(self.session, transfer)
         except (CacheError, ServiceError) as e:
-            expired = self.session.expired_load(transfer)
+            expired = self.session.expired_transfer(transfer)
             if expired is not None:
-                self.replies.put_nowait(expired_response(transfer, *expired, unsolicited=False))
+                self.replies.put_nowait(expired_response(transfer, expired, unsolicited=False))
                 return
             code, message = status_of(e)
             self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=code.value[0], message=message))
@@ -143,10 +143,11 @@ class AckStream:
                       transfer=transfer, reason=result.error)
         self.replies.put_nowait(convert.ack_response(transfer, result))
 
-    def expired(self, transfer: int, result, why: str) -> None:
-        """Tell the engine now that the daemon finished its load-back `transfer` (expired)."""
+    def expired(self, transfer: int, outcome) -> None:
+        """Tell the engine now that the daemon finished its `transfer` (expired; `outcome`:
+        an expiry.ExpiredTransfer)."""
         if not self.ended:
-            self.replies.put_nowait(_Unasked(expired_response(transfer, why, result, unsolicited=True)))
+            self.replies.put_nowait(_Unasked(expired_response(transfer, outcome, unsolicited=True)))
 
     async def _write(self) -> None:
         while (reply := await self.replies.get()) is not None:
@@ -169,12 +170,9 @@ class _Unasked:
         self.reply = reply
 
 
-def expired_response(transfer: int, why: str, result, unsolicited: bool) -> pb.AckResponse:
-    """What an expired load-back the daemon finished means for the engine: its tokens are
-    not loaded; a failed copy's pages are the engine's again (the others stay cached)."""
-    pages = result.failed_pages
-    fate = (f"; its copy failed ({result.error}): its {len(pages) // 4} device pages are the engine's again"
-            if result.error is not None else "; its device pages stay with the cache")
+def expired_response(transfer: int, outcome, unsolicited: bool) -> pb.AckResponse:
+    """The answer for a transfer the daemon finished at its ack_timeout (`outcome`: an
+    expiry.ExpiredTransfer saying what became of it)."""
     return pb.AckResponse(transfer=transfer, code=grpc.StatusCode.NOT_FOUND.value[0],
-                          message=f"transfer {transfer} {why}{fate}", load_failed=True,
-                          failed_pages=pages, expired=True, unsolicited=unsolicited)
+                          message=f"transfer {transfer} {outcome.message}", load_failed=outcome.load_failed,
+                          failed_pages=outcome.failed_pages, expired=True, unsolicited=unsolicited)

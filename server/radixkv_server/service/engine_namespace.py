@@ -168,10 +168,6 @@ class EngineNamespace:
         """See `NamespaceCore.prefetch`."""
         return self.core.prefetch(session, request)
 
-    def has_transfer(self, transfer: int) -> bool:
-        """Whether `transfer` is still in flight or unacknowledged on the core."""
-        return transfer in self.cache.transfers
-
     # -- checks ---------------------------------------------------------------------------------
 
     def _require(self, session: Session, role: str, what: str) -> None:

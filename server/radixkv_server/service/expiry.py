@@ -1,23 +1,28 @@
-"""Timeouts for a slow or stuck engine: leases held past `lease_timeout` and load-backs
-left unacknowledged past `ack_timeout` (0 = off).
+"""Timeouts for a slow or stuck engine: leases held past `lease_timeout`, and load-backs
+(and an engine-managed namespace's asynchronous saves) left unacknowledged past
+`ack_timeout` (0 = off).
 
 Each is released or finished exactly as closing its session would release or finish
-it, logged (`lease.expired`, `load_back.expired`), counted (Stats counters
-`leases_expired` / `load_backs_expired`, metric `radixkv_expirations_total`) and
-remembered, so the engine's later Release or ack gets NOT_FOUND saying it expired. The
-session itself lives on, and nothing else waits for the stuck engine.
+it, logged (`lease.expired`, `load_back.expired`, `save.expired`), counted (Stats
+counters `leases_expired` / `load_backs_expired` / `saves_expired`, metric
+`radixkv_expirations_total`) and remembered, so the engine's later Release or ack gets
+NOT_FOUND saying it expired. The session itself lives on, and nothing else waits for
+the stuck engine.
 
-An expired load-back is finished once its copy completed; what that means for the
-engine's device pages is then told to the engine, so no page is lost on either side:
-an AckResponse with `expired` set (NOT_FOUND, `load_failed`; `failed_pages` when the
-copy failed: those pages are the engine's again, the others stay with the cache) is
-pushed at once on the session's ack stream (`unsolicited`), and answers its late ack.
+An expired transfer is finished once its copy completed; what became of it is then told
+to the engine, so no page is lost on either side: an AckResponse with `expired` set
+(NOT_FOUND) is pushed at once on the session's ack stream (`unsolicited`), and answers
+its late ack. A load-back's says `load_failed` (its tokens count as not loaded; when its
+copy failed, `failed_pages` are the engine's again, the others stay with the cache); an
+engine-managed save's says whether its pages were stored.
 """
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
+from ..core.transfers import TransferKind
 from ..logs import log_event
 
 log = logging.getLogger("radixkv.expiry")
@@ -66,30 +71,62 @@ class Expiry:
             if self.ack_timeout:
                 for tid in session.overdue_loads(now, self.ack_timeout):
                     session.acked(tid)
-                    if not ns.has_transfer(tid):
+                    transfer = ns.cache.transfers.get(tid)
+                    if transfer is None:
                         continue
-                    self._expired(session, "load_back", tid,
-                                  f"expired: not acknowledged within ack_timeout={self.ack_timeout:g}s; "
-                                  "treat its tokens as not loaded")
-                    self.daemon.run_in_background(self._finish_load(session, tid))
+                    kind = "save" if transfer.kind is TransferKind.SAVE else "load_back"
+                    meaning = ("the daemon finished the save itself" if kind == "save"
+                               else "treat its tokens as not loaded")
+                    self._expired(session, kind, tid, f"expired: not acknowledged within "
+                                  f"ack_timeout={self.ack_timeout:g}s; {meaning}", key="transfer")
+                    self.daemon.run_in_background(self._finish(session, tid, transfer.kind))
 
     @staticmethod
-    async def _finish_load(session, transfer: int) -> None:
+    async def _finish(session, transfer: int, kind: TransferKind) -> None:
         """As a close does: once the copy completed; then tell the engine. An ack that
         raced the expiry and finished it first got the answer itself."""
         result = await session.namespace.finish(transfer, None, missing_ok=True)
-        if result is not None:
-            session.finished_expired_load(transfer, result)
-            if result.error is not None:
-                log_event(log, "load_back.expired_failed", logging.WARNING, namespace=session.namespace.name,
-                          session=session.id[:8], id=transfer, reason=result.error,
-                          pages_returned=len(result.failed_pages) // 4)
+        if result is None:
+            return
+        why = session.expired_reason("transfer", transfer) or "expired"
+        session.finished_expired(transfer, expired_outcome(kind, why, result))
+        if result.error is not None:
+            event = "save.expired_failed" if kind is TransferKind.SAVE else "load_back.expired_failed"
+            log_event(log, event, logging.WARNING, namespace=session.namespace.name,
+                      session=session.id[:8], id=transfer, reason=result.error,
+                      pages_returned=len(result.failed_pages) // 4)
 
-    def _expired(self, session, kind: str, ident: int, why: str) -> None:
-        session.remember_expired(kind, ident, why)
+    def _expired(self, session, kind: str, ident: int, why: str, key: str = "") -> None:
+        session.remember_expired(key or kind, ident, why)
         session.namespace.expirations[kind] += 1
         metrics = self.daemon.metrics
         if metrics is not None:
             metrics.expirations.labels(session.namespace.name, kind).inc()
         log_event(log, f"{kind}.expired", logging.WARNING, namespace=session.namespace.name,
                   session=session.id[:8], id=ident, engine=session.engine)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredTransfer:
+    """What the engine is told of a transfer the daemon finished at its ack_timeout.
+    `message`: why, and what became of it; `load_failed`: its tokens count as not loaded
+    (a load); `failed_pages`: device pages that are the engine's again (a managed
+    namespace's load whose copy failed)."""
+
+    message: str
+    load_failed: bool
+    failed_pages: bytes
+
+
+def expired_outcome(kind: TransferKind, why: str, result) -> ExpiredTransfer:
+    """The answer for an expired transfer of `kind` finished with `result` (FinishResult)."""
+    failed = f"; its copy failed ({result.error})" if result.error is not None else ""
+    if kind is TransferKind.SAVE:
+        fate = f"{failed}: nothing of it is stored" if failed else "; its pages were stored"
+        return ExpiredTransfer(why + fate, False, b"")
+    if kind is TransferKind.ENGINE_LOAD:  # the engine's pages are its own either way
+        return ExpiredTransfer(why + failed, True, b"")
+    pages = result.failed_pages
+    fate = (f"{failed}: its {len(pages) // 4} device pages are the engine's again" if failed
+            else "; its device pages stay with the cache")
+    return ExpiredTransfer(why + fate, True, pages)

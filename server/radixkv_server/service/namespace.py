@@ -177,10 +177,6 @@ class Namespace:
         """See `NamespaceCore.prefetch`."""
         return self.core.prefetch(session, request)
 
-    def has_transfer(self, transfer: int) -> bool:
-        """Whether `transfer` is still in flight or unacknowledged on the core."""
-        return transfer in self.cache.transfers
-
     # -- sessions and buffers come and go ---------------------------------------------------
 
     def device_uuid(self, session: Session) -> str:

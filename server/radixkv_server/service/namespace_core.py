@@ -40,7 +40,7 @@ class NamespaceCore:
                  metrics=None, storage=None, ranks: RankCopies | None = None):
         self.config = config
         self.host_pool = host_pool
-        self.expirations = {"lease": 0, "load_back": 0}  # released by the daemon's timeouts
+        self.expirations = {"lease": 0, "load_back": 0, "save": 0}  # released by the daemon's timeouts
         self.copies = Copies(config, host_pool, metrics, storage, ranks=ranks)
         self.cache = HierarchicalCache(config.cache, self.copies, num_device_pages=num_device_pages,
                                        host_pages=host_pool.num_pages)
@@ -149,7 +149,7 @@ class NamespaceCore:
         try:
             return await self.finish(finish_now, transfer, session.id)
         except UnknownTransfer:
-            why = session.expired_reason("load_back", transfer)
+            why = session.expired_reason("transfer", transfer)
             if why is not None:
                 raise not_found(f"transfer {transfer} {why}") from None
             raise
@@ -181,6 +181,7 @@ class NamespaceCore:
         out["backed_up_bytes"] = self.copies.backed_up_bytes
         out["leases_expired"] = self.expirations["lease"]
         out["load_backs_expired"] = self.expirations["load_back"]
+        out["saves_expired"] = self.expirations["save"]
         return out
 
     def report_to(self, events) -> None:

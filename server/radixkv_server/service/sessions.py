@@ -44,9 +44,9 @@ class Session:
     rank: int = 0
     instance: str = ""
     device_pages: int = 0
-    # Expired load-backs the daemon finished: transfer -> FinishResult (failed_pages are
-    # the engine's again), for the late ack. `ack_stream`: the session's open AckStream
-    # (acks.py), told at once of each; None while it has none.
+    # Expired transfers the daemon finished: transfer -> expiry.ExpiredTransfer, for the
+    # late ack. `ack_stream`: the session's open AckStream (acks.py), told at once of
+    # each; None while it has none.
     expired_loads: OrderedDict = field(default_factory=OrderedDict)
     ack_stream: object = None
     session_stream: object = None  # its open Session stream (session_stream.py), or None
@@ -144,23 +144,21 @@ class Session:
         while len(self.expired) > REMEMBER_EXPIRED:
             self.expired.popitem(last=False)
 
-    def finished_expired_load(self, transfer: int, result) -> None:
-        """The daemon finished expired load-back `transfer` (`result`: a FinishResult):
+    def finished_expired(self, transfer: int, outcome) -> None:
+        """The daemon finished expired `transfer` (`outcome`: an expiry.ExpiredTransfer):
         remember it for a late ack and tell the ack stream, if one is open."""
-        self.expired_loads[transfer] = result
+        self.expired_loads[transfer] = outcome
         while len(self.expired_loads) > REMEMBER_EXPIRED:
             self.expired_loads.popitem(last=False)
         if self.ack_stream is not None:
-            self.ack_stream.expired(transfer, result, self.expired_reason("load_back", transfer) or "expired")
+            self.ack_stream.expired(transfer, outcome)
 
-    def expired_load(self, transfer: int):
-        """(why, FinishResult) of an expired load-back the daemon finished, else None."""
-        result = self.expired_loads.get(transfer)
-        why = self.expired_reason("load_back", transfer)
-        return None if result is None or why is None else (why, result)
+    def expired_transfer(self, transfer: int):
+        """The expiry.ExpiredTransfer of a transfer the daemon finished, else None."""
+        return self.expired_loads.get(transfer)
 
     def expired_reason(self, kind: str, ident: int) -> str | None:
-        """Why lease or load-back `ident` expired ("lease" / "load_back"), if it did."""
+        """Why lease or transfer `ident` expired ("lease" / "transfer"), if it did."""
         return self.expired.get((kind, ident))
 
 
