@@ -5,6 +5,7 @@ pages between blocks through a real daemon (save, lookup, load, a local prefix l
 
 import contextlib
 import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -196,23 +197,38 @@ def assert_held_until_answered(adapter, views, hold, answered=None) -> None:
 
 
 def test_a_load_the_stream_cannot_carry_is_not_sent_and_the_session_comes_back(shm_kv, daemon):
-    """A worker whose session is lost (here its daemon restarted) sends no load: there
-    would be no answer to hold its blocks by. The load fills none (vLLM recomputes them),
-    and finishing it registers the session again, so the next load goes on the new
-    session's stream and fills its blocks."""
-    with open_sessions(shm_kv, daemon) as (views, adapter, scheduler):
+    """A worker whose session is lost (here its daemon restarted, then frozen) sends no
+    load: there would be no answer to hold its blocks by. The load fills none (vLLM
+    recomputes them) at once, however long the daemon takes to answer, and finishing it
+    starts registering the session again, so a later load goes on the new session's
+    stream and fills its blocks."""
+    with open_sessions(shm_kv, daemon, timeout_s=30.0) as (views, adapter, scheduler):
         [hit] = scheduler.lookup([SAVED])
         daemon.kill()
         daemon.start()  # empty, on the same socket
+        os.kill(daemon.pid, signal.SIGSTOP)  # and not answering: a registration waits timeout_s
+        try:
+            def unsent_load() -> bool:  # once the worker's client saw its stream end
+                pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
+                started = time.monotonic()
+                assert adapter.finish_load(pending) == 0
+                if pending.answer is None:
+                    assert time.monotonic() - started < 10, "the step waited for the registration"
+                return pending.answer is None
 
-        def unsent_load() -> bool:  # once the worker's client saw its stream end
+            wait_for(unsent_load, 20, "a load the lost session did not send")
+            assert adapter.save(SAVED, [1, 2]) == 0  # skipped, not queued behind the registration
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+
+        def sent_load():
             pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
-            assert adapter.finish_load(pending) == 0
-            return pending.answer is None
+            if pending.answer is None:
+                adapter.finish_load(pending)  # fills none; registers again unless under way
+                return None
+            return pending
 
-        wait_for(unsent_load, 10, "a load the lost session did not send")
-        pending = adapter.begin_load(hit.node, [8, 9], 0, hit.lease)
-        assert pending.answer is not None, "the session did not come back"
+        pending = wait_for(sent_load, 40, "the session back")
         assert adapter.finish_load(pending) == 0  # a node of the old daemon: refused
         transfer = adapter.save(SAVED, [1, 2])
         assert transfer and adapter.done([transfer], timeout=None) == {transfer}

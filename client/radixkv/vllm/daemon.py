@@ -115,6 +115,8 @@ class DaemonAdapter:
         self._lock = threading.Lock()
         self._skipped = OutageLog(log, "saves are skipped while they fail", "saves go through again")
         self._saves_resume_at = 0.0  # time.monotonic(): saves skipped until then (daemon not answering)
+        self._registering: threading.Thread | None = None  # one attempt at registering again
+        self._registering_lock = threading.Lock()  # not `_lock`: a call may hold it for timeout_s
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -191,7 +193,7 @@ class DaemonAdapter:
             if pending.error is not None:
                 raise pending.error
             if pending.answer is None:
-                self._recover()
+                self._register_again()
                 raise Unavailable("the session stream is down: the load was not sent")
             try:
                 result = pending.answer.result(self.config.timeout_s)
@@ -236,6 +238,8 @@ class DaemonAdapter:
         cache for that long."""
         if time.monotonic() < self._saves_resume_at:
             return self._skip_save(len(block_ids), "the daemon did not answer the last save")
+        if self._registering is not None and self._registering.is_alive():
+            return self._skip_save(len(block_ids), "the lost session is being registered again")
         try:
             with self._lock:
                 transfer = self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
@@ -298,9 +302,19 @@ class DaemonAdapter:
         recomputes, saves in flight count as over (the old daemon reads nothing more)."""
         log.warning("radixkv: %s", lost)
 
+    def _register_again(self) -> None:
+        """Start one attempt at registering a lost session again, on a thread of its own
+        and without waiting for its backoff, unless one is under way: the step that found
+        the stream down goes on at once (against a daemon that does not answer, the
+        attempt takes up to timeout_s), and the next load goes on the new stream."""
+        with self._registering_lock:
+            if self._registering is not None and self._registering.is_alive():
+                return
+            self._registering = threading.Thread(target=self._recover, name="radixkv-register-again", daemon=True)
+            self._registering.start()
+
     def _recover(self) -> None:
-        """One attempt at registering a lost session again, without waiting for its
-        backoff (the next load then goes on the stream); failures are left to later calls."""
+        """One attempt at registering a lost session again; failures are left to later loads."""
         try:
             with self._lock:
                 self._client.reconnect(timeout=0)
