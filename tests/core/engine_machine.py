@@ -2,8 +2,9 @@
 
 `TP` ranks of one engine (each with its own device memory) save prompts, a scheduler
 matches with leases, ranks load matched paths into fresh pages from a random start
-page, copies complete, fail and get acknowledged in random order, and host eviction
-runs. Every page "holds" an identity (the prefix page and the rank whose shard it
+page, copies complete, fail and get acknowledged in random order, host eviction runs,
+and (with storage) prompts are prefetched: storage keeps every rank's shard of a page,
+so fetched pages may complete a node some rank's shard had not reached. Every page "holds" an identity (the prefix page and the rank whose shard it
 is), so a load that reads a shard too early, a wrong rank's slice or a freed page
 shows up as a wrong identity. After every step: `EngineTier.check_invariants()` is
 empty, every complete node holds every rank's right identity on host, and no device
@@ -61,6 +62,33 @@ class RankCopier:
         tier.copied(transfer, "injected failure" if fail else None)
 
 
+class ShardStore(MemoryCopier):
+    """The storage tier of an engine-managed namespace: a stored page holds every rank's
+    shard (read from, and fetched into, the ranks' host memory in `RankCopier`)."""
+
+    def __init__(self, ranks: RankCopier):
+        super().__init__()
+        self.ranks = ranks
+
+    def complete(self, cache, transfer: int, fail: bool = False):
+        kind, src, dst = self.pending[transfer]
+        error = "injected failure" if fail else None
+        if kind == "store":
+            del self.pending[transfer]
+            for host_page, key in zip(src if not fail else (), dst):
+                self.storage[key] = tuple(self.ranks.host.get((host_page, r), GARBAGE) for r in range(TP))
+            return cache.on_copy_done(transfer, error)
+        if kind == "fetch":
+            del self.pending[transfer]
+            n = 0
+            while not fail and n < len(src) and src[n] in self.storage:
+                for r, got in enumerate(self.storage[src[n]]):
+                    self.ranks.host[(dst[n], r)] = got
+                n += 1
+            return cache.on_fetch_done(transfer, n, error)
+        return super().complete(cache, transfer, fail)
+
+
 class EngineTierMachine(RuleBasedStateMachine):
     storage = "off"
 
@@ -68,9 +96,9 @@ class EngineTierMachine(RuleBasedStateMachine):
         super().__init__()
         config = CacheConfig(page_size=PAGE, write_policy="write_back", storage=self.storage,
                              storage_salt=b"test-salt")
-        self.storage_copier = MemoryCopier()  # stores of complete nodes under host pressure
-        self.cache = HierarchicalCache(config, self.storage_copier, num_device_pages=0, host_pages=HOST_PAGES)
         self.copier = RankCopier()
+        self.storage_copier = ShardStore(self.copier)  # stores of complete nodes, prefetches
+        self.cache = HierarchicalCache(config, self.storage_copier, num_device_pages=0, host_pages=HOST_PAGES)
         self.tier = EngineTier(self.cache.state, self.cache.host_space, self.copier, TP)
         self.next_page = [0] * TP  # each rank allocates fresh device pages (never reused)
         self.loads: dict[int, tuple[int, list[bytes]]] = {}  # transfer -> (rank, expected shard per page)
@@ -138,6 +166,11 @@ class EngineTierMachine(RuleBasedStateMachine):
                 assert got == expected, f"load {tid} of rank {rank} delivered the wrong shards"
             else:
                 assert result.failed_pages == t.device_pages
+
+    @precondition(lambda self: self.storage != "off")
+    @rule(symbols=prompts, extra=extra_keys, pages=st.integers(1, 6))
+    def prefetch(self, symbols, extra, pages):
+        self.cache.start_prefetch(prompt_bytes(symbols), extra, pages)
 
     @rule(n=st.integers(0, 8))
     def evict_host(self, n):

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from radixkv_server.core import CacheConfig, HierarchicalCache, InvalidRequest, NotReady
 from radixkv_server.core.engine_tier import EngineTier
-from radixkv_server.core.pages import pack
+from radixkv_server.core.pages import pack, unpack
 
-from engine_machine import PAGE, EngineTierMachine, RankCopier, prompt_bytes
+from engine_machine import PAGE, EngineTierMachine, RankCopier, ShardStore, prompt_bytes, shard
 from harness import MemoryCopier
 
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
@@ -96,4 +96,62 @@ def test_storage_write_through_stores_a_node_once_every_rank_saved_it():
     assert not any(t.kind.value == "store" for t in cache.transfers.values()), "rank 1's shard is missing"
     copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=1, rank=1).transfer, False)
     assert [t.kind.value for t in cache.transfers.values()].count("store") == 1
+    assert tier.check_invariants() == []
+
+
+def test_a_node_one_rank_saved_again_is_completed_from_every_shard_storage_holds():
+    """A prefix stored whole and gone from host; one rank saves it again (the others have
+    not yet): storage is still asked for it, and a prefetch completes the node with the
+    stored page of every rank instead of leaving it half there."""
+    copier = RankCopier()
+    store = ShardStore(copier)
+    cache = HierarchicalCache(CacheConfig(page_size=PAGE, write_policy="write_back", storage="write_through",
+                                          storage_salt=b"s"), store, num_device_pages=0, host_pages=4)
+    tier = EngineTier(cache.state, cache.host_space, copier, 2)
+    prompt = prompt_bytes([1, 2])
+    ends = [prompt[:(i + 1) * PAGE * 4] for i in range(2)]
+    for rank in (0, 1):
+        for page, end in zip((0, 1), ends):
+            copier.device[(rank, page)] = shard(end, b"", rank)
+        copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=rank, rank=rank).transfer, False)
+    store.complete_all(cache)  # written through
+    cache.evict_host(4)
+    assert cache.match(prompt).host_tokens == 0 and len(store.storage) == 2
+    copier.complete(tier, tier.save(prompt, pack([0, 1]), b"", owner=0, rank=0).transfer, False)
+    assert tier.complete_tokens(cache.match(prompt).host_node) == 0, "rank 1's shard is missing"
+    start, keys = cache.storage_tier.probe(prompt)
+    assert (start, len(keys)) == (0, 2), "storage is asked for the pages of the half-saved node"
+    assert cache.start_prefetch(prompt, b"", 8)
+    store.complete_all(cache)
+    node = cache.tree.get(cache.match(prompt).host_node)
+    assert tier.complete_tokens(node.id) == 4
+    for host_page, end in zip(unpack(node.full.host_pages), ends):
+        assert [copier.host[(host_page, rank)] for rank in (0, 1)] == [shard(end, b"", rank) for rank in (0, 1)]
+    assert tier.check_invariants() == [] and cache.host.num_used == 2, "the half copy's pages were freed"
+
+
+class Recorder:
+    """A residency listener that keeps every (tier, change, node id) it is told."""
+
+    def __init__(self):
+        self.changes = []
+
+    def residency_changed(self, tier, change, node) -> None:
+        self.changes.append((tier, change, node.id))
+
+
+def test_a_half_saved_node_leaving_the_host_is_never_said_removed():
+    """Only a node every rank saved is told stored on host; one that leaves before that
+    was never announced, so its removal is not told either (a router would drop blocks
+    it never had, or another engine's same blocks)."""
+    cache, tier, copier = make(tp=2, host_pages=4)
+    cache.state.listener = recorder = Recorder()
+    whole, half = prompt_bytes([1, 2]), prompt_bytes([3, 2])
+    for rank in (0, 1):
+        copier.complete(tier, tier.save(whole, pack([0, 1]), b"", owner=rank, rank=rank).transfer, False)
+    copier.complete(tier, tier.save(half, pack([2, 3]), b"", owner=0, rank=0).transfer, False)
+    whole_id, half_id = cache.match(whole).host_node, cache.match(half).host_node
+    cache.evict_host(4)
+    assert [c for c in recorder.changes if c[2] == half_id] == []
+    assert [c[:2] for c in recorder.changes if c[2] == whole_id] == [("host", "stored"), ("host", "removed")]
     assert tier.check_invariants() == []

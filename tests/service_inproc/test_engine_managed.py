@@ -218,3 +218,39 @@ def test_a_waiting_load_answers_once_copied_and_owes_no_ack():
                 await managed.session.namespace.load_back(managed.session, 1, pack([0]), wait=True)
             assert code(e) == grpc.StatusCode.INVALID_ARGUMENT
     run(scenario())
+
+
+def test_a_synchronous_insert_keeps_what_it_saved_until_it_answers():
+    """An engine's synchronous Insert(lease) waits for its copy; another engine's Insert
+    that runs between the copy's end and the answer (the loop may run it there) needs host
+    room. The saved path stays out of its reach until the first Insert answered: the save
+    is answered as done, with its lease, instead of NOT_FOUND for a node evicted meanwhile."""
+    from radixkv_server.service.calls import InsertRequest
+
+    async def scenario():
+        async with running_daemon(host_pool_size=4 * LAYOUT.page_bytes) as daemon:
+            a = await Rank.register(daemon, "m", instance="a")
+            b = await Rank.register(daemon, "m", instance="b")
+            tier = a.ns.tier
+            a.fill([0, 1], seed=1)
+            b.fill([0, 1, 2, 3], seed=2)
+            copied, squeezed = tier.copied, []
+
+            def copied_then_another_save(transfer, error=None):
+                copied(transfer, error)
+                if not squeezed:  # b's Insert, run before a's Insert resumes
+                    squeezed.append(tier.save(prompt(500, 4), pack([0, 1, 2, 3]), b"", owner=b.session.id, rank=0))
+
+            tier.copied = copied_then_another_save
+            answer = await a.ns.insert(a.session, InsertRequest(prompt(0, 2), pack([0, 1]), lease=True))
+            tier.copied = copied
+            assert squeezed and answer.lease, answer
+            hit = await b.match(prompt(0, 2), lease=False)
+            assert hit.complete_tokens == 2 * LAYOUT.page_size, "a's save is still there"
+            loaded = await b.load(hit.result.host_node, [8, 9], wait=True)
+            assert loaded.loaded_tokens == 2 * LAYOUT.page_size and b.page_bytes([8, 9]) == a.page_bytes([0, 1])
+            a.ns.release(a.session, [answer.lease])
+            assert daemon.check_invariants("") == []
+            for r in (a, b):
+                await r.close()
+    run(scenario())

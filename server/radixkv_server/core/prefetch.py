@@ -85,7 +85,9 @@ class Prefetches:
 
     def _attach_to_path(self, path: list[Node], first: int, host_pages: bytes) -> int:
         """Fetched pages for nodes already in the tree: a device-only node gains its host
-        copy; the rest (cached on host already) are freed. Returns pages attached."""
+        copy, an engine-managed node missing a rank's shard (no save copying into it)
+        takes them whole in place of its own; the rest (cached on host already) are
+        freed. Returns pages attached."""
         state = self.state
         added = pos = 0
         spare = []
@@ -97,6 +99,9 @@ class Prefetches:
                 s = node.full
                 if lo == pos and s.host_pages is None and s.device_pages is not None:
                     state.attach_host(node, pages)
+                    added += m
+                elif lo == pos and s.shards_missing and not s.pins and not s.host_lock:
+                    state.complete_host(node, pages)
                     added += m
                 else:
                     spare.append(pages)

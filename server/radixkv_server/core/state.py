@@ -173,10 +173,21 @@ class CacheState:
         self.refresh(node)
         self._emit("host", "stored", node)
 
-    def clear_host(self, node: Node) -> None:
-        """Free a node's valid host copy (nothing may be copying it)."""
-        self._emit("host", "removed", node)
+    def complete_host(self, node: Node, pages: bytes) -> None:
+        """Pages fetched from storage replace the host copy of an engine-managed node that
+        lacks some rank's shard (nothing copying into it): the node is complete and stored."""
         s = node.full
+        self.host.free(s.host_pages)
+        s.host_pages = None
+        s.shards_missing = 0
+        self.attach_host(node, pages)
+
+    def clear_host(self, node: Node) -> None:
+        """Free a node's valid host copy (nothing may be copying it). Removal is told only
+        of a copy that was told stored (an engine-managed one missing a shard never was)."""
+        s = node.full
+        if not s.shards_missing:
+            self._emit("host", "removed", node)
         self.host.free(s.host_pages)
         s.host_pages = None
         self.refresh(node)
@@ -186,7 +197,7 @@ class CacheState:
         parent = node.parent
         s = node.full
         if s.host_pages is not None:
-            if s.backup is None:
+            if s.backup is None and not s.shards_missing:
                 self._emit("host", "removed", node)
             self.host.free(s.host_pages)
             s.host_pages = None

@@ -49,13 +49,18 @@ class StorageTier:
 
     def probe(self, tokens: bytes, extra_key: bytes = b"") -> tuple[int, list[bytes]]:
         """Where the cached prefix of `tokens` ends (in pages), and the storage keys of
-        the whole pages after it: what to ask the storage tier for. Changes nothing."""
+        the whole pages after it: what to ask the storage tier for. The prefix ends at an
+        engine-managed node some rank's shard has not reached: storage may hold it whole.
+        Changes nothing."""
         tree = self.state.tree
         end = len(tokens) - len(tokens) % tree.stride
         root = tree.roots.get(extra_key)
         if root is None:
             return 0, self._keys(tokens[:end], extra_key)
         path, partial, k = tree.walk(root, tokens[:end])
+        whole = next((i for i, n in enumerate(path) if n.full.shards_missing), len(path))
+        if whole < len(path) or (partial is not None and partial.full.shards_missing):
+            path, partial = path[:whole], None
         cached = sum(tree.pages_of(n) for n in path)
         start = self.chain(path[-1]) if path else ROOT
         if partial is not None:

@@ -102,17 +102,28 @@ class EngineNamespace:
         saved = self.tier.save(request.tokens, request.device_pages, request.extra_key,
                                owner=session.id, rank=session.rank)
         tid = saved.transfer
+        locked = False  # the saved path, kept from eviction while this call waits for the copy
         if tid and request.async_:
             session.answered(tid)
         elif tid:
-            await self._finish_copied(tid, session, "Insert: the copy from the engine's pages failed")
+            self.cache.lock(saved.node)
+            locked = True
+            try:
+                await self._finish_copied(tid, session, "Insert: the copy from the engine's pages failed")
+                session.check_open()  # a session that closed meanwhile released its leases and takes none
+            except BaseException:
+                self.cache.unlock(saved.node)
+                raise
             tid = 0
-            session.check_open()  # a session that closed meanwhile released its leases and takes none
         if request.release_lease:  # released or expired meanwhile: nothing left to release
             for node in session.pop_held([request.release_lease]):
                 self.cache.unlock(node)
         stored = self.cache.node(saved.node).parent is not None  # the root: no host room for any of it
-        lease = self.core.lease(session, saved.node) if request.lease and stored else 0
+        lease = 0
+        if request.lease and stored:  # the lock taken for the wait becomes the lease
+            lease = session.add_lease(saved.node) if locked else self.core.lease(session, saved.node)
+        elif locked:
+            self.cache.unlock(saved.node)
         return InsertAnswer(InsertResult(saved.cached_tokens, b"", saved.node), lease, transfer=tid)
 
     async def load_back(self, session: Session, node: int, device_pages: bytes, lease: int = 0,
