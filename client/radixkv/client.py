@@ -158,6 +158,25 @@ class Client(ClientBase):
         return self._start_on_stream("LoadBack", lambda session: msg.load_back_request(
             session, node, device_pages, engine_event, lease, start_page, wait=wait), convert)
 
+    def start_insert(self, tokens, device_pages, *, extra_key: bytes = b"", engine_event=None) -> Future | None:
+        """An engine-managed asynchronous save (`insert(..., async_=True)`) sent on the
+        Session stream without waiting: a Future resolved with the InsertResult (its
+        `transfer` the copy to `wait` for) or with the RadixKVError the call failed with.
+        None as for `start_match`. The daemon reads `device_pages` from when it takes the
+        call until the transfer is acknowledged: the caller must not reuse them before the
+        answer came and, if it names a transfer, that was waited for (a Future it stops
+        waiting for leaves them being read)."""
+        acks = self._session.acks()  # the sending session's: its transfer is acked there
+
+        def convert(response) -> InsertResult:
+            result = InsertResult.from_pb(response)
+            if result.transfer:
+                acks.issue(result.transfer)
+            return result
+        return self._start_on_stream("Insert", lambda session: msg.insert_request(
+            session, tokens, device_pages, extra_key=extra_key, chunked=False, release_lease=0, lease=False,
+            engine_event=engine_event, async_=True), convert)
+
     def _start_on_stream(self, method: str, build, convert) -> Future | None:
         """Send `build(session id)` as `method` on the Session stream; a Future of
         `convert(response)` or of the call's RadixKVError. None when the stream is not live."""

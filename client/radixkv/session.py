@@ -10,6 +10,13 @@ Session recovery lives here too: after a call fails with Unavailable or Unauthen
 the session is probed; a lost session (or an ack stream the daemon ended) is registered
 again with the arguments of the last `register`, paced by `radixkv.reconnect.Recovery`,
 and the call that succeeds raises `SessionLost` (`DaemonRestarted` for a new daemon).
+Before registering again the lost session is closed (the daemon answers once its copies
+are over), so once `SessionLost` is raised the daemon no longer reads or writes the
+engine's pages for it. A call that moves pages or leases (Insert, LoadBack, Evict,
+Release, Match with leases) left without an answer (DeadlineExceeded, or the caller
+stopped waiting) may still be carried out: it ends the session the same way, and the
+pages it named are the engine's again only once the next call raised SessionLost (or
+`reconnect` returned).
 Ack bookkeeping is the ack stream's (`radixkv.acks`); the session only opens a new one
 per registration through the shell's `open_acks` and abandons it when the session is lost.
 So with the session stream (`radixkv.streaming`): with the shell's `open_calls`, each
@@ -26,8 +33,8 @@ from grpc_health.v1 import health_pb2
 from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
-from .errors import (DaemonRestarted, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
-                     Unavailable)
+from .errors import (DaemonRestarted, DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost,
+                     Unauthenticated, Unavailable)
 from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
 from .reconnect import Backoff, Recovery
@@ -248,6 +255,14 @@ class Session:
         on_stream = self._calls is not None and method in STREAM_METHODS
         try:
             return (yield Rpc(method, request, self.timeout, on_stream=on_stream))
+        except DeadlineExceeded:
+            if _moves_pages_or_leases(method, request):
+                self._give_up(f"{method} went unanswered within {self.timeout}s")
+            raise
+        except GeneratorExit:  # the shell stopped waiting (a cancelled task): no answer either
+            if _moves_pages_or_leases(method, request):
+                self._give_up(f"the caller stopped waiting for {method}")
+            raise
         except (Unavailable, Unauthenticated) as err:
             if method != "Register":
                 yield from self._check_session(err)
@@ -274,6 +289,21 @@ class Session:
         self._acks = self._open_acks(reg.session, self._stream_broken)
         if self._open_calls is not None:
             self._calls = self._open_calls(reg.session, self._stream_broken)
+
+    def _give_up(self, why: str) -> None:
+        """A call that moves pages or leases ended without its outcome (the daemon may
+        still carry it out): end the session's streams, which makes the daemon close the
+        session, and mark it lost, so the next call closes it, registers again and raises
+        SessionLost (without recovery, later calls fail Unavailable)."""
+        if self.closed or self.registration is None:
+            return
+        reason = f"{why}: its outcome is unknown, so the session was ended"
+        if self._recovery is not None:
+            with self._lock:
+                self._recovery.lose(reason, time.monotonic())
+        for stream in (self._acks, self._calls):
+            if stream is not None:
+                stream.abandon(reason)
 
     def _stream_broken(self, reason: str) -> None:
         """The daemon ended the ack or session stream, and with it the session (any thread)."""
@@ -320,6 +350,9 @@ class Session:
                 raise Unavailable(f"session lost ({reason}); another call is registering it again")
             rec.registering = True  # cleared with the outcome: failed() or recovered()
         try:  # as first registered: replace_existing only if the engine asked for it then
+            # The lost session first: the daemon answers once its copies are over (at
+            # once for a session it no longer knows: closing is idempotent).
+            yield Rpc("Close", pb.CloseRequest(session=reg.session), self.timeout)
             new = Registration.from_pb((yield Rpc("Register", self._registration_again(), self.timeout)))
         except Unavailable as err:
             with self._lock:
@@ -342,6 +375,11 @@ class Session:
         if self._on_session_lost is not None:
             self._on_session_lost(lost)
         raise lost
+
+
+def _moves_pages_or_leases(method: str, request) -> bool:
+    """Whether a call left unanswered may change what the engine's pages or leases are."""
+    return method in ("Insert", "LoadBack", "Evict", "Release") or (method == "Match" and request.lease)
 
 
 __all__ = ["DEFAULT_TARGET", "PROBE_TIMEOUT", "SERVICE", "Plan", "PlanRun", "Rpc", "Session", "Sleep",

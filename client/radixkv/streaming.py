@@ -17,7 +17,8 @@ every unanswered call and every later one fails with Unavailable saying why, and
 new registration opens a new stream). The daemon closes the session when its stream
 ends, as it does when its ack stream ends. A call not answered within its timeout
 raises DeadlineExceeded: on `CallStream` its late answer is dropped and the stream goes
-on; on `AsyncCallStream` the stream ends with it (see there).
+on (but the session ends when the call moves pages or leases: `radixkv.session`); on
+`AsyncCallStream` the stream ends with it (see there).
 """
 
 import asyncio

@@ -39,10 +39,11 @@ class Daemon:
 
     def __init__(self):
         self.instance, self.sessions, self.calls = "d1", set(), []
+        self.registered = 0  # sessions this instance made
         self.down = False
 
     def forget(self, instance: str) -> None:
-        self.instance, self.sessions = instance, set()
+        self.instance, self.sessions, self.registered = instance, set(), 0
 
     def __call__(self, step):
         self.calls.append(step.method if isinstance(step, Rpc) else "sleep")
@@ -51,16 +52,17 @@ class Daemon:
         if self.down:
             raise errors.Unavailable("connection refused")
         if step.method == "Register":
-            session = f"s{len(self.sessions) + 1}-{self.instance}"
+            self.registered += 1
+            session = f"s{self.registered}-{self.instance}"
             self.sessions.add(session)
             return pb.RegisterResponse(session=session, daemon_instance=self.instance)
+        if step.method == "Close":  # idempotent, as the daemon's
+            self.sessions.discard(step.request.session)
+            return pb.CloseResponse()
         if step.request.session not in self.sessions:
             raise errors.Unauthenticated("unknown session")
         if step.method == "LoadBack":
             return pb.LoadBackResponse(transfer=7)
-        if step.method == "Close":
-            self.sessions.discard(step.request.session)
-            return pb.CloseResponse()
         return pb.MatchResponse(results=[pb.MatchResult()] * len(step.request.prompts))
 
 
@@ -95,7 +97,8 @@ def test_a_restarted_daemon_is_reported_once_and_the_session_replaced(setup):
     daemon.forget("d2")
     with pytest.raises(errors.DaemonRestarted) as info:
         run(s.match([[1, 2, 3, 4]], False, False), daemon)
-    assert daemon.calls[-3:] == ["Match", "Match", "Register"]  # the call, the probe, the new session
+    # The call, the probe, closing the lost session (the daemon is done with it), the new one.
+    assert daemon.calls[-4:] == ["Match", "Match", "Close", "Register"]
     assert info.value.registration.session == s.id == "s1-d2"
     assert (info.value.old_instance, info.value.new_instance) == ("d1", "d2")
     assert lost == [info.value]
@@ -134,3 +137,32 @@ def test_a_closed_session_refuses_calls_and_closes_once(setup):
     assert daemon.calls[-1] == "Close" and s.closed
     with pytest.raises(errors.FailedPrecondition, match="closed"):
         run(s.match([[1, 2, 3, 4]], False, False), daemon)
+
+
+@pytest.mark.parametrize("call, ends", [
+    (lambda s: s.insert([1, 2, 3, 4], [0], extra_key=b"", chunked=False, release_lease=0, lease=False), True),
+    (lambda s: s.evict(1), True),
+    (lambda s: s.release([3]), True),
+    (lambda s: s.match([[1, 2, 3, 4]], True, False), True),
+    (lambda s: s.match([[1, 2, 3, 4]], False, False), False),
+])
+def test_a_call_left_unanswered_ends_the_session_when_it_moves_pages_or_leases(setup, call, ends):
+    """No answer in time: the daemon may still carry the call out. One that moves pages
+    or leases ends the session (its streams abandoned; the next call closes it and
+    registers again); a plain Match leaves it alone."""
+    s, daemon, streams, lost = setup
+
+    def slow(step):
+        if isinstance(step, Rpc) and step.method not in ("Register", "Close"):
+            raise errors.DeadlineExceeded("no answer")
+        return daemon(step)
+
+    with pytest.raises(errors.DeadlineExceeded):
+        run(call(s), slow)
+    assert (streams[0].abandoned is not None) == ends
+    if ends:
+        with pytest.raises(errors.SessionLost, match="outcome is unknown"):
+            run(s.match([[1, 2, 3, 4]], False, False), daemon)
+        assert daemon.calls[-2:] == ["Close", "Register"] and daemon.sessions == {s.id} != {"s1-d1"}
+    else:
+        assert len(run(s.match([[1, 2, 3, 4]], False, False), daemon)) == 1 and not lost

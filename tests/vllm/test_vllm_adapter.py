@@ -391,3 +391,34 @@ def test_a_save_goes_out_when_the_next_step_begins_or_soon_after_without_one(ses
     finally:
         saves.close()
 
+
+
+def test_a_save_the_daemon_answers_too_late_keeps_its_blocks_until_it_is_over(shm_kv, daemon, caplog):
+    """A save whose Insert gets no answer within timeout_s (the daemon frozen) may still
+    be taken once the daemon runs again, and then it reads the blocks: the request's
+    blocks stay held (not listed finished) until the daemon answered and the copy was
+    acknowledged, and what is saved is what the blocks held."""
+    from radixkv.vllm.metadata import SaveSpec
+    prompt = torch.arange(4000, 4000 + 2 * TOKENS, dtype=torch.int32).numpy().tobytes()
+    with open_sessions(shm_kv, daemon, timeout_s=0.3) as (views, adapter, scheduler):
+        for layer, v in enumerate(views.values()):
+            v[3].fill_(30 + layer)
+            v[4].fill_(40 + layer)
+        saves = Saves(adapter)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            saves.start(SaveSpec("r", prompt, (3, 4)))
+            saves.step_began()
+            wait_for(lambda: "saves are skipped while they fail" in caplog.text, 10, "the save's answer to be late")
+            assert saves.finished({"r"}, ["r"]) == set(), "vLLM would reuse blocks the daemon may still read"
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        wait_for(lambda: saves.finished(set(), []) == {"r"}, 10, "the late save over")
+        saves.close()
+        [hit] = scheduler.lookup([prompt])
+        assert hit.tokens == 2 * TOKENS, "the late save was taken and copied"
+        assert adapter.load(hit.node, [8, 9], 0, hit.lease) == 2
+        scheduler.release([hit.lease])
+        for layer, v in enumerate(views.values()):
+            assert torch.equal(v[8], torch.full_like(v[8], 30 + layer))
+            assert torch.equal(v[9], torch.full_like(v[9], 40 + layer))

@@ -226,30 +226,41 @@ class DaemonAdapter:
                         len(failed), len(ids), self.config.timeout_s)
         return failed, unanswered
 
-    def save(self, tokens: bytes, block_ids, engine_event=None, extra_key: bytes = b"") -> int:
+    def save(self, tokens: bytes, block_ids, engine_event=None, extra_key: bytes = b"") -> "int | Future":
         """Start copying whole pages of `tokens` (under `extra_key`) from `block_ids` to the
-        daemon's host tier (asynchronous Insert), after `engine_event` (`step_event()` of the
-        step that filled the blocks) on CUDA. Returns the transfer to wait for before vLLM
-        may reuse the blocks; 0 when nothing is being copied (all there already, or the
-        daemon could not take them: logged). After a save the daemon left unanswered, the
-        saves of the next timeout_s are skipped without asking (a daemon that is down fails
-        them at once anyway): each would wait timeout_s in turn, and a finished request
-        keeps its blocks until its saves are over, so queued saves would hold vLLM's KV
-        cache for that long."""
+        daemon's host tier (asynchronous Insert, on the session stream), after
+        `engine_event` (`step_event()` of the step that filled the blocks) on CUDA. Returns
+        the transfer to wait for before vLLM may reuse the blocks; 0 when nothing is being
+        copied (all there already, or the daemon could not take the save: logged); or,
+        when the daemon did not answer within timeout_s, the Future of its answer: the
+        daemon may still take the Insert and read the blocks, so they stay held until it
+        completes and, if it names a transfer, that is acknowledged (`Saves`). After such a
+        save, the saves of the next timeout_s are skipped without asking: each would wait
+        timeout_s in turn, and a finished request keeps its blocks until its saves are
+        over, so queued saves would hold vLLM's KV cache for that long."""
         if time.monotonic() < self._saves_resume_at:
             return self._skip_save(len(block_ids), "the daemon did not answer the last save")
         if self._registering is not None and self._registering.is_alive():
             return self._skip_save(len(block_ids), "the lost session is being registered again")
         try:
-            with self._lock:
-                transfer = self._client.insert(as_packed(tokens), array("i", block_ids), async_=True,
-                                               engine_event=engine_event, extra_key=extra_key).transfer
-        except RadixKVError as e:
-            if isinstance(e, DeadlineExceeded):  # not answered: the next would wait as long
-                self._saves_resume_at = time.monotonic() + self.config.timeout_s
+            answer = self._client.start_insert(as_packed(tokens), array("i", block_ids), extra_key=extra_key,
+                                               engine_event=engine_event)
+        except RadixKVError as e:  # the client closed
             return self._skip_save(len(block_ids), e)
+        if answer is None:  # not sent: nothing reads the blocks
+            self._register_again()
+            return self._skip_save(len(block_ids), "the session stream is down")
+        try:
+            result = answer.result(self.config.timeout_s)
+        except FutureTimeout:  # not answered: the next would wait as long
+            self._saves_resume_at = time.monotonic() + self.config.timeout_s
+            self._skipped.failed(f"{len(block_ids)} pages now, no answer within {self.config.timeout_s}s "
+                                 "(their blocks stay held until the daemon answers)")
+            return answer
+        if isinstance(result, RadixKVError):
+            return self._skip_save(len(block_ids), result)
         self._skipped.worked()
-        return transfer
+        return result.transfer
 
     def _skip_save(self, pages: int, why) -> int:
         """A save not made (logged as part of a run of them). Returns 0."""

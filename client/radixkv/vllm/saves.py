@@ -20,7 +20,9 @@ daemon takes (it may still read those blocks), saying so in a warning every time
 
 A load the worker stopped waiting for (no answer within timeout_s: vLLM recomputes its
 blocks) is held the same way (`hold`): the daemon may still write those blocks until it
-answers, so they count as in flight on this rank until then. The worker reports such
+answers, so they count as in flight on this rank until then. So is a save whose Insert
+got no answer in time: the daemon may still take it and read the blocks, so it stays in
+flight until the answer comes and, if the answer names a copy, until that is acknowledged. The worker reports such
 loads (`report`, held) and the scheduler counts them with the request's saves.
 """
 
@@ -31,6 +33,8 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+
+from radixkv.types import InsertResult
 
 from .daemon import DaemonAdapter
 from .metadata import SaveSpec
@@ -59,7 +63,7 @@ class Saves:
         self._finished: dict[str, None] = {}  # vLLM reported them finished (the latest ones)
         self._delayed: set[str] = set()  # blocks kept until we list them; vLLM has not said finished yet
         self._waiting: set[str] = set()  # delayed and finished: listed once no save of theirs is in flight
-        self._late: dict[int, tuple[str, Future]] = {}  # held load's ticket -> (request, its answer)
+        self._late: dict[int, tuple[str, Future]] = {}  # held load's or late save's ticket -> (request, answer)
         self._held: dict[str, int] = {}  # request -> loads held since the last report
         self._closed = False
         self._step_began = False  # a step began since the queue was last emptied: send now
@@ -114,15 +118,16 @@ class Saves:
             tickets = set().union(*(self._pending.get(r, ()) for r in req_ids))
             self._send_queued()  # vLLM waits for these: no waiting for a step
             self._cond.wait_for(lambda: not (tickets & self._unsent))
-            ids = [t for t, (ticket, _) in self._transfers.items() if ticket in tickets]
             late = [answer for ticket, (_, answer) in self._late.items() if ticket in tickets]
-        if ids:
-            self._landed(self._acknowledged(ids))
         if late:
             if wait_futures(late, LATE_FLUSH_TIMEOUT_S).not_done:
-                log.error("radixkv: %d loads into blocks vLLM reuses now are still unanswered after %gs",
+                log.error("radixkv: %d loads or saves of blocks vLLM reuses now are still unanswered after %gs",
                           len(late), LATE_FLUSH_TIMEOUT_S)
             self._settle_late()
+        with self._cond:  # a late save's answer may have named a copy just now
+            ids = [t for t, (ticket, _) in self._transfers.items() if ticket in tickets]
+        if ids:
+            self._landed(self._acknowledged(ids))
 
     def _acknowledged(self, ids: list[int]) -> set[int]:
         """Wait until the daemon acknowledged every save of `ids` (their blocks are reused
@@ -195,8 +200,11 @@ class Saves:
                 ticket, spec, event = self._queue.popleft()
                 if not self._queue:
                     self._step_began = False
+            late = None
             try:
                 transfer = self._adapter.save(spec.tokens, spec.block_ids, event, spec.extra_key)
+                if isinstance(transfer, Future):  # no answer in time: held until it comes
+                    late, transfer = transfer, 0
                 # Its ack goes out now (the daemon answers it once copied): the transfer
                 # ends in the daemon even when vLLM stops stepping before the next poll.
                 done = self._adapter.done([transfer]) if transfer else set()
@@ -205,7 +213,9 @@ class Saves:
                 transfer, done = 0, set()
             with self._cond:
                 self._unsent.discard(ticket)
-                if transfer and transfer not in done:
+                if late is not None:
+                    self._late[ticket] = (spec.req_id, late)
+                elif transfer and transfer not in done:
                     self._transfers[transfer] = (ticket, spec.req_id)
                 else:
                     self._ticket_over(ticket, spec.req_id)
@@ -213,14 +223,22 @@ class Saves:
 
     def _settle_late(self) -> None:
         """Held loads whose answer came are over. On CUDA an answer can precede the copy
-        (its layer events mark the end): vLLM's stream then waits for those first."""
+        (its layer events mark the end): vLLM's stream then waits for those first. A late
+        save's answer that names a copy is in flight until that is acknowledged."""
         if not self._late:  # the common case, every step: no lock taken
             return
         with self._cond:
             tickets = [t for t, (_, answer) in self._late.items() if answer.done()]
             answered = [(t, *self._late.pop(t)) for t in tickets]
         for ticket, req_id, answer in answered:
-            self._adapter.wait_loaded(getattr(answer.result(), "layer_events", ()))
+            result = answer.result()
+            if isinstance(result, InsertResult) and result.transfer:
+                done = self._adapter.done([result.transfer])  # its ack goes out now
+                if result.transfer not in done:
+                    with self._cond:
+                        self._transfers[result.transfer] = (ticket, req_id)
+                    continue
+            self._adapter.wait_loaded(getattr(result, "layer_events", ()))
             with self._cond:
                 self._ticket_over(ticket, req_id)
 

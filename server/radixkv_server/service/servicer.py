@@ -106,11 +106,11 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
 
     @rpc
     async def Close(self, request, context):
-        try:
-            session = self.daemon.session(request.session)
-        except ServiceError:
-            return pb.CloseResponse()  # already closed or unknown: closing is idempotent
-        await self.daemon.close_session(session, "closed by the engine")
+        """Answers once the session is closed (its copies over), also when it was closing
+        already (its stream ended); at once for one closed before or unknown: idempotent."""
+        session = self.daemon.sessions.find(request.session)
+        if session is not None:
+            await self.daemon.close_session(session, "closed by the engine")
         return pb.CloseResponse()
 
     @rpc

@@ -224,6 +224,10 @@ class SessionRegistry:
             raise unauthenticated(f"session {session_id} is closing")
         return session
 
+    def find(self, session_id: str) -> Session | None:
+        """The session with this id, live or closing; None once closed or unknown."""
+        return self._live.get(session_id)
+
     def forget(self, session: Session, reason: str) -> None:
         self._live.pop(session.id, None)
         self._closed[session.id] = reason
