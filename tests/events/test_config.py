@@ -23,6 +23,7 @@ def test_from_daemon_maps_the_proposed_fields():
     ({"queue_size": 0}, "queue_size"),
     ({"replay_endpoint": "tcp://*:5558"}, "needs kv_events_endpoint"),
     ({"endpoint": "localhost:5557"}, "ZMQ address"),
+    ({"topic": "kv-events"}, "must contain {namespace}: namespaces sharing one topic would mix"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

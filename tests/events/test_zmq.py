@@ -260,3 +260,37 @@ def test_closing_removes_its_ipc_socket_files_but_not_a_successors(ctx):
     finally:
         new.close()
     assert not os.path.exists(pub_path) and not os.path.exists(rep_path)
+
+
+def test_a_replay_of_thousands_of_batches_arrives_whole_with_its_end(ctx):
+    """A router joining a busy daemon replays its whole ring: every batch and END_SEQ
+    arrive (libzmq's default send limit of 1000 messages dropped the rest silently)."""
+    pub, rep = ipc_endpoints("big-replay")
+    hub = EventHub(EventsConfig(endpoint=pub, replay_endpoint=rep))
+    sub = RawSubscriber(ctx, pub, rep)
+    try:
+        tree = RadixTree(PAGE)
+        listen = hub.attach("m", PAGE)
+        publish_nodes(hub, listen, tree, 0, 3000)
+        wait_for(lambda: hub.next_seq == 3001 and hub.drained, what="3000 batches published")
+        sub.dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        wait_for(lambda: hub.stats()["replays"] == 1, what="the replay taken")
+        # A second requester's answer comes once the first answer was sent whole: the
+        # router serves requests in turn. Only then does the first one start reading.
+        other = ctx.socket(zmq.DEALER)
+        other.connect(rep)
+        other.send_multipart((b"", (10**9).to_bytes(8, "big")))  # past the ring: END_SEQ alone
+        assert other.poll(10_000) and other.recv_multipart()[2] == END_SEQ
+        other.close(0)
+        got = []
+        while True:
+            assert sub.dealer.poll(10_000), f"no END_SEQ after {len(got)} batches"
+            _, _, seq, _ = sub.dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            got.append(int.from_bytes(seq, "big"))
+        assert got == list(range(3001))
+        assert hub.stats()["send_errors"] == 0
+    finally:
+        sub.close()
+        hub.close()

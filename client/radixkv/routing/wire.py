@@ -7,8 +7,8 @@ msgspec structs that encode byte for byte as vLLM's do and decode vLLM's batches
   at their default are omitted (`omit_defaults=True`). vLLM switched events from arrays to
   maps in 0.2x (vllm-project/vllm#42892); this module reads and writes maps only.
 - ZMQ framing (PUB): `(topic, seq, payload)`, `seq` an 8-byte big-endian unsigned int.
-  Replay (ROUTER): a request `(b"", seq)` from a DEALER (a REQ socket adds the empty frame
-  itself) answers `(b"", topic, seq, payload)` per buffered batch with seq >= the request,
+  Replay (ROUTER): a request `(b"", seq)` from a DEALER (not REQ, which takes one reply
+  per request) answers `(b"", topic, seq, payload)` per buffered batch with seq >= the request,
   then `(b"", b"", END_SEQ, b"")`, END_SEQ being -1 as 8 signed big-endian bytes.
 """
 

@@ -23,6 +23,9 @@ class EventsConfig:
         for name in ("queue_size", "ring_size", "hwm", "subscriber_buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"kv_events {name} must be >= 1, got {getattr(self, name)}")
+        if "{namespace}" not in self.topic:
+            raise ValueError(f"kv_events topic {self.topic!r} must contain {{namespace}}: namespaces "
+                             "sharing one topic would mix their blocks, and dropping one would clear the others'")
         if self.replay_endpoint and not self.endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         for name in ("endpoint", "replay_endpoint"):

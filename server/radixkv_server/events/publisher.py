@@ -79,6 +79,11 @@ class Publisher:
             if config.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A whole ring fits one requester's pipe (libzmq's default of 1000 messages
+                # dropped the rest, END_SEQ with it, silently); past that, sending fails
+                # (ROUTER_MANDATORY) and is counted instead of vanishing.
+                self._replay.setsockopt(zmq.SNDHWM, config.ring_size + 2)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 _bind(self._replay, config.replay_endpoint, self._bound_files)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -185,12 +190,18 @@ class Publisher:
         client, _, start = frames
         self.num_replays += 1
         for item in self.broadcast.since(int.from_bytes(start, "big")):
-            self._send_replay((client, b"", item.topic, seq_bytes(item.seq), item.payload))
+            if not self._send_replay((client, b"", item.topic, seq_bytes(item.seq), item.payload)):
+                return
         self._send_replay((client, b"", b"", END_SEQ, b""))
 
-    def _send_replay(self, frames) -> None:
+    def _send_replay(self, frames) -> bool:
+        """Send one replay message; False (counted) when the requester is gone or has a
+        full pipe (it asked again without reading): the rest of this answer is not sent,
+        and with no END_SEQ the requester asks again."""
         try:
             self._replay.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # the requester is gone or too slow: it will ask again
+            return True
+        except zmq.ZMQError:
             self.num_send_errors += 1
+            return False
 
