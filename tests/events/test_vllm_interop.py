@@ -92,7 +92,7 @@ def test_daemon_restart_announcement_keeps_the_engine_gpu_blocks_seen_before_it(
         wait_for(lambda: fleet.poll(0.02) >= 0 and index.num_blocks("w0", NS) == (4, 0, 0),
                  30, "the engine's GPU blocks")
         fleet.add(d0)
-        wait_for(lambda: fleet.poll(0.02) >= 0 and fleet.feeds["w0"].last_seq == 1, 30,
+        wait_for(lambda: fleet.poll(0.02) >= 0 and fleet.feeds["w0"].last_seq == 2, 30,
                  "the daemon's clear and CPU blocks")
         assert index.num_blocks("w0", NS) == (4, 4, 0)
     finally:

@@ -102,17 +102,17 @@ def test_disconnect_mid_run_then_replay_has_no_gap_and_no_duplicate(ctx):
         tree = RadixTree(PAGE)
         listen = hub.attach("m", PAGE)
         publish_nodes(hub, listen, tree, 0, 60)
-        sub.follow(60)                      # seq 0 is the restart announcement
+        sub.follow(61)                      # seq 0 is the restart announcement, 1 the namespace's clear
         sub.sub.close(0)                    # the router goes away mid-run ...
         publish_nodes(hub, listen, tree, 60, 120)
-        wait_for(lambda: hub.next_seq == 181, what="the batches it missed sent")
+        wait_for(lambda: hub.next_seq == 182, what="the batches it missed sent")
         sub.reconnect()                     # ... comes back, and live batches overlap replay
         publish_nodes(hub, listen, tree, 180, 20)
-        sub.follow(200)
-        assert sub.applied == list(range(201))
+        sub.follow(201)
+        assert sub.applied == list(range(202))
         ring = {b.seq: b.payload for b in hub._publisher.broadcast.since(0)}
         assert sub.payloads == ring
-        stored = [decode_batch(sub.payloads[s]).events[0] for s in (1, 100, 200)]
+        stored = [decode_batch(sub.payloads[s]).events[0] for s in (2, 101, 201)]
         assert [e.token_ids[0] for e in stored] == [0, 99_000, 199_000]
         assert hub.stats()["replays"] >= 1
     finally:
@@ -131,12 +131,14 @@ def test_topic_and_seq_frames_are_vllm_framing(ctx):
         (node,) = chain(tree, range(PAGE))
         listen("host", "stored", node)
         hub.flush()
-        wait_for(lambda: hub.next_seq == 2, what="two batches published")
+        wait_for(lambda: hub.next_seq == 3, what="three batches published")
         dealer.send_multipart((b"", (0).to_bytes(8, "big")))
-        frames = [dealer.recv_multipart() for _ in range(3)]
-        assert [f[1] for f in frames] == [b"kv@node-1@", b"kv@node-1@qwen", b""]
-        assert [f[2] for f in frames] == [(0).to_bytes(8, "big"), (1).to_bytes(8, "big"), END_SEQ]
-        event = decode_batch(frames[1][3]).events[0]
+        frames = [dealer.recv_multipart() for _ in range(4)]
+        assert [f[1] for f in frames] == [b"kv@node-1@", b"kv@node-1@qwen", b"kv@node-1@qwen", b""]
+        assert [f[2] for f in frames] == [(0).to_bytes(8, "big"), (1).to_bytes(8, "big"), (2).to_bytes(8, "big"),
+                                          END_SEQ]
+        assert decode_batch(frames[1][3]).events == [AllBlocksCleared()]  # the namespace's first batch
+        event = decode_batch(frames[2][3]).events[0]
         assert event.medium == "CPU" and event.block_hashes == block_hashes(list(range(PAGE)), PAGE)
     finally:
         dealer.close(0)
@@ -175,6 +177,7 @@ def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):
     listen = hub.attach("m", PAGE, snapshot=lambda: [(t, n) for t, nodes in resident.items()
                                                       for n in nodes.values()])
     gate = StuckJob()
+    wait_for(lambda: hub.drained, what="the start's batches published")
 
     def step(i: int) -> None:
         """One loop turn's residency changes of a fresh node, and the turn's flush."""
@@ -196,7 +199,7 @@ def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):
             if i % (QUEUE - 1) == QUEUE - 2:
                 wait_for(lambda: hub.drained, what="the publisher to drain past a stalled peer")
         wait_for(lambda: hub.drained, what="the publisher to drain past a stalled peer")
-        assert hub.next_seq == 601 and hub.stats()["dropped"] == 0  # seq 0: the start's clear
+        assert hub.next_seq == 602 and hub.stats()["dropped"] == 0  # seq 0 and 1: the start's clears
         # 2. The publisher thread stuck inside a job (as in a send that blocks) until
         # `gate` opens; meanwhile the loop goes on.
         assert hub._publisher.submit(gate.job())
@@ -215,13 +218,13 @@ def test_stalled_subscriber_costs_the_loop_nothing_and_drops_resync(ctx):
         # QUEUE batches fit; the next is dropped and counted, once: the namespace then
         # records nothing until its resync is queued.
         [stats] = done
-        assert (stats["queue_depth"], stats["dropped"], stats["published"]) == (QUEUE, 1, 601)
+        assert (stats["queue_depth"], stats["dropped"], stats["published"]) == (QUEUE, 1, 602)
         assert hub.resync_pending
         gate.release.set()
         # The thread runs again: the stuck job and the queued batches go out, then the
         # resync (AllBlocksCleared + snapshot) once there is room.
         wait_for(lambda: hub.flush() >= 0 and hub.drained and not hub.resync_pending, what="resync published")
-        assert hub.next_seq > 601 + 1 + QUEUE
+        assert hub.next_seq > 602 + 1 + QUEUE
         healthy.follow(hub.next_seq - 1)
         state = {"GPU": set(), "CPU": set(), "STORAGE": set()}
         for seq in healthy.applied:
@@ -272,7 +275,7 @@ def test_a_replay_of_thousands_of_batches_arrives_whole_with_its_end(ctx):
         tree = RadixTree(PAGE)
         listen = hub.attach("m", PAGE)
         publish_nodes(hub, listen, tree, 0, 3000)
-        wait_for(lambda: hub.next_seq == 3001 and hub.drained, what="3000 batches published")
+        wait_for(lambda: hub.next_seq == 3002 and hub.drained, what="3000 batches published")
         sub.dealer.send_multipart((b"", (0).to_bytes(8, "big")))
         wait_for(lambda: hub.stats()["replays"] == 1, what="the replay taken")
         # A second requester's answer comes once the first answer was sent whole: the
@@ -289,7 +292,7 @@ def test_a_replay_of_thousands_of_batches_arrives_whole_with_its_end(ctx):
             if seq == END_SEQ:
                 break
             got.append(int.from_bytes(seq, "big"))
-        assert got == list(range(3001))
+        assert got == list(range(3002))
         assert hub.stats()["send_errors"] == 0
     finally:
         sub.close()

@@ -1,6 +1,6 @@
 """The KV-event metrics of a real daemon process hold the values a known workload makes
-them hold: batches published (the start's AllBlocksCleared, then one per RPC that
-changed residency), replay requests answered, and nothing dropped, refused or queued
+them hold: batches published (the start's AllBlocksCleared, the namespace's own at its
+registration, then one per RPC that changed residency), replay requests answered, and nothing dropped, refused or queued
 once the publisher is idle. A router's side is raw ZMQ: a SUB and a DEALER.
 
 What no healthy daemon process can be made to do is covered elsewhere: batches dropped
@@ -56,16 +56,17 @@ def test_kv_event_counters_of_a_known_workload(daemon_factory):
     dealer.connect(rep)
     e = RawEngine(daemon.target, "ops/events", write_policy="write_back")
     try:
-        # Published: 1 at start (AllBlocksCleared: this worker holds nothing).
-        wait_for(lambda: events(daemon)["published"] == 1, DEADLINE_S, "the start's batch")
+        # Published: 1 at start (AllBlocksCleared: this worker holds nothing), 1 at the
+        # namespace's registration (AllBlocksCleared on its own topic).
+        wait_for(lambda: events(daemon)["published"] == 2, DEADLINE_S, "the start's batches")
         for _ in range(3):
             assert e.insert(fresh_tokens(P)) == 0   # device stored: one batch per Insert
         e.match(fresh_tokens(P))                    # a miss changes nothing: no batch
-        wait_for(lambda: events(daemon)["published"] == 4, DEADLINE_S, "one batch per insert")
-        assert replay(dealer, 0) == [0, 1, 2, 3]    # replay 1
-        assert replay(dealer, 2) == [2, 3]          # replay 2
+        wait_for(lambda: events(daemon)["published"] == 5, DEADLINE_S, "one batch per insert")
+        assert replay(dealer, 0) == [0, 1, 2, 3, 4]    # replay 1
+        assert replay(dealer, 3) == [3, 4]             # replay 2
         got = events(daemon)
-        assert got == {"published": 4, "dropped": 0, "send_errors": 0, "replays": 2,
+        assert got == {"published": 5, "dropped": 0, "send_errors": 0, "replays": 2,
                        "queue_depth": 0, "watchers": 0}
         e.close()
     finally:

@@ -56,8 +56,9 @@ def test_a_stuck_publisher_fills_the_queue_and_drops_are_counted():
         gate = StuckJob()
         try:
             e = await Engine.register(daemon, "t/events")
-            await wait_until(lambda: hub.drained, "the start's batch published")
-            assert event_values(await scrape(metrics)) == (1, 0, 0)     # seq 0: AllBlocksCleared
+            await wait_until(lambda: hub.drained, "the start's batches published")
+            # seq 0: the daemon's AllBlocksCleared, 1: the namespace's on its own topic
+            assert event_values(await scrape(metrics)) == (2, 0, 0)
             assert hub._publisher.submit((gate, "", b"kv@stuck", 0.0, []))
             await asyncio.to_thread(gate.entered.wait, 20)
             assert gate.entered.is_set(), "the publisher thread never took the stuck job"
@@ -66,12 +67,12 @@ def test_a_stuck_publisher_fills_the_queue_and_drops_are_counted():
             for i in range(QUEUE + 3):
                 await e.insert(prompt(1000 * i, 2), [2 * i, 2 * i + 1])
                 hub.flush()
-            assert event_values(await scrape(metrics)) == (1, 1, QUEUE)
+            assert event_values(await scrape(metrics)) == (2, 1, QUEUE)
             gate.release.set()
             # The stuck job and the QUEUE batches go out; then the resync is one batch.
             await wait_until(lambda: hub.flush() >= 0 and hub.drained and not hub.resync_pending,
                              "queued batches and the resync published")
-            assert event_values(await scrape(metrics)) == (1 + 1 + QUEUE + 1, 1, 0)
+            assert event_values(await scrape(metrics)) == (2 + 1 + QUEUE + 1, 1, 0)
             await e.close()
         finally:
             gate.release.set()

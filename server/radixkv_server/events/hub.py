@@ -208,10 +208,19 @@ class EventHub:
 
     def attach(self, namespace: str, page_size: int,
                snapshot: Callable[[], Iterable[tuple[str, object]]] | None = None) -> NamespaceEvents:
-        """A listener for one namespace's tree; attach again for a new tree of the same name."""
+        """A listener for one namespace's tree; attach again for a new tree of the same name.
+        Its first batch is an AllBlocksCleared on its own topic: a router following only
+        that topic forgets what an earlier daemon run (or an earlier namespace of the name)
+        held there. A dropped predecessor's batch still waiting for queue room (its
+        AllBlocksCleared) is superseded by it, so it can never follow the new blocks."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        return NamespaceEvents(self, namespace, page_size, snapshot)
+        ns = NamespaceEvents(self, namespace, page_size, snapshot)
+        self._dirty = [old for old in self._dirty if not (old.closed and old.topic == ns.topic)]
+        if not self._publisher.submit((ns.builder, namespace, ns.topic, self._clock(), [CLEAR_RECORD])):
+            ns.resync = True  # no room: its resync (which starts with the clear) comes instead
+            self._mark(ns)
+        return ns
 
     def _mark(self, ns: NamespaceEvents) -> None:
         self._dirty.append(ns)
