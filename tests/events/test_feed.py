@@ -133,3 +133,42 @@ def test_a_replay_given_up_on_is_not_taken_for_a_restart():
     f.start_replay(0)
     assert f.on_replay_end(gave_up=True) is None
     assert f.num_restarts == 0 and held(index, 0)
+
+
+def test_a_batch_lost_again_right_after_a_replay_is_asked_again_before_any_reset():
+    """A live batch lost, replayed; another one lost just after the replay was answered:
+    the ring still holds it, so the feed asks again (a few times in a row at most)
+    instead of forgetting the worker."""
+    index, f = feed()
+    f.on_live(TOPIC, 0, stored(0), can_replay=True)
+    assert f.on_live(TOPIC, 2, stored(2), can_replay=True) == 0          # 1 lost
+    assert f.on_live(TOPIC, 4, stored(4), can_replay=True) is None       # 3 lost too, buffered
+    for seq in range(3):
+        f.on_replay(TOPIC, seq, stored(seq))
+    ask = f.on_replay_end()
+    assert ask == f.check_from() == 1 and f.num_resets == 0               # 3 asked for
+    for seq in range(1, 4):
+        f.on_replay(TOPIC, seq, stored(seq))
+    assert f.on_replay_end() is None
+    assert (f.last_seq, f.num_resets) == (4, 0) and all(held(index, i) for i in range(5))
+
+
+def test_a_restarted_publisher_seen_first_at_the_next_seq_is_found_by_the_continuity_check():
+    """The router missed a restart announcement and every new batch up to the seq it had
+    reached: the new run's next batch looks like the next one. The continuity check asks
+    from the batch before the last applied one, whose payload tells the runs apart."""
+    index, f = feed()
+    for seq in range(5):
+        f.on_live(TOPIC, seq, stored(seq), can_replay=True)
+    assert f.on_live(TOPIC, 5, stored(95, ts=9.0), can_replay=True) is None   # the new run's seq 5
+    start = f.check_from()
+    assert start == 4
+    f.start_replay(start)
+    f.on_replay(TOPIC, 4, stored(94, ts=9.0))   # not what was applied under 4: a restart
+    f.on_replay(TOPIC, 5, stored(95, ts=9.0))
+    assert f.on_replay_end() == 0
+    for seq in range(6):
+        f.on_replay(TOPIC, seq, stored(90 + seq, ts=9.0))
+    assert f.on_replay_end() is None
+    assert f.num_restarts == 1 and not any(held(index, i) for i in range(5))
+    assert all(held(index, 90 + i) for i in range(6))

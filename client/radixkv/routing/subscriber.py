@@ -35,6 +35,7 @@ class WorkerFeed:
 
     MAX_BUFFERED = 100_000  # live batches held while a replay is in flight
     RECENT = 1 << 14        # payload fingerprints kept to tell duplicates from a restart
+    HOLE_REPLAYS = 3        # replays asked in a row for holes right after one, before a reset
 
     def __init__(self, name: str, index: RoutingIndex, topic: str = "kv@{namespace}",
                  namespace: str | None = None, media: tuple[str, ...] | None = None):
@@ -55,6 +56,7 @@ class WorkerFeed:
         self._recent: dict[int, int] = {}    # seq -> hash(payload) of applied batches
         self._restarted = False              # seen during this replay: replay again from 0
         self._num_answers = 0                # batches this replay has answered
+        self._hole_replays = 0               # replays in a row asked for a hole found after one
         self.num_applied = self.num_gaps = self.num_resets = self.num_duplicates = 0
         self.num_restarts = self.num_bad = 0
         index.add_worker(name)
@@ -98,7 +100,7 @@ class WorkerFeed:
         if kind == "gap":
             self.num_gaps += 1
             if can_replay:
-                start = self.last_seq if self.last_seq is not None else 0
+                start = self.check_from()
                 self.start_replay(start)
                 self._buffer.append((topic, seq, payload))
                 return start
@@ -107,6 +109,12 @@ class WorkerFeed:
         return None
 
     # -- replay ----------------------------------------------------------------------------
+
+    def check_from(self) -> int:
+        """Where a replay starts: the batch before the last applied one (0 before any). Its
+        answer is a duplicate of a batch applied from the same run; another payload there
+        is a restart, also when the new run's first batch seen came as the next seq."""
+        return max(self.last_seq - 1, 0) if self.last_seq is not None else 0
 
     def start_replay(self, from_seq: int) -> None:
         self.replay_from = from_seq
@@ -160,8 +168,17 @@ class WorkerFeed:
                     return 0
             elif kind != "apply":
                 self.num_gaps += 1
-                self.reset()  # still a hole right after a replay: do not loop on replays
+                if not gave_up and self._hole_replays < self.HOLE_REPLAYS:
+                    # A batch lost after the replay was answered: the ring most likely
+                    # still holds it. Ask again (a few times in a row at most).
+                    self._hole_replays += 1
+                    start = self.check_from()
+                    self.start_replay(start)
+                    self._buffer = buffered[i:]
+                    return start
+                self.reset()  # holes replay after replay: do not loop on replays
             self._apply(topic, seq, payload)
+        self._hole_replays = 0
         return None
 
     # -- applying ---------------------------------------------------------------------------
@@ -332,7 +349,7 @@ class ZmqFleet:
         for name, (feed, _, dealer) in self._workers.items():
             if (dealer is not None and feed.replay_from is None
                     and now - self._checked.get(name, 0.0) > self.check_interval):
-                start = feed.last_seq if feed.last_seq is not None else 0
+                start = feed.check_from()
                 feed.start_replay(start)
                 self._request(name, start)
 
