@@ -55,11 +55,21 @@ def test_chain_continues_from_a_parent_and_ignores_a_partial_block():
     assert external_hash(whole[0]) == int.from_bytes(whole[0][24:], "big")
 
 
-@pytest.mark.parametrize("bad", [[-1, 2, 3, 4], [2**32, 1, 2, 3]])
 @pytest.mark.parametrize("length", [4, SMALL_RUN + 4])  # each encoding
-def test_rejects_token_ids_cbor_cannot_carry_as_vllm_does(bad, length):
+def test_rejects_token_ids_wider_than_32_bits(length):
     with pytest.raises(ValueError):
-        block_digests((bad * length)[:length], 4)
+        block_digests(([2**32, 1, 2, 3] * length)[:length], 4)
+
+
+@pytest.mark.parametrize("length", [8, 2 * SMALL_RUN])  # each encoding
+def test_negative_token_ids_hash_as_vllm_does(length):
+    """The daemon takes any int32 token id; a negative one (a placeholder some engines
+    use) hashes as vLLM's sha256_cbor writes it (CBOR major type 1), at every width,
+    instead of failing the whole batch of events it is in."""
+    rng = random.Random(11)
+    widths = [-1, -24, -25, -256, -257, -65536, -65537, -2**31, 0, 23, 70000]
+    tokens = [rng.choice(widths) for _ in range(length)]
+    assert block_digests(tokens, 4) == [bytes(d) for d in vllm_chain(tokens, 4)]
 
 
 def test_a_long_run_hashes_as_its_short_pieces_chained():

@@ -42,8 +42,10 @@ def root_digest(seed: str = DEFAULT_SEED) -> bytes:
     return hashlib.sha256(cbor_text(seed)).digest()
 
 
-# Per token, by its width code c = (t >= 24) + (t >= 256) + (t >= 65536): the CBOR head
-# byte (the token itself when c == 0), which of [head, b3, b2, b1, b0] to keep, the width.
+# Per token, by its width code c = (u >= 24) + (u >= 256) + (u >= 65536) of its CBOR
+# argument u (t itself, or -1 - t for a negative id: major type 1, as cbor2 writes it,
+# and so vLLM): the head byte (u itself when c == 0, plus 0x20 when negative), which of
+# [head, b3, b2, b1, b0] to keep, the width.
 _HEAD = np.array([0, 0x18, 0x19, 0x1A], dtype=np.uint8)
 _KEEP = np.array([[1, 0, 0, 0, 0], [1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=bool)
 _WIDTH = np.array([1, 2, 3, 5])
@@ -58,14 +60,16 @@ def _cbor_tokens(tokens: np.ndarray, block_size: int) -> tuple[bytes, list[int]]
     if len(tokens) < SMALL_RUN:
         return _cbor_tokens_small(tokens.tolist(), block_size)
     t = tokens
-    if int(t.min()) < 0 or int(t.max()) >= 1 << 32:
-        raise ValueError("token ids must be in [0, 2**32)")
-    code = (t >= 24).astype(np.int8)
-    code += t >= 256
-    code += t >= 65536
+    if int(t.min()) < -(1 << 32) or int(t.max()) >= 1 << 32:
+        raise ValueError("token ids must be in [-2**32, 2**32)")
+    negative = t < 0
+    u = np.where(negative, -1 - t, t)
+    code = (u >= 24).astype(np.int8)
+    code += u >= 256
+    code += u >= 65536
     rows = np.empty((len(t), 5), dtype=np.uint8)
-    rows[:, 1:] = t.astype(">u4").view(np.uint8).reshape(-1, 4)
-    rows[:, 0] = np.where(code == 0, t, _HEAD[code])
+    rows[:, 1:] = u.astype(">u4").view(np.uint8).reshape(-1, 4)
+    rows[:, 0] = np.where(code == 0, u, _HEAD[code]) | (negative.astype(np.uint8) << 5)
     return rows[_KEEP[code]].tobytes(), np.cumsum(_WIDTH[code])[block_size - 1::block_size].tolist()
 
 
@@ -73,18 +77,17 @@ def _cbor_tokens_small(tokens: list[int], block_size: int) -> tuple[bytes, list[
     out = bytearray()
     ends = []
     for i, t in enumerate(tokens, 1):
-        if t < 24:
-            if t < 0:
-                raise ValueError("token ids must be in [0, 2**32)")
-            out.append(t)
-        elif t < 256:
-            out += b"\x18" + t.to_bytes(1, "big")
-        elif t < 65536:
-            out += b"\x19" + t.to_bytes(2, "big")
-        elif t < 1 << 32:
-            out += b"\x1a" + t.to_bytes(4, "big")
+        major, u = (0x20, -1 - t) if t < 0 else (0, t)
+        if u < 24:
+            out.append(major | u)
+        elif u < 256:
+            out += bytes((major | 0x18, u))
+        elif u < 65536:
+            out += bytes((major | 0x19,)) + u.to_bytes(2, "big")
+        elif u < 1 << 32:
+            out += bytes((major | 0x1A,)) + u.to_bytes(4, "big")
         else:
-            raise ValueError("token ids must be in [0, 2**32)")
+            raise ValueError("token ids must be in [-2**32, 2**32)")
         if i % block_size == 0:
             ends.append(len(out))
     return bytes(out), ends
