@@ -229,10 +229,10 @@ class AsyncCallStream:
                     await answer  # resolved by the reader, or handed the reading (see _hand_over)
                 else:
                     await self._read_one()
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # raised on even when the answer came meanwhile
             if not answer.done():
                 self._end("a call on the session stream was cancelled")
-                raise
+            raise
         except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             self._end(stream_end_reason(e))
         finally:

@@ -21,6 +21,7 @@ import pytest
 from radixkv import errors
 from radixkv.aio import AsyncClient
 from radixkv.client import Client
+from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.reconnect import Backoff
 from radixkv.types import InsertResult, MatchResult, pack
 from radixkv.v1 import radixkv_pb2 as pb
@@ -392,3 +393,35 @@ def test_start_match_answers_as_match_without_waiting_and_fails_as_a_value(daemo
         e.close()
         unary.close()
     assert e.client.start_match(prompts) is None, "closed"
+
+
+def test_a_cancelled_stream_call_raises_cancelled_even_when_its_answer_had_come(daemon_factory):
+    """`task.cancel()` on a call whose answer arrived before the task ran again: the task
+    still ends cancelled (a shutdown that cancels the engine's tasks must not find one
+    returning as if nothing happened)."""
+    d = daemon_factory()
+
+    async def scenario():
+        c = AsyncClient(d.target, timeout=5, stream=True)
+        buffers = ShmKvBuffers.create(LAYOUT, 32)
+        await c.register("cancel/answered", LAYOUT, buffers.specs(), 32)
+        returned = cancelled = 0
+        try:
+            for _ in range(200):
+                reader = asyncio.create_task(c.echo(b"r"))
+                await asyncio.sleep(0)
+                victim = asyncio.create_task(c.echo(b"v"))
+                accepted = []  # cancel the victim as the reader resolves its answer
+                reader.add_done_callback(lambda _t, v=victim: accepted.append(v.cancel()))
+                got = await asyncio.gather(reader, victim, return_exceptions=True)
+                if accepted == [True]:
+                    returned += got[1] == b"v"
+                    cancelled += isinstance(got[1], asyncio.CancelledError)
+                if c.session_lost:
+                    await c.reconnect()
+        finally:
+            await c.close()
+            buffers.close()
+        assert returned == 0 and cancelled > 0, (returned, cancelled)
+
+    asyncio.run(scenario())
