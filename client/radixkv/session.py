@@ -156,7 +156,12 @@ class Session:
         if rec is None or self._register_request is None:
             raise FailedPrecondition("reconnect needs a registered client with a reconnect backoff")
         if not rec.lost:
-            yield from self._check_session(Unavailable("checking the session"))
+            try:
+                yield from self._check_session(Unavailable("checking the session"),
+                                               min(PROBE_TIMEOUT, max(0.05, timeout)), quiet=False)
+            except DeadlineExceeded:  # neither alive nor gone: a daemon that does not answer
+                raise Unavailable(f"the daemon did not answer within {min(PROBE_TIMEOUT, timeout):g}s "
+                                  "whether the session lives") from None
             if not rec.lost:
                 return None
         while True:
@@ -164,13 +169,14 @@ class Session:
             yield Sleep(min(wait, max(0.0, deadline - time.monotonic())))
             if not rec.lost:
                 return None  # another call registered it again (and raised SessionLost)
-            try:
-                yield from self._recover()
+            try:  # each attempt's calls within what is left of `timeout`
+                yield from self._recover(max(0.05, deadline - time.monotonic()))
             except SessionLost as e:
                 return e
-            except RadixKVError:
+            except RadixKVError as e:
                 if time.monotonic() >= deadline:
-                    raise Unavailable(f"no session after {timeout}s: {rec.reason}") from None
+                    raise Unavailable(f"no session after {timeout}s: {rec.reason}; the last attempt: "
+                                      f"{e.message}") from None
 
     def close(self) -> Plan[list]:
         """Mark the client closed and end the session (Close); returns the streams for
@@ -311,20 +317,23 @@ class Session:
             with self._lock:
                 self._recovery.lose(reason, time.monotonic())
 
-    def _check_session(self, err: RadixKVError) -> Plan[None]:
-        """After `err`, ask the daemon whether the session lives; mark it lost if not."""
+    def _check_session(self, err: RadixKVError, timeout: float = PROBE_TIMEOUT, quiet: bool = True) -> Plan[None]:
+        """After `err`, ask the daemon whether the session lives; mark it lost if not.
+        Other errors of the probe (no answer within `timeout`) say nothing: they are
+        dropped, or raised when not `quiet`."""
         if self._recovery is None or self.registration is None or self._recovery.lost:
             return
         try:
-            yield Rpc("Match", pb.MatchRequest(session=self.registration.session), PROBE_TIMEOUT)
+            yield Rpc("Match", pb.MatchRequest(session=self.registration.session), timeout)
             return  # alive: `err` was about that call alone
         except (Unavailable, Unauthenticated):
             with self._lock:
                 self._recovery.lose(f"{err.code.name}: {err.message}", time.monotonic())
         except RadixKVError:
-            pass
+            if not quiet:
+                raise
 
-    def _recover(self) -> Plan[None]:
+    def _recover(self, within: float | None = None) -> Plan[None]:
         """Try to register again if an attempt is due. Raises SessionLost on success,
         Unavailable (or the daemon's refusal) otherwise; never returns. One call registers
         at a time: calls of other tasks or threads that find the session lost meanwhile
@@ -352,8 +361,9 @@ class Session:
         try:  # as first registered: replace_existing only if the engine asked for it then
             # The lost session first: the daemon answers once its copies are over (at
             # once for a session it no longer knows: closing is idempotent).
-            yield Rpc("Close", pb.CloseRequest(session=reg.session), self.timeout)
-            new = Registration.from_pb((yield Rpc("Register", self._registration_again(), self.timeout)))
+            step = self.timeout if within is None else min(within, self.timeout or within)
+            yield Rpc("Close", pb.CloseRequest(session=reg.session), step)
+            new = Registration.from_pb((yield Rpc("Register", self._registration_again(), step)))
         except Unavailable as err:
             with self._lock:
                 rec.failed(time.monotonic())

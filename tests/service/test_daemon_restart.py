@@ -200,3 +200,35 @@ def test_a_call_cancelled_while_it_registers_leaves_the_registering_to_the_next(
             assert (await c.match([tokens(0, 4)]))[0].host_tokens == 0
 
     asyncio.run(main())
+
+
+def test_reconnect_keeps_its_timeout_against_a_daemon_that_does_not_answer(daemon_factory):
+    """`reconnect(timeout)` against a daemon that takes connections but does not answer
+    (frozen) raises Unavailable within about `timeout`, whatever the client's per-call
+    timeout, saying what its last attempt met; with the session not known lost, it does
+    not call a frozen daemon's session alive either."""
+    import os
+    import signal
+    d = daemon_factory()
+    buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+    c = Client(d.target, timeout=30, reconnect=FAST)
+    try:
+        c.register("frozen/reconnect", LAYOUT, buffers.specs(), NUM_PAGES, host_pool_pages=16)
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            with pytest.raises(errors.Unavailable, match="did not answer within 1s"):
+                c.reconnect(timeout=1.0)  # not known lost: the probe gets no answer
+            d.kill()
+            d.start()
+            c.wait_ready(10)  # the channel reaches the new daemon ...
+            os.kill(d.pid, signal.SIGSTOP)  # ... which then stops answering
+            with pytest.raises(errors.Unavailable, match="no session after 1.0s.*the last attempt"):
+                c.reconnect(timeout=1.0)
+            assert time.monotonic() - began < 20, "reconnect waited for the 30 s call timeout"
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert isinstance(c.reconnect(timeout=10), errors.DaemonRestarted)
+    finally:
+        c.close()
+        buffers.close()
