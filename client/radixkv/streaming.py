@@ -229,10 +229,16 @@ class AsyncCallStream:
                     await answer  # resolved by the reader, or handed the reading (see _hand_over)
                 else:
                     await self._read_one()
-        except asyncio.CancelledError:  # raised on even when the answer came meanwhile
+        except asyncio.CancelledError:
             if not answer.done():
                 self._end("a call on the session stream was cancelled")
-            raise
+                raise
+            # The answer came. gRPC raises CancelledError in a read of the call it cancelled
+            # itself (a deadline ended the stream): the answer stands. A cancelled task's
+            # cancellation is raised on all the same.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
         except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             self._end(stream_end_reason(e))
         finally:
