@@ -157,7 +157,10 @@ class AsyncClient(ClientBase):
             return
         try:
             for stream in await self._run(self._session.close()):
-                await stream.close()
+                if self._session.close_answered:
+                    await stream.close()
+                else:
+                    stream.abandon("the client closed (the daemon did not answer its Close)")
         finally:
             await self._channel.close()
 

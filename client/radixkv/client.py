@@ -112,7 +112,10 @@ class Client(ClientBase):
             return
         try:
             for stream in self._run(self._session.close()):
-                stream.close()
+                if self._session.close_answered:
+                    stream.close()
+                else:
+                    stream.abandon("the client closed (the daemon did not answer its Close)")
         finally:
             self._channel.close()
 

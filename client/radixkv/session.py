@@ -77,6 +77,7 @@ class Session:
         self.timeout = timeout
         self.registration: Registration | None = None
         self.closed = False
+        self.close_answered = False  # the daemon answered this client's Close
         self._register_request: pb.RegisterRequest | None = None
         self._buffers = None  # as given to register: exported afresh for each re-registration
         self._acks = None
@@ -180,15 +181,18 @@ class Session:
 
     def close(self) -> Plan[list]:
         """Mark the client closed and end the session (Close); returns the streams for
-        the shell to close next (session stream, ack stream; those there are). The
-        caller checks `closed` first: closing is idempotent."""
+        the shell to close next (session stream, ack stream; those there are): gracefully
+        when the daemon answered the Close (`close_answered`: it ends them itself), else
+        abandoned at once (a daemon gone or not answering would hold a graceful close).
+        The caller checks `closed` first: closing is idempotent."""
         self.closed = True
         self._buffers = None  # a CUDA export holds the engine's tensors: let them go
         if self.registration is not None:
             try:
                 yield Rpc("Close", pb.CloseRequest(session=self.registration.session), self.timeout)
+                self.close_answered = True
             except RadixKVError:
-                pass  # the daemon is gone, or already closed the session
+                pass  # the daemon is gone, does not answer, or already closed the session
         return [s for s in (self._calls, self._acks) if s is not None]
 
     # -- engine operations -------------------------------------------------------------

@@ -232,3 +232,26 @@ def test_reconnect_keeps_its_timeout_against_a_daemon_that_does_not_answer(daemo
     finally:
         c.close()
         buffers.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_close_against_a_daemon_that_does_not_answer_takes_its_timeout_not_minutes(daemon_factory, stream):
+    """A Close the frozen daemon does not answer ends the client's streams at once (a
+    graceful end would wait for the daemon's side, 30 s a stream): `close` returns after
+    about the client's timeout, and an ack still waited for fails."""
+    import os
+    import signal
+    d = daemon_factory()
+    buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+    c = Client(d.target, timeout=1.0, stream=stream, reconnect=FAST)
+    try:
+        c.register("frozen/close", LAYOUT, buffers.specs(), NUM_PAGES, host_pool_pages=16)
+        os.kill(d.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        c.close()
+        assert time.monotonic() - began < 15, "close waited for the streams' graceful end"
+        with pytest.raises(errors.FailedPrecondition):
+            c.match([tokens(0, 4)])
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+        buffers.close()
