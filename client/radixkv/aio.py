@@ -133,6 +133,10 @@ class AsyncClient(ClientBase):
     _ack_stream_class = AsyncAckStream
     _call_stream_class = AsyncCallStream
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._orphans: set[asyncio.Future] = set()  # cancelled Registers, then their sessions' Closes
+
     async def wait_ready(self, timeout: float = 10.0, service: str = SERVICE) -> None:
         await self._run(self._session.wait_ready(timeout, service))
 
@@ -156,6 +160,10 @@ class AsyncClient(ClientBase):
         if self._session.closed:
             return
         try:
+            if self._orphans:  # cancelled Registers still answering, and their sessions' Closes
+                await asyncio.wait(set(self._orphans), timeout=self.timeout)
+                if self._orphans:  # the Closes started by the Registers answered just now
+                    await asyncio.wait(set(self._orphans), timeout=self.timeout)
             for stream in await self._run(self._session.close()):
                 if self._session.close_answered:
                     await stream.close()
@@ -239,7 +247,34 @@ class AsyncClient(ClientBase):
             return await self._session.calls().call(step.method, step.request, step.timeout)
         stub = self._health if step.health else self._stub
         call = getattr(stub, step.method)(step.request, timeout=step.timeout, wait_for_ready=step.wait_for_ready)
+        if step.method == "Register":
+            return await self._register(call)
         return [m async for m in call] if step.stream else await call
+
+    async def _register(self, call):
+        """A Register the caller stops waiting for (a cancelled task) goes on: a session
+        the daemon made for it would hold the namespace with no one to use or close it, so
+        it is closed once answered."""
+        answer = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            self._orphans.add(answer)
+            answer.add_done_callback(self._close_orphan)
+            raise
+
+    def _close_orphan(self, answer: asyncio.Future) -> None:
+        self._orphans.discard(answer)
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        close = self._stub.Close(pb.CloseRequest(session=answer.result().session), timeout=self.timeout)
+        self._orphans.add(task := asyncio.ensure_future(close))
+        task.add_done_callback(self._orphan_closed)
+
+    def _orphan_closed(self, task: asyncio.Future) -> None:
+        self._orphans.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a daemon gone meanwhile ends that session anyway
 
 
 __all__ = ["AsyncAckStream", "AsyncCallStream", "AsyncClient"]

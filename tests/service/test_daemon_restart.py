@@ -255,3 +255,43 @@ def test_close_against_a_daemon_that_does_not_answer_takes_its_timeout_not_minut
     finally:
         os.kill(d.pid, signal.SIGCONT)
         buffers.close()
+
+
+def test_a_register_the_caller_stopped_waiting_for_leaves_no_session_behind(daemon_factory):
+    """An engine bounds its Register (`asyncio.wait_for`), and gives up just after the
+    daemon made the session: that session is closed once answered, so the namespace is
+    free for the engine's next attempt (it held it for good, refusing every Register).
+    The cut is swept across the Register's own duration to land in that window."""
+    d = daemon_factory()
+    buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+
+    async def register(c, namespace):
+        await c.register(namespace, LAYOUT, buffers.specs(), NUM_PAGES, host_pool_pages=16)
+
+    async def main():
+        c = AsyncClient(d.target, timeout=10)
+        await c.wait_ready(10)
+        began = time.monotonic()
+        await register(c, "orphan/probe")
+        took = time.monotonic() - began
+        await c.close()
+        cut_short = 0
+        for i in range(40):
+            c = AsyncClient(d.target, timeout=10)
+            await c.wait_ready(10)
+            try:
+                await asyncio.wait_for(register(c, f"orphan/{i}"), took * (0.2 + 0.06 * i))
+            except asyncio.TimeoutError:
+                cut_short += 1
+            await c.close()  # waits for a late answer and closes what it made
+            again = AsyncClient(d.target, timeout=10)
+            try:
+                await register(again, f"orphan/{i}")  # refused while an orphan holds it
+            finally:
+                await again.close()
+        assert cut_short, "no Register was cut short"
+
+    try:
+        asyncio.run(main())
+    finally:
+        buffers.close()
