@@ -6,6 +6,7 @@ for `Client`, `open_aio_channel` / `AsyncAckStream` for `AsyncClient`); the base
 no method a shell defines.
 """
 
+import weakref
 from collections.abc import Callable, Sequence
 
 from grpc_health.v1 import health_pb2_grpc
@@ -15,7 +16,7 @@ from radixkv.v1 import radixkv_pb2_grpc
 from . import messages as msg
 from .acks import DEFAULT_OUTCOME_CACHE
 from .channel import Tls
-from .errors import SessionLost
+from .errors import FailedPrecondition, SessionLost
 from .reconnect import Backoff
 from .session import DEFAULT_TARGET, Session
 from .types import Registration
@@ -28,6 +29,7 @@ class ClientBase:
     _channel_opener: Callable  # (target, options, tls, token) -> channel; set by each shell
     _ack_stream_class: type  # (stub, session, outcome_cache=, on_broken=) -> ack stream
     _call_stream_class: type  # (stub, session, on_broken=) -> session stream (radixkv.streaming)
+    _ends_when_dropped = False  # a shell whose streams may be ended from the garbage collector
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = 30.0,
                  max_message_bytes: int = msg.DEFAULT_MAX_MESSAGE_BYTES,
@@ -43,8 +45,13 @@ class ClientBase:
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._outcome_cache = outcome_cache
+        # The session holds the shell's openers weakly: its streams' threads keep the session
+        # alive, and through strong openers they would keep a client nobody holds.
         self._session = Session(target, timeout=timeout, reconnect=reconnect, on_session_lost=on_session_lost,
-                                open_acks=self._open_acks, open_calls=self._open_calls if stream else None)
+                                open_acks=_weakly(self._open_acks),
+                                open_calls=_weakly(self._open_calls) if stream else None)
+        if self._ends_when_dropped:  # not at interpreter exit: the process ending ends the session
+            weakref.finalize(self, _dropped, self._session, self._channel).atexit = False
 
     @property
     def timeout(self) -> float | None:
@@ -83,6 +90,26 @@ class ClientBase:
     def _open_calls(self, session: str, on_broken: Callable[[str], None]):
         """A new session's Session stream (with `stream=True`)."""
         return self._call_stream_class(self._stub, session, on_broken=on_broken)
+
+
+def _weakly(method: Callable) -> Callable:
+    """The bound `method`, called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is None:
+            raise FailedPrecondition("the client was garbage-collected")
+        return bound(*args)
+    return call
+
+
+def _dropped(session: Session, channel) -> None:
+    """A client collected without `close`: its streams end (the daemon then closes the
+    session: copies finished, leases released, the namespace free again) and its channel."""
+    if not session.closed:
+        session.drop("the client was garbage-collected without close()")
+        channel.close()
 
 
 __all__ = ["ClientBase"]

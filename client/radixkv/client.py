@@ -53,7 +53,10 @@ class Client(ClientBase):
     attempts to register again after the session was lost (None: never; calls then keep
     failing). `on_session_lost(exc)` is called with the `SessionLost` before it is raised.
     Not meant to be shared by several engines; `wait` may be called from any thread.
+    A client dropped without `close` ends its session when it is garbage-collected.
     """
+
+    _ends_when_dropped = True
 
     _channel_opener = staticmethod(open_channel)
     _ack_stream_class = AckStream

@@ -300,6 +300,14 @@ class Session:
         if self._open_calls is not None:
             self._calls = self._open_calls(reg.session, self._stream_broken)
 
+    def drop(self, reason: str) -> None:
+        """The client is gone without `close` (collected): end its streams now, which
+        makes the daemon close the session. Sends nothing; any thread."""
+        self.closed = True
+        for stream in (self._acks, self._calls):
+            if stream is not None:
+                stream.abandon(reason)
+
     def _give_up(self, why: str) -> None:
         """A call that moves pages or leases ended without its outcome (the daemon may
         still carry it out): end the session's streams, which makes the daemon close the

@@ -244,3 +244,32 @@ def test_the_sim_detects_corrupted_cache_pages(engine):
     sim.report = Report()
     dirty = sim.run(workload())
     assert dirty.byte_mismatches > 0 and dirty.chunk_mismatches > 0 and not dirty.ok
+
+
+def test_a_client_dropped_without_close_ends_its_session(daemon):
+    """An engine object (and its Client) dropped without `close`: once collected, its
+    streams end and the daemon closes the session, so its leases are released and a
+    restarted engine in the same process can register the namespace again."""
+    import gc
+
+    from radixkv.kvbuffers import ShmKvBuffers
+    from tests.support.daemon import wait_for
+    buffers = ShmKvBuffers.create(LAYOUT, 16)
+    try:
+        def engine():
+            c = Client(daemon, timeout=10)
+            c.register("dropped/ns", LAYOUT, buffers.specs(), 16, host_pool_pages=16)
+            c.insert(pack(range(8)), [1, 2])
+            [m] = c.match([pack(range(8))], lease=True)
+            assert m.lease
+
+        engine()
+        gc.collect()
+        with Client(daemon, timeout=10) as operator:
+            wait_for(lambda: operator.stats("dropped/ns").sessions == 0, 10, "the session closed")
+        with Client(daemon, timeout=10) as again:
+            again.register("dropped/ns", LAYOUT, buffers.specs(), 16, host_pool_pages=16)
+            [ns] = again.stats("dropped/ns").namespaces
+            assert ns.leases == 0 and ns.device_pages_held == 0
+    finally:
+        buffers.close()
