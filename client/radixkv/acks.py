@@ -11,8 +11,8 @@ the copies it depends on) completed.
 Failure is never reported as success: if the stream breaks (daemon gone, session
 closed) or the client closes, every unanswered ack resolves as a failed load with a
 reason, and later acks resolve the same way at once. Only ids this session's load-backs
-returned (`issue`) are sent: after a daemon restart the new daemon numbers transfers
-from 1 again, and an old id must not acknowledge a new daemon's transfer.
+returned (`issue`) are sent: an old session's id must never reach a new session (the
+daemon's ids start at a random point per run, so an old id is NOT_FOUND there anyway).
 """
 
 import asyncio

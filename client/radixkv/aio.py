@@ -231,7 +231,7 @@ class AsyncClient(ClientBase):
                 try:
                     run.answer(await self._perform(step))
                 except grpc.RpcError as e:
-                    run.fail(from_rpc_error(e))
+                    run.fail(from_rpc_error(e, getattr(step, "method", ""), getattr(step, "timeout", None)))
                 except grpc.aio.UsageError as e:
                     run.fail(RadixKVError(str(e)))
                 except RadixKVError as e:  # a call on the session stream

@@ -285,7 +285,7 @@ class Client(ClientBase):
                 try:
                     run.answer(self._perform(step))
                 except grpc.RpcError as e:
-                    run.fail(from_rpc_error(e))
+                    run.fail(from_rpc_error(e, getattr(step, "method", ""), getattr(step, "timeout", None)))
                 except ValueError as e:  # grpc raises ValueError on a closed channel
                     run.fail(RadixKVError(str(e)))
                 except RadixKVError as e:  # a call on the session stream

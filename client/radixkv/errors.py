@@ -138,13 +138,17 @@ def code_from_int(value: int) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
-def from_rpc_error(err: grpc.RpcError) -> RadixKVError:
-    """Map a failed call (`grpc.RpcError` or `grpc.aio.AioRpcError`) to its typed error."""
+def from_rpc_error(err: grpc.RpcError, method: str = "", timeout: float | None = None) -> RadixKVError:
+    """Map a failed call (`grpc.RpcError` or `grpc.aio.AioRpcError`) to its typed error;
+    with `method`, the message names it (and `timeout` when the deadline ran out)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else None
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
-    return error_for(code, details or str(err))
+    message = details or str(err)
+    if method and code is grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+        message = f"{method}: no answer within {timeout:g}s ({message})"
+    return error_for(code, message)
 
 
 __all__ = [

@@ -137,6 +137,11 @@ class Session:
             except RadixKVError as e:
                 last = str(e)
             yield Sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if "DEADLINE_EXCEEDED" in last:  # waiting for a connection hides why there is none
+            try:
+                yield Rpc("Check", health_pb2.HealthCheckRequest(service=service), 1.0, health=True)
+            except RadixKVError as e:
+                last = str(e)
         raise Unavailable(f"daemon at {self.target} not serving after {timeout}s ({last})")
 
     def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int,

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from radixkv import errors
 from radixkv.reconnect import Backoff, Recovery
 
 
@@ -41,3 +42,14 @@ def test_recovery_schedule():
     assert r.next_at == 103.0 and r.attempts == 2
     r.recovered()
     assert not r.lost and r.attempts == 0
+
+
+def test_wait_ready_says_why_it_cannot_connect(tmp_path):
+    """A wrong socket path is not a slow daemon: the error names the connect failure."""
+    from radixkv.client import Client
+    c = Client(f"unix://{tmp_path}/no-such-dir/radixkv.sock", timeout=5)
+    try:
+        with pytest.raises(errors.Unavailable, match="No such file or directory"):
+            c.wait_ready(0.5)
+    finally:
+        c.close()

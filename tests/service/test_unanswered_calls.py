@@ -117,3 +117,20 @@ async def served_right_async(c: AsyncClient, eng: Engine, m) -> bool:
     lb = await c.load_back(m.host_node, pages)
     assert (await c.wait([lb.transfer], timeout=10))[lb.transfer].ok
     return eng.kv.mismatches(pages, page_keys(PROMPT, 4)[:len(pages)]) == (0, 0)
+
+
+def test_a_unary_call_past_its_deadline_names_the_call_and_the_timeout(daemon_factory):
+    d = daemon_factory()
+    eng = Engine()
+    c = Client(d.target, timeout=1.0, reconnect=FAST)
+    try:
+        c.register("unanswered/named", LAYOUT, eng.buffers.specs(), NUM_PAGES, **register_kwargs())
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(errors.DeadlineExceeded, match=r"Match: no answer within 1s"):
+                c.match([PROMPT])
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+    finally:
+        c.close()
+        eng.close()
