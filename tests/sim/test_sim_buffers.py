@@ -62,3 +62,20 @@ def test_events_sent_to_an_engine_without_cuda_are_a_protocol_error():
         assert eng.report.protocol_errors == 1
     finally:
         bufs.close()
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--torch-threads", "-1", "must be 0 or more"),
+    ("--batch", "0", "must be at least 1"),
+    ("--device-pages", "0", "must be at least 1"),
+    ("--requests", "-5", "must be at least 1"),
+])
+def test_a_count_out_of_range_is_refused_before_anything_starts(capsys, flag, value, says):
+    """Exit 2 with argparse's line naming the flag, before any daemon is contacted
+    (a negative thread count ended in a traceback; a batch of 0 was refused after
+    registering)."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and says in err

@@ -57,6 +57,20 @@ class SimConfig:
     token: str = ""          # for a daemon started with --auth-token(-file)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def parse_args(argv=None) -> SimConfig:
     d = SimConfig()
     p = argparse.ArgumentParser(prog="radixkv-sim", description=__doc__.split("\n\n")[0])
@@ -65,20 +79,20 @@ def parse_args(argv=None) -> SimConfig:
                    help="the token of a daemon started with --auth-token or --auth-token-file")
     p.add_argument("--namespace", default=d.namespace)
     p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
-    p.add_argument("--requests", type=int, default=d.requests)
-    p.add_argument("--clients", type=int, default=d.clients, help="multiturn: concurrent chats")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="multiturn: rounds per chat (0: until --requests)")
-    p.add_argument("--max-context", type=int, default=d.max_context,
+    p.add_argument("--requests", type=_positive, default=d.requests)
+    p.add_argument("--clients", type=_positive, default=d.clients, help="multiturn: concurrent chats")
+    p.add_argument("--rounds", type=_non_negative, default=d.rounds, help="multiturn: rounds per chat (0: until --requests)")
+    p.add_argument("--max-context", type=_positive, default=d.max_context,
                    help="longest request in tokens; multiturn chats start over past it (capped at half the device pool)")
-    p.add_argument("--groups", type=int, default=d.groups, help="shared_prefix: distinct system prompts")
+    p.add_argument("--groups", type=_positive, default=d.groups, help="shared_prefix: distinct system prompts")
     p.add_argument("--rate", type=float, default=d.rate, help="Poisson arrivals per step (0: no waiting)")
-    p.add_argument("--batch", type=int, default=d.batch, help="requests per scheduler step")
-    p.add_argument("--device-pages", type=int, default=d.device_pages)
-    p.add_argument("--host-pages", type=int, default=d.host_pages, help="host pool pages (0: daemon default)")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--batch", type=_positive, default=d.batch, help="requests per scheduler step")
+    p.add_argument("--device-pages", type=_positive, default=d.device_pages)
+    p.add_argument("--host-pages", type=_non_negative, default=d.host_pages, help="host pool pages (0: daemon default)")
+    p.add_argument("--layers", type=_positive, default=d.layers)
+    p.add_argument("--heads", type=_positive, default=d.heads)
+    p.add_argument("--head-dim", type=_positive, default=d.head_dim)
+    p.add_argument("--page-size", type=_positive, default=d.page_size)
     p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPE_SIZES))
     p.add_argument("--kv-format", default=d.kv_format, choices=sorted(KV_FORMATS))
     p.add_argument("--backend", default=d.backend, choices=SIM_BACKENDS,
@@ -89,8 +103,8 @@ def parse_args(argv=None) -> SimConfig:
                    help="write_through, write_through_selective or write_back (default: the daemon's)")
     p.add_argument("--replace-existing", action="store_true", help="take over the namespace from a live session")
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout)
-    p.add_argument("--progress-every", type=int, default=d.progress_every)
-    p.add_argument("--torch-threads", type=int, default=d.torch_threads,
+    p.add_argument("--progress-every", type=_non_negative, default=d.progress_every)
+    p.add_argument("--torch-threads", type=_non_negative, default=d.torch_threads,
                    help="torch intra-op threads for this process (0: torch's default)")
     a = p.parse_args(argv)
     return SimConfig(**{k: getattr(a, k) for k in SimConfig.__dataclass_fields__})
