@@ -141,7 +141,11 @@ class Client(ClientBase):
         `stream=True`): a Future resolved with the list of MatchResults, or with the
         RadixKVError the call failed with. None when no call can go on the stream now
         (not registered, the session lost, the client closed): `match` recovers. The
-        caller owns the leases of an answer it stops waiting for."""
+        caller owns the leases of an answer it stops waiting for. The Future's callbacks
+        run on the stream's reader thread: one that makes a blocking call on this client
+        would wait for the very thread it runs on (until the call's timeout, stalling
+        every call on the stream); hand such work to another thread. (So for every
+        `start_*`.)"""
         return self._start_on_stream("Match", lambda session: msg.match_request(session, prompts, lease, include_storage),
                                      MatchResult.all_from_pb)
 
