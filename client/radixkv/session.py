@@ -210,7 +210,7 @@ class Session:
                  timeout: float | None) -> Plan[list[PrefetchProgress]]:
         request = msg.prefetch_request(self.id, tokens, extra_key=extra_key, policy=policy, timeout=timeout)
         deadline = None if self.timeout is None else self.timeout + (timeout or 0)
-        progress = yield Rpc("Prefetch", request, deadline, stream=True)
+        progress = yield from self._call("Prefetch", request, deadline, stream=True)
         return [PrefetchProgress.from_pb(p) for p in progress]
 
     def insert(self, tokens, device_pages, **options) -> Plan[InsertResult]:
@@ -260,19 +260,23 @@ class Session:
         if self.closed:
             raise FailedPrecondition("the client is closed")
 
-    def _call(self, method: str, request) -> Plan[Any]:
-        """One unary call with recovery: a lost session is registered again first (the
-        call then raises SessionLost, or Unavailable before the next attempt is due); a
-        call failing with Unavailable or Unauthenticated probes whether the session lives."""
+    def _call(self, method: str, request, deadline: float | None | str = "client",
+              stream: bool = False) -> Plan[Any]:
+        """One call with recovery: a lost session is registered again first (the call
+        then raises SessionLost, or Unavailable before the next attempt is due); a call
+        failing with Unavailable or Unauthenticated probes whether the session lives.
+        `deadline`: the call's own ("client": the client's timeout); `stream`: a
+        server-streaming call (its answers as a list)."""
+        timeout = self.timeout if deadline == "client" else deadline
         self._check_open()
         if self._recovery is not None and self._recovery.lost:
             yield from self._recover()  # raises: SessionLost once registered again, else Unavailable
         on_stream = self._calls is not None and method in STREAM_METHODS
         try:
-            return (yield Rpc(method, request, self.timeout, on_stream=on_stream))
+            return (yield Rpc(method, request, timeout, stream=stream, on_stream=on_stream))
         except DeadlineExceeded:
             if _moves_pages_or_leases(method, request):
-                self._give_up(f"{method} went unanswered within {self.timeout}s")
+                self._give_up(f"{method} went unanswered within {timeout}s")
             raise
         except GeneratorExit:  # the shell stopped waiting (a cancelled task): no answer either
             if _moves_pages_or_leases(method, request):

@@ -166,3 +166,14 @@ def test_a_call_left_unanswered_ends_the_session_when_it_moves_pages_or_leases(s
         assert daemon.calls[-2:] == ["Close", "Register"] and daemon.sessions == {s.id} != {"s1-d1"}
     else:
         assert len(run(s.match([[1, 2, 3, 4]], False, False), daemon)) == 1 and not lost
+
+
+def test_a_prefetch_finds_a_restarted_daemon_like_any_call(setup):
+    """Prefetch goes through the same recovery: after a restart it registers the session
+    again and raises DaemonRestarted (it failed UNAUTHENTICATED for as long as no other
+    call came)."""
+    s, daemon, streams, lost = setup
+    daemon.forget("d2")
+    with pytest.raises(errors.DaemonRestarted):
+        run(s.prefetch([1, 2, 3, 4], extra_key=b"", policy="best_effort", timeout=None), daemon)
+    assert daemon.calls[-3:] == ["Match", "Close", "Register"] and lost
