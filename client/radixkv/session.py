@@ -162,12 +162,11 @@ class Session:
         if rec is None or self._register_request is None:
             raise FailedPrecondition("reconnect needs a registered client with a reconnect backoff")
         if not rec.lost:
+            probe = min(PROBE_TIMEOUT, max(0.05, timeout)) if timeout > 0 else PROBE_TIMEOUT
             try:
-                yield from self._check_session(Unavailable("checking the session"),
-                                               min(PROBE_TIMEOUT, max(0.05, timeout)), quiet=False)
+                yield from self._check_session(Unavailable("checking the session"), probe, quiet=False)
             except DeadlineExceeded:  # neither alive nor gone: a daemon that does not answer
-                raise Unavailable(f"the daemon did not answer within {min(PROBE_TIMEOUT, timeout):g}s "
-                                  "whether the session lives") from None
+                raise Unavailable(f"the daemon did not answer within {probe:g}s whether the session lives") from None
             if not rec.lost:
                 return None
         while True:
@@ -175,8 +174,8 @@ class Session:
             yield Sleep(min(wait, max(0.0, deadline - time.monotonic())))
             if not rec.lost:
                 return None  # another call registered it again (and raised SessionLost)
-            try:  # each attempt's calls within what is left of `timeout`
-                yield from self._recover(max(0.05, deadline - time.monotonic()))
+            try:  # each attempt's calls within what is left of `timeout` (0: one attempt, the client's)
+                yield from self._recover(max(0.05, deadline - time.monotonic()) if timeout > 0 else None)
             except SessionLost as e:
                 return e
             except RadixKVError as e:

@@ -177,3 +177,24 @@ def test_a_prefetch_finds_a_restarted_daemon_like_any_call(setup):
     with pytest.raises(errors.DaemonRestarted):
         run(s.prefetch([1, 2, 3, 4], extra_key=b"", policy="best_effort", timeout=None), daemon)
     assert daemon.calls[-3:] == ["Match", "Close", "Register"] and lost
+
+
+def test_reconnect_for_one_attempt_gives_it_the_clients_timeout(setup):
+    """`reconnect(timeout=0)` (one attempt, as the vLLM connector makes from a thread of
+    its own) sends the Close and the Register with the client's timeout, not a sliver of
+    a zero budget; `reconnect(1.5)` keeps each within what is left of 1.5 s."""
+    s, daemon, streams, lost = setup
+    timeouts = {}
+
+    def record(step):
+        if isinstance(step, Rpc):
+            timeouts[step.method] = step.timeout
+        return daemon(step)
+
+    daemon.forget("d2")
+    s._recovery.lose("the ack stream ended", 0.0)
+    assert isinstance(run(s.reconnect(0), record), errors.DaemonRestarted)
+    assert timeouts["Close"] == timeouts["Register"] == s.timeout == 5
+    s._recovery.lose("the ack stream ended", 0.0)
+    assert isinstance(run(s.reconnect(1.5), record), errors.SessionLost)
+    assert 0 < timeouts["Register"] <= 1.5
