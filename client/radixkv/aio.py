@@ -30,6 +30,8 @@ from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, Matc
 
 _CLOSE = object()
 
+ORPHAN_WAIT_S = 30.0  # how long `close` waits for a cancelled Register's answer with no timeout set
+
 
 class AsyncAckStream:
     """The session's ack stream on the event loop (see `radixkv.acks.AckStream`; the
@@ -161,9 +163,10 @@ class AsyncClient(ClientBase):
             return
         try:
             if self._orphans:  # cancelled Registers still answering, and their sessions' Closes
-                await asyncio.wait(set(self._orphans), timeout=self.timeout)
+                bound = self.timeout if self.timeout is not None else ORPHAN_WAIT_S
+                await asyncio.wait(set(self._orphans), timeout=bound)
                 if self._orphans:  # the Closes started by the Registers answered just now
-                    await asyncio.wait(set(self._orphans), timeout=self.timeout)
+                    await asyncio.wait(set(self._orphans), timeout=bound)
             for stream in await self._run(self._session.close()):
                 if self._session.close_answered:
                     await stream.close()

@@ -53,7 +53,9 @@ class Client(ClientBase):
     attempts to register again after the session was lost (None: never; calls then keep
     failing). `on_session_lost(exc)` is called with the `SessionLost` before it is raised.
     Not meant to be shared by several engines; `wait` may be called from any thread.
-    A client dropped without `close` ends its session when it is garbage-collected.
+    A client dropped without `close` ends its session when it is garbage-collected
+    (unless something its session holds, such as a bound-method `on_session_lost`,
+    refers back to it: then it lives, and its session with it, until `close`).
     """
 
     _ends_when_dropped = True
@@ -142,9 +144,11 @@ class Client(ClientBase):
         RadixKVError the call failed with. None when no call can go on the stream now
         (not registered, the session lost, the client closed): `match` recovers. The
         caller owns the leases of an answer it stops waiting for. The Future's callbacks
-        run on the stream's reader thread: one that makes a blocking call on this client
-        would wait for the very thread it runs on (until the call's timeout, stalling
-        every call on the stream); hand such work to another thread. (So for every
+        run on the thread that resolves it: the stream's reader thread for an answer
+        (one that makes a blocking call on this client would wait for the very thread it
+        runs on, until the call's timeout, stalling every call on the stream), or a
+        thread that ends the stream (a recovery, `close`, the garbage collector). Hand
+        such work to another thread and take no lock those may hold. (So for every
         `start_*`.)"""
         return self._start_on_stream("Match", lambda session: msg.match_request(session, prompts, lease, include_storage),
                                      MatchResult.all_from_pb)

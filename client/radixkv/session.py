@@ -318,18 +318,16 @@ class Session:
 
     def _give_up(self, why: str) -> None:
         """A call that moves pages or leases ended without its outcome (the daemon may
-        still carry it out): end the session's streams, which makes the daemon close the
-        session, and mark it lost, so the next call closes it, registers again and raises
-        SessionLost (without recovery, later calls fail Unavailable)."""
-        if self.closed or self.registration is None:
+        still carry it out): mark the session lost, so the next call closes it (the
+        daemon answers once its copies are over), registers again and raises
+        SessionLost. Its streams stay until that Close is answered: failing the other
+        calls and acks in flight here would tell their callers that nothing more is
+        read or written while the daemon may still do it. Without recovery nothing
+        changes: close() before reusing the pages the call named."""
+        if self.closed or self.registration is None or self._recovery is None:
             return
-        reason = f"{why}: its outcome is unknown, so the session was ended"
-        if self._recovery is not None:
-            with self._lock:
-                self._recovery.lose(reason, time.monotonic())
-        for stream in (self._acks, self._calls):
-            if stream is not None:
-                stream.abandon(reason)
+        with self._lock:
+            self._recovery.lose(f"{why}: its outcome is unknown, so the session was ended", time.monotonic())
 
     def _stream_broken(self, reason: str) -> None:
         """The daemon ended the ack or session stream, and with it the session (any thread)."""
@@ -368,10 +366,6 @@ class Session:
             if rec.registering:
                 raise Unavailable(f"session lost ({reason}); another call is registering it again")
             due = rec.due(now)
-        if self._acks is not None:
-            self._acks.abandon(f"the session was lost ({reason})")
-        if self._calls is not None:
-            self._calls.abandon(f"the session was lost ({reason})")
         if not due:
             raise Unavailable(f"session lost ({reason}); next reconnect attempt in {rec.wait_time(now):.2f}s")
         with self._lock:
@@ -380,9 +374,16 @@ class Session:
             rec.registering = True  # cleared with the outcome: failed() or recovered()
         try:  # as first registered: replace_existing only if the engine asked for it then
             # The lost session first: the daemon answers once its copies are over (at
-            # once for a session it no longer knows: closing is idempotent).
+            # once for a session it no longer knows: closing is idempotent). Only then
+            # do its streams' calls and acks still unanswered fail: nothing more comes.
+            end = None if within is None else time.monotonic() + within
             step = self.timeout if within is None else min(within, self.timeout or within)
             yield Rpc("Close", pb.CloseRequest(session=reg.session), step)
+            for stream in (self._acks, self._calls):
+                if stream is not None:
+                    stream.abandon(f"the session was lost ({reason})")
+            if end is not None:
+                step = max(0.05, min(step, end - time.monotonic()))
             new = Registration.from_pb((yield Rpc("Register", self._registration_again(), step)))
         except Unavailable as err:
             with self._lock:

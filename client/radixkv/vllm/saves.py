@@ -64,6 +64,7 @@ class Saves:
         self._delayed: set[str] = set()  # blocks kept until we list them; vLLM has not said finished yet
         self._waiting: set[str] = set()  # delayed and finished: listed once no save of theirs is in flight
         self._late: dict[int, tuple[str, Future]] = {}  # held load's or late save's ticket -> (request, answer)
+        self._late_saves: set[int] = set()  # the tickets of `_late` that are saves
         self._held: dict[str, int] = {}  # request -> loads held since the last report
         self._closed = False
         self._step_began = False  # a step began since the queue was last emptied: send now
@@ -118,16 +119,28 @@ class Saves:
             tickets = set().union(*(self._pending.get(r, ()) for r in req_ids))
             self._send_queued()  # vLLM waits for these: no waiting for a step
             self._cond.wait_for(lambda: not (tickets & self._unsent))
-            late = [answer for ticket, (_, answer) in self._late.items() if ticket in tickets]
+            late = [(t in self._late_saves, answer) for t, (_, answer) in self._late.items() if t in tickets]
         if late:
-            if wait_futures(late, LATE_FLUSH_TIMEOUT_S).not_done:
-                log.error("radixkv: %d loads or saves of blocks vLLM reuses now are still unanswered after %gs",
-                          len(late), LATE_FLUSH_TIMEOUT_S)
+            self._wait_late_saves([answer for is_save, answer in late if is_save])
+            loads = [answer for is_save, answer in late if not is_save]
+            if loads and wait_futures(loads, LATE_FLUSH_TIMEOUT_S).not_done:
+                log.error("radixkv: %d loads into blocks vLLM reuses now are still unanswered after %gs",
+                          len(loads), LATE_FLUSH_TIMEOUT_S)
             self._settle_late()
         with self._cond:  # a late save's answer may have named a copy just now
             ids = [t for t, (ticket, _) in self._transfers.items() if ticket in tickets]
         if ids:
             self._landed(self._acknowledged(ids))
+
+    def _wait_late_saves(self, answers: list[Future]) -> None:
+        """Wait for the daemon's answers to saves it left unanswered, without giving up
+        (the daemon may still take them and read the blocks vLLM reuses next, which
+        would store other bytes under the prompt), with a warning each timeout_s."""
+        timeout, waited = self._adapter.config.timeout_s, 0.0
+        while answers and (answers := list(wait_futures(answers, timeout).not_done)):
+            waited += timeout
+            log.warning("radixkv: vLLM waits to reuse the blocks of preempted requests: %d of their saves "
+                        "are unanswered after %gs (the daemon may still read them)", len(answers), waited)
 
     def _acknowledged(self, ids: list[int]) -> set[int]:
         """Wait until the daemon acknowledged every save of `ids` (their blocks are reused
@@ -215,6 +228,7 @@ class Saves:
                 self._unsent.discard(ticket)
                 if late is not None:
                     self._late[ticket] = (spec.req_id, late)
+                    self._late_saves.add(ticket)
                 elif transfer and transfer not in done:
                     self._transfers[transfer] = (ticket, spec.req_id)
                 else:
@@ -230,6 +244,7 @@ class Saves:
         with self._cond:
             tickets = [t for t, (_, answer) in self._late.items() if answer.done()]
             answered = [(t, *self._late.pop(t)) for t in tickets]
+            self._late_saves.difference_update(tickets)
         for ticket, req_id, answer in answered:
             result = answer.result()
             if isinstance(result, InsertResult) and result.transfer:
