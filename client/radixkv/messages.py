@@ -114,12 +114,23 @@ def event_bytes(event) -> bytes:
     return bytes(handle())
 
 
+def _packed(values, what: str) -> bytes:
+    """`as_packed`, with a value int32 cannot carry (or no int at all) as InvalidArgument."""
+    try:
+        return as_packed(values)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise InvalidArgument(f"{what}: {e}") from None
+
+
 def match_request(session: str, prompts: Iterable, lease: bool, include_storage: bool = False) -> pb.MatchRequest:
     request = pb.MatchRequest(session=session, lease=lease, include_storage=include_storage)
     add = request.prompts.add  # built in place: no Prompt message made and then copied in
-    for p in prompts:
-        p = Prompt.of(p)
-        add(tokens=p.tokens, extra_key=p.extra_key)
+    try:
+        for p in prompts:
+            p = Prompt.of(p)
+            add(tokens=p.tokens, extra_key=p.extra_key)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise InvalidArgument(f"prompt {len(request.prompts)}: {e}") from None
     return request
 
 
@@ -132,15 +143,15 @@ def prefetch_request(session: str, tokens, *, extra_key: bytes, policy: str,
         raise InvalidArgument(f"prefetch policy {policy!r}: use one of {list(PREFETCH_POLICIES)}")
     if policy == "timeout" and not timeout:
         raise InvalidArgument("the timeout policy needs a timeout in seconds")
-    return pb.PrefetchRequest(session=session, tokens=as_packed(tokens), extra_key=bytes(extra_key),
+    return pb.PrefetchRequest(session=session, tokens=_packed(tokens, "tokens"), extra_key=bytes(extra_key),
                               policy=policy, timeout_ms=int((timeout or 0) * 1000))
 
 
 def insert_request(session: str, tokens, device_pages, *, extra_key: bytes, chunked: bool,
                    release_lease: int, lease: bool, engine_event=None, async_: bool = False) -> pb.InsertRequest:
     """`async_` (engine-managed): the answer carries the save's transfer at once."""
-    req = pb.InsertRequest(session=session, tokens=as_packed(tokens),
-                           device_pages=as_packed(device_pages), extra_key=bytes(extra_key),
+    req = pb.InsertRequest(session=session, tokens=_packed(tokens, "tokens"),
+                           device_pages=_packed(device_pages, "device_pages"), extra_key=bytes(extra_key),
                            chunked=chunked, release_lease=release_lease, lease=lease,
                            engine_event=event_bytes(engine_event))
     setattr(req, "async", bool(async_))  # `async` is a Python keyword
@@ -153,7 +164,7 @@ def load_back_request(session: str, node: int, device_pages, engine_event=None, 
     held already; answer once copied)."""
     if lease < 0 or start_page < 0:
         raise InvalidArgument("lease and start_page must be >= 0")
-    return pb.LoadBackRequest(session=session, node=node, device_pages=as_packed(device_pages),
+    return pb.LoadBackRequest(session=session, node=node, device_pages=_packed(device_pages, "device_pages"),
                               engine_event=event_bytes(engine_event), lease=lease, start_page=start_page,
                               wait=wait)
 

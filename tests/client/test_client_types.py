@@ -53,6 +53,11 @@ def test_as_packed_refuses_what_int32_cannot_carry(bad, error):
              "torch": torch.tensor([1 << 40]), "np-float": np.array([1.5]), "torch-float": torch.tensor([1.0])}[bad]
     with pytest.raises(error):
         as_packed(value)  # never a silently wrapped token id
+    # A request built from it says so as the client's InvalidArgument, naming the field.
+    with pytest.raises(errors.InvalidArgument, match="prompt 0"):
+        match_request("s", [value], False)
+    with pytest.raises(errors.InvalidArgument, match="device_pages"):
+        insert_request("s", [1, 2, 3, 4], value, extra_key=b"", chunked=False, release_lease=0, lease=False)
 
 
 def test_results_expose_pages_as_int_arrays():
