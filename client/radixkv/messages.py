@@ -114,6 +114,11 @@ def event_bytes(event) -> bytes:
     return bytes(handle())
 
 
+def moves_pages_or_leases(method: str, request) -> bool:
+    """Whether a call left unanswered may change what the engine's pages or leases are."""
+    return method in ("Insert", "LoadBack", "Evict", "Release") or (method == "Match" and request.lease)
+
+
 def _packed(values, what: str) -> bytes:
     """`as_packed`, with a value int32 cannot carry (or no int at all) as InvalidArgument."""
     try:

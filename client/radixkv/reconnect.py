@@ -12,6 +12,9 @@ pages. No I/O here: both clients drive a `Recovery`.
 import random
 from dataclasses import dataclass
 
+from .errors import DaemonRestarted, SessionLost
+from .types import Registration
+
 
 @dataclass(frozen=True)
 class Backoff:
@@ -72,4 +75,14 @@ class Recovery:
         self.registering = False
 
 
-__all__ = ["Backoff", "Recovery"]
+def lost_message(reg: Registration, new: Registration, reason: str) -> tuple[type[SessionLost], str]:
+    """The exception class and message for a session replaced by `new`."""
+    if new.daemon_instance != reg.daemon_instance:
+        return DaemonRestarted, (f"the daemon restarted (instance {reg.daemon_instance} -> "
+                                 f"{new.daemon_instance}; {reason}); registered again: drop every "
+                                 "cached device page")
+    return SessionLost, (f"session {reg.session[:8]} was lost ({reason}); registered again: drop every "
+                         "cached device page")
+
+
+__all__ = ["Backoff", "Recovery", "lost_message"]

@@ -10,17 +10,12 @@ Session recovery lives here too: after a call fails with Unavailable or Unauthen
 the session is probed; a lost session (or an ack stream the daemon ended) is registered
 again with the arguments of the last `register`, paced by `radixkv.reconnect.Recovery`,
 and the call that succeeds raises `SessionLost` (`DaemonRestarted` for a new daemon).
-Before registering again the lost session is closed (the daemon answers once its copies
-are over), so once `SessionLost` is raised the daemon no longer reads or writes the
-engine's pages for it. A call that moves pages or leases (Insert, LoadBack, Evict,
-Release, Match with leases) left without an answer (DeadlineExceeded, or the caller
-stopped waiting) may still be carried out: it ends the session the same way, and the
-pages it named are the engine's again only once the next call raised SessionLost (or
-`reconnect` returned).
-Ack bookkeeping is the ack stream's (`radixkv.acks`); the session only opens a new one
-per registration through the shell's `open_acks` and abandons it when the session is lost.
-So with the session stream (`radixkv.streaming`): with the shell's `open_calls`, each
-registration opens one, and the engine calls it carries are marked `Rpc.on_stream`.
+The lost session is closed first (the daemon answers once its copies are over): once
+`SessionLost` is raised the daemon no longer touches the engine's pages for it. A call
+that moves pages or leases left without an answer may still be carried out: it ends the
+session the same way (`_give_up`; docs/reliability.md). The ack stream (`radixkv.acks`)
+and session stream (`radixkv.streaming`) are opened per registration through the shell's
+`open_acks` / `open_calls`, and abandoned once the lost session's Close was answered.
 """
 
 import threading
@@ -33,11 +28,10 @@ from grpc_health.v1 import health_pb2
 from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
-from .errors import (DaemonRestarted, DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost,
-                     Unauthenticated, Unavailable)
+from .errors import DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated, Unavailable
 from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
-from .reconnect import Backoff, Recovery
+from .reconnect import Backoff, Recovery, lost_message
 from .streaming import STREAM_METHODS
 from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, PrefetchProgress,
                     Registration, Violation)
@@ -48,14 +42,6 @@ PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
 RETRY_WHILE_REGISTERING_S = 0.05  # `reconnect` looks again this soon while another call registers
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
-def lost_message(reg: Registration, new: Registration, reason: str) -> tuple[type[SessionLost], str]:
-    """The exception class and message for a session replaced by `new`."""
-    if new.daemon_instance != reg.daemon_instance:
-        return DaemonRestarted, (f"the daemon restarted (instance {reg.daemon_instance} -> "
-                                 f"{new.daemon_instance}; {reason}); registered again: drop every "
-                                 "cached device page")
-    return SessionLost, (f"session {reg.session[:8]} was lost ({reason}); registered again: drop every "
-                         "cached device page")
 
 
 class Session:
@@ -274,11 +260,11 @@ class Session:
         try:
             return (yield Rpc(method, request, timeout, stream=stream, on_stream=on_stream))
         except DeadlineExceeded:
-            if _moves_pages_or_leases(method, request):
+            if msg.moves_pages_or_leases(method, request):
                 self._give_up(f"{method} went unanswered within {timeout}s")
             raise
         except GeneratorExit:  # the shell stopped waiting (a cancelled task): no answer either
-            if _moves_pages_or_leases(method, request):
+            if msg.moves_pages_or_leases(method, request):
                 self._give_up(f"the caller stopped waiting for {method}")
             raise
         except (Unavailable, Unauthenticated) as err:
@@ -408,10 +394,4 @@ class Session:
         raise lost
 
 
-def _moves_pages_or_leases(method: str, request) -> bool:
-    """Whether a call left unanswered may change what the engine's pages or leases are."""
-    return method in ("Insert", "LoadBack", "Evict", "Release") or (method == "Match" and request.lease)
-
-
-__all__ = ["DEFAULT_TARGET", "PROBE_TIMEOUT", "SERVICE", "Plan", "PlanRun", "Rpc", "Session", "Sleep",
-           "lost_message"]
+__all__ = ["DEFAULT_TARGET", "PROBE_TIMEOUT", "SERVICE", "Plan", "PlanRun", "Rpc", "Session", "Sleep"]

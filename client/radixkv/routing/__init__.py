@@ -9,7 +9,8 @@ See docs/events.md and docs/examples/router.py.
 
 from .blockhash import block_digests, block_hashes, external_hash
 from .index import RoutingIndex, TierWeights, WorkerScore
-from .subscriber import Daemon, WorkerFeed, ZmqFleet
+from .feed import WorkerFeed
+from .subscriber import Daemon, ZmqFleet
 
 __all__ = [
     "Daemon", "RoutingIndex", "TierWeights", "WorkerFeed", "WorkerScore", "ZmqFleet",
