@@ -296,6 +296,8 @@ _EVENT_COUNTERS = {
                 "(each followed by a resync of its namespace)"),
     "send_errors": ("radixkv_kv_event_send_errors", "KV event batches a ZMQ socket refused"),
     "replays": ("radixkv_kv_event_replays", "ZMQ replay requests answered"),
+    "build_errors": ("radixkv_kv_event_build_errors", "KV event batches that failed to build (each followed "
+                     "by a resync of its namespace)"),
     "lagged_subscribers": ("radixkv_kv_event_subscribers_lagged", "WatchEvents streams cut off for "
                            "falling behind"),
 }

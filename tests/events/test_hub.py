@@ -137,3 +137,31 @@ def test_watch_events_show_the_radixkv_key_and_the_adapter_of_each_event(hub):
     assert [e.extra_key for e in message.events] == [b"", b"tenant-b", tuned_key]
     assert [e.lora_name for e in message.events] == ["", "", "tiny-adapter"]
     assert list(message.events[2].block_hashes) == block_hashes(list(range(8)), PAGE, extra_key=tuned_key)
+
+
+def test_a_batch_that_fails_to_build_is_followed_by_a_resync_of_its_namespace(hub):
+    """A batch the publisher cannot build (a bug) is dropped, counted, and its namespace
+    told again whole at the next flush: AllBlocksCleared, then what it holds, instead of
+    routers missing what the lost batch said for good."""
+    sub = hub.subscribe(from_seq=0)
+    tree = RadixTree(PAGE)
+    resident = []
+    listen = hub.attach("ns", PAGE, snapshot=lambda: [("device", n) for n in resident])
+    (node,) = chain(tree, range(8))
+    resident.append(node)
+    wait_for(lambda: hub.drained, what="the namespace's first batch published")
+    good_build = listen.builder.build
+
+    def broken(records):
+        raise ValueError("injected: a batch that cannot be built")
+
+    listen.builder.build = broken
+    listen("device", "stored", node)
+    hub.flush()
+    wait_for(lambda: hub.stats()["build_errors"] == 1 and hub.drained, what="the batch dropped")
+    listen.builder.build = good_build
+    hub.flush()
+    _, cleared, resync = drain(sub, 3)
+    assert cleared.batch.events == [AllBlocksCleared()]
+    assert resync.batch.events[0] == AllBlocksCleared()
+    assert resync.batch.events[1].block_hashes == block_hashes(list(range(8)), PAGE)

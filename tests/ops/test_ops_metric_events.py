@@ -30,6 +30,7 @@ def events(daemon) -> dict:
     out = {k: got.get((f"radixkv_kv_event_batches_{k}_total", ())) for k in ("published", "dropped")}
     out["send_errors"] = got.get(("radixkv_kv_event_send_errors_total", ()))
     out["replays"] = got.get(("radixkv_kv_event_replays_total", ()))
+    out["build_errors"] = got.get(("radixkv_kv_event_build_errors_total", ()))
     out["queue_depth"] = got.get(("radixkv_kv_event_queue_depth", ()))
     out["watchers"] = got.get(("radixkv_kv_event_watchers", ()))
     return out
@@ -66,7 +67,7 @@ def test_kv_event_counters_of_a_known_workload(daemon_factory):
         assert replay(dealer, 0) == [0, 1, 2, 3, 4]    # replay 1
         assert replay(dealer, 3) == [3, 4]             # replay 2
         got = events(daemon)
-        assert got == {"published": 5, "dropped": 0, "send_errors": 0, "replays": 2,
+        assert got == {"published": 5, "dropped": 0, "send_errors": 0, "replays": 2, "build_errors": 0,
                        "queue_depth": 0, "watchers": 0}
         e.close()
     finally:

@@ -203,6 +203,7 @@ class EventHub:
         self._call_later = call_later
         self._flush_due = False
         self._clock = clock
+        self._listeners: dict[str, NamespaceEvents] = {}  # the latest attachment of each namespace
         # A (re)started daemon holds nothing: tell routers to forget this worker.
         self._publisher.submit((EventBuilder(1), "", config.topic_for(""), clock(), [CLEAR_RECORD]))
 
@@ -216,6 +217,7 @@ class EventHub:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         ns = NamespaceEvents(self, namespace, page_size, snapshot)
+        self._listeners[namespace] = ns
         self._dirty = [old for old in self._dirty if not (old.closed and old.topic == ns.topic)]
         if not self._publisher.submit((ns.builder, namespace, ns.topic, self._clock(), [CLEAR_RECORD])):
             ns.resync = True  # no room: its resync (which starts with the clear) comes instead
@@ -233,6 +235,7 @@ class EventHub:
         the queue has no room for is dropped and counted; the namespace then records
         nothing until a resync is queued, which waits for the queue to be half empty."""
         self._flush_due = False
+        self._resync_failed_builds()
         dirty, self._dirty = self._dirty, []
         queued = 0
         for ns in dirty:
@@ -252,6 +255,16 @@ class EventHub:
             self._flush_due = True
             self._call_later(RESYNC_RETRY_S, self.flush)
         return queued
+
+    def _resync_failed_builds(self) -> None:
+        """A batch the publisher could not build was dropped: what it told is lost to
+        routers, so its namespace is told again whole (AllBlocksCleared and a snapshot)."""
+        failed = self._publisher.failed_builds
+        while failed:
+            ns = self._listeners.get(failed.popleft())
+            if ns is not None and not ns.closed and not ns.resync:
+                ns.resync = True
+                self._dirty.append(ns)
 
     @property
     def resync_pending(self) -> bool:
@@ -281,6 +294,7 @@ class EventHub:
             "dropped": p.num_dropped,
             "send_errors": p.num_send_errors,
             "replays": p.num_replays,
+            "build_errors": p.num_build_errors,
             "lagged_subscribers": p.broadcast.num_lagged,
             "queue_depth": p.queue_depth,            # gauge
             "subscribers": p.broadcast.num_subscribers,  # gauge

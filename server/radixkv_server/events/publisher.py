@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+from collections import deque
 
 import zmq
 
@@ -93,6 +94,8 @@ class Publisher:
         self.num_replays = 0          # replay requests answered
         self.num_submitted = 0        # jobs queued (loop side)
         self.num_done = 0             # jobs published or failed (publisher side)
+        self.num_build_errors = 0     # jobs that failed to build (publisher side)
+        self.failed_builds: deque[str] = deque()  # their namespaces, for the loop to resync
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
         self._thread.start()
@@ -156,8 +159,10 @@ class Publisher:
                 break
             try:
                 self._publish(*job)
-            except Exception:  # one bad job must not stop the stream
-                log.exception("kv events: dropping a batch that failed to build")
+            except Exception:  # one bad job must not stop the stream; its namespace is resynced
+                log.exception("kv events: dropping a batch of %r that failed to build", job[1])
+                self.num_build_errors += 1
+                self.failed_builds.append(job[1])
             self.num_done += 1
         if self._replay is not None:
             self._serve_replays()
