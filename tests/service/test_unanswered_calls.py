@@ -20,6 +20,9 @@ from radixkv.client import Client
 from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.reconnect import Backoff
 from radixkv.sim.kv import KvPattern, page_keys
+from radixkv.types import pack
+from tests.support.engine import LAYOUT as ENGINE_LAYOUT
+from tests.support.engine import EngineDouble, prompt
 
 from faultkit import LAYOUT, NUM_PAGES, tokens
 
@@ -134,3 +137,38 @@ def test_a_unary_call_past_its_deadline_names_the_call_and_the_timeout(daemon_fa
     finally:
         c.close()
         eng.close()
+
+
+def test_blocking_deadline_ends_the_session_only_for_a_call_that_moves_pages(daemon_factory):
+    """On the blocking client's stream a call past its deadline raises DeadlineExceeded.
+    A Match that leases nothing leaves the stream going (its late answer dropped); an
+    Evict's outcome is unknown (the daemon goes on with it), so it ends the session: the
+    next call raises SessionLost once the daemon closed it, its copies over, and the
+    engine's pages are its own again."""
+    d = daemon_factory("--fault-copy-delay", "2")
+    e = EngineDouble(ENGINE_LAYOUT, 32)
+    e.register(Client(d.target, timeout=10, stream=True, reconnect=Backoff(initial=0.05, maximum=0.2)),
+               "late/b", write_policy="write_back")
+    try:
+        e.prefill(prompt(1, 2))
+        os.kill(d.pid, signal.SIGSTOP)
+        e.client.timeout = 0.5
+        try:
+            with pytest.raises(errors.DeadlineExceeded, match="no answer on the session stream within 0.5s"):
+                e.client.match([pack(prompt(1, 2))])
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        e.client.timeout = 10
+        [m] = e.client.match([pack(prompt(1, 2))])  # the stream went on
+        assert (m.device_tokens, e.client.session) == (8, e.client.registration.session)
+        e.client.timeout = 0.5
+        with pytest.raises(errors.DeadlineExceeded, match="no answer on the session stream within 0.5s"):
+            e.client.evict(2)  # write_back: copies both pages to host first, slowed
+        e.client.timeout = 10
+        with pytest.raises(errors.SessionLost, match="Evict went unanswered within 0.5s"):
+            e.client.match([pack(prompt(1, 2))])
+        [m] = e.client.match([pack(prompt(1, 2))])
+        assert m.device_tokens == 0 and m.host_tokens == 8, "the evict's write-back finished before the close"
+        assert e.client.check_invariants() == []
+    finally:
+        e.close()
