@@ -165,3 +165,22 @@ def test_a_batch_that_fails_to_build_is_followed_by_a_resync_of_its_namespace(hu
     assert cleared.batch.events == [AllBlocksCleared()]
     assert resync.batch.events[0] == AllBlocksCleared()
     assert resync.batch.events[1].block_hashes == block_hashes(list(range(8)), PAGE)
+
+
+def test_a_dropped_namespace_leaves_nothing_of_its_tree_in_the_hub(hub):
+    """The hub's table of listeners (for resyncs after a failed build) forgets a cleared
+    namespace: its snapshot function would keep the dropped tree alive."""
+    import gc
+    import weakref
+
+    tree = RadixTree(PAGE)
+    def snapshot_of(t):  # holds the tree itself, as the daemon's snapshot functions do
+        return lambda: [("device", n) for n in t.iter_nodes()]
+
+    listen = hub.attach("gone", PAGE, snapshot=snapshot_of(tree))
+    alive = weakref.ref(tree)
+    listen.clear()
+    hub.flush()
+    del tree, listen
+    gc.collect()
+    assert alive() is None

@@ -136,6 +136,7 @@ class NamespaceEvents:
             self.pending.clear()
             self._note(CLEAR_RECORD)
             self.closed = True
+            self._hub._forget(self)
 
     def _note(self, record: tuple) -> None:
         if self.resync:
@@ -255,6 +256,12 @@ class EventHub:
             self._flush_due = True
             self._call_later(RESYNC_RETRY_S, self.flush)
         return queued
+
+    def _forget(self, ns: NamespaceEvents) -> None:
+        """A dropped namespace's listener leaves the table (its snapshot function holds
+        the namespace's whole tree)."""
+        if self._listeners.get(ns.namespace) is ns:
+            del self._listeners[ns.namespace]
 
     def _resync_failed_builds(self) -> None:
         """A batch the publisher could not build was dropped: what it told is lost to
