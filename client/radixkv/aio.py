@@ -18,7 +18,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
 from .acks import DEFAULT_OUTCOME_CACHE, AckLedger, end_reason
-from .base import ClientBase
+from .base import ORPHAN_WAIT_S, ClientBase, register_timed_out
 from .channel import open_aio_channel
 from .errors import DeadlineExceeded, RadixKVError, SessionLost, from_rpc_error
 from .layout import KvLayout
@@ -29,8 +29,6 @@ from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, Matc
                     PrefetchProgress, Registration, Violation)
 
 _CLOSE = object()
-
-ORPHAN_WAIT_S = 30.0  # how long `close` waits for a cancelled Register's answer with no timeout set
 
 
 class AsyncAckStream:
@@ -248,23 +246,29 @@ class AsyncClient(ClientBase):
             return await asyncio.sleep(step.seconds)
         if step.on_stream:
             return await self._session.calls().call(step.method, step.request, step.timeout)
+        if step.method == "Register":
+            return await self._register(step)
         stub = self._health if step.health else self._stub
         call = getattr(stub, step.method)(step.request, timeout=step.timeout, wait_for_ready=step.wait_for_ready)
-        if step.method == "Register":
-            return await self._register(call)
         return [m async for m in call] if step.stream else await call
 
-    async def _register(self, call):
-        """A Register the caller stops waiting for (a cancelled task) goes on: a session
-        the daemon made for it would hold the namespace with no one to use or close it, so
-        it is closed once answered."""
-        answer = asyncio.ensure_future(call)
+    async def _register(self, step: Rpc):
+        """A Register the caller stops waiting for (its timeout ran out, or a cancelled
+        task) goes on, with no deadline on the wire: a session the daemon made for it would
+        hold the namespace with no one to use or close it, so it is closed once answered
+        (see `Client._register`)."""
+        answer = asyncio.ensure_future(self._stub.Register(step.request, wait_for_ready=step.wait_for_ready))
+        answered = False
         try:
-            return await asyncio.shield(answer)
-        except asyncio.CancelledError:
-            self._orphans.add(answer)
-            answer.add_done_callback(self._close_orphan)
-            raise
+            response = await asyncio.wait_for(asyncio.shield(answer), step.timeout)
+            answered = True
+            return response
+        except asyncio.TimeoutError:
+            raise register_timed_out(step.timeout) from None
+        finally:
+            if not answered:
+                self._orphans.add(answer)
+                answer.add_done_callback(self._close_orphan)
 
     def _close_orphan(self, answer: asyncio.Future) -> None:
         self._orphans.discard(answer)

@@ -16,10 +16,19 @@ from radixkv.v1 import radixkv_pb2_grpc
 from . import messages as msg
 from .acks import DEFAULT_OUTCOME_CACHE
 from .channel import Tls
-from .errors import FailedPrecondition, SessionLost
+from .errors import DeadlineExceeded, FailedPrecondition, SessionLost
 from .reconnect import Backoff
 from .session import DEFAULT_TARGET, Session
 from .types import Registration
+
+ORPHAN_WAIT_S = 30.0  # how long `close` waits for an abandoned Register's answer with no timeout set
+
+
+def register_timed_out(timeout: float | None) -> DeadlineExceeded:
+    """The error of a Register not answered within the client's timeout (the call goes
+    on: each shell closes the session it makes, see `Client._register`)."""
+    return DeadlineExceeded(f"Register: no answer within {timeout:g}s (the session it may still "
+                            "make is closed when answered)")
 
 
 class ClientBase:

@@ -31,7 +31,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
 from .acks import AckStream
-from .base import ClientBase
+from .base import ORPHAN_WAIT_S, ClientBase, register_timed_out
 from .channel import open_channel
 from .errors import RadixKVError, SessionLost, from_rpc_error
 from .layout import KvLayout
@@ -63,6 +63,10 @@ class Client(ClientBase):
     _channel_opener = staticmethod(open_channel)
     _ack_stream_class = AckStream
     _call_stream_class = CallStream
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._orphans: set[grpc.Future] = set()  # Registers past their timeout, then their sessions' Closes
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -116,6 +120,7 @@ class Client(ClientBase):
         if self._session.closed:
             return
         try:
+            self._wait_orphans()
             for stream in self._run(self._session.close()):
                 if self._session.close_answered:
                     stream.close()
@@ -307,9 +312,56 @@ class Client(ClientBase):
             return time.sleep(step.seconds)
         if step.on_stream:
             return self._session.calls().call(step.method, step.request, step.timeout)
+        if step.method == "Register":
+            return self._register(step)
         stub = self._health if step.health else self._stub
         call = getattr(stub, step.method)(step.request, timeout=step.timeout, wait_for_ready=step.wait_for_ready)
         return list(call) if step.stream else call
+
+    def _register(self, step: Rpc) -> pb.RegisterResponse:
+        """Register with no deadline on the wire, waited for `step.timeout`. A deadline
+        that ran out just after the daemon made the session would lose its id with the
+        answer, and that session would hold the namespace, refusing every later Register:
+        so past the timeout the call goes on, and the session it made is closed once
+        answered (`close` waits for that, bounded)."""
+        call = self._stub.Register.future(step.request, wait_for_ready=step.wait_for_ready)
+        answered = False
+        try:
+            response = call.result(timeout=step.timeout)
+            answered = True
+            return response
+        except grpc.FutureTimeoutError:
+            raise register_timed_out(step.timeout) from None
+        finally:
+            if not answered:
+                self._orphans.add(call)
+                call.add_done_callback(self._close_orphan)
+
+    def _close_orphan(self, call: grpc.Future) -> None:
+        """On gRPC's thread: close the session an abandoned Register made, if it made one."""
+        try:
+            if not call.cancelled() and call.exception() is None:
+                close = self._stub.Close.future(pb.CloseRequest(session=call.result().session),
+                                                timeout=self.timeout)
+                self._orphans.add(close)
+                close.add_done_callback(self._orphans.discard)
+        except ValueError:  # the channel closed meanwhile: the daemon ends that session with it
+            pass
+        finally:
+            self._orphans.discard(call)
+
+    def _wait_orphans(self) -> None:
+        """Wait, bounded by the timeout (ORPHAN_WAIT_S with none), for abandoned Registers
+        to answer and the sessions they made to be closed."""
+        deadline = time.monotonic() + (self.timeout if self.timeout is not None else ORPHAN_WAIT_S)
+        while self._orphans and (left := deadline - time.monotonic()) > 0:
+            call = next(iter(self._orphans.copy()))
+            try:
+                call.exception(timeout=left)
+            except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass
+            if call in self._orphans:  # answered; its callback (on gRPC's thread) is still to run
+                time.sleep(0.001)
 
 
 __all__ = ["Client", "DEFAULT_TARGET", "SERVICE"]

@@ -295,3 +295,44 @@ def test_a_register_the_caller_stopped_waiting_for_leaves_no_session_behind(daem
         asyncio.run(main())
     finally:
         buffers.close()
+
+
+@pytest.mark.parametrize("shell", ["blocking", "asyncio"])
+def test_a_register_past_the_clients_timeout_leaves_no_session_behind(daemon_factory, shell):
+    """The client's timeout runs out while the daemon still makes the session (a host
+    pool faulted in at Register takes ~10 ms; the timeout is 1 ms): the call raises
+    DeadlineExceeded, the Register goes on in the daemon (no deadline on the wire), and
+    the session it made is closed once answered, so the engine's next Register of the
+    namespace is taken. (With a deadline on the wire, one running out while the answer
+    was on its way lost the session's id, and that session refused every later Register.)"""
+    d = daemon_factory("--host-pool-prefault", "true")
+    buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
+    args = ("late/register", LAYOUT, buffers.specs(), NUM_PAGES)
+    kwargs = dict(host_pool_pages=32768)  # 32 MiB of 1 KiB pages
+
+    def blocking():
+        c = Client(d.target, timeout=10)
+        c.wait_ready(10)
+        c.timeout = 0.001
+        with pytest.raises(errors.DeadlineExceeded, match="Register: no answer within 0.001s"):
+            c.register(*args, **kwargs)
+        c.timeout = 10
+        c.close()  # waits for the late answer and closes the session it made
+        with Client(d.target, timeout=10) as again:
+            assert again.register(*args, **kwargs).session
+
+    async def asynchronous():
+        c = AsyncClient(d.target, timeout=10)
+        await c.wait_ready(10)
+        c.timeout = 0.001
+        with pytest.raises(errors.DeadlineExceeded, match="Register: no answer within 0.001s"):
+            await c.register(*args, **kwargs)
+        c.timeout = 10
+        await c.close()
+        async with AsyncClient(d.target, timeout=10) as again:
+            assert (await again.register(*args, **kwargs)).session
+
+    try:
+        blocking() if shell == "blocking" else asyncio.run(asynchronous())
+    finally:
+        buffers.close()
