@@ -33,6 +33,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from typing import NamedTuple
 
 from radixkv.types import InsertResult
 
@@ -45,6 +46,14 @@ FINISHED_KEPT = 1 << 16  # finished ids remembered (vLLM names a request's delay
 CLOSE_TIMEOUT_S = 30.0  # how long `close` lets queued Inserts go out
 LATE_FLUSH_TIMEOUT_S = 60.0  # how long `flush` waits for a held load's answer
 DEFER_S = 0.002  # the longest a queued save waits for the next step to begin
+
+
+class Late(NamedTuple):
+    """A held load's or late save's answer still to come, for `req_id`'s blocks."""
+
+    req_id: str
+    answer: Future
+    save: bool  # a save (waited for without limit), else a held load
 
 
 class Saves:
@@ -63,8 +72,7 @@ class Saves:
         self._finished: dict[str, None] = {}  # vLLM reported them finished (the latest ones)
         self._delayed: set[str] = set()  # blocks kept until we list them; vLLM has not said finished yet
         self._waiting: set[str] = set()  # delayed and finished: listed once no save of theirs is in flight
-        self._late: dict[int, tuple[str, Future]] = {}  # held load's or late save's ticket -> (request, answer)
-        self._late_saves: set[int] = set()  # the tickets of `_late` that are saves
+        self._late: dict[int, Late] = {}  # held load's or late save's ticket -> its answer to come
         self._held: dict[str, int] = {}  # request -> loads held since the last report
         self._closed = False
         self._step_began = False  # a step began since the queue was last emptied: send now
@@ -99,7 +107,7 @@ class Saves:
         """A load into `req_id`'s blocks whose `answer` is still to come: in flight (its
         blocks kept, a flush waits for it) until the answer completes, however it does."""
         with self._cond:
-            self._late[self._new_ticket(req_id, held=True)] = (req_id, answer)
+            self._late[self._new_ticket(req_id, held=True)] = Late(req_id, answer, save=False)
 
     def hold_transfer(self, req_id: str, transfer: int) -> None:
         """A load into `req_id`'s blocks whose acknowledgement did not come in time
@@ -119,10 +127,10 @@ class Saves:
             tickets = set().union(*(self._pending.get(r, ()) for r in req_ids))
             self._send_queued()  # vLLM waits for these: no waiting for a step
             self._cond.wait_for(lambda: not (tickets & self._unsent))
-            late = [(t in self._late_saves, answer) for t, (_, answer) in self._late.items() if t in tickets]
+            late = [entry for t, entry in self._late.items() if t in tickets]
         if late:
-            self._wait_late_saves([answer for is_save, answer in late if is_save])
-            loads = [answer for is_save, answer in late if not is_save]
+            self._wait_late_saves([entry.answer for entry in late if entry.save])
+            loads = [entry.answer for entry in late if not entry.save]
             if loads and wait_futures(loads, LATE_FLUSH_TIMEOUT_S).not_done:
                 log.error("radixkv: %d loads into blocks vLLM reuses now are still unanswered after %gs",
                           len(loads), LATE_FLUSH_TIMEOUT_S)
@@ -227,8 +235,7 @@ class Saves:
             with self._cond:
                 self._unsent.discard(ticket)
                 if late is not None:
-                    self._late[ticket] = (spec.req_id, late)
-                    self._late_saves.add(ticket)
+                    self._late[ticket] = Late(spec.req_id, late, save=True)
                 elif transfer and transfer not in done:
                     self._transfers[transfer] = (ticket, spec.req_id)
                 else:
@@ -242,9 +249,8 @@ class Saves:
         if not self._late:  # the common case, every step: no lock taken
             return
         with self._cond:
-            tickets = [t for t, (_, answer) in self._late.items() if answer.done()]
-            answered = [(t, *self._late.pop(t)) for t in tickets]
-            self._late_saves.difference_update(tickets)
+            tickets = [t for t, entry in self._late.items() if entry.answer.done()]
+            answered = [(t, *self._late.pop(t)[:2]) for t in tickets]
         for ticket, req_id, answer in answered:
             result = answer.result()
             if isinstance(result, InsertResult) and result.transfer:
