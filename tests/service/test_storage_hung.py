@@ -13,6 +13,7 @@ import grpc
 import pytest
 import redis
 
+from radixkv.client import Client
 from radixkv.v1 import radixkv_pb2 as pb
 from tests.storage.fleet import RedisCluster
 from tests.support.daemon import wait_for
@@ -84,6 +85,33 @@ def test_a_frozen_store_holds_engine_calls_no_longer_than_the_lookup_timeout(req
     [unavailable] = [e for e in events if e["event"] == "storage.unavailable"]
     assert "--storage-lookup-timeout" in unavailable["error"]
     assert [e["event"] for e in events if e["event"] == "storage.recovered"] == ["storage.recovered"]
+
+
+def test_a_namespace_is_dropped_at_once_while_its_late_lookup_waits_on_a_frozen_store(private_redis,
+                                                                                      daemon_factory):
+    """A lookup that outlived --storage-lookup-timeout on a frozen store is left to end on
+    its thread when its namespace is dropped: DropNamespace answers within the call bound
+    (it joined that thread on the daemon's loop, holding it and every call of the daemon
+    until the store answered: 60 s here), and the daemon serves other calls meanwhile."""
+    d = daemon_factory("--storage", private_redis.url + "?socket_timeout=60", "--storage-policy", "write_through",
+                       "--storage-lookup-timeout", str(LOOKUP_TIMEOUT_S))
+    engine = EngineDouble.connect(d.target, "frozen/drop", host_pool_pages=PAGES)
+    admin = Client(d.target, timeout=CALL_BOUND_S)
+    try:
+        engine.prefill(prompt(1))
+        wait_for(lambda: engine.counters()["stored_tokens"] == PAGES * PS, DEADLINE_S, "the store")
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
+        try:
+            [late] = engine.client.match([prompt(2)], include_storage=True)  # answered at the lookup timeout
+            assert late.storage_tokens == 0
+            engine.close()
+            assert admin.drop_namespace("frozen/drop").freed_host_bytes > 0  # DeadlineExceeded before
+            assert admin.stats().namespaces == []
+        finally:
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+    finally:
+        admin.close()
+        engine.close()
 
 
 def test_lookups_whose_callers_gave_up_still_make_the_next_ones_skip_storage(private_redis, daemon_factory):

@@ -287,8 +287,10 @@ class StorageMover:
             log_event(log, "storage.recovered", namespace=self.namespace, direction=direction)
 
     def close(self) -> None:
-        """Finish queued work and stop the threads. Idempotent."""
+        """Stop the threads; call once stores and fetches are drained. Idempotent, and
+        never blocks on a lookup still running past its timeout (a frozen store): it
+        ends on its thread, its answer unread (joining it froze the caller's loop)."""
         if not self._closed:
             self._closed = True
-            self._reads.shutdown(wait=True)
+            self._reads.shutdown(wait=False, cancel_futures=True)
             self._writes.shutdown(wait=True)

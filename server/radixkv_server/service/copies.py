@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 
 from ..core import HierarchicalCache
-from ..datapath import CopyEngine, DeviceBuffers, HostPool
+from ..datapath import CopyEngine, CopyError, DeviceBuffers, HostPool
 from ..datapath.storage_mover import StorageMover
 from ..logs import log_event
 from .namespace_config import NamespaceConfig
@@ -209,8 +209,14 @@ class Copies:
 
     async def layer_events(self, transfer: int) -> tuple[bytes, ...]:
         """The CUDA IPC events of a load-back (one per layer) once it is enqueued; none
-        on shared memory, which has nothing to wait for (`CopyEngine.layer_events`)."""
-        return await self.engine.layer_events(transfer)
+        on shared memory, which has nothing to wait for (`CopyEngine.layer_events`), or
+        when the copy could not start: its failure comes with the acknowledgement, as
+        in `RankCopies.layer_events` (raised, it answered INTERNAL with no transfer
+        to acknowledge, and the load's pages stayed held)."""
+        try:
+            return await self.engine.layer_events(transfer)
+        except CopyError:
+            return ()
 
     def close(self) -> None:
         """Release the buffers and stop storage I/O. Idempotent; drain first."""

@@ -63,11 +63,12 @@ class Daemon:
         """Start background duties (expiring what a stuck engine holds). Call on the loop."""
         self.expiry.start()
 
-    def run_in_background(self, coro) -> None:
-        """Run `coro` as a task that `close` waits for."""
+    def run_in_background(self, coro) -> asyncio.Task:
+        """Run `coro` as a task that `close` waits for; returns it."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # -- registration ------------------------------------------------------------------
 
@@ -82,6 +83,8 @@ class Daemon:
                 return await engine_registration.register(self, reg)
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
+            if ns is not None and ns.session is not None and ns.session.closing:
+                await self.closed(ns.session)  # its engine went: taken once the close ends
             replacing = ns is not None and self._check_free(ns, reg)
             if ns is None and len(self.namespaces) >= self.config.max_namespaces:
                 raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
@@ -147,12 +150,18 @@ class Daemon:
         """Forget namespace `name`, which no session may be attached to: with `store`,
         its host copies that storage lacks are stored first (shutdown_store.py); then it
         closes (host pool freed, routers told it is cleared). Registrations wait
-        meanwhile. NOT_FOUND, FAILED_PRECONDITION (a session attached), UNAVAILABLE
-        (shutting down)."""
+        meanwhile. Runs to its end whoever stops waiting (cut part-way, the namespace
+        left the registry with its pool never freed). NOT_FOUND, FAILED_PRECONDITION (a
+        session attached), UNAVAILABLE (shutting down)."""
+        return await asyncio.shield(self.run_in_background(self._drop_namespace(name, store)))
+
+    async def _drop_namespace(self, name: str, store: bool) -> Dropped:
         async with self._register_lock:
             if not self.accepting:
                 raise unavailable("the daemon is shutting down")
             ns = self.namespace(name)
+            for closing in [s for s in self.sessions.all() if s.namespace is ns and s.closing]:
+                await self.closed(closing)  # their engines went: dropped once the closes end
             attached = [s for s in self.sessions.all() if s.namespace is ns]
             if attached:
                 engines = ", ".join(sorted({s.engine or "unnamed" for s in attached}))
@@ -180,12 +189,24 @@ class Daemon:
 
     async def close_session(self, session: Session, reason: str) -> None:
         """End the session in its namespace (load-backs finished after their copies,
-        leases released, device buffers closed) and forget it. Idempotent; concurrent
-        calls wait for the first."""
-        if session.closing:
-            await session.closed.wait()
-            return
-        session.closing = True
+        leases released, device buffers closed) and forget it. The close is a task the
+        daemon owns, run to its end whoever stops waiting (a Close past its deadline, a
+        replacing Register cancelled): cut part-way, it left the session forgotten with
+        its load-backs, pins and device buffers held, and answered a retried Close while
+        a copy still wrote the engine's pages. Idempotent; concurrent calls wait for the
+        first's task."""
+        if session.closer is None:
+            session.closing = True
+            session.closer = self.run_in_background(self._end_session(session, reason))
+        await self.closed(session)
+
+    @staticmethod
+    async def closed(session: Session) -> None:
+        """Wait until a closing session's close ended (at once for one not closing)."""
+        if session.closer is not None:
+            await asyncio.shield(session.closer)
+
+    async def _end_session(self, session: Session, reason: str) -> None:
         ns = session.namespace
         try:
             await ns.end_session(session)
@@ -193,7 +214,6 @@ class Daemon:
             if ns.session is session:
                 ns.session = None
             self.sessions.forget(session, reason)
-            session.closed.set()
         log_event(log, "session.closed", namespace=ns.name, session=session.id[:8], reason=reason)
 
     def close_in_background(self, session: Session, reason: str) -> None:

@@ -32,7 +32,7 @@ class Session:
     created: float = field(default_factory=time.monotonic)
     closing: bool = False
     has_ack_stream: bool = False
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    closer: asyncio.Task | None = None  # the daemon's task ending it, once closing
     # For the timeouts, oldest first (insertion order is time order): when each lease was
     # taken, and when each load-back not yet acknowledged was answered.
     lease_times: dict[int, float] = field(default_factory=dict)
