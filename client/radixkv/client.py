@@ -93,7 +93,9 @@ class Client(ClientBase):
         (no buffers, 0 pages: match, release, prefetch) or `"engine"` (one rank's buffers:
         insert with `async_`, load_back with `lease`/`start_page`); `tp_rank`/`tp_size`
         shard each page over the ranks; `instance` names the engine (logs). Any number of
-        sessions share such a namespace, all with one layout and tp_size."""
+        sessions share such a namespace, all with one layout and tp_size. A managed-device
+        engine split over tensor-parallel ranks (a namespace per rank) passes its
+        `tp_rank`/`tp_size` too: they name its shard in the storage keys."""
         return self._run(self._session.register(
             namespace, layout, buffers, num_device_pages, backend=backend, device=device,
             write_policy=write_policy, host_pool_pages=host_pool_pages,

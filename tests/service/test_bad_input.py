@@ -162,8 +162,10 @@ TABLE = [
     Row("Register", "page_stride below page_bytes", reg(buffers=lambda bs: [
         pb.DeviceBuffer(handle=b.handle, offset=b.offset, size=b.size, page_stride=8) for b in bs]),
         C.INVALID_ARGUMENT, r"page_stride 8 is less than its page_bytes"),
-    Row("Register", "tp_size on a managed-device namespace", reg(tp_size=2), C.INVALID_ARGUMENT,
-        r"role, tp_rank and tp_size are for engine-managed namespaces"),
+    Row("Register", "scheduler role on a managed-device namespace", reg(role=pb.SCHEDULER), C.INVALID_ARGUMENT,
+        r"role is for engine-managed namespaces"),
+    Row("Register", "tp_rank past tp_size on a managed-device namespace", reg(tp_size=2, tp_rank=3),
+        C.INVALID_ARGUMENT, r"tp_rank 3 out of range 0..1"),
     Row("Register", "tp_rank past tp_size", reg(device_tier=pb.ENGINE_MANAGED, tp_size=2, tp_rank=2),
         C.INVALID_ARGUMENT, r"tp_rank 2 out of range 0..1"),
     Row("Register", "scheduler session with buffers", reg(device_tier=pb.ENGINE_MANAGED, role=pb.SCHEDULER),

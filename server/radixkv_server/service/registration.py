@@ -57,14 +57,23 @@ class Registered:
     dropped_device_tokens: int
 
 
-def layout_fingerprint(layout: KvLayout, tp_size: int = 1) -> str:
+def layout_fingerprint(layout: KvLayout, tp_size: int = 1, rank: int | None = None) -> str:
     """Everything about a layout that changes a page's bytes (part of storage keys). An
     engine-managed namespace's host page holds `tp_size` rank shards one after another:
     as many heads as one unsharded page, in another order, so the shard count is part of
-    it (written only past 1, so unsharded keys stay as they were)."""
-    shards = f":tp{tp_size}" if tp_size > 1 else ""
+    it; a managed-device namespace of one tensor-parallel `rank` holds that rank's shard
+    alone, so the rank is too (ranks of one model computing the same prompt must never
+    read each other's pages). Both written only past 1 rank, so unsharded keys stay as
+    they were."""
+    shards = "" if tp_size <= 1 else f":tp{tp_size}" if rank is None else f":tp{tp_size}r{rank}"
     return (f"{layout.kv_format}:{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}:"
             f"{layout.dtype}:p{layout.page_size}{shards}")
+
+
+def storage_salt(reg: Registration) -> bytes:
+    """The salt of the storage keys of the namespace `reg` creates or attaches to."""
+    rank = None if reg.engine_managed else reg.tp_rank
+    return namespace_salt(reg.model_name, layout_fingerprint(reg.layout, reg.tp_size, rank))
 
 
 def validate(reg: Registration) -> None:
@@ -74,13 +83,14 @@ def validate(reg: Registration) -> None:
                       "starting with a letter or digit")
     if reg.backend not in BACKENDS:  # the data path's table of device backends
         raise invalid(f"backend {reg.backend!r}: use one of {list(BACKENDS)}")
+    validate_ranks(reg)
     if reg.engine_managed:
         validate_engine_managed(reg)
         if reg.role == "scheduler":
             return
-    elif reg.role != "engine" or reg.tp_size != 1 or reg.tp_rank:
-        raise invalid("role, tp_rank and tp_size are for engine-managed namespaces (device_tier ENGINE_MANAGED); "
-                      "a managed-device namespace has one ENGINE session with all of the KV")
+    elif reg.role != "engine":
+        raise invalid("role is for engine-managed namespaces (device_tier ENGINE_MANAGED); a managed-device "
+                      "namespace has one ENGINE session (of one tensor-parallel rank: tp_rank, tp_size)")
     if reg.num_device_pages < 1:
         raise invalid("num_device_pages must be >= 1")
     if not any(b.page_bytes for b in reg.buffers) and len(reg.buffers) != reg.layout.num_buffers:
@@ -93,12 +103,16 @@ def validate(reg: Registration) -> None:
         raise invalid(f"buffers: {e}") from None
 
 
-def validate_engine_managed(reg: Registration) -> None:
-    """INVALID_ARGUMENT for an engine-managed registration that can never succeed."""
+def validate_ranks(reg: Registration) -> None:
+    """INVALID_ARGUMENT for a tensor-parallel rank out of range."""
     if reg.tp_size < 1 or not 0 <= reg.tp_rank < reg.tp_size:
         raise invalid(f"tp_rank {reg.tp_rank} out of range 0..{reg.tp_size - 1} (tp_size {reg.tp_size})")
     if reg.tp_size > 64:
         raise invalid(f"tp_size {reg.tp_size}: at most 64 ranks share a namespace")
+
+
+def validate_engine_managed(reg: Registration) -> None:
+    """INVALID_ARGUMENT for an engine-managed registration that can never succeed."""
     if reg.role == "scheduler" and (reg.buffers or reg.num_device_pages or reg.tp_rank):
         raise invalid("a SCHEDULER session sends no buffers, num_device_pages or tp_rank (it matches and "
                       "leases only; each rank registers an ENGINE session with its buffers)")
@@ -116,6 +130,9 @@ def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
     if ns.config.model != reg.model_name:
         raise precondition(f"namespace {ns.name} holds KV of model {ns.config.model!r}, not {reg.model_name!r}: "
                            "another model's KV must not be served; use a new namespace name for this one")
+    if not reg.engine_managed and ns.config.cache.storage_salt != storage_salt(reg):
+        raise precondition(f"namespace {ns.name} holds another tensor-parallel shard than tp_rank {reg.tp_rank} "
+                           f"of tp_size {reg.tp_size}; each rank uses a namespace of its own")
     if policy != ns.config.cache.write_policy.value:
         raise precondition(f"namespace {ns.name} uses write policy {ns.config.cache.write_policy.value}, "
                            f"not {policy}")
@@ -153,7 +170,7 @@ def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_o
             write_through_threshold=config.write_through_threshold,
             eviction_policy=config.eviction_policy,
             storage=config.storage_policy if storage_on else "off",
-            storage_salt=namespace_salt(reg.model_name, layout_fingerprint(reg.layout, reg.tp_size)))
+            storage_salt=storage_salt(reg))
     except ValueError as e:
         raise invalid(str(e)) from None
 
