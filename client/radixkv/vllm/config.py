@@ -10,7 +10,9 @@ Keys (all optional): `target` (the daemon's address), `namespace` (one per model
 layout; default "vllm/<served model name>"), `model` (identity of the weights: the daemon
 refuses a namespace that holds another model's KV, and salts storage keys with it; default
 `model_identity`, vLLM's model path or hub id with its revision and quantization; set the
-same string where the same weights sit at other paths), `timeout_s` (deadline of each daemon call),
+same string where the same weights sit at other paths, and name there whatever else
+changes the KV bytes: weights updated in place, overrides, KV scales, docs/fleet.md; the
+connector adds the device type, `on_device`), `timeout_s` (deadline of each daemon call),
 `connect_timeout_s` (how long startup waits for the daemon before failing),
 `host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
 from a session that is still registered, e.g. of an engine that was killed),
@@ -111,4 +113,13 @@ def model_identity(model_config) -> str:
     return " ".join(parts)
 
 
-__all__ = ["ConnectorConfig", "model_identity"]
+def on_device(model: str, device: str) -> str:
+    """The identity registered for `model`'s KV computed on a `device` type ("cpu",
+    "cuda"), whatever `model` says: their attention backends order a block's bytes
+    differently (CPU attention interleaves K and V per head, GPU backends hold K then V),
+    and the daemon sees both as whole pages of one size, so a fleet mixing them on one
+    store would load pages in the other's order."""
+    return f"{model} device={device}"
+
+
+__all__ = ["ConnectorConfig", "model_identity", "on_device"]

@@ -19,6 +19,7 @@ when vLLM publishes KV events, adds the daemon's host and storage blocks to them
 (`take_events`; `radixkv.vllm.tier_events`). docs/vllm.md describes the mapping.
 """
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from .config import ConnectorConfig, model_identity
+from .config import ConnectorConfig, model_identity, on_device
 from .daemon import DaemonAdapter
 from .kvmemory import ShmAllocation, layout_from_spec
 from .layer_waits import LayerWaits
@@ -57,9 +58,9 @@ class RadixKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
-        self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config,
-                                                 vllm_config.model_config.served_model_name,
-                                                 model_identity(vllm_config.model_config))
+        config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.served_model_name,
+                                            model_identity(vllm_config.model_config))
+        self.config = dataclasses.replace(config, model=on_device(config.model, vllm_config.device_config.device.type))
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank, self.tp_size = _tp_rank(vllm_config)
         self._adapter: DaemonAdapter | None = None
