@@ -14,7 +14,7 @@ from radixkv_server.storage.record import HEADER_BYTES
 BUDGET = 16 << 20  # the smallest: 64 KiB per shard
 PAGE = 8 << 10
 RECORD = HEADER_BYTES + PAGE
-SLACK = SHARDS * RECORD  # a shard may pass its mark by the page that crosses it
+SLACK = SHARDS * (RECORD + 4096)  # a shard may pass its mark by the page that crosses it (in blocks)
 
 
 def keys(tag: str, n: int) -> list[bytes]:
@@ -30,9 +30,11 @@ def put(backend: FileStorage, ks: list[bytes]) -> None:
 
 
 def on_disk(directory) -> tuple[int, int]:
-    """(page files, their bytes) under `directory`."""
+    """(page files, the disk they take, as `du` counts it) under `directory`. A page of
+    8 KiB and its header take 12 KiB of a 4 KiB-block filesystem (counting lengths, the
+    budget let the disk hold half as much again)."""
     files = [os.path.join(d, f) for d, _, names in os.walk(directory) for f in names if f.endswith(".page")]
-    return len(files), sum(os.path.getsize(f) for f in files)
+    return len(files), sum(os.stat(f).st_blocks * 512 for f in files)
 
 
 def test_the_directory_stays_near_its_budget_and_keeps_the_pages_used_last(tmp_path):

@@ -17,6 +17,10 @@ read today, counts as used. On `noatime` mounts the order is first-written,
 first-removed. A scan also removes temporary files more than an hour old (left by a
 writer that crashed mid-page).
 
+A page counts as the disk space its file takes (its blocks, not its length: the record's
+20-byte header takes a page of a power-of-two size one block past it), temporary files
+too; the fan-out directories are not counted.
+
 Between looks a shard may pass its share by a tenth (plus the page that crosses the
 mark), and by another tenth for each other daemon writing into a shared directory.
 Removing a page never disturbs a reader: one that has the file open reads it whole, one
@@ -113,12 +117,15 @@ class DiskBudget:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                used = st.st_blocks * 512  # the disk it takes, not its length (see the module's text)
                 if entry.name.endswith(self._suffix):
-                    pages.append((max(st.st_atime, st.st_mtime), st.st_size, entry.path))
-                    total += st.st_size
+                    pages.append((max(st.st_atime, st.st_mtime), used, entry.path))
+                    total += used
                 elif entry.name.endswith(".tmp") and now - st.st_mtime > TMP_MAX_AGE_S:
                     try:
                         os.unlink(entry.path)
                     except FileNotFoundError:
                         pass
+                elif entry.name.endswith(".tmp"):
+                    total += used  # a page being written (or a young one a crash left)
         return pages, total
