@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-from .record import CorruptPage, SizeMismatch, decode, decode_into, encode, verify
+from .record import CorruptPage, NotForThisReader, decode, decode_into, encode, verify
 
 MAX_KEY_BYTES = 64
 log = logging.getLogger(__name__)
@@ -146,6 +146,8 @@ class StorageBackend(ABC):
                 try:
                     payload = decode(blob)
                     nbytes += len(payload)
+                except NotForThisReader:
+                    misses += 1
                 except CorruptPage as exc:
                     log.warning("storage %s: dropping damaged page %s: %s", self.name, key.hex(), exc)
                     damaged.append(key)
@@ -302,12 +304,12 @@ class StorageBackend(ABC):
         return self._checked(key, verify, head, page)
 
     def _checked(self, key: bytes, check, *args) -> Read:
-        """HIT when `check(*args)` passes; a size mismatch reads as a MISS, a damaged
-        record as DAMAGED (logged once, dropped)."""
+        """HIT when `check(*args)` passes; a record not for this reader (another size or
+        format version) reads as a MISS, a damaged record as DAMAGED (logged once, dropped)."""
         try:
             check(*args)
             return Read.HIT
-        except SizeMismatch:
+        except NotForThisReader:
             return Read.MISS
         except CorruptPage as exc:
             log.warning("storage %s: dropping damaged page %s: %s", self.name, key.hex(), exc)

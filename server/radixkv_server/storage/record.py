@@ -36,9 +36,20 @@ class CorruptPage(ValueError):
     or overlong, or a payload whose checksum does not match. The message says which."""
 
 
-class SizeMismatch(CorruptPage):
+class NotForThisReader(CorruptPage):
+    """A record this reader cannot use that may well be sound: a miss for it, not damage
+    (the record stays, for the readers it is for)."""
+
+
+class SizeMismatch(NotForThisReader):
     """A sound record whose payload length differs from the page being filled (a page
-    of another layout): a miss for this reader, not damage."""
+    of another layout)."""
+
+
+class OtherVersion(NotForThisReader):
+    """A record of a format version this build does not read: another daemon's, during
+    a rolling upgrade (removed as damage, daemons of two versions deleted each other's
+    pages)."""
 
 
 def encode(payload: bytes) -> bytes:
@@ -55,7 +66,7 @@ def decode(blob: bytes) -> bytes:
     if magic != MAGIC:
         raise CorruptPage(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
-        raise CorruptPage(f"unsupported record version {version} (this build reads {VERSION})")
+        raise OtherVersion(f"record version {version} (this build reads {VERSION})")
     found = len(blob) - HEADER_BYTES
     if found != length:
         what = "truncated record" if found < length else "trailing bytes after record"
@@ -84,7 +95,7 @@ def payload_length(head) -> int:
     if magic != MAGIC:
         raise CorruptPage(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
-        raise CorruptPage(f"unsupported record version {version} (this build reads {VERSION})")
+        raise OtherVersion(f"record version {version} (this build reads {VERSION})")
     return length
 
 
