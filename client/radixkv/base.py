@@ -15,7 +15,7 @@ from radixkv.v1 import radixkv_pb2_grpc
 
 from . import messages as msg
 from .acks import DEFAULT_OUTCOME_CACHE
-from .channel import Tls
+from .channel import Tls, resolve_target
 from .errors import DeadlineExceeded, FailedPrecondition, SessionLost
 from .reconnect import Backoff
 from .session import DEFAULT_TARGET, Session
@@ -48,7 +48,7 @@ class ClientBase:
                  reconnect: Backoff | None = Backoff(),
                  on_session_lost: Callable[[SessionLost], None] | None = None,
                  stream: bool = False):
-        self.target = target
+        self.target = target = resolve_target(target)
         channel_options = msg.channel_options(max_message_bytes, options)
         self._channel = self._channel_opener(target, channel_options, tls, token)
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)

@@ -7,6 +7,7 @@ Unix sockets need no TLS (the socket's file mode guards them); TCP to another ho
 should use it. With a token every call carries `authorization: Bearer <token>`.
 """
 
+import os
 from collections import namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +15,26 @@ from dataclasses import dataclass
 import grpc
 
 from .errors import InvalidArgument
+
+
+DEFAULT_TARGET = "unix:///run/radixkv/radixkv.sock"
+
+
+def fallback_target() -> str:
+    """Where a daemon on the default address listens when it may not use /run/radixkv
+    (not root): this user's runtime directory, else /tmp/radixkv-<uid>."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/radixkv-{os.getuid()}"
+    return f"unix://{base}/radixkv/radixkv.sock"
+
+
+def resolve_target(target: str) -> str:
+    """`target`, except that the default address is the fallback's when only the
+    fallback's socket exists (a daemon run by this user, `make serve` not as root), so
+    clients on defaults find a daemon on defaults."""
+    if target != DEFAULT_TARGET or os.path.exists(DEFAULT_TARGET.removeprefix("unix://")):
+        return target
+    fallback = fallback_target()
+    return fallback if os.path.exists(fallback.removeprefix("unix://")) else target
 
 
 @dataclass(frozen=True)

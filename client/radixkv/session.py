@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2
 from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
+from .channel import DEFAULT_TARGET
 from .errors import DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated, Unavailable
 from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
@@ -37,7 +38,6 @@ from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, Pref
                     Registration, Violation)
 
 SERVICE = "radixkv.v1.RadixKV"
-DEFAULT_TARGET = "unix:///run/radixkv/radixkv.sock"
 PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
 RETRY_WHILE_REGISTERING_S = 0.05  # `reconnect` looks again this soon while another call registers
 _SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -15,6 +15,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from radixkv.channel import resolve_target
+
 from .config import DEFAULT_SOCKET
 
 READINESS = "radixkv.v1.RadixKV"
@@ -23,7 +25,7 @@ READINESS = "radixkv.v1.RadixKV"
 def default_address(environ=os.environ) -> str:
     listen = [a.strip() for a in environ.get("RADIXKV_LISTEN", "").split(",") if a.strip()]
     unix = [a for a in listen if a.startswith("unix:")]
-    return (unix or listen or [DEFAULT_SOCKET])[0]
+    return (unix or listen or [resolve_target(DEFAULT_SOCKET)])[0]
 
 
 def check(address: str, service: str = READINESS, timeout: float = 3.0) -> str:

@@ -15,11 +15,13 @@ import logging
 import os
 import signal
 import socket
+import stat
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from radixkv.channel import fallback_target
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
@@ -93,10 +95,19 @@ def _unix_path(address: str) -> str | None:
 
 
 def _prepare_socket(path: str) -> None:
-    """Create the socket's directory (0750) and clear a stale socket file."""
-    Path(path).parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-    if not os.path.exists(path):
+    """Create the socket's directory (0750) and clear a stale socket file. StartupError
+    for a directory that cannot be made, another process listening there, or a file
+    there that is not a socket (it is the operator's, never removed)."""
+    try:
+        Path(path).parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"cannot create the socket's directory {Path(path).parent}: {e.strerror or e}") from None
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"{path} exists and is not a socket; remove it or pick another --listen")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -110,18 +121,32 @@ def _prepare_socket(path: str) -> None:
 
 def _resolve_listen(config: DaemonConfig) -> list[str]:
     """The configured addresses; the default socket falls back to a per-user runtime
-    directory when /run/radixkv cannot be created (not root)."""
+    directory (`radixkv.channel.fallback_target`, where clients on defaults look too)
+    when /run/radixkv cannot be created or written (not root). StartupError when the
+    fallback's directory belongs to another user."""
     addresses = list(config.listen)
-    if addresses == [DEFAULT_SOCKET]:
-        path = _unix_path(DEFAULT_SOCKET)
-        try:
-            Path(path).parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        except PermissionError:
-            base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/radixkv-{os.getuid()}"
-            addresses = [f"unix://{base}/radixkv/radixkv.sock"]
-            log_event(log, "listen.fallback", logging.WARNING, wanted=DEFAULT_SOCKET, using=addresses[0],
-                      reason="no permission to create /run/radixkv")
-    return addresses
+    if addresses != [DEFAULT_SOCKET]:
+        return addresses
+    parent = Path(_unix_path(DEFAULT_SOCKET)).parent
+    try:
+        parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        if os.access(parent, os.W_OK | os.X_OK):
+            return addresses
+    except PermissionError:
+        pass
+    fallback = fallback_target()
+    base = Path(_unix_path(fallback)).parent.parent
+    try:
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = base.stat().st_uid
+    except OSError as e:
+        raise StartupError(f"no permission to use {parent}, and cannot create {base}: {e.strerror or e}") from None
+    if owner != os.getuid():
+        raise StartupError(f"no permission to use {parent}, and {base} belongs to another user (uid {owner}); "
+                           "pass --listen")
+    log_event(log, "listen.fallback", logging.WARNING, wanted=DEFAULT_SOCKET, using=fallback,
+              reason=f"no permission to use {parent}")
+    return [fallback]
 
 
 def _bind(server: grpc.aio.Server, address: str,

@@ -62,3 +62,43 @@ def test_a_storage_tier_that_does_not_answer_is_said_at_start():
     finally:
         d.stop()
         d.cleanup()
+
+
+def test_a_listen_path_the_daemon_cannot_use_is_refused_and_left_alone(socket_dir):
+    """A file at the socket's path that is not a socket is the operator's: refused, kept
+    (it was deleted, and the daemon started); a directory that cannot be made is said
+    in one line (a traceback)."""
+    taken = os.path.join(socket_dir, "radixkv.sock")
+    with open(taken, "w") as f:
+        f.write("the operator's")
+    for listen, says in [(f"unix://{taken}", f"{taken} exists and is not a socket"),
+                         ("unix:///proc/radixkv-test/radixkv.sock",
+                          "cannot create the socket's directory /proc/radixkv-test")]:
+        done = subprocess.run([sys.executable, "-m", "radixkv_server", "--listen", listen, "--metrics-port", "0"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stderr
+        assert says in done.stderr and "daemon.failed" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    with open(taken) as f:
+        assert f.read() == "the operator's"
+
+
+def test_clients_on_defaults_find_a_daemon_on_the_per_user_fallback(socket_dir, monkeypatch):
+    """Not root, `make serve`'s daemon listens in the user's runtime directory; a client,
+    `radixkv-health` and `radixkv-sim` on their defaults look there too when /run/radixkv
+    holds no socket (they looked at /run/radixkv alone, and said the daemon was down)."""
+    from radixkv.channel import DEFAULT_TARGET, fallback_target, resolve_target
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", socket_dir)
+    if os.path.exists(DEFAULT_TARGET.removeprefix("unix://")):  # a daemon on this machine's /run answers first
+        assert resolve_target(DEFAULT_TARGET) == DEFAULT_TARGET
+        return
+    assert resolve_target(DEFAULT_TARGET) == DEFAULT_TARGET  # no daemon anywhere: the usual address in errors
+    d = DaemonProcess(listen=fallback_target()).start()
+    try:
+        assert resolve_target(DEFAULT_TARGET) == fallback_target() == f"unix://{socket_dir}/radixkv/radixkv.sock"
+        health = subprocess.run([sys.executable, "-m", "radixkv_server.healthcheck"], capture_output=True,
+                                text=True, timeout=60, env={**os.environ, "RADIXKV_LISTEN": ""})
+        assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
+    finally:
+        d.stop()
+        d.cleanup()
