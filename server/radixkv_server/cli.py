@@ -1,19 +1,29 @@
 """`radixkv-server` / `python -m radixkv_server`: parse the config, log it, serve."""
 
 import logging
+import signal
 import sys
 
-from .grpc_io import polling_io_in_effect, prefer_polling_io
+# Run as the daemon: a stop asked for while the heavy imports below run (torch's takes a
+# second) is noted, and honoured once the daemon can stop cleanly (Python's default raised
+# KeyboardInterrupt inside an import, a traceback, or the import swallowed it and the
+# daemon served on). Imported by another program, its signals are left alone.
+_STOPPED_EARLY: list[int] = []
+if sys.argv and sys.argv[0].endswith(("radixkv-server", "radixkv_server/__main__.py")):
+    for _sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_sig, lambda signum, frame: _STOPPED_EARLY.append(signum))
+
+from .grpc_io import polling_io_in_effect, prefer_polling_io  # noqa: E402
 
 prefer_polling_io()  # before the imports below bring gRPC in (grpc_io says why)
 
-import torch
-import uvloop
+import torch  # noqa: E402
+import uvloop  # noqa: E402
 
-from .config import load_config, unknown_variables
-from .logs import log_event, setup_logging
-from .malloc import keep_freed_heap
-from .server import StartupError, serve
+from .config import load_config, unknown_variables  # noqa: E402
+from .logs import log_event, setup_logging  # noqa: E402
+from .malloc import keep_freed_heap  # noqa: E402
+from .server import StartupError, serve  # noqa: E402
 
 log = logging.getLogger("radixkv")
 
@@ -38,10 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         log_event(log, "config.unknown_variables", logging.WARNING, names=",".join(unknown),
                   note="no radixkv-server setting has these names: ignored (radixkv-server --help lists them)")
     try:
-        return uvloop.run(serve(config))
+        return uvloop.run(serve(config, stopped_early=lambda: bool(_STOPPED_EARLY)))
     except StartupError as e:
         log_event(log, "daemon.failed", logging.ERROR, reason=str(e))
         return 1
+    finally:  # stopped: a second signal while the interpreter winds down changes nothing
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from .core.evictable import STRATEGIES
 from .core.policy import StoragePolicy, WritePolicy
 
 DEFAULT_SOCKET = "unix:///run/radixkv/radixkv.sock"
+MIN_MESSAGE_SIZE = 1 << 20  # bytes: below it even a health check or a Register may not fit
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -126,6 +127,8 @@ class DaemonConfig:
     def __post_init__(self):
         if not self.listen:
             raise ValueError("listen: give at least one address")
+        if len(set(self.listen)) != len(self.listen):
+            raise ValueError(f"listen: an address is given twice ({', '.join(self.listen)})")
         for name in ("page_size", "write_through_threshold", "copy_workers", "storage_workers",
                      "storage_queue_pages", "max_sessions", "max_namespaces",
                      "max_prompts_per_match", "max_concurrent_rpcs", "max_acks_in_flight"):
@@ -145,8 +148,13 @@ class DaemonConfig:
             raise ValueError("give auth_token or auth_token_file, not both")
         if not 0 <= self.malloc_trim_threshold < 2 * 1024**3:
             raise ValueError(f"malloc_trim_threshold must be 0..2GiB, got {self.malloc_trim_threshold}")
-        if self.host_pool_size < 0 or self.max_host_pool_size < 0:
-            raise ValueError("host pool sizes must be >= 0")
+        if self.host_pool_size < 1 or self.max_host_pool_size < 0:
+            raise ValueError(f"host_pool_size must be > 0 (a namespace's pool unless its Register asks for "
+                             f"another) and max_host_pool_size >= 0, got {self.host_pool_size} and "
+                             f"{self.max_host_pool_size}")
+        if self.max_message_size < MIN_MESSAGE_SIZE:
+            raise ValueError(f"max_message_size must be at least {MIN_MESSAGE_SIZE >> 20}MiB (a Register or a "
+                             f"batched Match would not fit), got {self.max_message_size}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         for f in dataclasses.fields(self):

@@ -9,6 +9,7 @@ last KV events (namespaces cleared) and stop the event publisher -> remove socke
 """
 
 import asyncio
+import contextlib
 import errno
 import gc
 import logging
@@ -16,6 +17,7 @@ import os
 import signal
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -30,6 +32,7 @@ from .events import EventHub, EventsConfig
 from .logs import log_event
 from .metrics import Metrics
 from .service.auth import AuthError, ReloadableTls, TokenAuth
+from .service import host_budget
 from .service.daemon import Daemon
 from .storage import StorageUnavailable, open_storage
 from .storage_check import check_storage
@@ -174,6 +177,15 @@ def _bind(server: grpc.aio.Server, address: str,
     return path, address if path is not None else f"{address.rpartition(':')[0]}:{port}"
 
 
+def _check_host_pool(config: DaemonConfig) -> None:
+    """StartupError when a namespace's default host pool is past the daemon's host
+    memory budget: every Register that does not ask for fewer pages would be refused."""
+    limit, source = host_budget.host_memory_limit(config.max_host_memory)
+    if config.host_pool_size > limit:
+        raise StartupError(f"--host-pool-size {config.host_pool_size} is more than the host memory budget of "
+                           f"{limit} bytes ({source}): every Register would be refused; lower --host-pool-size")
+
+
 def _check_port(address: str) -> None:
     """StartupError for a TCP address without a port in 0-65535 (gRPC would bind a port
     modulo 65536, not the one asked for)."""
@@ -214,15 +226,21 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
-    """Run until `stop` is set or SIGTERM/SIGINT arrives; returns the exit code."""
+async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
+                stopped_early: Callable[[], bool] = lambda: False) -> int:
+    """Run until `stop` is set or SIGTERM/SIGINT arrives (or arrived before, as
+    `stopped_early` says: then the daemon stops as soon as it started); returns the exit
+    code."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if stopped_early():
+        stop.set()
     reloadable: list = []  # what SIGHUP reads again, once opened below
     loop.add_signal_handler(signal.SIGHUP, _reload, reloadable)
 
+    _check_host_pool(config)
     metrics = Metrics()
     storage = None
     if config.storage:
@@ -271,6 +289,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         await server.stop(None)
         if events is not None:
             events.close()
+        for path in sockets:  # gRPC leaves the files of sockets it stopped serving
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -100,3 +100,14 @@ def test_sigterm_under_load_exits_cleanly_in_order(daemon_factory):
         w.engine.channel.close()
         w.engine.release_memory()
         assert not os.path.exists(f"/dev/shm/{w.engine.device.shm_name}")
+
+
+def test_a_second_signal_as_the_daemon_exits_changes_nothing(daemon_factory):
+    """operations.md: a second SIGTERM while stopping changes nothing, and the exit code
+    is 0. One that lands after `daemon.stopped`, while the interpreter winds down (about
+    0.2 s of torch's teardown), killed the process by the signal (exit 143)."""
+    daemon = daemon_factory()
+    daemon.signal()
+    wait_for(lambda: "daemon.stopped" in daemon.log(), 30, "the daemon's stop")
+    daemon.signal()
+    assert daemon.wait() == 0

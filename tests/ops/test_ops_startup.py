@@ -31,8 +31,16 @@ def socket_dir():
      "kv events: kv_events_replay_endpoint needs kv_events_endpoint"),
     (("--shutdown-grace", "nan"), {}, 2, "shutdown_grace must be a number of seconds >= 0, got nan"),
     ((), {"RADIXKV_KV_EVENTS_WATCH": "ture"}, 2, "kv_events_watch: expected true or false"),
-], ids=["storage-directory", "port", "events-off", "nan", "boolean"])
+    (("--host-pool-size", "0"), {}, 2, "host_pool_size must be > 0"),
+    (("--max-message-size", "100"), {}, 2, "max_message_size must be at least 1MiB"),
+    (("--host-pool-size", "1GiB", "--max-host-memory", "512MiB"), {}, 1,
+     "--host-pool-size 1073741824 is more than the host memory budget of 536870912 bytes (--max-host-memory)"),
+    (("--listen", "unix:///tmp/rkv-twice.sock", "--listen", "unix:///tmp/rkv-twice.sock"), {}, 2,
+     "an address is given twice"),
+], ids=["storage-directory", "port", "events-off", "nan", "boolean", "no-host-pool", "tiny-messages",
+        "pool-past-budget", "listen-twice"])
 def test_a_configuration_that_cannot_work_is_refused_in_one_line(socket_dir, flags, env, code, says):
+    """The last four started "ready" before, and then refused every engine (or call)."""
     done = subprocess.run(
         [sys.executable, "-m", "radixkv_server", "--listen", f"unix://{socket_dir}/radixkv.sock",
          "--metrics-port", "0", *flags],

@@ -37,7 +37,7 @@ def test_session_and_namespace_limits(daemon_factory):
 
 def test_host_pools_stay_within_the_daemons_host_memory(daemon_factory):
     page = LAYOUT.page_bytes
-    d = daemon_factory("--max-host-memory", str(100 * page))
+    d = daemon_factory("--max-host-memory", str(100 * page), "--host-pool-size", str(100 * page))
     channel, stub = stub_for(d.target)
     a = RawSession(stub, "mem/a", host_pool_pages=64)
     sessions = [a]
