@@ -23,7 +23,7 @@ import uvloop  # noqa: E402
 from .config import load_config, unknown_variables  # noqa: E402
 from .logs import log_event, setup_logging  # noqa: E402
 from .malloc import keep_freed_heap  # noqa: E402
-from .server import StartupError, serve  # noqa: E402
+from .server import BadSetting, StartupError, serve  # noqa: E402
 
 log = logging.getLogger("radixkv")
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return uvloop.run(serve(config, stopped_early=lambda: bool(_STOPPED_EARLY)))
     except StartupError as e:
         log_event(log, "daemon.failed", logging.ERROR, reason=str(e))
-        return 1
+        return 2 if isinstance(e, BadSetting) else 1
     finally:  # stopped: a second signal while the interpreter winds down changes nothing
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)

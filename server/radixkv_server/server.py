@@ -27,7 +27,7 @@ from radixkv.channel import fallback_target
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 
-from .config import DEFAULT_SOCKET, DaemonConfig
+from .config import DEFAULT_SOCKET, DaemonConfig, without_passwords
 from .events import EventHub, EventsConfig
 from .logs import log_event
 from .metrics import Metrics
@@ -87,6 +87,11 @@ class _HealthServicer(health.aio.HealthServicer):
 
 class StartupError(Exception):
     """The daemon cannot start as configured (the message says why and what to do)."""
+
+
+class BadSetting(StartupError):
+    """A flag's or variable's value that no daemon could start with, found past the
+    config's own checks (exit code 2, as for those)."""
 
 
 def _unix_path(address: str) -> str | None:
@@ -191,7 +196,7 @@ def _check_port(address: str) -> None:
     modulo 65536, not the one asked for)."""
     port = address.rpartition(":")[2]
     if not (port.isdigit() and int(port) < 65536):
-        raise StartupError(f"cannot listen on {address}: the port must be a number in 0-65535")
+        raise BadSetting(f"cannot listen on {address}: the port must be a number in 0-65535")
 
 
 def _open_events(config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> EventHub | None:
@@ -199,8 +204,11 @@ def _open_events(config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> Event
     residency seam then costs nothing)."""
     try:
         events_config = EventsConfig.from_daemon(config)  # checked even when off: a flag given is meant
-        if not (config.kv_events_endpoint or config.kv_events_watch):
-            return None
+    except ValueError as e:
+        raise BadSetting(f"kv events: {e}") from None
+    if not (config.kv_events_endpoint or config.kv_events_watch):
+        return None
+    try:
         hub = EventHub(events_config, call_later=loop.call_later)
     except ValueError as e:
         raise StartupError(f"kv events: {e}") from None
@@ -246,8 +254,10 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
     if config.storage:
         try:
             storage = open_storage(config.storage)
-        except (ValueError, StorageUnavailable) as e:
-            raise StartupError(f"--storage {config.storage!r}: {e}") from None
+        except ValueError as e:
+            raise BadSetting(f"--storage {without_passwords(config.storage)!r}: {e}") from None
+        except StorageUnavailable as e:
+            raise StartupError(f"--storage {without_passwords(config.storage)!r}: {e}") from None
         log_event(log, "storage.opened", store=storage.name, policy=config.storage_policy)
         metrics.add_storage()
     try:

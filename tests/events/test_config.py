@@ -20,8 +20,9 @@ def test_from_daemon_maps_the_proposed_fields():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"queue_size": 0}, "queue_size"),
-    ({"replay_endpoint": "tcp://*:5558"}, "needs kv_events_endpoint"),
+    ({"queue_size": 0}, "--kv-events-queue-size must be >= 1, got 0"),
+    ({"ring_size": 0}, "--kv-events-replay-size must be >= 1"),  # the flag, not the field
+    ({"replay_endpoint": "tcp://*:5558"}, "needs --kv-events-endpoint"),
     ({"endpoint": "localhost:5557"}, "ZMQ address"),
     ({"topic": "kv-events"}, "must contain {namespace}: namespaces sharing one topic would mix"),
 ])

@@ -26,9 +26,11 @@ def socket_dir():
 
 @pytest.mark.parametrize("flags,env,code,says", [
     (("--storage", "file:///proc/radixkv-test/pages"), {}, 1, "unavailable during open"),
-    (("--listen", "127.0.0.1:99999"), {}, 1, "the port must be a number in 0-65535"),
-    (("--kv-events-replay-endpoint", "tcp://127.0.0.1:5999"), {}, 1,
-     "kv events: kv_events_replay_endpoint needs kv_events_endpoint"),
+    (("--storage", "ftp://x"), {}, 2, "unsupported storage URL scheme 'ftp'"),
+    (("--listen", "127.0.0.1:99999"), {}, 2, "the port must be a number in 0-65535"),
+    (("--kv-events-replay-endpoint", "tcp://127.0.0.1:5999"), {}, 2,
+     "kv events: --kv-events-replay-endpoint needs --kv-events-endpoint"),
+    (("--kv-events-replay-size", "0"), {}, 2, "kv events: --kv-events-replay-size must be >= 1, got 0"),
     (("--shutdown-grace", "nan"), {}, 2, "shutdown_grace must be a number of seconds >= 0, got nan"),
     ((), {"RADIXKV_KV_EVENTS_WATCH": "ture"}, 2, "kv_events_watch: expected true or false"),
     (("--host-pool-size", "0"), {}, 2, "host_pool_size must be > 0"),
@@ -37,10 +39,13 @@ def socket_dir():
      "--host-pool-size 1073741824 is more than the host memory budget of 536870912 bytes (--max-host-memory)"),
     (("--listen", "unix:///tmp/rkv-twice.sock", "--listen", "unix:///tmp/rkv-twice.sock"), {}, 2,
      "an address is given twice"),
-], ids=["storage-directory", "port", "events-off", "nan", "boolean", "no-host-pool", "tiny-messages",
+], ids=["storage-directory", "storage-scheme", "port", "events-off", "replay-size", "nan", "boolean",
+        "no-host-pool", "tiny-messages",
         "pool-past-budget", "listen-twice"])
 def test_a_configuration_that_cannot_work_is_refused_in_one_line(socket_dir, flags, env, code, says):
-    """The last four started "ready" before, and then refused every engine (or call)."""
+    """Exit 2 for a value no daemon could start with (the storage scheme, port, events'
+    settings said 1 before), 1 for what this machine refuses. The last four started
+    "ready" before, and then refused every engine (or call)."""
     done = subprocess.run(
         [sys.executable, "-m", "radixkv_server", "--listen", f"unix://{socket_dir}/radixkv.sock",
          "--metrics-port", "0", *flags],

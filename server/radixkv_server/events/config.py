@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from radixkv.routing.blockhash import DEFAULT_SEED
 
 
+FLAGS = {"queue_size": "--kv-events-queue-size", "ring_size": "--kv-events-replay-size",
+         "hwm": "--kv-events-hwm", "subscriber_buffer": "--kv-events-subscriber-buffer"}  # field -> its flag
+
+
 @dataclass(frozen=True)
 class EventsConfig:
     endpoint: str = ""           # ZMQ PUB address, e.g. tcp://*:5557 ("": no ZMQ)
@@ -20,18 +24,18 @@ class EventsConfig:
     data_parallel_rank: int = 0  # written into every batch, as vLLM does
 
     def __post_init__(self):
-        for name in ("queue_size", "ring_size", "hwm", "subscriber_buffer"):
+        for name, flag in FLAGS.items():
             if getattr(self, name) < 1:
-                raise ValueError(f"kv_events {name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if "{namespace}" not in self.topic:
-            raise ValueError(f"kv_events topic {self.topic!r} must contain {{namespace}}: namespaces "
+            raise ValueError(f"--kv-events-topic {self.topic!r} must contain {{namespace}}: namespaces "
                              "sharing one topic would mix their blocks, and dropping one would clear the others'")
         if self.replay_endpoint and not self.endpoint:
-            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value and "://" not in value:
-                raise ValueError(f"kv_events {name} must be a ZMQ address such as "
+                raise ValueError(f"--kv-events-{name.replace('_', '-')} must be a ZMQ address such as "
                                  f"tcp://*:5557 or ipc:///path, got {value!r}")
 
     def topic_for(self, namespace: str) -> bytes:

@@ -88,7 +88,7 @@ class Publisher:
                 _bind(self._replay, config.replay_endpoint, self._bound_files)
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise ValueError(f"kv events: cannot open {config.endpoint or config.replay_endpoint}: {e}") from e
+            raise ValueError(f"cannot open {config.endpoint or config.replay_endpoint}: {e}") from e
         self.num_dropped = 0          # batches the queue had no room for (loop side)
         self.num_send_errors = 0      # batches the PUB socket refused (publisher side)
         self.num_replays = 0          # replay requests answered
