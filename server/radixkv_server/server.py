@@ -167,6 +167,7 @@ def _bind(server: grpc.aio.Server, address: str,
         _prepare_socket(path)
     else:
         _check_port(address)
+        _probe_tcp(address)
     try:
         if path is None and tls is not None:
             port = server.add_secure_port(address, tls)
@@ -180,6 +181,32 @@ def _bind(server: grpc.aio.Server, address: str,
     if path is None and port == 0:
         raise StartupError(f"cannot listen on {address} (address in use or not local?)")
     return path, address if path is not None else f"{address.rpartition(':')[0]}:{port}"
+
+
+def _remove_sockets(paths) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _probe_tcp(address: str) -> None:
+    """StartupError naming the cause when `address` cannot be bound (in use, not this
+    machine's, no such host), found by binding it here and letting it go: gRPC's own
+    error says only "Failed to bind", the cause going to a line of its C core."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(None if host in ("", "*") else host, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StartupError(f"cannot listen on {address}: host {host!r}: {e.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos[:1]:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(sockaddr)
+            except OSError as e:
+                raise StartupError(f"cannot listen on {address}: {e.strerror or e}") from None
 
 
 def _check_host_pool(config: DaemonConfig) -> None:
@@ -287,7 +314,13 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
         reflection.aio.ReflectionServicer((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), services)
 
     addresses = _resolve_listen(config)  # once: a fallback is logged once
-    bound = [_bind(server, a, tls) for a in addresses]
+    bound = []
+    try:
+        for address in addresses:
+            bound.append(_bind(server, address, tls))
+    except StartupError:
+        _remove_sockets(path for path, _ in bound if path)  # gRPC made their files as it bound them
+        raise
     sockets = [path for path, _ in bound if path]
     await server.start()
     daemon.start()
@@ -299,9 +332,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
         await server.stop(None)
         if events is not None:
             events.close()
-        for path in sockets:  # gRPC leaves the files of sockets it stopped serving
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        _remove_sockets(sockets)  # gRPC leaves the files of sockets it stopped serving
         raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

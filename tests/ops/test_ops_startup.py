@@ -115,3 +115,28 @@ def test_clients_on_defaults_find_a_daemon_on_the_per_user_fallback(socket_dir, 
     finally:
         d.stop()
         d.cleanup()
+
+
+def test_a_start_that_cannot_listen_names_the_cause_and_leaves_no_socket(socket_dir):
+    """gRPC's own error said only "Failed to bind ... set GRPC_VERBOSITY=debug" (the cause
+    on a line of its C core, outside the structured log), and the unix socket bound
+    before the failing address stayed behind."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    garbage = os.path.join(socket_dir, "garbage.pem")
+    with open(garbage, "w") as f:
+        f.write("not a certificate\n")
+    path = os.path.join(socket_dir, "first.sock")
+    try:
+        for flags, says in [(("--listen", f"127.0.0.1:{taken.getsockname()[1]}"), "Address already in use"),
+                            (("--listen", "127.0.0.1:0", "--tls-cert", garbage, "--tls-key", garbage),
+                             f"TLS certificate {garbage}, key {garbage}: cannot be used")]:
+            done = subprocess.run([sys.executable, "-m", "radixkv_server", "--listen", f"unix://{path}",
+                                   "--metrics-port", "0", *flags], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 1 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+            assert not os.path.exists(path), "the socket bound first was left behind"
+    finally:
+        taken.close()

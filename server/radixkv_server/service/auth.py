@@ -12,6 +12,7 @@ new certificate and client CA; connections already open keep theirs.
 """
 
 import logging
+import ssl
 
 import grpc
 
@@ -72,10 +73,21 @@ class ReloadableTls:
         return fresh
 
     def _read(self):
+        """The configuration for gRPC, once the files parse as a certificate and its key
+        (and CA certificates): AuthError saying what is wrong (gRPC failed only later, at
+        the bind or at each handshake, naming neither)."""
         cert, key, client_ca = self._files
         root = read_file(client_ca, "TLS client CA") if client_ca else None
-        return grpc.ssl_server_certificate_configuration(
-            [(read_file(key, "TLS key"), read_file(cert, "TLS certificate"))], root_certificates=root)
+        pair = (read_file(key, "TLS key"), read_file(cert, "TLS certificate"))
+        try:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(cert, key, password=lambda: b"")  # never a prompt: gRPC takes no passphrase
+            if client_ca:
+                context.load_verify_locations(client_ca)
+        except ssl.SSLError as e:
+            raise AuthError(f"TLS certificate {cert}, key {key}"
+                            f"{f', client CA {client_ca}' if client_ca else ''}: cannot be used: {e}") from None
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=root)
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
