@@ -238,3 +238,19 @@ def test_a_dropped_namespace_leaves_no_series_behind(daemon_factory):
     after = namespaces(d.scrape())
     assert "ops/dropped" not in after
     assert after["ops/kept"] == before["ops/kept"]
+
+
+def test_the_shipped_alert_rules_load_pass_their_tests_and_name_exported_metrics(daemon_factory, tmp_path):
+    """deploy/prometheus: the rules operations.md's conditions call for, which Prometheus
+    loads (`promtool check rules`), which fire on trouble and stay quiet on a healthy
+    daemon (`promtool test rules`), over series the daemon exports."""
+    rules = REPO / "deploy" / "prometheus" / "radixkv-alerts.yml"
+    for command in (["promtool", "check", "rules", str(rules)],
+                    ["promtool", "test", "rules", str(rules.with_name("radixkv-alerts-test.yml"))]):
+        done = run_tool(command, check=False)
+        assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout}{done.stderr}"
+    daemon = daemon_factory("--storage", str(tmp_path), "--kv-events-watch", "true")
+    small_workload(daemon, "ops/alerts", cycles=1)
+    exported = exported_names(daemon.scrape())
+    used = set(re.findall(r"\bradixkv_[A-Za-z0-9_:]+", rules.read_text()))
+    assert not used - exported, f"alert rules name metrics the daemon does not export: {sorted(used - exported)}"
