@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from . import __version__
 from .core.evictable import STRATEGIES
 from .core.policy import StoragePolicy, WritePolicy
 
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif not f.metadata.get("repeat"):
             kwargs["metavar"] = f.name.upper()
         parser.add_argument(flag, **kwargs)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
 

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixkv.channel import resolve_target
 
+from . import __version__
 from .config import DEFAULT_SOCKET
 
 READINESS = "radixkv.v1.RadixKV"
@@ -46,11 +47,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f'health service name: "{READINESS}" = ready (default), "" = alive')
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     parser.add_argument("--quiet", action="store_true", help="print nothing")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
+    address = f"unix://{args.address}" if args.address.startswith("/") else args.address  # grpcurl's form
     try:
-        status = check(args.address, args.service, args.timeout)
+        status = check(address, args.service, args.timeout)
     except grpc.RpcError as e:
-        status = f"UNREACHABLE ({e.code().name}: {e.details()})"
+        if e.code() == grpc.StatusCode.NOT_FOUND:  # the daemon answered: it has no such service
+            status = f"UNKNOWN SERVICE (the daemon serves {READINESS!r} and '' only)"
+        else:
+            status = f"UNREACHABLE ({e.code().name}: {e.details()})"
     if not args.quiet:
         print(f"{args.address} {args.service or '(liveness)'}: {status}")
     return 0 if status == "SERVING" else 1

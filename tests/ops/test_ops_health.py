@@ -116,3 +116,23 @@ def test_shutdown_turns_health_not_serving_and_ends_watches(daemon_factory):
             w.channel.close()
         engine.channel.close()
         engine.release_memory()
+
+
+def test_the_health_command_takes_a_bare_socket_path_and_names_an_unknown_service(daemon):
+    """`radixkv-health` as probes run it: a socket given as a bare path (grpcurl's form;
+    it was read as a host name), an unknown service said to be unknown by a daemon that
+    answered (it said UNREACHABLE), and its version."""
+    import subprocess
+    import sys
+
+    def health(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "radixkv_server.healthcheck", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    path = daemon.target.removeprefix("unix://")
+    ready = health("--address", path)
+    assert ready.returncode == 0 and ready.stdout.strip() == f"{path} {READINESS}: SERVING", ready.stdout + ready.stderr
+    unknown = health("--address", path, "--service", "bogus")
+    assert unknown.returncode == 1 and "bogus: UNKNOWN SERVICE" in unknown.stdout, unknown.stdout
+    from radixkv_server import __version__
+    assert health("--version").stdout.strip() == f"radixkv-health {__version__}"
