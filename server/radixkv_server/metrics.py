@@ -10,6 +10,7 @@ namespace, tier, reason, method, code; never tokens, pages or sessions.
 
 import asyncio
 import logging
+import time
 
 from prometheus_client import (
     GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Histogram,
@@ -23,6 +24,7 @@ from .logs import log_event
 
 log = logging.getLogger("radixkv.metrics")
 
+SNAPSHOT_TIMEOUT_S = 5.0  # a scrape's wait for the loop to read the cache's state
 COPY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5)
 STORAGE_OPERATIONS = ("exists", "get", "put")  # the storage mover's timed calls
 RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1, 5)
@@ -150,9 +152,15 @@ def snapshot(daemon) -> dict:
 
 
 class _StateCollector(Collector):
+    """The cache's state, read on the daemon's loop at each scrape. A loop that cannot
+    answer within SNAPSHOT_TIMEOUT_S (stuck, or stopping) gets the last state it gave
+    again, with `radixkv_state_age_seconds` saying how old it is: the scrape exported no
+    radixkv series at all, and dashboards and alerts saw the daemon's series vanish."""
+
     def __init__(self, daemon, loop):
         self._daemon = daemon
         self._loop = loop
+        self._last: tuple[float, dict] | None = None  # (when read, the snapshot)
 
     def describe(self):
         # Without describe(), registering this collector (on the event loop) would call
@@ -164,14 +172,19 @@ class _StateCollector(Collector):
             return snapshot(self._daemon)
 
         try:
-            return asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout=5)
-        except Exception:  # loop stopping or stuck: export nothing rather than stale data
+            snap = asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout=SNAPSHOT_TIMEOUT_S)
+        except Exception:  # loop stopping or stuck: the last state read, said to be old
             return None
+        self._last = (time.monotonic(), snap)
+        return snap
 
     def collect(self):
-        snap = self._snapshot()
-        if snap is None:
+        if self._snapshot() is None and self._last is None:
             return
+        read_at, snap = self._last
+        yield GaugeMetricFamily("radixkv_state_age_seconds", "Seconds since the cache state in these series was "
+                                "read (0: at this scrape; growing while the daemon's loop does not answer)",
+                                value=round(time.monotonic() - read_at, 3))
         yield GaugeMetricFamily("radixkv_sessions", "Engine sessions attached", value=snap["sessions"])
         yield GaugeMetricFamily("radixkv_namespaces", "Namespaces held", value=len(snap["namespaces"]))
         families = {

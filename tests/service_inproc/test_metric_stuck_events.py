@@ -119,3 +119,37 @@ def test_invariant_violations_are_counted_per_check_and_namespace():
         finally:
             await daemon.close()
     run(scenario())
+
+
+def test_a_scrape_while_the_loop_is_stuck_shows_the_last_state_and_its_age(monkeypatch):
+    """A scrape whose state read the daemon's loop cannot answer in time (stuck in a long
+    synchronous call here) exports the last state read, and `radixkv_state_age_seconds`
+    says how old it is (the scrape had no radixkv state series at all: panels emptied
+    and alerts on them went quiet while the daemon was in trouble)."""
+    import time
+
+    from prometheus_client import generate_latest
+    from radixkv_server import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "SNAPSHOT_TIMEOUT_S", 0.2)
+
+    async def scenario():
+        config = DaemonConfig(host_pool_size=HOST_PAGES * LAYOUT.page_bytes)
+        metrics = Metrics()
+        daemon = Daemon(config, metrics)
+        metrics.watch(daemon, asyncio.get_running_loop())
+        try:
+            e = await Engine.register(daemon, "t/stuck")
+            fresh = await scrape(metrics)
+            assert fresh[("radixkv_sessions", ())] == 1 and fresh[("radixkv_state_age_seconds", ())] < 0.2
+            scraping = asyncio.get_running_loop().run_in_executor(None, generate_latest, metrics.registry)
+            time.sleep(0.6)  # the loop stuck: the scrape's read of the state times out meanwhile
+            stale = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                     for family in text_string_to_metric_families((await scraping).decode()) for s in family.samples}
+            assert stale[("radixkv_sessions", ())] == 1
+            assert stale[("radixkv_state_age_seconds", ())] >= 0.2
+            assert (await scrape(metrics))[("radixkv_state_age_seconds", ())] < 0.2  # read again once it answers
+            await e.close()
+        finally:
+            await daemon.close()
+    run(scenario())

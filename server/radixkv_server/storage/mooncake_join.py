@@ -7,6 +7,7 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from ..logs import log_event
 from .base import StorageUnavailable
 
 log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")
@@ -128,8 +129,8 @@ class Membership:
             socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout).close()
             return True
         except OSError as exc:
-            log.warning("storage %s: the master does not accept connections (%s); retrying with later calls",
-                        self.name, exc)
+            log_event(log, "storage.master_unreachable", logging.WARNING, store=self.name, error=str(exc),
+                      note="the Mooncake master does not accept connections; retrying with later calls")
             return False
 
     def _register(self, store) -> None:
