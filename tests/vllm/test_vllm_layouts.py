@@ -163,9 +163,10 @@ def test_flash_attention_pages_round_trip_through_a_daemon(daemon):
 def test_engines_on_different_devices_never_share_storage_keys():
     """CPU attention and the GPU backends lay a block's bytes out in other orders, and
     the described layouts cannot tell them apart (both whole opaque pages of one size):
-    the model identity the connector registers names the device, so a fleet mixing CPU
-    and GPU engines on one store keeps their pages apart (before: the same keys, and
-    one loaded the other's bytes in the wrong order)."""
+    the model identity the connector registers names the device and vLLM's KV layout, so
+    a fleet mixing CPU and GPU engines (or GPUs whose FlashInfer picks NHD and HND) on one
+    store keeps their pages apart (before: the same keys, and one loaded the other's
+    bytes in the wrong order)."""
     from radixkv.vllm.config import on_device
     from radixkv_server.core.page_keys import namespace_salt
     from radixkv_server.service.registration import layout_fingerprint
@@ -174,5 +175,6 @@ def test_engines_on_different_devices_never_share_storage_keys():
                                TOKENS, lambda name, v: (b"h", 0), num_blocks=BLOCKS).layout
                 for view in (cpu_attention, flash_attention))
     assert layout_fingerprint(cpu) == layout_fingerprint(gpu)  # what the daemon sees of the bytes
-    keys = {namespace_salt(on_device("/models/llama", device), layout_fingerprint(cpu)) for device in ("cpu", "cuda")}
-    assert len(keys) == 2
+    identities = [on_device("/models/llama", device, layout)
+                  for device, layout in (("cpu", None), ("cuda", "NHD"), ("cuda", "HND"))]
+    assert len({namespace_salt(identity, layout_fingerprint(cpu)) for identity in identities}) == 3

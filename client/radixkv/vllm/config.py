@@ -113,13 +113,15 @@ def model_identity(model_config) -> str:
     return " ".join(parts)
 
 
-def on_device(model: str, device: str) -> str:
+def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> str:
     """The identity registered for `model`'s KV computed on a `device` type ("cpu",
-    "cuda"), whatever `model` says: their attention backends order a block's bytes
-    differently (CPU attention interleaves K and V per head, GPU backends hold K then V),
-    and the daemon sees both as whole pages of one size, so a fleet mixing them on one
-    store would load pages in the other's order."""
-    return f"{model} device={device}"
+    "cuda") in vLLM's `kv_cache_layout` (resolved once per engine, e.g. NHD or HND by
+    backend and GPU generation; None where vLLM names none), whatever `model` says: they
+    order a block's bytes differently (CPU attention interleaves K and V per head, GPU
+    backends hold K then V, HND puts heads before tokens), and the daemon sees them all
+    as whole pages of one size, so a fleet mixing them on one store would load pages in
+    another's order."""
+    return f"{model} device={device}" + (f" kv_layout={kv_cache_layout}" if kv_cache_layout else "")
 
 
 __all__ = ["ConnectorConfig", "model_identity", "on_device"]

@@ -60,7 +60,10 @@ class RadixKVConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.served_model_name,
                                             model_identity(vllm_config.model_config))
-        self.config = dataclasses.replace(config, model=on_device(config.model, vllm_config.device_config.device.type))
+        # The scheduler's and every worker's connector are made with the engine's one
+        # kv_cache_config, which carries the KV layout vLLM resolved (0.32).
+        self.config = dataclasses.replace(config, model=on_device(
+            config.model, vllm_config.device_config.device.type, getattr(kv_cache_config, "kv_cache_layout", None)))
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank, self.tp_size = _tp_rank(vllm_config)
         self._adapter: DaemonAdapter | None = None
