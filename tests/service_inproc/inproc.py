@@ -99,9 +99,23 @@ async def exposition(metrics) -> str:
     return (await asyncio.to_thread(generate_latest, metrics.registry)).decode()
 
 
+async def cancelled_at_first_await(coro) -> None:
+    """Run `coro` until it first waits, then cancel it there, as a deadline would."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0)
+    assert not task.done(), "the call should be waiting (for a copy or the store)"
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return
+    raise AssertionError("the call finished instead of being cancelled")
+
+
 def run(coro):
     """Run one scenario on a fresh event loop (the loop owns the daemon, as in serve())."""
     return asyncio.run(coro)
 
 
-__all__ = ["Engine", "LAYOUT", "NUM_PAGES", "exposition", "prompt", "run", "running_daemon"]
+__all__ = ["Engine", "LAYOUT", "NUM_PAGES", "cancelled_at_first_await", "exposition", "prompt", "run",
+           "running_daemon"]

@@ -31,17 +31,8 @@ from radixkv_server.service.registration import Registration
 from radixkv_server.storage.open import open_storage
 
 from tests.service_inproc.engine_ranks import Rank
-from tests.service_inproc.inproc import LAYOUT, NUM_PAGES, Engine, prompt, run, running_daemon
-
-
-async def cancelled_at_first_await(coro) -> None:
-    """Run `coro` until it first waits, then cancel it there, as a deadline would."""
-    task = asyncio.ensure_future(coro)
-    await asyncio.sleep(0)
-    assert not task.done(), "the call should be waiting (for a copy or the store)"
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+from tests.service_inproc.inproc import (LAYOUT, NUM_PAGES, Engine, cancelled_at_first_await, prompt, run,
+                                         running_daemon)
 
 
 def locked_nodes(ns) -> list[int]:

@@ -28,7 +28,7 @@ from radixkv_server.datapath import CopyError
 from radixkv_server.datapath.copy_engine import CopyEngine
 from radixkv_server.storage.open import open_storage
 
-from tests.service_inproc.inproc import Engine, prompt, run, running_daemon
+from tests.service_inproc.inproc import Engine, cancelled_at_first_await, prompt, run, running_daemon
 
 
 async def loading(daemon, namespace: str) -> tuple[Engine, int]:
@@ -44,35 +44,31 @@ async def loading(daemon, namespace: str) -> tuple[Engine, int]:
     return e, lb.result.transfer
 
 
-async def cut_short(coro) -> None:
-    """Run `coro` until it first waits, then cancel it there, as a deadline would."""
-    task = asyncio.ensure_future(coro)
-    await asyncio.sleep(0)
-    assert not task.done(), "the call should be waiting"
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-
-
 def holds_nothing(ns) -> None:
     assert ns.cache.transfers == {}
     assert not [n.id for n in ns.cache.tree.iter_nodes() if n.full.lock_ref or n.full.pins]
     assert ns.check_invariants() == []
 
 
+async def served_again(old: Engine, transfer: int) -> None:
+    """`old`'s session is closed whole (its load finished, nothing held), and a new
+    engine registering its namespace is served the prompt `loading` cached."""
+    ns = old.ns
+    assert transfer not in ns.cache.transfers, "answered while the load still copied"
+    holds_nothing(ns)
+    old.buffers.close()
+    new = await Engine.register(old.daemon, ns.name)  # refused UNAVAILABLE for good before
+    assert (await new.match(prompt(0, 4))).result.host_tokens == 16
+    await new.close()
+
+
 def test_a_close_whose_caller_gave_up_ends_before_a_retried_close_is_answered():
     async def scenario():
         async with running_daemon(fault_copy_delay=0.2) as daemon:
             e, transfer = await loading(daemon, "t/close")
-            ns = e.ns
-            await cut_short(daemon.close_session(e.session, "closed by the engine"))
+            await cancelled_at_first_await(daemon.close_session(e.session, "closed by the engine"))
             await daemon.close_session(e.session, "closed by the engine")  # the client's retry
-            assert transfer not in ns.cache.transfers, "answered while the load still copied"
-            holds_nothing(ns)
-            e.buffers.close()
-            again = await Engine.register(daemon, "t/close")  # refused UNAVAILABLE for good before
-            assert (await again.match(prompt(0, 4))).result.host_tokens == 16
-            await again.close()
+            await served_again(e, transfer)
     run(scenario())
 
 
@@ -80,7 +76,6 @@ def test_a_replacing_register_cut_short_still_ends_the_session_it_replaces():
     async def scenario():
         async with running_daemon(fault_copy_delay=0.2) as daemon:
             old, transfer = await loading(daemon, "t/replace")
-            ns = old.ns
             replacing = asyncio.ensure_future(Engine.register(daemon, "t/replace", replace=True))
             while not old.session.closing:  # until it closes the session it replaces
                 await asyncio.sleep(0)
@@ -88,12 +83,7 @@ def test_a_replacing_register_cut_short_still_ends_the_session_it_replaces():
             with pytest.raises(asyncio.CancelledError):
                 await replacing
             await daemon.closed(old.session)
-            assert transfer not in ns.cache.transfers
-            holds_nothing(ns)
-            old.buffers.close()
-            new = await Engine.register(daemon, "t/replace")
-            assert (await new.match(prompt(0, 4))).result.host_tokens == 16
-            await new.close()
+            await served_again(old, transfer)
     run(scenario())
 
 

@@ -23,11 +23,15 @@ from tests.service_inproc.inproc import HOST_PAGES, LAYOUT, Engine, exposition, 
 QUEUE = 4  # --kv-events-queue-size of these daemons
 
 
-async def scrape(metrics: Metrics) -> dict:
-    """{(name, labels, namespace included): value} of one exposition."""
-    text = await exposition(metrics)
+def samples(text: str) -> dict:
+    """{(name, labels, namespace included): value} of an exposition's text."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def scrape(metrics: Metrics) -> dict:
+    """`samples` of one exposition."""
+    return samples(await exposition(metrics))
 
 
 def event_values(got: dict) -> tuple:
@@ -144,8 +148,7 @@ def test_a_scrape_while_the_loop_is_stuck_shows_the_last_state_and_its_age(monke
             assert fresh[("radixkv_sessions", ())] == 1 and fresh[("radixkv_state_age_seconds", ())] < 0.2
             scraping = asyncio.get_running_loop().run_in_executor(None, generate_latest, metrics.registry)
             time.sleep(0.6)  # the loop stuck: the scrape's read of the state times out meanwhile
-            stale = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                     for family in text_string_to_metric_families((await scraping).decode()) for s in family.samples}
+            stale = samples((await scraping).decode())
             assert stale[("radixkv_sessions", ())] == 1
             assert stale[("radixkv_state_age_seconds", ())] >= 0.2
             assert (await scrape(metrics))[("radixkv_state_age_seconds", ())] < 0.2  # read again once it answers
