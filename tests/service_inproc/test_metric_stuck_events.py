@@ -29,6 +29,14 @@ def samples(text: str) -> dict:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def watched_daemon() -> tuple[Daemon, Metrics]:
+    """An in-process daemon and a real Metrics registry watching it (call on its loop)."""
+    metrics = Metrics()
+    daemon = Daemon(DaemonConfig(host_pool_size=HOST_PAGES * LAYOUT.page_bytes), metrics)
+    metrics.watch(daemon, asyncio.get_running_loop())
+    return daemon, metrics
+
+
 async def scrape(metrics: Metrics) -> dict:
     """`samples` of one exposition."""
     return samples(await exposition(metrics))
@@ -87,10 +95,7 @@ def test_a_stuck_publisher_fills_the_queue_and_drops_are_counted():
 
 def test_invariant_violations_are_counted_per_check_and_namespace():
     async def scenario():
-        config = DaemonConfig(host_pool_size=HOST_PAGES * LAYOUT.page_bytes)
-        metrics = Metrics()
-        daemon = Daemon(config, metrics)
-        metrics.watch(daemon, asyncio.get_running_loop())
+        daemon, metrics = watched_daemon()
         try:
             e = await Engine.register(daemon, "t/broken", write_policy="write_through")
             other = await Engine.register(daemon, "t/sound")
@@ -138,10 +143,7 @@ def test_a_scrape_while_the_loop_is_stuck_shows_the_last_state_and_its_age(monke
     monkeypatch.setattr(metrics_module, "SNAPSHOT_TIMEOUT_S", 0.2)
 
     async def scenario():
-        config = DaemonConfig(host_pool_size=HOST_PAGES * LAYOUT.page_bytes)
-        metrics = Metrics()
-        daemon = Daemon(config, metrics)
-        metrics.watch(daemon, asyncio.get_running_loop())
+        daemon, metrics = watched_daemon()
         try:
             e = await Engine.register(daemon, "t/stuck")
             fresh = await scrape(metrics)
