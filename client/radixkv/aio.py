@@ -160,11 +160,7 @@ class AsyncClient(ClientBase):
         if self._session.closed:
             return
         try:
-            if self._orphans:  # cancelled Registers still answering, and their sessions' Closes
-                bound = self.timeout if self.timeout is not None else ORPHAN_WAIT_S
-                await asyncio.wait(set(self._orphans), timeout=bound)
-                if self._orphans:  # the Closes started by the Registers answered just now
-                    await asyncio.wait(set(self._orphans), timeout=bound)
+            await self._wait_orphans()
             for stream in await self._run(self._session.close()):
                 if self._session.close_answered:
                     await stream.close()
@@ -257,6 +253,7 @@ class AsyncClient(ClientBase):
         task) goes on, with no deadline on the wire: a session the daemon made for it would
         hold the namespace with no one to use or close it, so it is closed once answered
         (see `Client._register`)."""
+        await self._wait_orphans()  # this client's abandoned Register may hold the namespace: its Close first
         answer = asyncio.ensure_future(self._stub.Register(step.request, wait_for_ready=step.wait_for_ready))
         answered = False
         try:
@@ -269,6 +266,14 @@ class AsyncClient(ClientBase):
             if not answered:
                 self._orphans.add(answer)
                 answer.add_done_callback(self._close_orphan)
+
+    async def _wait_orphans(self) -> None:
+        """Wait for abandoned Registers to answer, then for the Closes of the sessions they
+        made: each for up to the timeout (ORPHAN_WAIT_S with none)."""
+        bound = self.timeout if self.timeout is not None else ORPHAN_WAIT_S
+        for _ in range(2):  # the Registers, then the Closes their answers started
+            if self._orphans:
+                await asyncio.wait(set(self._orphans), timeout=bound)
 
     def _close_orphan(self, answer: asyncio.Future) -> None:
         self._orphans.discard(answer)

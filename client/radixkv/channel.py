@@ -30,7 +30,8 @@ def fallback_target() -> str:
 def resolve_target(target: str) -> str:
     """`target`, except that the default address is the fallback's when only the
     fallback's socket exists (a daemon run by this user, `make serve` not as root), so
-    clients on defaults find a daemon on defaults."""
+    clients on defaults find a daemon on defaults. Decided when a client is made: one
+    made before such a daemon started keeps the default address."""
     if target != DEFAULT_TARGET or os.path.exists(DEFAULT_TARGET.removeprefix("unix://")):
         return target
     fallback = fallback_target()

@@ -326,6 +326,7 @@ class Client(ClientBase):
         answer, and that session would hold the namespace, refusing every later Register:
         so past the timeout the call goes on, and the session it made is closed once
         answered (`close` waits for that, bounded)."""
+        self._wait_orphans()  # this client's abandoned Register may hold the namespace: its Close first
         call = self._stub.Register.future(step.request, wait_for_ready=step.wait_for_ready)
         answered = False
         try:
@@ -347,23 +348,25 @@ class Client(ClientBase):
                                                 timeout=self.timeout)
                 self._orphans.add(close)
                 close.add_done_callback(self._orphans.discard)
-        except ValueError:  # the channel closed meanwhile: the daemon ends that session with it
+        except ValueError:  # the channel closed meanwhile (`close` gave up waiting): the session stays
             pass
         finally:
             self._orphans.discard(call)
 
     def _wait_orphans(self) -> None:
-        """Wait, bounded by the timeout (ORPHAN_WAIT_S with none), for abandoned Registers
-        to answer and the sessions they made to be closed."""
-        deadline = time.monotonic() + (self.timeout if self.timeout is not None else ORPHAN_WAIT_S)
-        while self._orphans and (left := deadline - time.monotonic()) > 0:
-            call = next(iter(self._orphans.copy()))
-            try:
-                call.exception(timeout=left)
-            except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
-                pass
-            if call in self._orphans:  # answered; its callback (on gRPC's thread) is still to run
-                time.sleep(0.001)
+        """Wait for abandoned Registers to answer, then for the Closes of the sessions they
+        made: each for up to the timeout (ORPHAN_WAIT_S with none)."""
+        bound = self.timeout if self.timeout is not None else ORPHAN_WAIT_S
+        for _ in range(2):  # the Registers, then the Closes their answers started
+            deadline = time.monotonic() + bound
+            while self._orphans and (left := deadline - time.monotonic()) > 0:
+                call = next(iter(self._orphans.copy()))
+                try:
+                    call.exception(timeout=left)
+                except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                    pass
+                if call in self._orphans:  # answered; its callback (on gRPC's thread) is still to run
+                    time.sleep(0.001)
 
 
 __all__ = ["Client", "DEFAULT_TARGET", "SERVICE"]

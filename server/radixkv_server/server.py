@@ -191,8 +191,12 @@ def _remove_sockets(paths) -> None:
 
 def _probe_tcp(address: str) -> None:
     """StartupError naming the cause when `address` cannot be bound (in use, not this
-    machine's, no such host), found by binding it here and letting it go: gRPC's own
-    error says only "Failed to bind", the cause going to a line of its C core."""
+    machine's, no such host), found by binding each of its addresses here and letting
+    them go: gRPC's own error says only "Failed to bind", the cause going to a line of
+    its C core. Addresses in gRPC's URI forms (vsock:, ipv4:, ...) and families this
+    kernel lacks are left to gRPC."""
+    if address.startswith(("vsock:", "ipv4:", "ipv6:", "dns:")):
+        return
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     try:
@@ -200,22 +204,28 @@ def _probe_tcp(address: str) -> None:
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise StartupError(f"cannot listen on {address}: host {host!r}: {e.strerror}") from None
-    for family, kind, proto, _, sockaddr in infos[:1]:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
-            try:
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
                 probe.bind(sockaddr)
-            except OSError as e:
-                raise StartupError(f"cannot listen on {address}: {e.strerror or e}") from None
+        except OSError as e:
+            if e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL) and len(infos) > 1:
+                continue  # a family or address this machine lacks; gRPC binds the others
+            if e.errno == errno.EAFNOSUPPORT:
+                return
+            raise StartupError(f"cannot listen on {address}: {e.strerror or e}") from None
 
 
 def _check_host_pool(config: DaemonConfig) -> None:
-    """StartupError when a namespace's default host pool is past the daemon's host
-    memory budget: every Register that does not ask for fewer pages would be refused."""
+    """Say at start when a namespace's default host pool is past the daemon's host
+    memory budget: every Register that does not ask for fewer pages (host_pool_pages)
+    will be refused. (Not refused: engines that size their pools still work.)"""
     limit, source = host_budget.host_memory_limit(config.max_host_memory)
     if config.host_pool_size > limit:
-        raise StartupError(f"--host-pool-size {config.host_pool_size} is more than the host memory budget of "
-                           f"{limit} bytes ({source}): every Register would be refused; lower --host-pool-size")
+        log_event(log, "host_pool.over_budget", logging.WARNING, host_pool_size=config.host_pool_size,
+                  budget=limit, source=source,
+                  note="Registers that do not ask for fewer host_pool_pages will be refused; lower --host-pool-size")
 
 
 def _check_port(address: str) -> None:

@@ -35,16 +35,14 @@ def socket_dir():
     ((), {"RADIXKV_KV_EVENTS_WATCH": "ture"}, 2, "kv_events_watch: expected true or false"),
     (("--host-pool-size", "0"), {}, 2, "host_pool_size must be > 0"),
     (("--max-message-size", "100"), {}, 2, "max_message_size must be at least 1MiB"),
-    (("--host-pool-size", "1GiB", "--max-host-memory", "512MiB"), {}, 1,
-     "--host-pool-size 1073741824 is more than the host memory budget of 536870912 bytes (--max-host-memory)"),
     (("--listen", "unix:///tmp/rkv-twice.sock", "--listen", "unix:///tmp/rkv-twice.sock"), {}, 2,
      "an address is given twice"),
 ], ids=["storage-directory", "storage-scheme", "port", "events-off", "replay-size", "nan", "boolean",
         "no-host-pool", "tiny-messages",
-        "pool-past-budget", "listen-twice"])
+        "listen-twice"])
 def test_a_configuration_that_cannot_work_is_refused_in_one_line(socket_dir, flags, env, code, says):
     """Exit 2 for a value no daemon could start with (the storage scheme, port, events'
-    settings said 1 before), 1 for what this machine refuses. The last four started
+    settings said 1 before), 1 for what this machine refuses. The last three started
     "ready" before, and then refused every engine (or call)."""
     done = subprocess.run(
         [sys.executable, "-m", "radixkv_server", "--listen", f"unix://{socket_dir}/radixkv.sock",
@@ -61,6 +59,18 @@ def test_variables_that_name_no_setting_are_said_at_start():
     try:
         [line] = [line for line in d.log().splitlines() if "config.unknown_variables" in line]
         assert "RADIXKV_HOST_POOL" in line
+    finally:
+        d.stop()
+        d.cleanup()
+
+
+def test_a_default_host_pool_past_the_memory_budget_is_said_at_start():
+    """Registers that take the default pool will be refused (those that size their pool
+    are served): said at start, not first at the engines' Registers."""
+    d = DaemonProcess("--host-pool-size", "1GiB", "--max-host-memory", "512MiB").start()
+    try:
+        [line] = [line for line in d.log().splitlines() if "host_pool.over_budget" in line]
+        assert "budget=536870912" in line and "--max-host-memory" in line
     finally:
         d.stop()
         d.cleanup()

@@ -302,8 +302,9 @@ def test_a_register_past_the_clients_timeout_leaves_no_session_behind(daemon_fac
     """The client's timeout runs out while the daemon still makes the session (a host
     pool faulted in at Register takes ~10 ms; the timeout is 1 ms): the call raises
     DeadlineExceeded, the Register goes on in the daemon (no deadline on the wire), and
-    the session it made is closed once answered, so the engine's next Register of the
-    namespace is taken. (With a deadline on the wire, one running out while the answer
+    the session it made is closed once answered: the client's own retry waits for that
+    Close (it was refused "attached to a live session"), and another client's Register
+    of the namespace is taken. (With a deadline on the wire, one running out while the answer
     was on its way lost the session's id, and that session refused every later Register.)"""
     d = daemon_factory("--host-pool-prefault", "true")
     buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
@@ -317,7 +318,8 @@ def test_a_register_past_the_clients_timeout_leaves_no_session_behind(daemon_fac
         with pytest.raises(errors.DeadlineExceeded, match="Register: no answer within 0.001s"):
             c.register(*args, **kwargs)
         c.timeout = 10
-        c.close()  # waits for the late answer and closes the session it made
+        assert c.register(*args, **kwargs).session  # the retry waits for the abandoned one's Close
+        c.close()
         with Client(d.target, timeout=10) as again:
             assert again.register(*args, **kwargs).session
 
@@ -328,6 +330,7 @@ def test_a_register_past_the_clients_timeout_leaves_no_session_behind(daemon_fac
         with pytest.raises(errors.DeadlineExceeded, match="Register: no answer within 0.001s"):
             await c.register(*args, **kwargs)
         c.timeout = 10
+        assert (await c.register(*args, **kwargs)).session
         await c.close()
         async with AsyncClient(d.target, timeout=10) as again:
             assert (await again.register(*args, **kwargs)).session

@@ -12,7 +12,8 @@ the await a deadline would hit.
   namespace is closed all the same (before: gone from the registry, its host pool never
   freed, routers never told it was cleared).
 - A Register of a namespace whose session is closing (its engine went) waits for that
-  close instead of being refused as if the session were live.
+  close instead of being refused as if the session were live; other namespaces'
+  Registers do not wait behind it.
 - A managed load-back whose copy could not start (CUDA) is answered with its transfer,
   whose ack reports the failure (before: INTERNAL with no transfer to acknowledge, and
   the load's pages held until the session ended).
@@ -94,8 +95,11 @@ def test_a_register_waits_for_the_close_of_a_session_whose_engine_went():
             daemon.close_in_background(gone.session, "its ack stream ended")  # the engine went
             await asyncio.sleep(0)
             assert gone.session.closing
+            other = await Engine.register(daemon, "t/other")  # not held behind that close
+            assert not gone.session.closer.done()
             new = await Engine.register(daemon, "t/gone")  # FAILED_PRECONDITION "live session" before
             assert new.session is not gone.session and gone.session.closer.done()
+            await other.close()
             await new.close()
             gone.buffers.close()
     run(scenario())

@@ -42,6 +42,8 @@ def _damage(kind: str, blob: bytes) -> bytes:
         b[0:4] = b"XXXX"
     elif kind == "version":
         b[4:6] = struct.pack("<H", 99)
+    elif kind == "old_version":
+        b[4:6] = struct.pack("<H", 0)
     elif kind == "truncated_payload":
         del b[-1]
     elif kind == "truncated_header":
@@ -57,7 +59,8 @@ def _damage(kind: str, blob: bytes) -> bytes:
     ("flip_payload", "checksum mismatch"),
     ("flip_checksum", "checksum mismatch"),
     ("magic", "bad magic"),
-    ("version", r"record version 99 \(this build reads 1\)"),
+    ("version", r"record version 99 is newer than this build reads \(1\)"),
+    ("old_version", r"record version 0 is older than this build's \(1\): replaced"),
     ("truncated_payload", "truncated record"),
     ("truncated_header", "truncated record"),
     ("trailing", "trailing bytes"),
@@ -69,21 +72,25 @@ def test_damage_raises_corrupt_page(kind, message):
         decode(_damage(kind, blob))
 
 
-def test_a_record_of_another_format_version_is_a_miss_and_stays(tmp_path):
-    """Daemons of two versions sharing a store during a rolling upgrade: a record this
-    build does not read is a miss here, kept for the daemons that read it (it was
-    removed as damage, so each version deleted the other's pages)."""
+def test_records_of_other_format_versions_in_a_rolling_upgrade(tmp_path):
+    """Daemons of two versions sharing a store: a newer daemon's record is a miss to an
+    older one and stays (removed as damage, each version deleted the other's pages); an
+    older daemon's record is replaced by the newer one's page (kept, it blocked its key
+    for good: a present key is never written again)."""
     from radixkv_server.storage import FileStorage
 
     backend = FileStorage(tmp_path)
-    key = bytes(range(32))
-    assert backend.put([(key, b"x" * 64)]) == 1
-    path = backend.path_for(key)
-    with open(path, "rb") as f:
-        newer = _damage("version", f.read())
-    with open(path, "wb") as f:
-        f.write(newer)
-    assert backend.get([key]) == [None]
-    assert backend.stats.corrupt == 0
-    with open(path, "rb") as f:
-        assert f.read() == newer
+    newer, older = bytes(range(32)), bytes(range(1, 33))
+    payload = b"x" * 64
+    assert backend.put([(newer, payload), (older, payload)]) == 2
+    for key, kind in ((newer, "version"), (older, "old_version")):
+        path = backend.path_for(key)
+        with open(path, "rb") as f:
+            damaged = _damage(kind, f.read())
+        with open(path, "wb") as f:
+            f.write(damaged)
+    assert backend.get([newer]) == [None] and backend.stats.corrupt == 0
+    with open(backend.path_for(newer), "rb") as f:
+        assert f.read()[4:6] == struct.pack("<H", 99)  # kept for the newer daemons
+    assert backend.get([older]) == [None] and backend.stats.corrupt == 1  # removed...
+    assert backend.put([(older, payload)]) == 1 and backend.get([older]) == [payload]  # ...and stored anew

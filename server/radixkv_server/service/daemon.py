@@ -6,15 +6,17 @@ The event loop owns everything; registrations await I/O and run one at a time.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 
 from ..config import DaemonConfig
+from ..core.errors import CacheError
 from ..logs import log_event
 from . import engine_registration, host_budget, registration
-from .errors import exhausted, not_found, precondition, unavailable
+from .errors import ServiceError, exhausted, not_found, precondition, unavailable
 from .expiry import Expiry
 from .namespace import Namespace
 from .sessions import Session, SessionRegistry
@@ -64,11 +66,18 @@ class Daemon:
         self.expiry.start()
 
     def run_in_background(self, coro) -> asyncio.Task:
-        """Run `coro` as a task that `close` waits for; returns it."""
+        """Run `coro` as a task that `close` waits for; returns it. Its failure is logged
+        (whoever awaited it may have stopped waiting)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._finished_in_background)
         return task
+
+    def _finished_in_background(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and isinstance(task.exception(), Exception) \
+                and not isinstance(task.exception(), (ServiceError, CacheError)):
+            log.error("background task %s failed", task.get_coro().__qualname__, exc_info=task.exception())
 
     # -- registration ------------------------------------------------------------------
 
@@ -81,10 +90,9 @@ class Daemon:
         if reg.engine_managed:  # shared by many sessions: see engine_registration
             async with self._register_lock:
                 return await engine_registration.register(self, reg)
+        await self._closes_ended(reg.namespace)  # its engine went: taken once the close ends
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
-            if ns is not None and ns.session is not None and ns.session.closing:
-                await self.closed(ns.session)  # its engine went: taken once the close ends
             replacing = ns is not None and self._check_free(ns, reg)
             if ns is None and len(self.namespaces) >= self.config.max_namespaces:
                 raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
@@ -122,6 +130,8 @@ class Daemon:
         registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
         if ns.session is None:
             return False
+        if ns.session.closing:  # began after `_closes_ended` looked
+            raise unavailable(f"namespace {reg.namespace}'s session is closing (its engine went); register again")
         if not reg.replace_existing:
             raise precondition(
                 f"namespace {reg.namespace} is attached to a live session (engine "
@@ -156,12 +166,11 @@ class Daemon:
         return await asyncio.shield(self.run_in_background(self._drop_namespace(name, store)))
 
     async def _drop_namespace(self, name: str, store: bool) -> Dropped:
+        await self._closes_ended(name)  # their engines went: dropped once the closes end
         async with self._register_lock:
             if not self.accepting:
                 raise unavailable("the daemon is shutting down")
             ns = self.namespace(name)
-            for closing in [s for s in self.sessions.all() if s.namespace is ns and s.closing]:
-                await self.closed(closing)  # their engines went: dropped once the closes end
             attached = [s for s in self.sessions.all() if s.namespace is ns]
             if attached:
                 engines = ", ".join(sorted({s.engine or "unnamed" for s in attached}))
@@ -202,9 +211,18 @@ class Daemon:
 
     @staticmethod
     async def closed(session: Session) -> None:
-        """Wait until a closing session's close ended (at once for one not closing)."""
+        """Wait until a closing session's close ended (at once for one not closing).
+        Raises what the close raised (logged by `run_in_background` as well)."""
         if session.closer is not None:
             await asyncio.shield(session.closer)
+
+    async def _closes_ended(self, name: str) -> None:
+        """Wait, holding no lock (a close waits for its copies: other namespaces'
+        Registers must not), until no session of namespace `name` is closing."""
+        while closing := [s for s in self.sessions.all() if s.namespace.name == name and s.closing]:
+            for session in closing:
+                with contextlib.suppress(Exception):  # a failed close was logged; the session is gone
+                    await self.closed(session)
 
     async def _end_session(self, session: Session, reason: str) -> None:
         ns = session.namespace

@@ -117,7 +117,9 @@ class DiskBudget:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                used = st.st_blocks * 512  # the disk it takes, not its length (see the module's text)
+                # The disk it takes, not its length (see the module's text); some FUSE
+                # filesystems report no blocks: then at least its length.
+                used = max(st.st_blocks * 512, st.st_size)
                 if entry.name.endswith(self._suffix):
                     pages.append((max(st.st_atime, st.st_mtime), used, entry.path))
                     total += used

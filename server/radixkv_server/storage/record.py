@@ -47,9 +47,17 @@ class SizeMismatch(NotForThisReader):
 
 
 class OtherVersion(NotForThisReader):
-    """A record of a format version this build does not read: another daemon's, during
-    a rolling upgrade (removed as damage, daemons of two versions deleted each other's
-    pages)."""
+    """A record of a newer format version than this build reads: a newer daemon's,
+    during a rolling upgrade. Kept for the daemons that read it (removed as damage, the
+    old daemons deleted the new ones' pages). A record of an OLDER version is damage to
+    this build: removed, so this build stores its own page there (kept, it would block
+    the key for good, since a present key is never written again)."""
+
+
+def _version_error(version: int) -> CorruptPage:
+    if version > VERSION:
+        return OtherVersion(f"record version {version} is newer than this build reads ({VERSION})")
+    return CorruptPage(f"record version {version} is older than this build's ({VERSION}): replaced")
 
 
 def encode(payload: bytes) -> bytes:
@@ -66,7 +74,7 @@ def decode(blob: bytes) -> bytes:
     if magic != MAGIC:
         raise CorruptPage(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
-        raise OtherVersion(f"record version {version} (this build reads {VERSION})")
+        raise _version_error(version)
     found = len(blob) - HEADER_BYTES
     if found != length:
         what = "truncated record" if found < length else "trailing bytes after record"
@@ -95,7 +103,7 @@ def payload_length(head) -> int:
     if magic != MAGIC:
         raise CorruptPage(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
-        raise OtherVersion(f"record version {version} (this build reads {VERSION})")
+        raise _version_error(version)
     return length
 
 
