@@ -166,6 +166,27 @@ class CoreMachine(RuleBasedStateMachine):
         node, *_ = self.leases.pop(pick % len(self.leases))
         self.cache.unlock(node)
 
+    # -- the engine restarting -------------------------------------------------------------
+
+    @rule()
+    def engine_restarts(self):
+        """The engine goes and a new one registers (the service's detach, then attach):
+        leases released, loads acknowledged, the copies `drop_device` names completed,
+        while stores of pages that stay may go on; every device page is then forgotten,
+        and the new engine has the whole pool."""
+        for node, *_ in self.leases:
+            self.cache.unlock(node)
+        self.leases.clear()
+        while waits := self.cache.device_drop_waits_for():
+            for tid in waits:
+                if tid in self.copier.pending:
+                    self.copier.complete(self.cache, tid)
+            for tid in [t for t in sorted(self.loads) if t not in self.copier.pending]:
+                self.cache.finish_load_back(tid)
+                del self.loads[tid]
+        self.cache.drop_device(DEVICE_PAGES)
+        self.eng = Engine(self.cache, self.copier)
+
     # -- checks --------------------------------------------------------------------------
 
     @invariant()
@@ -212,7 +233,7 @@ class CoreMachine(RuleBasedStateMachine):
 def walk(m: CoreMachine, rnd: random.Random, steps: int) -> None:
     """Drive `m` through `steps` random operations, checking its invariants after each."""
     for _ in range(steps):
-        op = rnd.randrange(11)
+        op = rnd.randrange(12)
         syms = [rnd.randrange(4) for _ in range(rnd.randint(1, 6))]
         extra = rnd.choice([b"", b"lora"])
         if op == 0:
@@ -235,4 +256,6 @@ def walk(m: CoreMachine, rnd: random.Random, steps: int) -> None:
             m.prefetch(syms, extra, rnd.randint(1, 6))
         elif op == 8:
             m.overlapping_loads(syms[:2], [[rnd.randrange(4)] * rnd.randint(1, 3) for _ in range(2)], extra)
+        elif op == 11 and rnd.random() < 0.2:
+            m.engine_restarts()
         m.check_all()

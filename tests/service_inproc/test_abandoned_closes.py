@@ -14,6 +14,8 @@ the await a deadline would hit.
 - A Register of a namespace whose session is closing (its engine went) waits for that
   close instead of being refused as if the session were live; other namespaces'
   Registers do not wait behind it.
+- A Close answered while a store of pages that stay is in flight (it waited for every
+  store: a slow store held engines' Closes past their deadlines).
 - A managed load-back whose copy could not start (CUDA) is answered with its transfer,
   whose ack reports the failure (before: INTERNAL with no transfer to acknowledge, and
   the load's pages held until the session ended).
@@ -26,6 +28,7 @@ import redis
 
 from radixkv.types import pack, unpack
 from radixkv_server.datapath import CopyError
+from radixkv_server.core.transfers import TransferKind
 from radixkv_server.datapath.copy_engine import CopyEngine
 from radixkv_server.storage.open import open_storage
 
@@ -158,3 +161,38 @@ def test_a_load_back_whose_copy_cannot_start_is_answered_and_acknowledged_failed
             await e.insert(prompt(100, 4), [10, 11, 12, 13])  # the engine's pages again
             await e.close()
     run(scenario())
+
+
+def test_a_close_waits_for_no_store_of_pages_that_stay(private_redis):
+    """A store only reads host pages that outlive the engine's session: its Close is
+    answered while a store to a store that pauses writes is still in flight (it waited
+    for the store, past the engine's deadline with a slow one), and the store completes
+    after it."""
+    admin = redis.Redis(unix_socket_path=private_redis.socket)
+    storage = open_storage(private_redis.url + "?socket_timeout=60")
+
+    async def scenario():
+        async with running_daemon(storage_policy="write_through") as daemon:
+            daemon.storage = storage
+            e = await Engine.register(daemon, "t/store", write_policy="write_through")
+            ns = e.ns
+            stores = lambda: [t for t in ns.cache.transfers.values() if t.kind is TransferKind.STORE]  # noqa: E731
+            admin.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+            try:
+                await e.insert(prompt(0, 4), [0, 1, 2, 3])
+                while not stores():  # the backup settled, its store sent (and held by the paused server)
+                    await asyncio.sleep(0.01)
+                await asyncio.wait_for(e.close(), 10)  # waited for the store before
+                assert stores(), "the store should still be in flight"
+            finally:
+                admin.execute_command("CLIENT", "UNPAUSE")
+            while stores():
+                await asyncio.sleep(0.01)
+            assert ns.counters()["stored_tokens"] == 16
+            assert ns.check_invariants() == []
+
+    try:
+        run(scenario())
+    finally:
+        storage.close()
+        admin.close()

@@ -238,13 +238,30 @@ class HierarchicalCache:
 
     # -- engine restart --------------------------------------------------------------
 
+    def device_drop_waits_for(self) -> list[int]:
+        """The transfers `drop_device` needs finished first: every one but a store of
+        pages it keeps (the others touch the engine's device pages, or fill or read host
+        pages of nodes it may remove). A store only reads host pages, and may take as
+        long as the store does: an engine's Close need not wait for it."""
+        doomed = None
+        waits = []
+        for tid, t in self.state.transfers.items():
+            if t.kind is TransferKind.STORE:
+                if doomed is None:
+                    doomed = self.state.dropped_with_device_tier()
+                if not any(node in doomed for node in t.nodes):
+                    continue
+            waits.append(tid)
+        return waits
+
     def drop_device(self, num_device_pages: int) -> int:
         """Forget every device page (the engine that owned them is gone) and start a new
         device ledger of `num_device_pages`. Host copies stay; device-only nodes leave
         with the host-only nodes below them. Returns the tokens dropped from the tree.
-        Raises NotReady while copies are in flight (finish them first)."""
-        if self.state.transfers:
-            raise NotReady("copies are still in flight", tuple(sorted(self.state.transfers)))
+        Raises NotReady while copies it needs finished are in flight
+        (`device_drop_waits_for`; finish them first)."""
+        if waits := self.device_drop_waits_for():
+            raise NotReady("copies are still in flight", tuple(sorted(waits)))
         dropped = self.state.drop_device_tier()
         self.state.device = DeviceLedger(num_device_pages)
         return dropped

@@ -315,12 +315,30 @@ class CacheState:
     def drop_device_tier(self) -> int:
         """Forget every device page (the ledger is the caller's to replace). Device-only
         nodes leave with the host-only nodes below them; host copies stay. Returns the
-        tokens dropped from the tree. No transfer may be in flight."""
+        tokens dropped from the tree. No transfer but stores of nodes it keeps may be in
+        flight (`HierarchicalCache.device_drop_waits_for`)."""
         dropped = 0
         for root in self.tree.roots.values():
             for node in list(root.children.values()):
                 dropped += self._drop_device_below(node)
         return dropped
+
+    def dropped_with_device_tier(self) -> set[Node]:
+        """The nodes `drop_device_tier` would remove: each with no host copy, and every
+        node below it."""
+        doomed: set[Node] = set()
+        todo = [child for root in self.tree.roots.values() for child in root.children.values()]
+        while todo:
+            node = todo.pop()
+            if node.full.host_pages is None:
+                below = [node]
+                while below:
+                    n = below.pop()
+                    doomed.add(n)
+                    below.extend(n.children.values())
+            else:
+                todo.extend(node.children.values())
+        return doomed
 
     def _drop_device_below(self, node: Node) -> int:
         dropped = 0

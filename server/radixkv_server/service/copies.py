@@ -13,7 +13,7 @@ The event loop owns all of it; the copy threads only ever call back onto the loo
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..core import HierarchicalCache
 from ..datapath import CopyEngine, CopyError, DeviceBuffers, HostPool
@@ -184,9 +184,10 @@ class Copies:
             if self.in_flight(tid):
                 await self._waiters.setdefault(tid, asyncio.Event()).wait()
 
-    async def drain(self) -> None:
-        """Return once no copy is in flight (rank sessions' copies included)."""
-        while busy := [tid for tid in self._cache.transfers if self.in_flight(tid)]:
+    async def drain(self, which: Callable[[], Iterable[int]] | None = None) -> None:
+        """Return once no copy is in flight (rank sessions' copies included); with
+        `which`, once none of those it names (asked again after each wait) is."""
+        while busy := [tid for tid in (which() if which else self._cache.transfers) if self.in_flight(tid)]:
             await self.wait(busy)
 
     def written_back(self, transfer: int) -> asyncio.Future:

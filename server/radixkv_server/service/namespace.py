@@ -190,9 +190,10 @@ class Namespace:
         await self.detach()
 
     async def attach(self, device: DeviceBuffers) -> int:
-        """Swap in a restarted engine's device buffers: wait for copies, drop the old
-        device residency (host copies stay). Returns tokens dropped from the cache."""
-        await self.copies.drain()
+        """Swap in a restarted engine's device buffers: wait for copies (not stores of
+        pages that stay: `device_drop_waits_for`), drop the old device residency (host
+        copies stay). Returns tokens dropped from the cache."""
+        await self.copies.drain(self.cache.device_drop_waits_for)
         self._abandoned.clear()  # pages of the engine that left
         dropped = self.cache.drop_device(device.num_pages)
         self.copies.attach(device)
@@ -202,9 +203,10 @@ class Namespace:
     async def detach(self) -> int:
         """The engine's session ended: wait for copies, forget its device pages (host and
         storage copies stay) and close its buffers, so a dead engine's memory (a CUDA
-        IPC mapping keeps it allocated) is not held until the next registration.
-        Returns tokens dropped from the cache. Idempotent."""
-        await self.copies.drain()
+        IPC mapping keeps it allocated) is not held until the next registration. Waits
+        for no store of pages that stay (`HierarchicalCache.device_drop_waits_for`: a
+        slow store held every Close). Returns tokens dropped from the cache. Idempotent."""
+        await self.copies.drain(self.cache.device_drop_waits_for)
         self._abandoned.clear()  # pages of the engine that left
         if self.copies.device is None:
             return 0
