@@ -205,7 +205,6 @@ class Daemon:
         a copy still wrote the engine's pages. Idempotent; concurrent calls wait for the
         first's task."""
         if session.closer is None:
-            session.closing = True
             session.closer = self.run_in_background(self._end_session(session, reason))
         await self.closed(session)
 

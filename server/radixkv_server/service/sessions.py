@@ -30,9 +30,8 @@ class Session:
     lease_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
     leases: dict[int, int] = field(default_factory=dict)  # lease id -> locked node id
     created: float = field(default_factory=time.monotonic)
-    closing: bool = False
     has_ack_stream: bool = False
-    closer: asyncio.Task | None = None  # the daemon's task ending it, once closing
+    closer: asyncio.Task | None = None  # the daemon's task ending it, once it began closing
     # For the timeouts, oldest first (insertion order is time order): when each lease was
     # taken, and when each load-back not yet acknowledged was answered.
     lease_times: dict[int, float] = field(default_factory=dict)
@@ -50,6 +49,11 @@ class Session:
     expired_loads: OrderedDict = field(default_factory=OrderedDict)
     ack_stream: object = None
     session_stream: object = None  # its open Session stream (session_stream.py), or None
+
+    @property
+    def closing(self) -> bool:
+        """The daemon began closing it (`Daemon.close_session`)."""
+        return self.closer is not None
 
     def check_open(self) -> None:
         """FAILED_PRECONDITION once the session began closing (after an `await`)."""
