@@ -22,6 +22,7 @@ import secrets
 from multiprocessing import shared_memory
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .layout import KvLayout
@@ -64,7 +65,7 @@ class ShmKvBuffers:
         self.stride = _round_up(layout.buffer_bytes(num_pages), ALIGN)
         self._owner = owner        # the (closed) SharedMemory when we created it: unlinks
         self._mapping = mapping    # our own mmap of the segment
-        self._bytes: torch.Tensor | None = torch.frombuffer(buf, dtype=torch.uint8, count=self.nbytes)
+        self._bytes: torch.Tensor | None = exporting_bytes(buf, self.nbytes)
 
     @classmethod
     def create(cls, layout: KvLayout, num_pages: int, name: str | None = None) -> "ShmKvBuffers":
@@ -342,6 +343,14 @@ def _map(name: str, need: int) -> mmap.mmap:
         os.close(fd)
 
 
+def exporting_bytes(buf, count: int) -> torch.Tensor:
+    """The first `count` bytes of `buf` (an mmap) as a uint8 tensor that holds a buffer
+    export on it for as long as the tensor or any view of it lives: `buf.close()` then
+    raises BufferError instead of unmapping memory a tensor still points at (which
+    `torch.frombuffer`, holding no export, allowed: a later read crashed the process)."""
+    return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, count=count))
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -355,5 +364,5 @@ def _close_quietly(obj) -> None:
 
 __all__ = [
     "BufferSpec", "CudaExport", "CudaKvBuffers", "ShmKvBuffers", "decode_cuda_handle", "device_uuid",
-    "encode_cuda_handle", "torch_dtype",
+    "encode_cuda_handle", "exporting_bytes", "torch_dtype",
 ]

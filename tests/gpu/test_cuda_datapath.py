@@ -98,6 +98,27 @@ def test_event_handles_are_recycled(engine_factory):
         pool.close()
 
 
+def test_a_full_gpu_is_a_clear_error_at_open(engine_factory):
+    """The daemon's copy streams and scratch memory do not fit: DeviceOpenError naming
+    them (Register's INVALID_ARGUMENT), not a RuntimeError (INTERNAL)."""
+    from radixkv_server.datapath import DeviceOpenError
+    lay = KvLayout(**SMALL_MHA)
+    eng = engine_factory(SMALL_MHA, 16)
+    free, _ = torch.cuda.mem_get_info(DEVICE)
+    ballast = []
+    try:
+        for size in (free - (16 << 20), 8 << 20, 4 << 20, 2 << 20):
+            try:
+                ballast.append(torch.empty(size, dtype=torch.uint8, device=f"cuda:{DEVICE}"))
+            except torch.OutOfMemoryError:
+                pass
+        with pytest.raises(DeviceOpenError, match="scratch memory"):
+            open_device_buffers("cuda", lay, 16, eng.specs, DEVICE)
+    finally:
+        ballast.clear()
+        torch.cuda.empty_cache()
+
+
 def _seconds(fn, reps=5):
     fn()
     best = float("inf")

@@ -6,12 +6,12 @@ on worker threads and reporting completions on the event loop.
 """
 
 from .copy_engine import CopyEngine
-from .device import BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError
+from .device import BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, SegmentNotYours
 from .host_pool import HostPool
 from .host_shard import HostShard
 from .open import BACKENDS, open_device_buffers
 
 __all__ = [
     "BACKENDS", "BufferSpec", "CopyEngine", "CopyError", "CopyJob", "DeviceBuffers",
-    "DeviceOpenError", "HostPool", "HostShard", "open_device_buffers",
+    "DeviceOpenError", "HostPool", "HostShard", "SegmentNotYours", "open_device_buffers",
 ]

@@ -103,14 +103,18 @@ class CudaDeviceBuffers(DeviceBuffers):
         self._host_views: dict[int, object] = {}  # host pool data_ptr -> CUDA view (or None)
         with torch.cuda.device(device):
             self._views = self._open(specs)
-            torch.cuda.current_stream(device).synchronize()  # the open's wait on the exporter's event
-            self._load_stream = torch.cuda.Stream(device, priority=-1)  # loads go first
-            self._store_stream = torch.cuda.Stream(device)
-            per = max(1, SCRATCH_BYTES // (layout.buffers_per_layer * layout.chunk_bytes))
-            self._scratch = {  # stream -> (lock, [per, buffers per layer, cols]); see enqueue_or_drain
-                s: (threading.Lock(), torch.empty((per, layout.buffers_per_layer, self._cols), dtype=self._dtype,
-                                                  device=self._dev))
-                for s in (self._load_stream, self._store_stream)}
+            try:
+                torch.cuda.current_stream(device).synchronize()  # the open's wait on the exporter's event
+                self._load_stream = torch.cuda.Stream(device, priority=-1)  # loads go first
+                self._store_stream = torch.cuda.Stream(device)
+                per = max(1, SCRATCH_BYTES // (layout.buffers_per_layer * layout.chunk_bytes))
+                self._scratch = {  # stream -> (lock, [per, buffers per layer, cols]); see enqueue_or_drain
+                    s: (threading.Lock(), torch.empty((per, layout.buffers_per_layer, self._cols), dtype=self._dtype,
+                                                      device=self._dev))
+                    for s in (self._load_stream, self._store_stream)}
+            except RuntimeError as e:  # torch.OutOfMemoryError included: a full GPU is the engine's to size
+                raise DeviceOpenError(f"cuda:{device}: cannot set up the daemon's two copy streams and their "
+                                      f"{2 * SCRATCH_BYTES >> 20} MiB of scratch memory: {e}") from None
 
     def _open(self, specs: list[BufferSpec]) -> list:
         torch = _torch()

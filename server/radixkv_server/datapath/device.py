@@ -21,6 +21,8 @@ import abc
 from array import array
 from typing import Callable
 
+import numpy as np
+
 from radixkv.kvbuffers import BufferSpec  # the engine's description, one definition
 from radixkv.layout import KvLayout
 
@@ -29,6 +31,10 @@ from ..core.pages import unpack
 
 class DeviceOpenError(Exception):
     """The engine's buffers cannot be opened as described; the message says what to fix."""
+
+
+class SegmentNotYours(DeviceOpenError):
+    """A shared-memory segment is not owned by the user the caller's token names."""
 
 
 class CopyError(Exception):
@@ -115,6 +121,50 @@ def check_overlap(spans: list[tuple[object, int, int]], layout: KvLayout, where:
                 f"in {inside}: bytes {sa}..{ea} and {sb}..{eb}")
 
 
+def check_page_overlap(placed: list[tuple[object, int, int]], num_pages: int, chunk: int, layout: KvLayout,
+                       where: str = "memory") -> None:
+    """DeviceOpenError when two buffers share a byte of their pages. `placed[i]` is
+    buffer i's (memory, offset, page stride): its page p is bytes
+    [offset + p * stride, + chunk) of `memory`. Interleaved buffers (FlashInfer's K and V
+    pages alternate) pass when no page of one meets a page of the other; buffers whose
+    spans meet are compared in closed form (one stride) or page by page (two)."""
+    spans = [(m, off, off + (num_pages - 1) * stride + chunk) for m, off, stride in placed]
+    order = sorted(range(len(spans)), key=lambda i: (str(spans[i][0]), spans[i][1]))
+    for x, a in enumerate(order):
+        for b in order[x + 1:]:
+            if spans[b][0] != spans[a][0] or spans[b][1] >= spans[a][2]:
+                break  # sorted by start: no later buffer of this memory begins inside a's span
+            shared = _shared_page(placed[a][1:], placed[b][1:], num_pages, chunk)
+            if shared is not None:
+                (pa, sa), (pb, sb) = shared
+                inside = where if placed[a][0] is None else f"{where} {placed[a][0]!r}"
+                raise DeviceOpenError(
+                    f"buffers {a} ({buffer_name(layout, a)}) and {b} ({buffer_name(layout, b)}) overlap in "
+                    f"{inside}: page {pa} of one is bytes {sa}..{sa + chunk}, page {pb} of the other "
+                    f"{sb}..{sb + chunk}")
+
+
+def _shared_page(a: tuple[int, int], b: tuple[int, int], n: int, chunk: int):
+    """((page, start) of a, (page, start) of b) for two pages of buffers a and b
+    ((offset, stride) each, n pages of `chunk` bytes) that share bytes, or None."""
+    (oa, sa), (ob, sb) = a, b
+    if sa == sb:  # page p of a starts (oa - ob) + (p - q) * s after page q of b
+        d = oa - ob
+        for k in (-d // sa, -d // sa + 1):
+            k = max(-(n - 1), min(n - 1, k))
+            if abs(d + k * sa) < chunk:
+                p = max(k, 0)
+                return (p, oa + p * sa), (p - k, ob + (p - k) * sb)
+        return None
+    starts = np.concatenate([oa + np.arange(n, dtype=np.int64) * sa, ob + np.arange(n, dtype=np.int64) * sb])
+    order = np.argsort(starts, kind="stable")
+    close = np.flatnonzero(np.diff(starts[order]) < chunk)
+    if not len(close):
+        return None
+    i, j = sorted((int(order[close[0]]), int(order[close[0] + 1])))  # one of a (< n), one of b
+    return (i, int(starts[i])), (j - n, int(starts[j]))
+
+
 def _check_range(pages: array, limit: int, what: str) -> None:
     if pages and (min(pages) < 0 or max(pages) >= limit):
         bad = min(pages) if min(pages) < 0 else max(pages)
@@ -190,5 +240,5 @@ def buffer_name(layout: KvLayout, index: int) -> str:
 
 __all__ = [
     "BufferSpec", "CopyError", "CopyJob", "DeviceBuffers", "DeviceOpenError",
-    "buffer_geometry", "buffer_name", "check_overlap", "element_width", "page_runs",
+    "buffer_geometry", "buffer_name", "check_overlap", "check_page_overlap", "element_width", "page_runs",
 ]

@@ -13,13 +13,13 @@ from .cuda import CudaDeviceBuffers
 from .device import BufferSpec, DeviceBuffers, DeviceOpenError, buffer_geometry, buffer_name
 from .shm import ShmDeviceBuffers
 
-Opener = Callable[..., DeviceBuffers]  # (layout, num_pages, specs, device, device_uuid=...)
+Opener = Callable[..., DeviceBuffers]  # (layout, num_pages, specs, device, device_uuid=..., owner_uid=... (shm))
 
 
 
 def _open_shm(layout: KvLayout, num_pages: int, specs: list[BufferSpec], device: int,
-              device_uuid: str = "") -> DeviceBuffers:
-    return ShmDeviceBuffers(layout, num_pages, specs)  # no device: shared memory is host memory
+              device_uuid: str = "", owner_uid: int | None = None) -> DeviceBuffers:
+    return ShmDeviceBuffers(layout, num_pages, specs, owner_uid)  # no device: shared memory is host memory
 
 
 BACKENDS: dict[str, Opener] = {
@@ -29,12 +29,14 @@ BACKENDS: dict[str, Opener] = {
 
 
 def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
-                        buffers: list[BufferSpec], device: int = 0, device_uuid: str = "") -> DeviceBuffers:
+                        buffers: list[BufferSpec], device: int = 0, device_uuid: str = "",
+                        owner_uid: int | None = None) -> DeviceBuffers:
     """Open the engine's buffers: one BufferSpec per buffer, layer-major (layer 0 K,
     layer 0 V, ...). The engine's GPU (ignored for "shm") is `device_uuid` when given,
     else the ordinal `device` (the daemon's numbering must then match the engine's).
     Raises DeviceOpenError naming what is wrong: unknown backend, wrong buffer count,
-    a segment or handle that cannot be opened, a region too small."""
+    a segment or handle that cannot be opened, a region too small; SegmentNotYours for
+    a shared-memory segment not owned by `owner_uid` (when given)."""
     opener = BACKENDS.get(backend)
     if opener is None:
         raise DeviceOpenError(f"unknown device backend {backend!r}; choose one of {list(BACKENDS)}")
@@ -48,6 +50,8 @@ def open_device_buffers(backend: str, layout: KvLayout, num_pages: int,
     if backend == "cuda":
         return opener(cuda_layout(layout, len(specs), chunk, strides), num_pages, specs, device,
                       device_uuid=device_uuid)
+    if backend == "shm":
+        return opener(layout, num_pages, specs, device, device_uuid=device_uuid, owner_uid=owner_uid)
     return opener(layout, num_pages, specs, device, device_uuid=device_uuid)
 
 

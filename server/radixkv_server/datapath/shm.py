@@ -21,8 +21,10 @@ index_copy_ per buffer. Both release the GIL for copies of more than a few hundr
 bytes, so copy workers run in parallel.
 """
 
+import errno
 import mmap
 import os
+import stat
 from array import array
 from itertools import compress, islice
 from operator import eq, sub
@@ -30,11 +32,12 @@ from operator import eq, sub
 import numpy as np
 import torch
 
+from radixkv.kvbuffers import exporting_bytes
 from radixkv.layout import KvLayout
 
 from .device import (
-    BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_geometry, buffer_name,
-    check_overlap, element_width,
+    BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, SegmentNotYours, buffer_geometry, buffer_name,
+    check_page_overlap, element_width,
 )
 
 SHM_DIR = "/dev/shm"
@@ -46,29 +49,30 @@ _WIDE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 class ShmDeviceBuffers(DeviceBuffers):
     """Open `specs` (handle = segment name, utf-8) as `layout.num_buffers` buffers of
     `num_pages` pages. Raises DeviceOpenError naming the segment and the sizes
-    expected and found. Copies complete inside `submit_*`; `CopyJob.wait` is a no-op.
+    expected and found; SegmentNotYours for a segment not owned by `owner_uid` (when given). Copies complete inside `submit_*`; `CopyJob.wait` is a no-op.
     An engine event (`after`) is accepted and ignored: nothing runs asynchronously here."""
 
-    def __init__(self, layout: KvLayout, num_pages: int, specs: list[BufferSpec]):
+    def __init__(self, layout: KvLayout, num_pages: int, specs: list[BufferSpec], owner_uid: int | None = None):
         self.layout = layout
         self.num_pages = num_pages
         self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}  # kept open to see a segment shrink (see _check_sizes)
         self._views: list[torch.Tensor] | None = None
         self._stacks: list[tuple[int, torch.Tensor]] | None = None
         self._np_stacks: list | None = None
         try:
-            self._open(specs)
+            self._open(specs, owner_uid)
         except BaseException:
             self.close()
             raise
 
-    def _open(self, specs: list[BufferSpec]) -> None:
+    def _open(self, specs: list[BufferSpec], owner_uid: int | None) -> None:
         chunk, strides = buffer_geometry(self.layout, specs)
         placed = []  # (segment name, offset, page stride) per buffer
         for i, spec in enumerate(specs):
             name = _segment_name(spec.handle, i, self.layout)
             if name not in self._maps:
-                self._maps[name] = _map_segment(name)
+                self._fds[name], self._maps[name] = _map_segment(name, owner_uid)
             have = len(self._maps[name])
             need = (self.num_pages - 1) * strides[i] + chunk
             where = f"buffer {i} ({buffer_name(self.layout, i)}) in segment {name!r}"
@@ -83,11 +87,7 @@ class ShmDeviceBuffers(DeviceBuffers):
                     f"is only {have} bytes"
                 )
             placed.append((name, spec.offset, strides[i]))
-        # Buffers of contiguous pages must not share bytes; strided ones interleave by
-        # design (FlashInfer's K and V pages alternate): their description is trusted.
-        dense = [(n, off, off + self.num_pages * chunk) if stride == chunk else (i, 0, 0)
-                 for i, (n, off, stride) in enumerate(placed)]
-        check_overlap(dense, self.layout, "segment")
+        check_page_overlap(placed, self.num_pages, chunk, self.layout, "segment")
         width = element_width(chunk, *(off for _, off, _ in placed), *strides)
         self._dtype = _WIDE[width]
         self._width = width
@@ -120,6 +120,7 @@ class ShmDeviceBuffers(DeviceBuffers):
         host, dev = self.check_pages(host_pool, host_pages, device_pages)
         if not host:
             return
+        self._check_sizes()
         try:
             hn = host_pool.chunks(self._chunk)
         except ValueError as e:
@@ -137,14 +138,30 @@ class ShmDeviceBuffers(DeviceBuffers):
         except RuntimeError as e:
             raise CopyError(f"shared-memory copy failed: {e}") from e
 
+    def _check_sizes(self) -> None:
+        """CopyError when a segment is smaller than when it was mapped: touching its
+        mapping past the new end would kill the daemon (SIGBUS). A segment that shrinks
+        while a copy runs still does: docs/reliability.md, tenant model."""
+        for name, fd in self._fds.items():
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as e:
+                raise CopyError(f"shared-memory segment {name!r}: {e.strerror}") from None
+            if size < len(self._maps[name]):
+                raise CopyError(f"shared-memory segment {name!r} shrank from {len(self._maps[name])} to {size} bytes "
+                                "since Register: the engine must keep its segments whole while registered")
+
     def close(self) -> None:
         """Unmap the segments (the engine's segments stay). Idempotent."""
         self._views = self._stacks = self._np_stacks = None
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
         maps, self._maps = self._maps, {}
         for m in maps.values():
             try:
                 m.close()
-            except BufferError:  # a view escaped; the mapping goes when it is collected
+            except BufferError:  # a copy still holds a view: unmapped when the last view goes
                 pass
 
     def __repr__(self) -> str:
@@ -242,33 +259,45 @@ def _segment_name(handle: bytes, index: int, layout: KvLayout) -> str:
     return name
 
 
-def _map_segment(name: str) -> mmap.mmap:
+def _map_segment(name: str, owner_uid: int | None) -> tuple[int, mmap.mmap]:
+    """(an open descriptor, a shared read-write mapping of the whole segment)."""
     path = os.path.join(SHM_DIR, name)
     try:
-        fd = os.open(path, os.O_RDWR)
+        # Not through a link: /dev/shm is writable by everyone, and a link planted there
+        # would make the daemon write KV bytes into any file it may write.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise DeviceOpenError(
             f"shared-memory segment {name!r} not found ({path}): the engine must create it on "
             "this host and keep it until it unregisters"
         ) from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DeviceOpenError(f"{path} is a symbolic link, not a shared-memory segment") from None
         raise DeviceOpenError(f"cannot open shared-memory segment {name!r} ({path}): {e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != os.stat(SHM_DIR).st_dev:
+            raise DeviceOpenError(f"{path} is not a shared-memory segment (a regular file of {SHM_DIR}'s filesystem)")
+        if owner_uid is not None and st.st_uid != owner_uid:
+            raise SegmentNotYours(f"shared-memory segment {name!r} belongs to uid {st.st_uid}; this token's engines "
+                                  f"may name only segments of uid {owner_uid} (uid= in the token file)")
+        size = st.st_size
         if size == 0:
             raise DeviceOpenError(f"shared-memory segment {name!r} ({path}) is empty (0 bytes)")
         # Populated: the daemon's page tables for the whole segment are made here, once,
         # not by a page fault per 4 KiB on the first copy into each block (3.75 MiB of
         # fresh blocks took 3.1 ms to load instead of 0.8 ms). The engine's KV memory is
         # all its own already, so this commits nothing it did not ask for.
-        return mmap.mmap(fd, size, mmap.MAP_SHARED | _MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        return fd, mmap.mmap(fd, size, mmap.MAP_SHARED | _MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def _segment_tensor(m: mmap.mmap, width: int) -> torch.Tensor:
     usable = len(m) - len(m) % width
-    return torch.frombuffer(m, dtype=torch.uint8, count=usable).view(_WIDE[width])
+    return exporting_bytes(m, usable).view(_WIDE[width])
 
 
 def _stacks(placed, segs, num_pages: int, cols: int, width: int) -> list[tuple[int, torch.Tensor]]:
