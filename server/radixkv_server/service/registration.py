@@ -5,15 +5,17 @@ import asyncio
 import re
 from dataclasses import dataclass
 
+import grpc
+
 from radixkv.layout import KvLayout
 
 from ..config import DaemonConfig
 from ..core import CacheConfig
 from ..core.page_keys import namespace_salt
-from ..datapath import BACKENDS, BufferSpec, DeviceOpenError, open_device_buffers
+from ..datapath import BACKENDS, BufferSpec, DeviceOpenError, SegmentNotYours, open_device_buffers
 from ..datapath.device import buffer_geometry
 from ..datapath.cuda_devices import ordinal_for_uuid, visible_uuids
-from .errors import exhausted, invalid, precondition
+from .errors import ServiceError, exhausted, invalid, precondition
 from .namespace import Namespace
 from .namespace_config import NamespaceConfig
 from .sessions import Session
@@ -40,6 +42,7 @@ class Registration:
     tp_rank: int = 0
     tp_size: int = 1
     instance: str = ""
+    segment_uid: int | None = None  # shm: the owner the segments must have (the caller's token's uid=)
 
     @property
     def engine_managed(self) -> bool:
@@ -199,6 +202,8 @@ async def open_device(reg: Registration):
     try:
         return await loop.run_in_executor(
             None, open_device_buffers, reg.backend, reg.layout, reg.num_device_pages,
-            reg.buffers, reg.device, reg.device_uuid)
+            reg.buffers, reg.device, reg.device_uuid, reg.segment_uid)
+    except SegmentNotYours as e:
+        raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, f"cannot open the engine's device buffers: {e}") from None
     except DeviceOpenError as e:
         raise invalid(f"cannot open the engine's device buffers: {e}") from None

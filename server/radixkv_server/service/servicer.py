@@ -7,6 +7,7 @@ grants (tenants.py) is checked before every handler.
 """
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -95,7 +96,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
 
     @rpc
     async def Register(self, request, context):
-        done = await self.daemon.register(convert.registration(request, self.daemon.config.page_size))
+        reg = convert.registration(request, self.daemon.config.page_size)
+        done = await self.daemon.register(dataclasses.replace(reg, segment_uid=self.grant(context).segment_uid))
         ns = done.session.namespace
         return pb.RegisterResponse(
             session=done.session.id, host_pool_pages=ns.host_pool.num_pages,

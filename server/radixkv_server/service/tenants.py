@@ -8,7 +8,13 @@ comment:
     op-7c1d9e...
     # tenant alice: her models only
     al-93be04...   alice/*  shared/llama3-8b/*
-    bob-5a6f11...  bob/*
+    bob-5a6f11...  bob/*  uid=1001
+
+`uid=N` binds a token's engines to the shared-memory segments user N owns: a Register
+naming a segment of another owner is PERMISSION_DENIED (tenants sharing a host's
+/dev/shm could otherwise name each other's segments, and the daemon would read and write
+them on their behalf). CUDA IPC handles are not files: a process holds one only when
+the exporter handed it over.
 
 A caller whose token grants a namespace may register into it, use a session attached to
 it (match, insert, load back, ack, release, evict, prefetch, close) and see it in Stats,
@@ -42,6 +48,7 @@ class Grant:
 
     patterns: tuple[str, ...]
     label: str  # for logs: which line of the token file, never the token
+    segment_uid: int | None = None  # `uid=N`: the owner its engines' shm segments must have
 
     @property
     def everything(self) -> bool:
@@ -69,11 +76,15 @@ def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        token, patterns = fields[0], tuple(fields[1:]) or ("*",)
+        token, patterns = fields[0], tuple(f for f in fields[1:] if not f.startswith("uid="))
+        uids = [f[len("uid="):] for f in fields[1:] if f.startswith("uid=")]
+        if len(uids) > 1 or not all(u.isdecimal() for u in uids):
+            raise TokenFileError(f"auth token file {path}: line {number}: give at most one uid=N, N a number "
+                                 f"(got {' '.join('uid=' + u for u in uids)})")
         key = _digest(token.encode())
         if key in grants:
             raise TokenFileError(f"auth token file {path}: line {number} repeats the token of {grants[key].label}")
-        grants[key] = Grant(patterns, f"line {number}")
+        grants[key] = Grant(patterns or ("*",), f"line {number}", int(uids[0]) if uids else None)
     if not grants:
         raise TokenFileError(f"auth token file {path} is empty (no token in it)")
     return grants
@@ -102,8 +113,9 @@ class Tokens:
 
     @property
     def scoped(self) -> bool:
-        """Whether some token grants less than every namespace (checks are needed)."""
-        return any(not g.everything for g in self._grants.values())
+        """Whether some token grants less than everything (checks are needed): not every
+        namespace, or only one user's shared-memory segments."""
+        return any(not g.everything or g.segment_uid is not None for g in self._grants.values())
 
     def __len__(self) -> int:
         return len(self._grants)
