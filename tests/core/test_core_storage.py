@@ -152,6 +152,27 @@ def test_prefetch_is_dropped_when_its_prefix_left_the_cache():
     assert cache.host.num_free == cache.host.capacity
 
 
+def test_an_engine_restart_does_not_wait_for_a_storage_fetch():
+    """A fetch fills host pages reserved apart from the tree: the device tier drops
+    under it (a Close need not wait for a frozen store), and its pages land after."""
+    cache, copier = make_cache("write_through", storage="write_back", host_pages=4)
+    eng = Engine(cache, copier)
+    old = tokens(1, 2, 3, 4)
+    eng.insert(old)
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.evict_host(2)
+    drain(cache, copier, eng)  # stored, gone from the host
+    assert cache.match(old).host_tokens == 0
+    tid = cache.start_prefetch(old, b"", 2)
+    assert tid and cache.device_drop_waits_for() == []
+    cache.drop_device(32)
+    clean(cache)
+    copier.complete(cache, tid)  # the store answers later
+    clean(cache)
+    assert cache.match(old).host_tokens == 4
+
+
 def test_unaligned_storage_probe_and_extra_key_salt_the_keys():
     cache, copier = make_cache(storage="write_through")
     plain = cache.storage_probe(tokens(1, 2, 3)).keys

@@ -240,12 +240,16 @@ class HierarchicalCache:
 
     def device_drop_waits_for(self) -> list[int]:
         """The transfers `drop_device` needs finished first: every one but a store of
-        pages it keeps (the others touch the engine's device pages, or fill or read host
-        pages of nodes it may remove). A store only reads host pages, and may take as
-        long as the store does: an engine's Close need not wait for it."""
+        pages it keeps and a storage fetch (the others touch the engine's device pages,
+        or fill or read host pages of nodes it may remove). A store only reads host
+        pages; a fetch fills host pages reserved apart from the tree, inserted when it
+        ends only where their prefix still is. Both take as long as the store does: an
+        engine's Close need not wait for them."""
         doomed = None
         waits = []
         for tid, t in self.state.transfers.items():
+            if t.kind is TransferKind.FETCH:
+                continue
             if t.kind is TransferKind.STORE:
                 if doomed is None:
                     doomed = self.state.dropped_with_device_tier()
