@@ -47,9 +47,9 @@ SUBMITS: list[tuple[str, bytes]] = []
 OPENS: list[list] = []
 
 
-def _open_logging(layout, num_pages, specs, device, device_uuid=""):
+def _open_logging(layout, num_pages, specs, device, device_uuid="", owner_uid=None):
     OPENS.append(list(specs))
-    return LoggingShm(layout, num_pages, specs)
+    return LoggingShm(layout, num_pages, specs, owner_uid)
 
 
 class InProcessDaemon:

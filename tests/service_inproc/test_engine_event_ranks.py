@@ -33,8 +33,8 @@ SUBMITS: list = []
 OPENED: list[LoggingShm] = []  # in registration order: one per ENGINE session
 
 
-def _open_logging(layout, num_pages, specs, device, device_uuid=""):
-    OPENED.append(LoggingShm(layout, num_pages, specs))
+def _open_logging(layout, num_pages, specs, device, device_uuid="", owner_uid=None):
+    OPENED.append(LoggingShm(layout, num_pages, specs, owner_uid))
     return OPENED[-1]
 
 

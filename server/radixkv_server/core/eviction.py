@@ -1,5 +1,7 @@
 """Device -> host traffic: write-through backups, and device eviction with write-back."""
 
+import enum
+
 from .copier import Copier
 from .errors import CacheError
 from .host_space import HostSpace
@@ -8,6 +10,13 @@ from .results import CopyOutcome, EvictResult
 from .state import CacheState
 from .storage_tier import StorageTier
 from .transfers import TransferKind
+
+
+class _Fate(enum.Enum):
+    """What `evict` did with one device leaf."""
+    LEAVES = "off the device now, or written back"
+    WAITS = "stays until host room that stores in flight free"
+    STAYS = "stays: no host room, and host-only children need it"
 
 
 class DeviceEviction:
@@ -69,9 +78,11 @@ class DeviceEviction:
 
         Mutates the tree. Nodes with a host copy leave the device at once; nodes without
         one are written back first (their pages come back through `finish` of the
-        transfers in `pending`), or dropped from the cache when the host has no room and
-        nothing there can be evicted. Locked, pinned or backing-up nodes are never
-        touched: when they keep it short, the result names the backups in flight.
+        transfers in `pending`). When the host has no room for that, a node stays while
+        stores that free host room are in flight (the next Evict writes it back), and is
+        dropped from the cache when none is (nothing there can be evicted). Locked,
+        pinned or backing-up nodes are never touched. When fewer pages than asked come
+        free, the result names the backups and room-freeing stores in flight.
         Evicting 0 pages does nothing.
         """
         if num_pages < 0:
@@ -81,15 +92,18 @@ class DeviceEviction:
         write_back: list[Node] = []
         skipped: list[Node] = []
         tid = state.reserve_transfer_id()
-        planned = 0
-        while planned < num_pages:
+        planned = waiting = 0  # pages leaving; pages that wait for host room
+        while planned + waiting < num_pages:
             node = state.device_leaves.pop()
             if node is None:
                 break
-            if self._evict_one(node, tid, freed, write_back):
+            fate = self._evict_one(node, tid, freed, write_back)
+            if fate is _Fate.LEAVES:
                 planned += state.pages(node)
             else:
                 skipped.append(node)
+                if fate is _Fate.WAITS:
+                    waiting += state.pages(node)
         for node in skipped:
             state.refresh(node)
         pending = ()
@@ -99,12 +113,12 @@ class DeviceEviction:
         backing_up = ()
         if planned < num_pages:
             backing_up = tuple(t.id for t in state.transfers.values() if t.kind is TransferKind.BACKUP)
+            backing_up += self.host_space.stores_freeing_room()
         return EvictResult(b"".join(freed), pending, backing_up)
 
-    def _evict_one(self, node: Node, tid: int, freed: list[bytes], write_back: list[Node]) -> bool:
+    def _evict_one(self, node: Node, tid: int, freed: list[bytes], write_back: list[Node]) -> _Fate:
         """Take one device leaf off the device now (appending to `freed`), or plan its
-        write-back as part of `tid`. False when it must stay: no host room for it, and
-        host-only children that need it as their parent."""
+        write-back as part of `tid`; or leave it where it is (`_Fate`)."""
         state = self.state
         tokens = state.tokens(node)
         if node.full.host_valid:
@@ -112,13 +126,15 @@ class DeviceEviction:
             state.counters.device_evicted_tokens += tokens
         elif self._claim_host_copy(node, tid):
             write_back.append(node)
+        elif self.host_space.stores_freeing_room():
+            return _Fate.WAITS
         elif not node.children:
             freed.append(state.release_device(node))
             state.remove_node(node)
             state.counters.dropped_write_back_tokens += tokens
         else:
-            return False
-        return True
+            return _Fate.STAYS
+        return _Fate.LEAVES
 
     # -- completion ------------------------------------------------------------------
 

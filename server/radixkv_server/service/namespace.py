@@ -161,7 +161,7 @@ class Namespace:
                 if result.backing_up and not waited_backups and progress < need:
                     waited_backups = True
                     need -= progress
-                    await self.copies.wait(result.backing_up)
+                    await self._wait_for_room(result.backing_up)
                     continue
                 break
             for pages in await asyncio.gather(*map(self.copies.written_back, result.pending)):
@@ -172,6 +172,19 @@ class Namespace:
                 break  # write-backs kept their nodes (touched meanwhile)
             need -= progress
         return EvictAnswer(b"".join(freed), written_back)
+
+    async def _wait_for_room(self, transfers: tuple[int, ...]) -> None:
+        """Wait for the backups and room-freeing stores an Evict came short on, a store
+        no longer than `storage_lookup_timeout` (an engine call waits that long for
+        storage; the pages stay for the engine's next Evict)."""
+        limit = self.config.storage_lookup_timeout or None
+        wait = asyncio.ensure_future(self.copies.wait(transfers))
+        try:
+            await asyncio.wait_for(asyncio.shield(wait), limit)
+        except TimeoutError:
+            log_event(log, "evict.store_wait_ended", logging.DEBUG, namespace=self.name, waited_s=limit)
+        finally:
+            wait.cancel()
 
     def prefetch(self, session: Session, request: PrefetchRequest) -> AsyncIterator[PrefetchStep]:
         """See `NamespaceCore.prefetch`."""

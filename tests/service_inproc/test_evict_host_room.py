@@ -1,0 +1,89 @@
+"""An Evict under write-back when the host is full and storage is freeing room.
+
+Making host room under storage write-back starts stores of host-only KV, which leaves
+the host when they end. The node the Evict wanted to write back used to be dropped from
+the cache at once (its KV on no tier, counted `dropped_write_back_tokens`), although the
+room came a moment later. Now the Evict waits for that room up to
+`storage_lookup_timeout`, and a node it could not write back stays on the device for the
+engine's next Evict (in-process daemon, a real Redis as the store).
+"""
+
+import asyncio
+
+import redis
+
+from radixkv.types import unpack
+from radixkv_server.core.transfers import TransferKind
+from radixkv_server.storage.open import open_storage
+
+from tests.service_inproc.inproc import LAYOUT, Engine, prompt, run, running_daemon
+
+HOST = 8  # host pages: one 8-page prompt fills them
+
+
+async def host_full_of_a(daemon) -> Engine:
+    """A session whose 8-page prompt A was written back to a host it fills, and whose
+    4-page prompt B is on the device only."""
+    e = await Engine.register(daemon, "t/room", write_policy="write_back")
+    await e.insert(prompt(0, 8), list(range(8)))
+    assert len(unpack((await e.evict(8)).freed_pages)) == 8
+    assert (await e.match(prompt(0, 8))).result.host_tokens == 32
+    await e.insert(prompt(100, 4), [8, 9, 10, 11])
+    return e
+
+
+def config(**more):
+    return dict(storage_policy="write_back", host_pool_size=HOST * LAYOUT.page_bytes, **more)
+
+
+def test_an_evict_waits_for_the_store_freeing_host_room_and_writes_back(private_redis):
+    storage = open_storage(private_redis.url)
+
+    async def scenario():
+        async with running_daemon(**config(storage_lookup_timeout=10.0)) as daemon:
+            daemon.storage = storage
+            e = await host_full_of_a(daemon)
+            answer = await e.evict(4)
+            assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11] and answer.written_back_pages == 4
+            counters = e.ns.counters()
+            assert counters["dropped_write_back_tokens"] == 0 and counters["stored_tokens"] == 32
+            assert (await e.match(prompt(100, 4))).result.host_tokens == 16
+            assert e.ns.check_invariants() == []
+            await e.close()
+
+    try:
+        run(scenario())
+    finally:
+        storage.close()
+
+
+def test_an_evict_past_the_wait_keeps_the_node_for_the_next_evict(private_redis):
+    admin = redis.Redis(unix_socket_path=private_redis.socket)
+    storage = open_storage(private_redis.url + "?socket_timeout=60")
+
+    async def scenario():
+        async with running_daemon(**config(storage_lookup_timeout=0.3)) as daemon:
+            daemon.storage = storage
+            e = await host_full_of_a(daemon)
+            stores = lambda: [t for t in e.ns.cache.transfers.values() if t.kind is TransferKind.STORE]  # noqa: E731
+            admin.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+            try:
+                answer = await asyncio.wait_for(e.evict(4), 5)
+                assert not answer.freed_pages and stores()
+                assert e.ns.counters()["dropped_write_back_tokens"] == 0
+                assert (await e.match(prompt(100, 4))).result.device_tokens == 16  # B stays, on the device
+            finally:
+                admin.execute_command("CLIENT", "UNPAUSE")
+            while stores():
+                await asyncio.sleep(0.01)
+            answer = await e.evict(4)  # the room came: B goes to the host
+            assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11] and answer.written_back_pages == 4
+            assert (await e.match(prompt(100, 4))).result.host_tokens == 16
+            assert e.ns.check_invariants() == []
+            await e.close()
+
+    try:
+        run(scenario())
+    finally:
+        storage.close()
+        admin.close()
