@@ -188,3 +188,35 @@ def test_a_fetch_is_in_flight_while_its_page_read_is_stuck(daemon_factory, tmp_p
         e.close()
     finally:
         e.release_memory()
+
+
+def test_lookups_pause_while_the_store_refuses_connections(daemon_factory, private_redis):
+    """A stopped Redis refuses connections: each lookup failed in a fraction of a second,
+    and every Match with storage paid it. Now a failed lookup pauses lookups (1 s at
+    first), Matches answer without storage meanwhile, and one lookup per pause tries
+    again: a burst of Matches reaches the store once, and it is used again once back."""
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
+    ns = "ops/lookup-pause"
+    e = RawEngine(d.target, ns, host_pool_pages=16)
+    try:
+        store_to_host_and_storage(e, d, ns, fresh_tokens(P), 0)
+        private_redis.stop()
+
+        def match(tokens):
+            return e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(tokens))],
+                                                include_storage=True), timeout=RPC_TIMEOUT_S).results[0]
+        before = storage_series(d).get(calls("exists"), 0)
+        for _ in range(30):
+            assert match(fresh_tokens(P)).storage_tokens == 0
+        got = storage_series(d)
+        assert got[calls("exists")] - before <= 2  # the first lookup; a second only if 30 Matches outlast 1 s
+        assert got[("radixkv_storage_failing", (("direction", "read"),))] == 1
+        private_redis.start()
+
+        def used_again():
+            match(fresh_tokens(P))  # past the pause, one lookup goes to the store, and succeeds
+            return storage_series(d)[("radixkv_storage_failing", (("direction", "read"),))] == 0
+        wait_for(used_again, DEADLINE_S, "lookups to use the store again")
+        e.close()
+    finally:
+        e.release_memory()

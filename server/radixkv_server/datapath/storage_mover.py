@@ -25,9 +25,13 @@ Cluster costs a call one socket timeout per shard and more per topology refresh)
 it the lookup answers "nothing stored", and so does every lookup after it, without
 asking storage, until the late one ends: engines never queue behind a store that does
 not answer, and a hung store holds one lookup, not one per engine call. A lookup whose
-caller gave up first (its deadline) counts as late the same way. Lookups and fetches run
-on threads apart from the stores', so writes a store is slow to take (a fork, a failover)
-never hold up reads.
+caller gave up first (its deadline) counts as late the same way. A lookup that fails
+(a store that refuses connections fails each call in a fraction of a second, which every
+engine call paid) pauses lookups: for `READ_BACKOFF_S[0]` seconds, doubling with each
+failure up to `READ_BACKOFF_S[1]`, lookups answer "nothing stored" at once, and one
+lookup per pause tries storage again; the first that succeeds ends the outage. Lookups
+and fetches run on threads apart from the stores', so writes a store is slow to take (a
+fork, a failover) never hold up reads.
 """
 
 import asyncio
@@ -40,6 +44,8 @@ from ..logs import log_event
 from ..storage import ReadAhead, StorageBackend, StorageTimeout, StorageUnavailable
 
 log = logging.getLogger("radixkv.storage")
+
+READ_BACKOFF_S = (1.0, 30.0)  # lookups' first and longest pause after failed ones
 
 
 def _close_read(done) -> None:
@@ -70,6 +76,8 @@ class StorageMover:
         self.failing: dict[str, str] = {}  # "read" / "write" -> the error that began its outage
         self.refused_stores = 0  # since the queue last filled up (0: it is not full)
         self._fetch_timeout_said = False  # since reads last succeeded
+        self._read_backoff = 0.0  # seconds lookups pause after the next failure (0: no outage)
+        self._reads_paused_until = 0.0  # loop time
         self._closed = False
         self._pages = None  # numpy view of the pool, [num_pages, page_bytes], made lazily
         self._attach()
@@ -131,7 +139,7 @@ class StorageMover:
         where the backend can (StorageBackend.read_ahead): then the caller hands it to
         `fetch` or closes it (if the caller is cancelled meanwhile, it is closed when the
         read completes). Without, only a probe (exists_prefix)."""
-        if not keys or self._closed or self.late_lookups:
+        if not keys or self._closed or self.late_lookups or self._reads_paused():
             return ReadAhead([])
         if read:
             job = self._reads.submit(self._timed, "exists", self._backend.read_ahead, keys,
@@ -139,23 +147,48 @@ class StorageMover:
         else:
             job = self._reads.submit(lambda: ReadAhead(keys[:self._probe([keys])[0]]))
         try:
-            return await self._answer(job, _close_read)
+            answer = await self._answer(job, _close_read)
         except StorageUnavailable as e:
-            self._health(str(e), "read")
+            self._lookup_failed(str(e))
             return ReadAhead([])
         except asyncio.CancelledError:
             job.add_done_callback(_close_read)
             raise
+        self._lookup_answered()
+        return answer
 
     async def probe(self, key_lists: list[list[bytes]]) -> list[int]:
         """How many leading keys of each list storage holds; zeros while it is down."""
-        if not any(key_lists) or self.late_lookups:
+        if not any(key_lists) or self.late_lookups or self._reads_paused():
             return [0] * len(key_lists)
         try:
-            return await self._answer(self._reads.submit(self._probe, key_lists))
+            answer = await self._answer(self._reads.submit(self._probe, key_lists))
         except StorageUnavailable as e:
-            self._health(str(e), "read")
+            self._lookup_failed(str(e))
             return [0] * len(key_lists)
+        self._lookup_answered()
+        return answer
+
+    def _reads_paused(self) -> bool:
+        """Whether lookups skip storage now (a pause after failed ones). The first lookup
+        past a pause goes to storage and starts the next pause at once, so the others
+        skip while it tries."""
+        now = self._loop.time()
+        if now < self._reads_paused_until:
+            return True
+        if self._read_backoff:
+            self._reads_paused_until = now + self._read_backoff
+        return False
+
+    def _lookup_failed(self, error: str) -> None:
+        self._read_backoff = min(max(2 * self._read_backoff, READ_BACKOFF_S[0]), READ_BACKOFF_S[1])
+        self._reads_paused_until = self._loop.time() + self._read_backoff
+        self._health(error, "read")
+
+    def _lookup_answered(self) -> None:
+        if self._read_backoff:
+            self._read_backoff = self._reads_paused_until = 0.0
+            self._health(None, "read")
 
     async def _answer(self, job, discard=None):
         """The lookup `job`'s answer, waited for at most lookup_timeout. Past it, raises
@@ -277,7 +310,8 @@ class StorageMover:
         if error and direction not in self.failing:
             self.failing[direction] = error
             note = ("stores fail: pages stay on host only; each new store tries again" if direction == "write"
-                    else "lookups and prefetches find nothing in storage; each new one tries again")
+                    else "lookups and prefetches find nothing in storage; one tries again after a pause "
+                         f"that doubles from {READ_BACKOFF_S[0]:g}s to {READ_BACKOFF_S[1]:g}s")
             log_event(log, "storage.unavailable", logging.WARNING, namespace=self.namespace, direction=direction,
                       error=error, note=note)
         if error is None and direction == "read":
