@@ -238,7 +238,7 @@ TABLE = [
     Row("Insert", "release an unknown lease", unary("Insert", lambda c: pb.InsertRequest(
         session=A(c), tokens=tokens(50, 1), device_pages=pack([9]), release_lease=987654)), C.NOT_FOUND, r"lease 987654 " + NOT_HELD),
     Row("Insert", "release another session's lease", unary("Insert", lambda c: pb.InsertRequest(
-        session=B(c), tokens=tokens(50, 1), device_pages=pack([9]), release_lease=c["lease"])), C.NOT_FOUND, NOT_HELD),
+        session=B(c), tokens=tokens(50, 1), device_pages=pack([9]), release_lease=c["lease"])), C.PERMISSION_DENIED, r"belongs to another session"),
     Row("Insert", "message over the size limit", unary("Insert", lambda c: pb.InsertRequest(
         session=A(c), tokens=HUGE, device_pages=pack([9]))), C.RESOURCE_EXHAUSTED, r"larger than max"),
     # -- LoadBack ----------------------------------------------------------------------
@@ -286,7 +286,7 @@ TABLE = [
     Row("Release", "unknown lease", unary("Release", lambda c: pb.ReleaseRequest(session=A(c), leases=[555])),
         C.NOT_FOUND, r"lease 555 " + NOT_HELD),
     Row("Release", "another session's lease", unary("Release", lambda c: pb.ReleaseRequest(session=B(c), leases=[c["lease"]])),
-        C.NOT_FOUND, NOT_HELD),
+        C.PERMISSION_DENIED, r"belongs to another session"),
     Row("Release", "lease listed twice", unary("Release", lambda c: pb.ReleaseRequest(session=A(c), leases=[c["lease"]] * 2)),
         C.INVALID_ARGUMENT, r"leases \[\d+\] are listed twice"),
     # -- Evict -------------------------------------------------------------------------

@@ -75,10 +75,10 @@ def test_a_lease_belongs_to_its_session():
             lease = (await a.match(p, lease=True)).lease
             with pytest.raises(ServiceError) as info:
                 b.release([lease])
-            assert refused(info) == (grpc.StatusCode.NOT_FOUND, f"lease {lease} {NOT_HELD} (released, or never taken)")
+            assert refused(info) == (grpc.StatusCode.PERMISSION_DENIED, f"lease {lease} belongs to another session")
             with pytest.raises(ServiceError) as info:  # nor can b's insert release it
                 await b.insert(prompt(100, 1), [5], release_lease=lease)
-            assert refused(info)[0] == grpc.StatusCode.NOT_FOUND
+            assert refused(info)[0] == grpc.StatusCode.PERMISSION_DENIED
             assert (await b.match(prompt(100, 1))).result.device_tokens == 0  # refused before inserting
             assert (await a.evict(2)).freed_pages == b""
             a.release([lease])

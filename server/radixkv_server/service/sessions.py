@@ -13,11 +13,13 @@ import itertools
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import grpc
+
 from ..core.ids import fresh_ids
-from .errors import invalid, not_found, precondition, unauthenticated
+from .errors import ServiceError, invalid, not_found, precondition, unauthenticated
 
 REMEMBER_EXPIRED = 4096  # expired leases and load-backs remembered per session, for clear errors
 
@@ -49,6 +51,9 @@ class Session:
     expired_loads: OrderedDict = field(default_factory=OrderedDict)
     ack_stream: object = None
     session_stream: object = None  # its open Session stream (session_stream.py), or None
+    # Whether another live session of the registry holds a lease (for the status of a
+    # call naming it): lease ids are unique across a registry's sessions.
+    held_elsewhere: Callable[[int], bool] = field(default=lambda lease: False, repr=False)
 
     @property
     def closing(self) -> bool:
@@ -70,9 +75,10 @@ class Session:
         return lease
 
     def check_lease(self, lease: int) -> None:
-        """NOT_FOUND (saying whether it expired) unless this session holds `lease`."""
+        """PERMISSION_DENIED for another session's lease; NOT_FOUND (saying whether it
+        expired) for one no session holds."""
         if lease not in self.leases:
-            raise not_found(self._lease_unknown(lease))
+            self._refuse_unknown([lease])
 
     def pop_lease(self, lease: int) -> int:
         """Forget a lease (released by the engine or expired); returns its node id."""
@@ -81,11 +87,12 @@ class Session:
         return self.leases.pop(lease)
 
     def pop_leases(self, leases: list[int]) -> list[int]:
-        """Forget every lease listed, or none: NOT_FOUND naming each one not held,
-        INVALID_ARGUMENT for one listed twice. Returns their node ids."""
+        """Forget every lease listed, or none: PERMISSION_DENIED naming another session's,
+        NOT_FOUND naming each one no session holds, INVALID_ARGUMENT for one listed twice.
+        Returns their node ids."""
         unknown = [lease for lease in leases if lease not in self.leases]
         if unknown:
-            raise not_found("; ".join(self._lease_unknown(lease) for lease in unknown))
+            self._refuse_unknown(unknown)
         if len(set(leases)) != len(leases):
             raise invalid(f"leases {sorted(x for x in set(leases) if leases.count(x) > 1)} are listed twice")
         return [self.pop_lease(lease) for lease in leases]
@@ -102,6 +109,13 @@ class Session:
         self.leases.clear()
         self.lease_times.clear()
         return nodes
+
+    def _refuse_unknown(self, leases: list[int]) -> None:
+        foreign = [lease for lease in leases if self.held_elsewhere(lease)]
+        if foreign:
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                               "; ".join(f"lease {lease} belongs to another session" for lease in foreign))
+        raise not_found("; ".join(self._lease_unknown(lease) for lease in leases))
 
     def _lease_unknown(self, lease: int) -> str:
         why = self.expired.get(("lease", lease))
@@ -210,9 +224,14 @@ class SessionRegistry:
         return Holdings(leases, now - oldest, unacked)
 
     def new(self, namespace, engine: str) -> Session:
-        session = Session(secrets.token_hex(16), namespace, engine, lease_ids=self._lease_ids)
+        session = Session(secrets.token_hex(16), namespace, engine, lease_ids=self._lease_ids,
+                          held_elsewhere=self._leased)
         self._live[session.id] = session
         return session
+
+    def _leased(self, lease: int) -> bool:
+        """Whether a live session holds `lease` (an error path: one pass over them)."""
+        return any(lease in s.leases for s in self._live.values())
 
     def get(self, session_id: str) -> Session:
         """The live session with this id; UNAUTHENTICATED with the reason otherwise."""
