@@ -360,5 +360,32 @@ def test_mooncake_frozen_segment_owner_never_blocks_the_reader(mooncake_master, 
     assert b.log().count("storage.fetch_timeout") == 1  # one line while the node is frozen
 
 
+def test_a_prefetch_waiting_for_a_fetch_the_store_gave_up_on_is_answered_at_its_timeout(mooncake_master,
+                                                                                        daemon_factory):
+    """Reading straight into the pool (fetch=direct), the lookup answers (the master does)
+    and the fetch hangs on the frozen segment owner: a wait_complete Prefetch is answered
+    once the store's call times out, nothing added (it waited for the store to let go,
+    30-60 s), while the reserved pages wait for the store."""
+    a = daemon_factory(*mooncake_flags(mooncake_master))
+    writer = EngineDouble.connect(a.target)
+    writer.prefill(prompt(6))
+    wait_stored(writer, 8 * PS)
+    flags = mooncake_flags(mooncake_master)
+    b = daemon_factory(flags[0], flags[1] + "&fetch=direct", *flags[2:])
+    reader = EngineDouble.connect(b.target)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        progress, seconds = timed(lambda: reader.client.prefetch(prompt(6), policy="wait_complete"))
+        assert seconds < ENGINE_BOUND_S
+        assert [(p.state, p.host_tokens_added) for p in progress] == [("started", 0), ("done", 0)]
+        assert _fetch_pending(reader)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    a.kill()
+    wait_for(lambda: not _fetch_pending(reader), 40, "the timed-out fetch to be reported")
+    assert reader.client.check_invariants() == []
+    reader.close()
+
+
 def _fetch_pending(engine: EngineDouble) -> bool:
     return engine.client.stats().namespaces[0].transfers_in_flight > 0

@@ -57,7 +57,7 @@ def _close_read(done) -> None:
 class StorageMover:
     def __init__(self, loop: asyncio.AbstractEventLoop, backend: StorageBackend, host_pool,
                  on_stored, on_fetched, *, workers: int = 2, max_pending_pages: int = 4096,
-                 lookup_timeout: float = 0.0, namespace: str = "", observe=None):
+                 lookup_timeout: float = 0.0, namespace: str = "", observe=None, on_fetch_gave_up=None):
         self._loop = loop
         self._backend = backend
         self._host = host_pool
@@ -71,6 +71,7 @@ class StorageMover:
         self._lookup_timeout = lookup_timeout  # 0: lookups are waited for as long as they take
         self.late_lookups = 0  # lookups past lookup_timeout still running: storage is skipped meanwhile
         self._observe = observe          # (operation, seconds, ok) from worker threads
+        self._on_fetch_gave_up = on_fetch_gave_up  # (transfer), on the loop: past the store's timeout
         self.namespace = namespace
         self.pending_pages = 0
         self.failing: dict[str, str] = {}  # "read" / "write" -> the error that began its outage
@@ -297,6 +298,8 @@ class StorageMover:
         until a read succeeds again, at DEBUG (a frozen node times out every fetch)."""
         level = logging.DEBUG if self._fetch_timeout_said else logging.WARNING
         self._fetch_timeout_said = True
+        if self._on_fetch_gave_up is not None:
+            self._on_fetch_gave_up(transfer)
         log_event(log, "storage.fetch_timeout", level, namespace=self.namespace, transfer=transfer, error=error,
                   note="pages stay reserved until the store answers")
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..core import HierarchicalCache
+from ..core.results import FetchOutcome
 from ..datapath import CopyEngine, CopyError, DeviceBuffers, HostPool
 from ..datapath.storage_mover import StorageMover
 from ..logs import log_event
@@ -49,7 +50,8 @@ class Copies:
                 self._loop, storage_backend, host_pool, self._stored, self._fetched,
                 workers=config.storage_workers, max_pending_pages=config.storage_queue_pages,
                 lookup_timeout=config.storage_lookup_timeout,
-                namespace=config.name, observe=metrics.observe_storage if metrics is not None else None)
+                namespace=config.name, observe=metrics.observe_storage if metrics is not None else None,
+                on_fetch_gave_up=self._fetch_gave_up)
 
     def bind(self, cache: HierarchicalCache) -> None:
         """The core that completions are reported to. Once, before any copy starts."""
@@ -155,6 +157,15 @@ class Copies:
         outcome = self._cache.on_fetch_done(transfer, pages_read, error)
         _resolve(self._fetches.pop(transfer, None), outcome)
         self._wake(transfer)
+
+    def _fetch_gave_up(self, transfer: int) -> None:
+        """A fetch ran past the store's own timeout: it will read nothing, so whoever
+        waits for it (a wait_complete Prefetch) is answered now, 0 pages; the transfer,
+        and its reserved host pages, end when the store lets go (`_fetched`)."""
+        fut = self._fetches.get(transfer)
+        if fut is None:
+            fut = self._fetches[transfer] = self._loop.create_future()
+        _resolve(fut, FetchOutcome(0, 0))
 
     def _observe(self, transfer: int, error: str | None) -> str | None:
         """Time a finished copy (a good one) for the metrics; returns its direction."""
