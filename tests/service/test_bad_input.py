@@ -298,6 +298,8 @@ TABLE = [
         C.INVALID_ARGUMENT, r"token bytes \(5\)"),
     Row("Prefetch", "unknown policy", streamed(lambda c: pb.PrefetchRequest(session=A(c), tokens=c["p"], policy="eager")),
         C.INVALID_ARGUMENT, r"prefetch policy 'eager'"),
+    Row("Prefetch", "timeout policy without a timeout", streamed(lambda c: pb.PrefetchRequest(
+        session=A(c), tokens=c["p"], policy="timeout")), C.INVALID_ARGUMENT, r"'timeout' needs timeout_ms > 0"),
     Row("Prefetch", "no storage tier", streamed(lambda c: pb.PrefetchRequest(session=A(c), tokens=c["p"])),
         C.FAILED_PRECONDITION, r"no storage tier is configured"),
     # -- operators ---------------------------------------------------------------------

@@ -126,13 +126,16 @@ def evict_response(answer: EvictAnswer, out: pb.EvictResponse) -> pb.EvictRespon
 
 
 def prefetch_request(request: pb.PrefetchRequest) -> PrefetchRequest:
-    """INVALID_ARGUMENT for tokens that are not packed int32 or an unknown policy."""
+    """INVALID_ARGUMENT for tokens that are not packed int32, an unknown policy, or
+    policy "timeout" without a timeout."""
     if len(request.tokens) % 4:
         raise invalid(f"token bytes ({len(request.tokens)}) are not a multiple of 4 (packed int32)")
     try:
         policy = PrefetchPolicy(request.policy or PrefetchPolicy.BEST_EFFORT.value)
     except ValueError:
         raise invalid(f"prefetch policy {request.policy!r}: use one of {[p.value for p in PrefetchPolicy]}") from None
+    if policy is PrefetchPolicy.TIMEOUT and not request.timeout_ms:
+        raise invalid("prefetch policy 'timeout' needs timeout_ms > 0 (how long to wait for the fetch)")
     timeout = request.timeout_ms / 1000 if request.timeout_ms else None
     return PrefetchRequest(request.tokens, request.extra_key, policy, timeout)
 
