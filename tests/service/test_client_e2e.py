@@ -273,3 +273,26 @@ def test_a_client_dropped_without_close_ends_its_session(daemon):
             assert ns.leases == 0 and ns.device_pages_held == 0
     finally:
         buffers.close()
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["after-close", "replacing"])
+def test_a_restarted_engine_is_told_what_left_with_the_old_ones_device_pages(daemon, replace):
+    """Write-back: 8 tokens on the device only, 8 more with a host copy. The next
+    engine's Register is warm and reports the 8 that left (after the old session closed,
+    or when it replaced it); it reported 0 once the old session's close had dropped them."""
+    old = Engine(daemon, "e2e/restart", write_policy="write_back")
+    new = None
+    try:
+        old.prefill(list(range(8)))
+        assert len(evict_all(old.client, 2)) == 2  # written back: host copy, off the device
+        old.prefill(list(range(100, 108)))          # device only
+        if not replace:
+            old.client.close()
+        new = Engine(daemon, "e2e/restart", write_policy="write_back", replace_existing=replace)
+        assert new.reg.warm and new.reg.dropped_device_tokens == 8
+        [m] = new.client.match([pack(range(100, 108))])
+        assert m.device_tokens + m.host_tokens == 0
+    finally:
+        for e in (old, new):
+            if e is not None:
+                e.close()

@@ -44,6 +44,7 @@ class Namespace:
         self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
         self.session: Session | None = None  # the attached engine's session; set by the Daemon
         self._abandoned: set[asyncio.Task] = set()  # Evicts whose callers gave up (see `evict`)
+        self._dropped_at_detach = 0  # tokens the last session's end dropped, for the next Register
         self.copies.attach(device)
 
     @classmethod
@@ -205,10 +206,12 @@ class Namespace:
     async def attach(self, device: DeviceBuffers) -> int:
         """Swap in a restarted engine's device buffers: wait for copies (not stores of
         pages that stay: `device_drop_waits_for`), drop the old device residency (host
-        copies stay). Returns tokens dropped from the cache."""
+        copies stay). Returns the tokens dropped from the cache with the previous engine's
+        device residency: here, or when its session ended (`detach`)."""
         await self.copies.drain(self.cache.device_drop_waits_for)
         self._abandoned.clear()  # pages of the engine that left
-        dropped = self.cache.drop_device(device.num_pages)
+        dropped = self.cache.drop_device(device.num_pages) + self._dropped_at_detach
+        self._dropped_at_detach = 0
         self.copies.attach(device)
         log_event(log, "namespace.reattached", namespace=self.name, dropped_tokens=dropped)
         return dropped
@@ -224,6 +227,7 @@ class Namespace:
         if self.copies.device is None:
             return 0
         dropped = self.cache.drop_device(0)
+        self._dropped_at_detach += dropped  # the next engine's Register reports them
         self.copies.release_device()
         log_event(log, "namespace.detached", namespace=self.name, dropped_tokens=dropped)
         return dropped
