@@ -4,7 +4,7 @@ import pytest
 from radixkv_server.core.pages import pack
 from radixkv_server.core.page_keys import page_keys
 
-from harness import Engine, make_cache, tokens
+from harness import Engine, identity, make_cache, tokens
 
 
 def clean(cache):
@@ -202,3 +202,29 @@ def test_host_copies_storage_lacks_are_listed_parents_first_and_stored_once():
     drain(cache, copier, eng)
     assert cache.counters.stored_tokens == 10 and len(copier.storage) == 5
     clean(cache)
+
+
+def test_a_write_back_split_by_a_landing_prefetch_leaves_the_device_deepest_first():
+    """A prefetch landing splits a node whose write-back runs; when the write-back ends,
+    routers are told the lower half left the device before the upper half (the upper
+    half was told first: for a moment a device node's parent was off the device)."""
+    cache, copier = make_cache("write_back", page_size=2, storage="write_back")
+    eng = Engine(cache, copier)
+    ab, abe = tokens(1, 2, 3, 4), tokens(1, 2, 3, 4, 5, 6)
+    for i, k in enumerate(page_keys(b"test-salt", ab, 2)):
+        copier.storage[k] = identity(ab, b"", i, 2)
+    fetch = cache.start_prefetch(ab, b"", 2)
+    eng.insert(abe)  # one device-only node of 3 pages
+    told = []
+
+    class Listener:
+        def residency_changed(self, tier, change, node):
+            if tier == "device" and change == "removed":
+                told.append([c.id for c in node.children.values() if c.full.device_pages is not None])
+
+    cache.residency_listener = Listener()
+    assert cache.evict_device(3).pending
+    copier.complete(cache, fetch)  # lands on ab: the evicting node splits at 2 pages
+    drain(cache, copier, eng)
+    clean(cache)
+    assert len(told) == 2 and told == [[], []]  # each half, none told with a device child

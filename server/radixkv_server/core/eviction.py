@@ -146,7 +146,9 @@ class DeviceEviction:
         counters = state.counters
         t = state.transfers.pop(tid)
         freed = []
-        for node in t.nodes:
+        # Deepest first: a node split while the copy ran lists its upper half before its
+        # lower one, which must leave the device first (a device node's parent is one).
+        for node in reversed(t.nodes):
             tokens = state.tokens(node)
             evicting = node.full.evicting
             state.end_backup(node, ok=error is None)
