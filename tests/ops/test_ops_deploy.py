@@ -116,6 +116,8 @@ def test_sidecar_matches_the_daemons_flags():
     # Shutdown: the kubelet waits longer than the daemon's grace and its storing.
     assert spec["terminationGracePeriodSeconds"] > config.shutdown_grace + config.shutdown_store_timeout
     assert spec["securityContext"]["runAsNonRoot"] is True
+    # The daemon opens the engine's legacy CUDA IPC handles: not across PID namespaces.
+    assert spec.get("shareProcessNamespace") is True
     assert spec["securityContext"]["runAsUser"] == dockerfile_uid()
     assert labels["radixkv/sidecar"] == "true"
 
@@ -286,3 +288,28 @@ def test_build_context_makes_a_wheel_with_the_image_commands(tmp_path):
     assert {"radixkv_server/healthcheck.py", "radixkv_server/server.py", "radixkv/v1/radixkv_pb2.py"} <= names
     assert "radixkv-server = radixkv_server.cli:main" in entry_points
     assert "radixkv-health = radixkv_server.healthcheck:main" in entry_points
+
+
+def docker_runs(text: str) -> list[str]:
+    """The `docker run` commands of a text (comment markers and continuations joined)."""
+    text = re.sub(r"^#\s?", "", text, flags=re.M).replace("\\\n", " ")
+    return [" ".join(line.split()) for line in text.splitlines() if line.lstrip().startswith("docker run")]
+
+
+def test_docker_run_recipes_stop_late_enough_and_share_cuda_namespaces():
+    """Every recipe (Dockerfile comment, docs/image.md): the daemon's container waits
+    beyond the daemon's grace and storing before Docker's SIGKILL; an engine beside a
+    daemon on a GPU joins its PID namespace too (legacy CUDA IPC handles)."""
+    config = DaemonConfig()
+    for path in (REPO / "Dockerfile", REPO / "docs" / "image.md"):
+        runs = docker_runs(path.read_text())
+        daemons = [r for r in runs if "--name radixkv" in r]
+        engines = [r for r in runs if "--ipc=container:radixkv" in r]
+        assert daemons and engines, path
+        for run in daemons:
+            stop = re.search(r"--stop-timeout (\d+)", run)
+            assert stop and int(stop.group(1)) > config.shutdown_grace + config.shutdown_store_timeout, run
+        for run in engines:
+            assert "--gpus" not in run or "--pid=container:radixkv" in run, run
+    assert any("--gpus" in r for r in docker_runs((REPO / "docs" / "image.md").read_text())), "a CUDA recipe"
+    assert "--pid=container:radixkv" in (REPO / "Dockerfile").read_text()
