@@ -43,7 +43,8 @@ class Metrics:
                                       ["method"], buckets=RPC_BUCKETS, registry=r)
         self.copy_duration = Histogram(
             "radixkv_copy_duration_seconds",
-            "Page copy time from start to completion (load: host->device, backup and write_back: device->host)",
+            "Page copy time from start to completion (load: host->device, backup and write_back: "
+            "device->host, store: host->storage tier, fetch: storage tier->host)",
             ["namespace", "direction"], buckets=COPY_BUCKETS, registry=r)
         self.invariant_violations = Counter("radixkv_invariant_violations", "Invariant violations found",
                                             ["namespace"], registry=r)
