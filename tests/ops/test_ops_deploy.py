@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from radixkv_server.config import DaemonConfig, load_config, parse_size
+from tests.support.daemon import wait_for
 from opstools import BIN, REPO, run_tool
 
 DEPLOY = REPO / "deploy"
@@ -186,6 +187,36 @@ def test_systemd_unit_settings():
     assert all(k[len("RADIXKV_"):].lower() in DaemonConfig.__dataclass_fields__ for k in env)
     assert config.listen == (f"unix://{SOCKET_DIR}/radixkv.sock",)
     assert float(unit["TimeoutStopSec"][0]) > config.shutdown_grace + config.shutdown_store_timeout
+
+
+def unit_command(key: str, **substitutions: str) -> str:
+    """The unit's one `key=` command line, with this checkout's radixkv-health and the
+    given `old=new` substitutions (a dict: keys are the literal text to replace)."""
+    (line,) = unit_entries((DEPLOY / "systemd" / "radixkv.service").read_text())[key]
+    line = line.replace("/opt/radixkv/bin/radixkv-health", str(BIN / "radixkv-health"))
+    for old, new in substitutions.items():
+        assert old in line, (old, line)
+        line = line.replace(old, new)
+    return line
+
+
+def test_systemd_start_waits_for_readiness_within_its_bound(module_daemon, tmp_path):
+    """ExecStartPost= (Type=exec): the unit counts as started, and engines ordered after
+    it start, only once the daemon answers ready; with no daemon the wait ends, failed,
+    at its bound (shortened from 60 s to 2 s here)."""
+    post = unit_command("ExecStartPost", **{"timeout 60 ": "timeout 2 "})
+    absent = {"RADIXKV_LISTEN": f"unix://{tmp_path}/none.sock", "PATH": "/usr/bin:/bin"}
+    assert run_tool(["/bin/sh", "-c", post], env=absent, check=False).returncode != 0
+    run_tool(["/bin/sh", "-c", post], env={"RADIXKV_LISTEN": module_daemon.target, "PATH": "/usr/bin:/bin"})
+
+
+def test_systemd_reload_reloads_the_daemon_and_keeps_it_serving(daemon_factory):
+    """ExecReload= sends SIGHUP: the daemon reloads (tokens, TLS) and serves on."""
+    d = daemon_factory()
+    run_tool(["/bin/sh", "-c", unit_command("ExecReload", **{"$MAINPID": str(d.pid)})])
+    wait_for(lambda: "daemon.reload" in d.log(), 20, "daemon.reload in the log")
+    run_tool([str(BIN / "radixkv-health"), "--quiet", "--address", d.target])
+    assert d.alive
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
