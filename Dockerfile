@@ -18,10 +18,12 @@
 # (the CUDA images) gets the distribution's python3 and venv packages from apt.
 #
 # Run (engine and daemon share /run/radixkv, and the IPC namespace, so /dev/shm, for
-# the shm backend; add --gpus for CUDA):
+# the shm backend; --stop-timeout 50 covers the shutdown grace and storing, docs/image.md):
 #   docker run -d --name radixkv --ipc=shareable --shm-size=8g -v radixkv-run:/run/radixkv \
-#     -p 127.0.0.1:9464:9464 radixkv:0.1.0 --host-pool-size 16GiB
+#     --stop-timeout 50 -p 127.0.0.1:9464:9464 radixkv:0.1.0 --host-pool-size 16GiB
 #   docker run --ipc=container:radixkv -v radixkv-run:/run/radixkv --user 10001 <engine image>
+# CUDA: add --gpus to both, and --pid=container:radixkv to the engine (legacy CUDA IPC
+# handles fail to open across PID namespaces).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS builder

@@ -43,7 +43,8 @@ class Metrics:
                                       ["method"], buckets=RPC_BUCKETS, registry=r)
         self.copy_duration = Histogram(
             "radixkv_copy_duration_seconds",
-            "Page copy time from start to completion (load: host->device, backup and write_back: device->host)",
+            "Page copy time from start to completion (load: host->device, backup and write_back: "
+            "device->host, store: host->storage tier, fetch: storage tier->host)",
             ["namespace", "direction"], buckets=COPY_BUCKETS, registry=r)
         self.invariant_violations = Counter("radixkv_invariant_violations", "Invariant violations found",
                                             ["namespace"], registry=r)
@@ -222,6 +223,11 @@ class _StateCollector(Collector):
                                        labels=["namespace"]),
             "unacked": GaugeMetricFamily("radixkv_load_backs_unacked", "Load-backs answered, not acknowledged yet",
                                          labels=["namespace"]),
+            "lease_age": GaugeMetricFamily("radixkv_oldest_lease_seconds", "Age of the oldest lease engines "
+                                           "hold (0: none)", labels=["namespace"]),
+            "unacked_age": GaugeMetricFamily("radixkv_oldest_unacked_load_back_seconds", "Age of the oldest "
+                                             "load-back answered and not acknowledged (0: none); engine-managed "
+                                             "loads and saves included", labels=["namespace"]),
             "pin": GaugeMetricFamily("radixkv_load_back_pins", "Pins held by unacknowledged load-backs",
                                      labels=["namespace"]),
             "nodes": GaugeMetricFamily("radixkv_tree_nodes", "Radix tree nodes", labels=["namespace"]),
@@ -268,6 +274,8 @@ class _StateCollector(Collector):
             f["pin"].add_metric([name], s["pins"])
             f["lease"].add_metric([name], s["held"].leases)
             f["unacked"].add_metric([name], s["held"].unacked_loads)
+            f["lease_age"].add_metric([name], s["held"].oldest_lease_seconds)
+            f["unacked_age"].add_metric([name], s["held"].oldest_unacked_seconds)
             f["nodes"].add_metric([name], s["nodes"])
             f["dup"].add_metric([name], s["duplicates"])
         for name, s in snap["namespaces"].items():

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from radixkv_server.config import DaemonConfig, load_config, parse_size
+from tests.support.daemon import wait_for
 from opstools import BIN, REPO, run_tool
 
 DEPLOY = REPO / "deploy"
@@ -116,6 +117,8 @@ def test_sidecar_matches_the_daemons_flags():
     # Shutdown: the kubelet waits longer than the daemon's grace and its storing.
     assert spec["terminationGracePeriodSeconds"] > config.shutdown_grace + config.shutdown_store_timeout
     assert spec["securityContext"]["runAsNonRoot"] is True
+    # The daemon opens the engine's legacy CUDA IPC handles: not across PID namespaces.
+    assert spec.get("shareProcessNamespace") is True
     assert spec["securityContext"]["runAsUser"] == dockerfile_uid()
     assert labels["radixkv/sidecar"] == "true"
 
@@ -184,6 +187,36 @@ def test_systemd_unit_settings():
     assert all(k[len("RADIXKV_"):].lower() in DaemonConfig.__dataclass_fields__ for k in env)
     assert config.listen == (f"unix://{SOCKET_DIR}/radixkv.sock",)
     assert float(unit["TimeoutStopSec"][0]) > config.shutdown_grace + config.shutdown_store_timeout
+
+
+def unit_command(key: str, **substitutions: str) -> str:
+    """The unit's one `key=` command line, with this checkout's radixkv-health and the
+    given `old=new` substitutions (a dict: keys are the literal text to replace)."""
+    (line,) = unit_entries((DEPLOY / "systemd" / "radixkv.service").read_text())[key]
+    line = line.replace("/opt/radixkv/bin/radixkv-health", str(BIN / "radixkv-health"))
+    for old, new in substitutions.items():
+        assert old in line, (old, line)
+        line = line.replace(old, new)
+    return line
+
+
+def test_systemd_start_waits_for_readiness_within_its_bound(module_daemon, tmp_path):
+    """ExecStartPost= (Type=exec): the unit counts as started, and engines ordered after
+    it start, only once the daemon answers ready; with no daemon the wait ends, failed,
+    at its bound (shortened from 60 s to 2 s here)."""
+    post = unit_command("ExecStartPost", **{"timeout 60 ": "timeout 2 "})
+    absent = {"RADIXKV_LISTEN": f"unix://{tmp_path}/none.sock", "PATH": "/usr/bin:/bin"}
+    assert run_tool(["/bin/sh", "-c", post], env=absent, check=False).returncode != 0
+    run_tool(["/bin/sh", "-c", post], env={"RADIXKV_LISTEN": module_daemon.target, "PATH": "/usr/bin:/bin"})
+
+
+def test_systemd_reload_reloads_the_daemon_and_keeps_it_serving(daemon_factory):
+    """ExecReload= sends SIGHUP: the daemon reloads (tokens, TLS) and serves on."""
+    d = daemon_factory()
+    run_tool(["/bin/sh", "-c", unit_command("ExecReload", **{"$MAINPID": str(d.pid)})])
+    wait_for(lambda: "daemon.reload" in d.log(), 20, "daemon.reload in the log")
+    run_tool([str(BIN / "radixkv-health"), "--quiet", "--address", d.target])
+    assert d.alive
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
@@ -286,3 +319,28 @@ def test_build_context_makes_a_wheel_with_the_image_commands(tmp_path):
     assert {"radixkv_server/healthcheck.py", "radixkv_server/server.py", "radixkv/v1/radixkv_pb2.py"} <= names
     assert "radixkv-server = radixkv_server.cli:main" in entry_points
     assert "radixkv-health = radixkv_server.healthcheck:main" in entry_points
+
+
+def docker_runs(text: str) -> list[str]:
+    """The `docker run` commands of a text (comment markers and continuations joined)."""
+    text = re.sub(r"^#\s?", "", text, flags=re.M).replace("\\\n", " ")
+    return [" ".join(line.split()) for line in text.splitlines() if line.lstrip().startswith("docker run")]
+
+
+def test_docker_run_recipes_stop_late_enough_and_share_cuda_namespaces():
+    """Every recipe (Dockerfile comment, docs/image.md): the daemon's container waits
+    beyond the daemon's grace and storing before Docker's SIGKILL; an engine beside a
+    daemon on a GPU joins its PID namespace too (legacy CUDA IPC handles)."""
+    config = DaemonConfig()
+    for path in (REPO / "Dockerfile", REPO / "docs" / "image.md"):
+        runs = docker_runs(path.read_text())
+        daemons = [r for r in runs if "--name radixkv" in r]
+        engines = [r for r in runs if "--ipc=container:radixkv" in r]
+        assert daemons and engines, path
+        for run in daemons:
+            stop = re.search(r"--stop-timeout (\d+)", run)
+            assert stop and int(stop.group(1)) > config.shutdown_grace + config.shutdown_store_timeout, run
+        for run in engines:
+            assert "--gpus" not in run or "--pid=container:radixkv" in run, run
+    assert any("--gpus" in r for r in docker_runs((REPO / "docs" / "image.md").read_text())), "a CUDA recipe"
+    assert "--pid=container:radixkv" in (REPO / "Dockerfile").read_text()

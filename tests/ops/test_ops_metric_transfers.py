@@ -8,7 +8,10 @@ fault flags so each value is read while it lasts (real daemon processes, real sc
 - `--fault-fail-loads 1`: every load copy fails; its device pages leave the tree at
   once and are held (`failed_load`) until the engine's ACK hands them back. A load-back
   counts in flight until that ACK, whether its copy failed or not.
+- A lease and a load-back an engine holds on to: the ages the stuck-engine alerts read.
 """
+
+import time
 
 import grpc
 from radixkv.types import pack, unpack
@@ -16,7 +19,8 @@ from radixkv.v1 import radixkv_pb2 as pb
 from tests.support.engine import LAYOUT
 
 from rawengine import PAGE_SIZE, RPC_TIMEOUT_S, RawEngine, fresh_tokens
-from scrape import counter, series, value, wait_value
+from scrape import DEADLINE_S, counter, series, value, wait_value
+from tests.support.daemon import wait_for
 
 PAGE_BYTES = LAYOUT.page_bytes
 P = 4 * PAGE_SIZE  # every prompt here is 4 pages
@@ -105,6 +109,47 @@ def test_a_failed_load_is_in_flight_and_its_pages_held_until_the_ack(daemon_fact
         }
         assert {k: got.get(k) for k in want} == want
         assert in_flight(got) == dict.fromkeys(KINDS, 0)
+        e.close()
+    finally:
+        e.release_memory()
+
+
+AGES = ("radixkv_oldest_lease_seconds", "radixkv_oldest_unacked_load_back_seconds")
+
+
+def test_a_held_lease_and_an_unacknowledged_load_back_report_their_real_age(daemon):
+    """The gauges the alerts RadixKVLeaseHeldTooLong and RadixKVLoadBacksUnacknowledged
+    read: 0 while nothing is held; while an engine holds a lease and a load-back it does
+    not acknowledge, each grows with real time (never past the time since it was
+    taken); 0 again once released and acknowledged."""
+    ns = "ops/ages"
+    e = RawEngine(daemon.target, ns, write_policy="write_through")
+    try:
+        loaded, leased = fresh_tokens(P), fresh_tokens(P)
+        assert e.insert(loaded) == 0
+        wait_value(daemon, ns, "radixkv_backup_tokens_total", P)
+        assert e.evict(e.pool.num_pages) == 4                  # host copy only now
+        assert e.insert(leased) == 0
+        assert [value(daemon, ns, name) for name in AGES] == [0, 0]
+        taken = time.monotonic()
+        lease = e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(leased))],
+                                             lease=True), timeout=RPC_TIMEOUT_S).results[0].lease
+        m = e.match(loaded)
+        pages = e.pool.allocate(4)
+        lb = e.stub.LoadBack(pb.LoadBackRequest(session=e.session, node=m.host_node, device_pages=pack(pages)),
+                             timeout=RPC_TIMEOUT_S)
+        assert lease and lb.transfer                           # held, not acknowledged
+        wait_for(lambda: min(value(daemon, ns, name) for name in AGES) >= 1.0, DEADLINE_S,
+                 "both ages past 1 s", interval=0.2)
+        got = series(daemon.scrape(), ns)
+        elapsed = time.monotonic() - taken
+        for name in AGES:
+            assert 1.0 <= got[counter(name)] <= elapsed, (name, got[counter(name)], elapsed)
+        assert (got[counter("radixkv_leases")], got[counter("radixkv_load_backs_unacked")]) == (1, 1)
+        e.stub.Release(pb.ReleaseRequest(session=e.session, leases=[lease]), timeout=RPC_TIMEOUT_S)
+        assert e.acks.ack(lb.transfer).code == 0
+        e.pool.to_cache(pages, "LoadBack")
+        assert [value(daemon, ns, name) for name in AGES] == [0, 0]
         e.close()
     finally:
         e.release_memory()

@@ -20,7 +20,7 @@ from a session that is still registered, e.g. of an engine that was killed),
 until the worker reports the load in `get_finished`; default False, loads finish before the
 forward that reads them), `tier_events` (when vLLM publishes KV events, add the daemon's host
 and storage blocks of this namespace to them, `radixkv.vllm.tier_events`; default True).
-For a daemon that requires them (docs/operations.md, "Security"): `token` or `token_file`
+For a daemon that requires them (docs/reliability.md, "Security"): `token` or `token_file`
 (a file holding the token, read at startup; sent as `authorization: Bearer`), and TLS over
 TCP: `tls_ca` (PEM roots that signed the daemon's certificate; "" with `tls` true: the
 system's), `tls_cert` and `tls_key` (this engine's, for mutual TLS), `tls_server_name`.

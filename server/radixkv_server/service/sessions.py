@@ -187,6 +187,9 @@ class Holdings:
     leases: int = 0
     oldest_lease_seconds: float = 0.0  # age of the oldest lease (0: none)
     unacked_loads: int = 0             # load-backs answered, not acknowledged yet
+    # Age of the oldest of those (0: none). Engine-managed namespaces count their loads
+    # (and their saves answered before copied) here too: both wait for the engine's ack.
+    oldest_unacked_seconds: float = 0.0
 
 
 class SessionRegistry:
@@ -210,18 +213,21 @@ class SessionRegistry:
         return self._live.get(session_id)
 
     def holdings(self, namespace) -> Holdings:
-        """Leases and unacknowledged load-backs of the sessions attached to `namespace`."""
+        """Leases and unacknowledged load-backs of the sessions attached to `namespace`,
+        with the age of the oldest of each. Reads only; costs one step per session (plus
+        the released leases not yet dropped from `lease_times`)."""
         now = time.monotonic()
         leases = unacked = 0
-        oldest = now
+        oldest_lease = oldest_unacked = now
         for s in self._live.values():
             if s.namespace is namespace:
                 leases += len(s.leases)
                 unacked += len(s.unacked)
-                # lease_times is in time order; released leases leave it lazily
+                # lease_times and unacked are in time order; released leases leave lease_times lazily
                 taken = next((t for lease, t in s.lease_times.items() if lease in s.leases), now)
-                oldest = min(oldest, taken)
-        return Holdings(leases, now - oldest, unacked)
+                oldest_lease = min(oldest_lease, taken)
+                oldest_unacked = min(oldest_unacked, next(iter(s.unacked.values()), now))
+        return Holdings(leases, now - oldest_lease, unacked, now - oldest_unacked)
 
     def new(self, namespace, engine: str) -> Session:
         session = Session(secrets.token_hex(16), namespace, engine, lease_ids=self._lease_ids,
