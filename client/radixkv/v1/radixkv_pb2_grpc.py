@@ -168,7 +168,8 @@ class RadixKVServicer:
 
     def Release(self, request, context):
         """Release leases taken by Match or Insert. With the daemon's lease_timeout set, a lease
-        held longer is released by the daemon; releasing it then answers NOT_FOUND.
+        held longer is released by the daemon; releasing it then answers NOT_FOUND, and
+        releasing another session's lease PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,7 +177,10 @@ class RadixKVServicer:
 
     def Evict(self, request, context):
         """Free device pages: least recently used unlocked leaves, written back to host first
-        where needed. Returns the pages, now the engine's again.
+        where needed. Returns the pages, now the engine's again: whole nodes, so more than
+        num_pages when the last leaf is longer than what was left to free; fewer when
+        locked, pinned or backing-up nodes hold the rest, or a write-back found no host
+        room within storage_lookup_timeout (the node stays for the next Evict).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
