@@ -255,6 +255,12 @@ class StorageMover:
         error = None
         try:
             self._timed("put", self._backend.put, list(zip(keys, self._page_views(host_pages))))
+        except StorageTimeout as e:
+            # The store may still read these pages: reported (and the pages freed, or
+            # reused) only once it lets go of them, as a fetch's stay reserved.
+            message = str(e)
+            e.settled.add_done_callback(lambda _: self._to_loop(self._stored, transfer, count(host_pages), message))
+            return
         except Exception as e:  # StorageUnavailable, or a bug: reported, never raised here
             error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
         self._to_loop(self._stored, transfer, count(host_pages), error)
