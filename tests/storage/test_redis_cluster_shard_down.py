@@ -1,7 +1,8 @@
 """Redis Cluster with one shard out (its master frozen by SIGSTOP, or killed with no
 replica): a call costs about a socket timeout, not one per page; the other shards' pages
 are served, the lost shard's are misses (a put says how many it did not store), never
-wrong bytes; a resumed master serves again without a reopen."""
+wrong bytes; a resumed master serves again without a reopen. A slot moved under the
+backend's cached slot map is followed (ASK, MOVED), never read as a miss."""
 
 import signal
 import time
@@ -100,4 +101,30 @@ def test_one_dead_master_without_replica_leaves_the_other_shards_served(shards):
     for _ in range(2):  # the second call after the slot map was re-read
         _check_served_but_lost(backend, keys, data, lost)
     _check_put_stores_the_rest(backend, victim, shards)
+    backend.close()
+
+
+def test_a_slot_migrating_then_moved_under_a_stale_slot_map_still_reads_the_right_bytes(shards):
+    """ASK while the slot migrates, MOVED once it moved: the backend's cached slot map
+    names the old owner both times, and the page is read where it is, never missed."""
+    backend = open_storage(f"{shards.url}?prefix=moved:")
+    keys = lender_keys(13, 8)
+    data = [np.random.default_rng(13 + i).bytes(PAGE) for i in range(8)]
+    assert backend.put(list(zip(keys, data))) == 8 and backend.get(keys) == data  # map cached
+    rkey = backend.redis_key(keys[0])
+    with redis.RedisCluster(host="127.0.0.1", port=shards.primaries()[0]) as checker:
+        slot = checker.keyslot(rkey)
+        src = checker.get_node_from_key(rkey).port
+    dst = next(p for p in shards.primaries() if p != src)
+    with shards.client(src) as s, shards.client(dst) as d:
+        src_id, dst_id = s.execute_command("CLUSTER MYID"), d.execute_command("CLUSTER MYID")
+        d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        s.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 5000, "KEYS", rkey)
+        assert backend.get(keys) == data  # ASK: read from the importing node
+        for port in shards.primaries():
+            with shards.client(port) as c:
+                c.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    assert backend.get(keys) == data  # MOVED: read from the new owner
+    assert backend.exists_prefix(keys) == 8
     backend.close()
