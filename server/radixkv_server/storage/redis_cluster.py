@@ -1,40 +1,59 @@
 """RedisClusterStorage: pages in a Redis or Valkey Cluster, shared by a fleet.
 
 One page is one string key, `key_prefix + hex(key)`, with no hash tag: the pages of one
-prefix hash to different slots and so spread over every shard, and a batch is one
-pipeline that redis-py's cluster client splits per shard (every shard's commands are
-written before any reply is read). Pages are written with SET NX [EX], as in
+prefix hash to different slots and so spread over every shard. A batch is split per
+node by redis-py's slot map and every node's commands are written before any reply is
+read (redis_cluster_batch.ClusterBatch). Pages are written with SET NX [EX], as in
 `RedisStorage`, so a present page is never rewritten.
 
-Failure behaviour:
-- a shard that is down or failing over: its commands fail; pages on other shards are
-  still served. A get reads that shard's pages as misses (the prefix stops at the first),
-  a put raises StorageUnavailable after the other shards stored theirs, and redis-py
-  re-reads the slot map so the promoted replica is used once the cluster has one.
+Failure behaviour (each node is asked once per call; no command is re-sent on its own):
+- a shard whose master is down, frozen or failing over: its pages are misses for get and
+  exists_prefix (the prefix stops at the first), while pages on other shards are served;
+  a put stores the other shards' pages, then raises StorageUnavailable naming how many
+  were not stored. The call costs at most about a socket timeout per failed node. The
+  node's failure is logged once, and its recovery once.
+- no key of a batch got an answer (the whole cluster is unreachable or frozen, or every
+  key is on a failed shard): StorageUnavailable.
+- the slot map is re-read (at most once per call, at most once per REFRESH_INTERVAL_S
+  over all calls) after a node failed, a slot moved or a slot was uncovered; a failed
+  node's keys that the new map puts elsewhere (a replica promoted) are sent there in the
+  same call. The re-read costs a socket timeout for each node it asks that does not
+  answer. A key answered MOVED or ASK is sent once to the node named (after ASKING for
+  ASK), else is a miss: it is never read from a node that does not hold it.
 - `maxmemory` eviction removing a page in the middle of a prefix: that page is a miss,
   and prefetch and `exists_prefix` stop there.
-- a cluster that stops answering (frozen nodes, dropped packets): a call fails after a
-  socket timeout per shard its pipeline reaches, then one per startup node while
-  redis-py refreshes the topology (3 frozen masters, defaults: a GET 8 s, a SET 14 s).
-  The daemon's engine calls wait for no more than --storage-lookup-timeout
-  (datapath/storage_mover.py); stores wait it out on the storage threads.
+- a call longer than `deadline` (default 4 socket timeouts) sends no further batch; the
+  keys left are misses (not stored, for a put). The daemon's engine calls wait for no
+  more than --storage-lookup-timeout (datapath/storage_mover.py).
 """
 
+import logging
+import threading
+import time
+from contextlib import contextmanager
 from urllib.parse import unquote
 
 from redis.backoff import EqualJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, SlotNotCoveredError
 from redis.retry import Retry
 
 from .base import StorageBackend, StorageUnavailable
+from .redis_cluster_batch import NODE_FAILURES, ClusterBatch, DeadlineExceeded
+
+REFRESH_INTERVAL_S = 0.25  # the least time between two re-reads of the slot map (~2 ms each)
+# A reply that says nothing of the key: its node, its slot or the call failed.
+_NO_ANSWER = NODE_FAILURES + (SlotNotCoveredError, DeadlineExceeded)
+log = logging.getLogger(__name__)
 
 
 class RedisClusterStorage(StorageBackend):
     """Pages in the cluster reachable through any of `nodes` ((host, port) pairs).
 
     Connects on the first call (construction raises only ValueError): that call reads
-    the slot map from the first node that answers. Thread-safe."""
+    the slot map from the first node that answers. `retries` applies to that and to
+    `check` only: page commands are sent to each node once. `deadline` (seconds,
+    default 4 * socket_timeout) bounds the batches one call starts. Thread-safe."""
 
     # RedisClusterException (no node reachable, a slot no node serves) is not a RedisError.
     faults = (RedisError, RedisClusterException, OSError)
@@ -42,13 +61,15 @@ class RedisClusterStorage(StorageBackend):
 
     def __init__(self, nodes: list[tuple[str, int]], key_prefix: bytes = b"radixkv:",
                  ttl_seconds: int | None = None, *, password: str | None = None, username: str | None = None,
-                 socket_timeout: float = 2.0, retries: int = 2, batch: int = 256):
+                 socket_timeout: float = 2.0, retries: int = 2, batch: int = 256,
+                 deadline: float | None = None):
         if not nodes:
             raise ValueError("Redis Cluster needs at least one host:port")
         if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or ttl_seconds < 1):
             raise ValueError(f"ttl_seconds must be None or an int >= 1, got {ttl_seconds!r}")
-        if not isinstance(socket_timeout, (int, float)) or socket_timeout <= 0:
-            raise ValueError(f"socket_timeout must be a positive number of seconds, got {socket_timeout!r}")
+        for name, value in (("socket_timeout", socket_timeout), ("deadline", deadline)):
+            if (value is not None or name != "deadline") and (not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be an int >= 1, got {batch!r}")
         super().__init__("redis+cluster://" + ",".join(f"{h}:{p}" for h, p in nodes))
@@ -56,9 +77,14 @@ class RedisClusterStorage(StorageBackend):
         self.key_prefix = key_prefix
         self.ttl_seconds = ttl_seconds
         self.batch = batch
+        self.deadline = 4 * socket_timeout if deadline is None else deadline
         self._options = dict(password=password, username=username, socket_timeout=socket_timeout,
                              socket_connect_timeout=socket_timeout, retries=retries)
         self._client: RedisCluster | None = None
+        # Guards _refreshed_at and _down, which every calling thread reads and updates.
+        self._topology_lock = threading.Lock()
+        self._refreshed_at = float("-inf")
+        self._down: set[str] = set()  # nodes whose failure was logged and not yet their return
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key that holds (or would hold) the page stored under `key`."""
@@ -68,19 +94,20 @@ class RedisClusterStorage(StorageBackend):
 
     def _exists_prefix(self, keys: list[bytes]) -> int:
         found = 0
-        for i in range(0, len(keys), self.batch):
-            replies = self._pipelined("exists", keys[i:i + self.batch], lambda pipe, k, _: pipe.exists(k))
-            for present in replies:
-                if present is not True and present != 1:
-                    return found
-                found += 1
+        with self._batches("exists") as run:
+            for i in range(0, len(keys), self.batch):
+                for present in run([("EXISTS", self.redis_key(k)) for k in keys[i:i + self.batch]]):
+                    if present is not True and present != 1:  # a failed node's key is a miss
+                        return found
+                    found += 1
         return found
 
     def _get_blobs(self, keys: list[bytes]) -> list[bytes | None]:
         blobs = []
-        for i in range(0, len(keys), self.batch):
-            replies = self._pipelined("get", keys[i:i + self.batch], lambda pipe, k, _: pipe.get(k))
-            blobs += [None if isinstance(r, Exception) else r for r in replies]
+        with self._batches("get") as run:
+            for i in range(0, len(keys), self.batch):
+                replies = run([("GET", self.redis_key(k)) for k in keys[i:i + self.batch]])
+                blobs += [None if isinstance(r, Exception) else r for r in replies]
         return blobs
 
     def _read_ahead(self, keys: list[bytes], page_bytes: int):
@@ -88,8 +115,9 @@ class RedisClusterStorage(StorageBackend):
         return self._get_blobs(keys), None
 
     def _put_blobs(self, records: list[tuple[bytes, bytes]]) -> list[bool]:
-        replies = self._pipelined("put", [k for k, _ in records],
-                                  lambda pipe, k, i: pipe.set(k, records[i][1], nx=True, ex=self.ttl_seconds))
+        expiry = () if self.ttl_seconds is None else ("EX", self.ttl_seconds)
+        with self._batches("put") as run:
+            replies = run([("SET", self.redis_key(k), blob, "NX", *expiry) for k, blob in records])
         failed = [r for r in replies if isinstance(r, Exception)]
         if failed:
             raise StorageUnavailable(self.name, "put", detail=(
@@ -97,7 +125,8 @@ class RedisClusterStorage(StorageBackend):
         return [reply is True for reply in replies]
 
     def _discard(self, keys: list[bytes]) -> None:
-        self._pipelined("discard", keys, lambda pipe, k, _: pipe.delete(k))
+        with self._batches("discard") as run:
+            run([("DEL", self.redis_key(k)) for k in keys])
 
     def _check(self) -> None:
         self._connected().ping(target_nodes=RedisCluster.PRIMARIES)
@@ -108,17 +137,50 @@ class RedisClusterStorage(StorageBackend):
 
     # -- helpers ----------------------------------------------------------------------
 
-    def _pipelined(self, operation: str, keys: list[bytes], command) -> list:
-        """One cluster pipeline of `command(pipe, redis_key, index)` per key. Replies in order;
-        a failed command's reply is its exception. Raises StorageUnavailable when every
-        command failed (the cluster as a whole did not answer)."""
-        pipe = self._connected().pipeline()
-        for i, key in enumerate(keys):
-            command(pipe, self.redis_key(key), i)
-        replies = pipe.execute(raise_on_error=False)
-        if replies and all(isinstance(r, Exception) for r in replies):
-            raise StorageUnavailable(self.name, operation, replies[0])
-        return replies
+    @contextmanager
+    def _batches(self, operation: str):
+        """A `run(commands) -> replies` for one call (ClusterBatch.run: its batches share
+        the failed nodes, the deadline and one re-read of the slot map). Raises
+        StorageUnavailable when a batch got no answer at all; on leaving, logs the nodes
+        that failed or came back."""
+        batch = ClusterBatch(self._connected(), time.monotonic() + self.deadline, self._refresh)
+
+        def run(commands: list[tuple]) -> list:
+            replies = batch.run(commands)
+            if replies and all(isinstance(r, Exception) for r in replies):
+                raise StorageUnavailable(self.name, operation, replies[0])
+            return replies
+
+        try:
+            yield run
+        finally:
+            self._note_nodes(batch)
+
+    def _note_nodes(self, batch: ClusterBatch) -> None:
+        with self._topology_lock:
+            failed = set(batch.failed) - self._down
+            back = batch.answered & self._down
+            self._down = (self._down | failed) - back
+        for name in sorted(failed):
+            error = batch.failed[name]
+            log.warning("storage %s: node %s failed (%s: %s); its pages read as misses and are not "
+                        "stored until it answers", self.name, name, type(error).__name__, error)
+        for name in sorted(back):
+            log.info("storage %s: node %s answers again", self.name, name)
+
+    def _refresh(self) -> None:
+        """Re-read the slot map, unless a call did less than REFRESH_INTERVAL_S ago. A
+        failure is logged and the current map kept."""
+        with self._topology_lock:
+            now = time.monotonic()
+            if now - self._refreshed_at < REFRESH_INTERVAL_S:
+                return
+            self._refreshed_at = now
+        try:
+            self._client.nodes_manager.initialize()
+        except (RedisError, RedisClusterException, OSError) as e:
+            log.warning("storage %s: re-reading the cluster's slot map failed: %s: %s",
+                        self.name, type(e).__name__, e)
 
     def _connected(self) -> RedisCluster:
         if self._client is None:
@@ -135,8 +197,9 @@ class RedisClusterStorage(StorageBackend):
 def open_url(url: str, parts, options: dict[str, str]) -> RedisClusterStorage:
     """`redis+cluster://[[user]:password@]host:port[,host:port...][?option=value&...]`:
     any nodes of the cluster (the rest are discovered). Options: prefix (key prefix,
-    default radixkv:), ttl (seconds pages live), socket_timeout (seconds), retries, batch."""
-    known = {"prefix", "ttl", "socket_timeout", "retries", "batch"}
+    default radixkv:), ttl (seconds pages live), socket_timeout (seconds), retries, batch,
+    deadline (seconds one call may start batches for)."""
+    known = {"prefix", "ttl", "socket_timeout", "retries", "batch", "deadline"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown Redis Cluster option(s) {unknown}; use {sorted(known)}")
@@ -154,6 +217,7 @@ def open_url(url: str, parts, options: dict[str, str]) -> RedisClusterStorage:
             int(options["ttl"]) if "ttl" in options else None,
             username=unquote(username) or None, password=unquote(password) or None,
             socket_timeout=float(options.get("socket_timeout", 2.0)),
-            retries=int(options.get("retries", 2)), batch=int(options.get("batch", 256)))
+            retries=int(options.get("retries", 2)), batch=int(options.get("batch", 256)),
+            deadline=float(options["deadline"]) if "deadline" in options else None)
     except ValueError as exc:
         raise ValueError(f"bad Redis Cluster option in storage URL: {exc}") from None
