@@ -34,6 +34,7 @@ class CoreMachine(RuleBasedStateMachine):
     policy = "write_through"
     eviction = "lru"
     storage = "off"
+    loses_storage = False  # whether `walk` has the store lose everything now and then
 
     def __init__(self):
         super().__init__()
@@ -187,6 +188,13 @@ class CoreMachine(RuleBasedStateMachine):
         self.cache.drop_device(DEVICE_PAGES)
         self.eng = Engine(self.cache, self.copier)
 
+    @rule()
+    def storage_lost(self):
+        """The store restarted empty (a Redis server, a Mooncake master): what it held is
+        gone, and the cache is told (`storage_lost`); stores in flight land after."""
+        self.copier.storage.clear()
+        self.cache.storage_lost()
+
     # -- checks --------------------------------------------------------------------------
 
     @invariant()
@@ -233,7 +241,7 @@ class CoreMachine(RuleBasedStateMachine):
 def walk(m: CoreMachine, rnd: random.Random, steps: int) -> None:
     """Drive `m` through `steps` random operations, checking its invariants after each."""
     for _ in range(steps):
-        op = rnd.randrange(12)
+        op = rnd.randrange(13)
         syms = [rnd.randrange(4) for _ in range(rnd.randint(1, 6))]
         extra = rnd.choice([b"", b"lora"])
         if op == 0:
@@ -258,4 +266,6 @@ def walk(m: CoreMachine, rnd: random.Random, steps: int) -> None:
             m.overlapping_loads(syms[:2], [[rnd.randrange(4)] * rnd.randint(1, 3) for _ in range(2)], extra)
         elif op == 11 and rnd.random() < 0.2:
             m.engine_restarts()
+        elif op == 12 and m.loses_storage and m.storage != "off" and rnd.random() < 0.1:
+            m.storage_lost()
         m.check_all()

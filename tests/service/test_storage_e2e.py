@@ -125,6 +125,32 @@ def test_storage_outage_keeps_the_daemon_serving_and_it_recovers(daemon_factory,
     assert "Traceback" not in log
 
 
+def test_pages_a_restarted_redis_lost_are_stored_again_before_they_leave_the_host(daemon_factory, private_redis):
+    """Redis restarted without persistence holds nothing, yet the cache still counted A
+    as stored: evicted from the host, A left at once and was lost. The daemon sees the
+    new server (its run_id) and stores A again before it leaves the host."""
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
+    engine = EngineDouble.connect(d.target, host_pool_pages=16)
+    try:
+        engine.prefill(prompt(1))
+        wait_stored(engine, 8 * PS)
+        private_redis.stop()
+        private_redis.start()  # empty
+        engine.prefill(prompt(2))  # its store reconnects, and meets the new server
+        wait_stored(engine, 2 * 8 * PS)
+        assert "storage.contents_lost" in d.log() and "storage.forgotten" in d.log()
+        engine.evict(engine.pool.num_pages)  # both on host only now
+        for i in (3, 4):  # 16 more host pages: prompt 1, the oldest, leaves the host
+            engine.prefill(prompt(i))
+        engine.evict(engine.pool.num_pages)
+        wait_for(lambda: engine.client.match([prompt(1)], include_storage=True)[0].storage_tokens == 8 * PS,
+                 DEADLINE_S, "prompt 1 in storage again")
+        assert engine.client.match([prompt(1)])[0].host_tokens == 0  # it did leave the host
+        assert engine.client.check_invariants() == []
+    finally:
+        engine.close()
+
+
 def test_a_corrupted_page_file_reads_as_a_miss(daemon_factory, tmp_path):
     flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
     first = daemon_factory(*flags)

@@ -212,6 +212,13 @@ class HierarchicalCache:
         """See `Prefetches.start`."""
         return self.prefetches.start(tokens, extra_key, max_pages, owner, ahead)
 
+    def storage_lost(self) -> int:
+        """The store may have lost pages it acknowledged (a restarted server): no node
+        counts as stored any more, so each is stored again before it leaves the host
+        (a stored leaf left at once, and a store lost its only copy). Stores in flight
+        still record theirs. Returns how many nodes were forgotten."""
+        return self.state.forget_stored()
+
     def on_fetch_done(self, transfer: int, pages_read: int, error: str | None = None) -> FetchOutcome:
         """See `Prefetches.done`."""
         return self.prefetches.done(transfer, pages_read, error)

@@ -30,7 +30,8 @@ class ResidencyListener(Protocol):
     - ("host", "removed"): a settled duplicate's host copy reclaimed, or a node with a
       valid host copy left the tree (host eviction, after a store where storage is on).
     - ("storage", "stored"): a store of the node's pages completed successfully.
-      Storage never reports "removed": the storage tier evicts on its own, unseen.
+    - ("storage", "removed"): the store may have lost what it held (a restarted server:
+      `HierarchicalCache.storage_lost`); evictions inside the store go unseen.
     A split reports nothing: the same pages stay resident, now under two nodes.
 
     Contract: called synchronously from inside a cache operation, with the node as it is

@@ -207,6 +207,18 @@ class CacheState:
 
     # -- storage -----------------------------------------------------------------------
 
+    def forget_stored(self) -> int:
+        """Every node stops counting as stored (told as removed from storage); returns
+        how many did."""
+        forgotten = 0
+        for node in self.tree.iter_nodes():
+            if node.full.stored:
+                node.full.stored = False
+                forgotten += 1
+                self._emit("storage", "removed", node)
+                self.refresh(node)
+        return forgotten
+
     def begin_store(self, node: Node, tid: int, evicting_host: bool) -> None:
         """Store `tid` reads the node's host copy (host-locked until `end_store`); with
         `evicting_host` the host copy leaves once the store completes."""

@@ -57,7 +57,8 @@ def _close_read(done) -> None:
 class StorageMover:
     def __init__(self, loop: asyncio.AbstractEventLoop, backend: StorageBackend, host_pool,
                  on_stored, on_fetched, *, workers: int = 2, max_pending_pages: int = 4096,
-                 lookup_timeout: float = 0.0, namespace: str = "", observe=None, on_fetch_gave_up=None):
+                 lookup_timeout: float = 0.0, namespace: str = "", observe=None, on_fetch_gave_up=None,
+                 on_lost=None):
         self._loop = loop
         self._backend = backend
         self._host = host_pool
@@ -72,6 +73,8 @@ class StorageMover:
         self.late_lookups = 0  # lookups past lookup_timeout still running: storage is skipped meanwhile
         self._observe = observe          # (operation, seconds, ok) from worker threads
         self._on_fetch_gave_up = on_fetch_gave_up  # (transfer), on the loop: past the store's timeout
+        self._on_lost = on_lost  # (), on the loop: the store may have lost pages (backend.generation)
+        self._generation = backend.generation
         self.namespace = namespace
         self.pending_pages = 0
         self.failing: dict[str, str] = {}  # "read" / "write" -> the error that began its outage
@@ -186,7 +189,15 @@ class StorageMover:
         self._reads_paused_until = self._loop.time() + self._read_backoff
         self._health(error, "read")
 
+    def _check_generation(self) -> None:
+        """Tell `on_lost` once per loss of contents the backend saw (after each call)."""
+        if self._backend.generation != self._generation:
+            self._generation = self._backend.generation
+            if self._on_lost is not None:
+                self._on_lost()
+
     def _lookup_answered(self) -> None:
+        self._check_generation()
         if self._read_backoff:
             self._read_backoff = self._reads_paused_until = 0.0
             self._health(None, "read")
@@ -315,7 +326,9 @@ class StorageMover:
         return not self.failing
 
     def _health(self, error: str | None, direction: str) -> None:
-        """Log the first failure of `direction` ("read" or "write") and its first success after."""
+        """Log the first failure of `direction` ("read" or "write") and its first success
+        after."""
+        self._check_generation()
         if error and direction not in self.failing:
             self.failing[direction] = error
             note = ("stores fail: pages stay on host only; each new store tries again" if direction == "write"

@@ -51,7 +51,7 @@ class Copies:
                 workers=config.storage_workers, max_pending_pages=config.storage_queue_pages,
                 lookup_timeout=config.storage_lookup_timeout,
                 namespace=config.name, observe=metrics.observe_storage if metrics is not None else None,
-                on_fetch_gave_up=self._fetch_gave_up)
+                on_fetch_gave_up=self._fetch_gave_up, on_lost=self._storage_lost)
 
     def bind(self, cache: HierarchicalCache) -> None:
         """The core that completions are reported to. Once, before any copy starts."""
@@ -157,6 +157,12 @@ class Copies:
         outcome = self._cache.on_fetch_done(transfer, pages_read, error)
         _resolve(self._fetches.pop(transfer, None), outcome)
         self._wake(transfer)
+
+    def _storage_lost(self) -> None:
+        """The store may have lost pages it acknowledged: the cache records none as stored."""
+        forgotten = self._cache.storage_lost()
+        log_event(log, "storage.forgotten", namespace=self._config.name, nodes=forgotten,
+                  note="their pages are stored again before they leave the host")
 
     def _fetch_gave_up(self, transfer: int) -> None:
         """A fetch ran past the store's own timeout: it will read nothing, so whoever

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
+from ..logs import log_event
 from .record import CorruptPage, NotForThisReader, decode, decode_into, encode, verify
 
 MAX_KEY_BYTES = 64
@@ -104,6 +105,10 @@ class StorageBackend(ABC):
       TypeError before the store is touched. After a fault the same object keeps
       working once the store is back (no reopen needed).
     - `close()` is idempotent; any call after it raises StorageUnavailable.
+    - `generation` goes up when the backend learns the store may have lost pages it
+      acknowledged (a Redis server that restarted, a Mooncake master that did): whoever
+      recorded pages as stored records them again (`lost_contents`). Losses it cannot
+      see (eviction under maxmemory, a failover losing unreplicated writes) leave it.
     Subclasses implement the `_`-prefixed primitives and set `faults`, the raw error
     types that mean "the store failed"; the base class wraps those, times and counts.
     """
@@ -116,6 +121,15 @@ class StorageBackend(ABC):
         self.stats = StorageStats()
         self._stats_lock = threading.Lock()  # worker threads update stats concurrently
         self._closed = False
+        self.generation = 0
+
+    def lost_contents(self, why: str) -> None:
+        """The store may have lost what it held (`why` names the sign): `generation`
+        goes up. Thread-safe; for subclasses."""
+        with self._stats_lock:
+            self.generation += 1
+        log_event(log, "storage.contents_lost", logging.WARNING, store=self.name, why=why,
+                  note="pages recorded as stored are stored again when they leave the host")
 
     # -- public API ------------------------------------------------------------------
 

@@ -71,10 +71,26 @@ class RedisStorage(StorageBackend):
             pool = redis.BlockingConnectionPool.from_url(
                 url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
                 retry=retry, max_connections=max_connections, timeout=socket_timeout,
-                health_check_interval=0)
+                health_check_interval=0, redis_connect_func=self._connected)
         except ValueError as exc:
             raise ValueError(f"bad Redis URL {self.name}: {exc}") from None
         self._client = redis.Redis(connection_pool=pool)
+        self._run_id: bytes | None = None  # the server's, as the first connection saw it
+
+    def _connected(self, conn) -> None:
+        """Each new connection's handshake (redis-py's own), then the server's run_id: a
+        new one is a restarted server, which may have lost every page (`lost_contents`;
+        one restarted from a snapshot keeps some, and stores them again skip those)."""
+        conn.on_connect()
+        conn.send_command("INFO", "server")
+        info = conn.read_response()
+        info = info if isinstance(info, bytes) else str(info).encode()
+        run_id = next((line[7:].strip() for line in info.splitlines() if line.startswith(b"run_id:")), None)
+        if run_id is None:
+            return
+        previous, self._run_id = self._run_id, run_id
+        if previous is not None and previous != run_id:
+            self.lost_contents(f"the Redis server restarted (run_id {previous[:8].decode()} -> {run_id[:8].decode()})")
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key that holds (or would hold) the page stored under `key`."""
