@@ -240,7 +240,8 @@ class RadixKVServicer:
         from_seq: from the next batch; set: replayed from that batch while the daemon still
         holds it, else OUT_OF_RANGE saying what it holds (start over without from_seq after
         Inspect). A reader that falls behind gets ABORTED saying the from_seq to resume
-        with. FAILED_PRECONDITION unless the daemon runs with --kv-events-watch.
+        with. FAILED_PRECONDITION when KV events are off (neither --kv-events-watch nor
+        a --kv-events-endpoint).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
