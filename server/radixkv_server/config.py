@@ -94,6 +94,9 @@ class DaemonConfig:
                                 "(a stuck engine); 0: never")
     ack_timeout: float = _opt(0.0, "seconds a load-back may stay unacknowledged before the daemon "
                               "finishes it as a session close would; 0: never")
+    invariant_check_interval: float = _opt(0.0, "seconds between invariant checks of every namespace, each "
+                                           "run once no engine call came for a second; violations are "
+                                           "logged and counted (radixkv_invariant_violations_total); 0: off")
     max_acks_in_flight: int = _opt(4096, "acks one stream may have unanswered before the daemon stops "
                                    "reading it (gRPC flow control then holds the engine)")
     tls_cert: str = _opt("", "PEM certificate chain for TCP listeners (with --tls-key: TLS on TCP; "
@@ -137,7 +140,7 @@ class DaemonConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("shutdown_grace", "shutdown_store_timeout", "storage_lookup_timeout", "lease_timeout",
-                     "ack_timeout", "fault_copy_delay"):
+                     "ack_timeout", "fault_copy_delay", "invariant_check_interval"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)}")
         if not 0 <= self.fault_fail_loads <= 1:

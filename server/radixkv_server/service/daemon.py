@@ -18,6 +18,7 @@ from ..logs import log_event
 from . import engine_registration, host_budget, registration
 from .errors import ServiceError, exhausted, not_found, precondition, unavailable
 from .expiry import Expiry
+from .idle_checks import IdleChecks
 from .namespace import Namespace
 from .sessions import Session, SessionRegistry
 from .shutdown_store import store_host_copies
@@ -59,11 +60,15 @@ class Daemon:
         self._register_lock = asyncio.Lock()  # registrations await I/O; one at a time
         self._background: set[asyncio.Task] = set()
         self.expiry = Expiry(self)
+        self.idle_checks = IdleChecks(self)
+        self.last_call = time.monotonic()  # when an engine call was last answered (idle_checks)
         self.host_memory_limit, self._host_memory_source = host_budget.host_memory_limit(config.max_host_memory)
 
     def start(self) -> None:
-        """Start background duties (expiring what a stuck engine holds). Call on the loop."""
+        """Start background duties (expiring what a stuck engine holds, invariant checks
+        when idle). Call on the loop."""
         self.expiry.start()
+        self.idle_checks.start()
 
     def run_in_background(self, coro) -> asyncio.Task:
         """Run `coro` as a task that `close` waits for; returns it. Its failure is logged
@@ -272,6 +277,7 @@ class Daemon:
         handles, pinned pool). Idempotent."""
         self.stop_accepting()
         await self.expiry.stop()
+        await self.idle_checks.stop()
         for session in self.sessions.all():
             await self.close_session(session, "daemon shutting down")
         if self._background:

@@ -70,6 +70,7 @@ def rpc(method):
             log.exception("internal error in %s", name)
             await end_call(context, code, f"internal error in {name}: {type(e).__name__}", name)
         finally:
+            self.daemon.last_call = time.monotonic()
             metrics = self.daemon.metrics
             if metrics is not None and counted:
                 metrics.rpc_done(name, code.name, time.perf_counter() - start)

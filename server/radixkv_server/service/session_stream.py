@@ -124,6 +124,7 @@ class SessionStream:
 
     def _count(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """Count and time one call as `Session.<method>` (the children cached per stream)."""
+        self.daemon.last_call = time.monotonic()
         metrics = self.daemon.metrics
         if metrics is None:
             return
