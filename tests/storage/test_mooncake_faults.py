@@ -2,8 +2,10 @@
 nodes"): each ends in a miss or StorageUnavailable within the configured timeout, never
 in wrong bytes or a hang. Facts of the 0.3.13 wheel: see storage/mooncake_store.py."""
 
+import logging
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -169,6 +171,61 @@ def test_unreachable_master_is_unavailable_at_once_and_joins_when_it_appears():
     finally:
         b.close()
         m.cleanup()
+
+
+class Ticker:
+    """A thread that notes the longest gap between its 10 ms ticks: how long every
+    Python thread of this process was kept from running (a store call holding the GIL)."""
+
+    def __init__(self):
+        self.worst, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        last = time.monotonic()
+        while not self._stop.wait(0.01):
+            now = time.monotonic()
+            self.worst, last = max(self.worst, now - last), now
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.worst
+
+
+def test_frozen_master_never_freezes_the_process_joining_it_and_it_joins_once_resumed(caplog):
+    m = MooncakeMaster().start()
+    os.kill(m.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+    b = MooncakeStorage(m.address, segment_bytes=0, timeout=TIMEOUT_S)
+    ticker = Ticker()
+    try:
+        for _ in range(3):  # each a join attempt (one a second at most)
+            exc, seconds = timed(b.check)
+            assert isinstance(exc, StorageUnavailable) and seconds < TIMEOUT_S + SLACK_S
+            time.sleep(1.1)
+        assert ticker.stop() < SLACK_S  # setup() was never called: it would hold the GIL ~60 s
+        told = [r.fields for r in caplog.records if r.levelno >= logging.WARNING
+                and r.getMessage() == "storage.master_unreachable"]
+        assert len(told) == 1  # once per outage, not once per retry
+        assert told[0]["master"] == m.address and "did not answer within" in told[0]["error"]
+        os.kill(m.proc.pid, signal.SIGCONT)
+        poll(lambda: _joined(b), 20, "joining once the master answers")
+    finally:
+        os.kill(m.proc.pid, signal.SIGCONT)
+        b.close()
+        m.cleanup()
+
+
+def test_closing_while_the_master_is_frozen_never_freezes_the_process(master):
+    b, _ = reader(master, segment_bytes=32 << 20)  # lending: closing unmounts it at the master
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    ticker = Ticker()
+    try:
+        _, seconds = timed(b.close)  # the store's close() would hold the GIL ~60 s: skipped
+        assert seconds < TIMEOUT_S + SLACK_S and ticker.stop() < SLACK_S  # the master asked for TIMEOUT_S
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
 
 
 def test_url_options():

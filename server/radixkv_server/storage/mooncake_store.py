@@ -25,10 +25,13 @@ What the store does, and what this backend makes of it (measured with the PyPI w
   each call here waits at most `timeout` seconds and then raises StorageTimeout. The
   store's call may still finish later; the buffers it was given are not reused before
   it does (header slots are held, and the mover keeps fetched pages reserved).
-- `setup()` against a master that is not up retries for ~90 s, holding the GIL: joining
-  happens lazily on a call thread, only once the master accepts a TCP connection, with
-  `MC_STORE_CLIENT_SETUP_RETRIES` defaulting to 2; until it succeeds every call raises
-  StorageUnavailable and a later call (at most one a second) tries again.
+- `setup()` and `close()` hold the GIL while they wait for the master: ~90 s against one
+  that is not up, ~60 s against one that accepts connections but does not answer
+  (stopped, hung), the whole daemon frozen meanwhile. So joining happens lazily on a
+  call thread, only once the master answers an RPC asked from Python with a deadline
+  (mooncake_probe.py), with `MC_STORE_CLIENT_SETUP_RETRIES` defaulting to 2; until it
+  succeeds every call raises StorageUnavailable and a later call (at most one a second)
+  tries again. `close()` is skipped (the store kept) when the master does not answer.
 - every payload is checked against its header (length and CRC-32): a page is either
   whole and right, or a miss.
 """
@@ -41,6 +44,7 @@ from .base import Read, StorageBackend, StorageTimeout, StorageUnavailable
 from . import mooncake_staged as staged
 from .mooncake_calls import Call, Caller, Staging, address, both
 from .mooncake_join import Membership
+from .mooncake_probe import probe_master
 from .record import HEADER_BYTES, header
 
 log = logging.getLogger(__name__)
@@ -271,7 +275,8 @@ class MooncakeStorage(StorageBackend):
 
     def _close(self) -> None:
         """Leave the store without freeing memory it may still use. Store calls still
-        running (a frozen peer) are waited for, bounded; then the registered buffers are
+        running (a frozen peer) are waited for, bounded; then, if the master answers (the
+        store's close() holds the GIL while it waits for it), the registered buffers are
         unregistered and the store closed, on a thread, bounded too (unmounting a segment
         waits out readers' leases, 10 s). Whatever is still running after that keeps the
         store and this backend's buffers for the rest of the process (logged): freeing
@@ -286,6 +291,12 @@ class MooncakeStorage(StorageBackend):
             _keep_forever(store, self._calls, self._staging)
             return
         if store is None:
+            return
+        silent = probe_master(self.master, self.timeout)
+        if silent is not None:  # close() would hold the GIL until the master answers
+            log.warning("storage %s: leaving the store skipped: %s; its buffers are kept until the process "
+                        "exits (the master drops this client after client_ttl)", self.name, silent)
+            _keep_forever(store, self._calls, self._staging)
             return
         closing = threading.Thread(target=_close_store, args=(store, self._member, self.name), daemon=True,
                                    name="radixkv-mooncake-close")
