@@ -2,13 +2,13 @@
 
 import logging
 import os
-import socket
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..logs import log_event
 from .base import StorageUnavailable
+from .mooncake_probe import probe_master
 
 log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")
 RETRY_INTERVAL_S = 1.0  # after a failed setup(), the next call waits this long to retry
@@ -30,6 +30,7 @@ class Membership:
         self._ranges = list(ranges)
         self._registered: set[int] = set()  # addresses registered with _store
         self._left = False                   # leave() was called: a join finishing later closes its store
+        self._told: str | None = None        # the join failure last logged at WARNING (None once joined)
 
     def attach(self, address: int, nbytes: int) -> None:
         with self._lock:
@@ -94,12 +95,11 @@ class Membership:
             return self._store
 
     def _join(self) -> None:
-        # setup() holds the GIL while it retries (seconds, every thread of the daemon
-        # frozen): call it only once the master accepts connections.
-        if not self._master_listens():
-            with self._lock:
-                self._connecting = None
-                self._failed_at = time.monotonic()
+        # setup() holds the GIL while it waits for the master (up to ~60 s, every thread
+        # of the daemon frozen): call it only once the master answers an RPC.
+        silent = probe_master(self.master, self.timeout)
+        if silent is not None:
+            self._failed(silent)
             return
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
         # The store's INFO lines stay out of the daemon's log; MC_LOG_LEVEL=INFO in the
@@ -108,30 +108,32 @@ class Membership:
         from mooncake.store import MooncakeDistributedStore
         store = MooncakeDistributedStore()
         code = store.setup(*self.setup_args)
+        if code != 0:
+            self._failed(f"joining the store at {self.master} failed (setup answered {code})")
+            return
         with self._lock:
             self._connecting = None
             left = self._left
-            if code != 0:
-                self._failed_at = time.monotonic()
-                log.warning("storage %s: joining the store failed (setup answered %d)", self.name, code)
-                return
             if not left:
                 self._store = store
+            self._told = None
         if left:  # closed while joining: nothing will use this store (no memory registered yet)
             store.close()
             return
         self._register(store)
         log.info("storage %s: joined, lending %d bytes", self.name, self.setup_args[2])
 
-    def _master_listens(self) -> bool:
-        host, _, port = self.master.rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout).close()
-            return True
-        except OSError as exc:
-            log_event(log, "storage.master_unreachable", logging.WARNING, store=self.name, error=str(exc),
-                      note="the Mooncake master does not accept connections; retrying with later calls")
-            return False
+    def _failed(self, why: str) -> None:
+        """A join failed: the next call (RETRY_INTERVAL_S later) tries again. Logged when
+        the reason changes (once per outage, not once per retry)."""
+        with self._lock:
+            self._connecting = None
+            self._failed_at = time.monotonic()
+            told, self._told = self._told, why.split(" (")[0]
+        level = logging.DEBUG if told == self._told else logging.WARNING
+        log_event(log, "storage.master_unreachable", level, store=self.name, master=self.master, error=why,
+                  note="the store is not joined: lookups find nothing in storage and stores fail; "
+                  "joining is tried again with later calls")
 
     def _register(self, store) -> None:
         with self._lock:

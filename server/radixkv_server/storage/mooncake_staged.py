@@ -29,7 +29,7 @@ def get(backend, store, keys: list[bytes], pages: list) -> list[Read] | None:
     if record is None:
         return None
     return _staged(backend, record, len(keys), lambda buf, lo, hi: _get_chunk(
-        backend, store, buf, record, keys[lo:hi], pages[lo:hi]), reads=True)
+        backend, store, buf, record, keys[lo:hi], pages[lo:hi], head=lo == 0), reads=True)
 
 
 def read_ahead(backend, store, keys: list[bytes], page_bytes: int):
@@ -43,7 +43,7 @@ def read_ahead(backend, store, keys: list[bytes], page_bytes: int):
     if buf is None:
         return None
     with _given_back_on_failure(backend, buf):
-        records = _records(backend, store, buf, record, keys)
+        records = _records(backend, store, buf, record, keys, head=True)
     return records, lambda: backend._staging.give(buf)
 
 
@@ -96,27 +96,23 @@ def _given_back_on_failure(backend, buf):
         raise
 
 
-def _records(backend, store, buf, record: int, keys: list[bytes]) -> list[memoryview | None]:
+def _records(backend, store, buf, record: int, keys: list[bytes], head: bool) -> list[memoryview | None]:
     """One batched get of `keys`' whole records into `buf`: each a view of it, None where
-    absent, of another size (-600: larger than the page), or its owner is gone."""
+    absent, of another size (-600: larger than the page), or its owner is gone (with
+    `head`, the keys start the run: StorageUnavailable when the first one's is)."""
     base = buf.ctypes.data
     names = [backend.store_key(k) for k in keys]
-    codes = backend._calls.run("get", store.batch_get_into, names, [base + i * record for i in range(len(keys))],
-                               [record] * len(keys))
-    backend._raise_if_master_down(codes, "get")
-    records = []
-    for i, code in enumerate(codes):
-        if code == record:
-            records.append(memoryview(buf[i * record:(i + 1) * record]))
-        else:
-            backend._note_owner_gone(code)
-            records.append(None)
-    return records
+    codes = backend.answered("get", backend._calls.run("get", store.batch_get_into, names,
+                                                       [base + i * record for i in range(len(keys))],
+                                                       [record] * len(keys)), len(keys))
+    backend.owners.read(codes, sum(1 for c in codes if c == record), head)
+    return [memoryview(buf[i * record:(i + 1) * record]) if code == record else None
+            for i, code in enumerate(codes)]
 
 
-def _get_chunk(backend, store, buf, record: int, keys: list[bytes], pages: list) -> list[Read]:
+def _get_chunk(backend, store, buf, record: int, keys: list[bytes], pages: list, head: bool) -> list[Read]:
     return [Read.MISS if r is None else backend._place(key, r, page)
-            for key, page, r in zip(keys, pages, _records(backend, store, buf, record, keys))]
+            for key, page, r in zip(keys, pages, _records(backend, store, buf, record, keys, head))]
 
 
 def _put_chunk(backend, store, buf, record: int, names: list[str], payloads: list) -> list[int]:
@@ -127,5 +123,6 @@ def _put_chunk(backend, store, buf, record: int, names: list[str], payloads: lis
         staged[:] = memoryview(payload).cast("B")
         view[at:at + HEADER_BYTES] = header(staged)  # checksummed where the copy left it in cache
     base = buf.ctypes.data
-    return backend._calls.run("put", store.batch_put_from, names, [base + i * record for i in range(len(names))],
-                              [record] * len(names), backend._config())
+    return backend.answered("put", backend._calls.run("put", store.batch_put_from, names,
+                                                      [base + i * record for i in range(len(names))],
+                                                      [record] * len(names), backend._config()), len(names))

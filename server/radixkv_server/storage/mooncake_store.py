@@ -19,16 +19,22 @@ What the store does, and what this backend makes of it (measured with the PyPI w
 - a full store answers -200 (NO_AVAILABLE_HANDLE) and evicts in the background: the put
   raises StorageUnavailable ("store full"), the pages stay on host, a later put retries.
 - a key whose segment owner died answers -800 (TRANSFER_FAIL) until the master drops
-  the owner (`client_ttl`, 10 s by default): a miss, logged once.
+  the owner (`client_ttl`, 10 s by default): a miss, logged once per outage; when it is
+  the first page asked for, StorageUnavailable (the mover's health sees it).
+- a batch answer that does not hold one result per key raises StorageUnavailable; it is
+  never matched to the keys by position.
 - a master that restarted has lost every key: misses; this client re-mounts by itself.
 - calls to a master or a segment owner that hangs block for 30-60 s inside the store:
   each call here waits at most `timeout` seconds and then raises StorageTimeout. The
   store's call may still finish later; the buffers it was given are not reused before
   it does (header slots are held, and the mover keeps fetched pages reserved).
-- `setup()` against a master that is not up retries for ~90 s, holding the GIL: joining
-  happens lazily on a call thread, only once the master accepts a TCP connection, with
-  `MC_STORE_CLIENT_SETUP_RETRIES` defaulting to 2; until it succeeds every call raises
-  StorageUnavailable and a later call (at most one a second) tries again.
+- `setup()` and `close()` hold the GIL while they wait for the master: ~90 s against one
+  that is not up, ~60 s against one that accepts connections but does not answer
+  (stopped, hung), the whole daemon frozen meanwhile. So joining happens lazily on a
+  call thread, only once the master answers an RPC asked from Python with a deadline
+  (mooncake_probe.py), with `MC_STORE_CLIENT_SETUP_RETRIES` defaulting to 2; until it
+  succeeds every call raises StorageUnavailable and a later call (at most one a second)
+  tries again. `close()` is skipped (the store kept) when the master does not answer.
 - every payload is checked against its header (length and CRC-32): a page is either
   whole and right, or a miss.
 """
@@ -40,18 +46,12 @@ import threading
 from .base import Read, StorageBackend, StorageTimeout, StorageUnavailable
 from . import mooncake_staged as staged
 from .mooncake_calls import Call, Caller, Staging, address, both
+from .mooncake_codes import MIN_SEGMENT, NO_SPACE, DeadOwners, answered
 from .mooncake_join import Membership
+from .mooncake_probe import probe_master
 from .record import HEADER_BYTES, header
 
 log = logging.getLogger(__name__)
-
-# Mooncake error codes (mooncake-store/include/types.h) this backend tells apart.
-NO_SPACE = -200            # NO_AVAILABLE_HANDLE: the store is full
-BUFFER_TOO_SMALL = -600    # the object is larger than the buffers given
-NOT_FOUND = -704           # OBJECT_NOT_FOUND
-TRANSFER_FAIL = -800       # the segment holding the object did not answer
-RPC_FAIL = (-900, -901)    # the master did not answer
-MIN_SEGMENT = 16 << 20     # the store refuses smaller segments and local buffers
 
 
 class MooncakeStorage(StorageBackend):
@@ -86,7 +86,7 @@ class MooncakeStorage(StorageBackend):
         self._member = Membership(self.name, master, timeout, self._setup_args, self._calls.submit,
                                   [(self._headers.base, self._headers.memory.nbytes)])
         self._staging = Staging(call_threads, self._member.register_new)
-        self._owner_gone_logged = False
+        self.owners = DeadOwners(self.name)
 
     def store_key(self, key: bytes) -> str:
         """The Mooncake key that holds (or would hold) the page stored under `key`."""
@@ -105,7 +105,8 @@ class MooncakeStorage(StorageBackend):
         store, found = self._client(), 0
         for i in range(0, len(keys), 4 * self.max_batch):
             chunk = [self.store_key(k) for k in keys[i:i + 4 * self.max_batch]]
-            codes = self._calls.run("exists_prefix", store.batch_is_exist, chunk)
+            codes = self.answered("exists_prefix", self._calls.run("exists_prefix", store.batch_is_exist, chunk),
+                                  len(chunk))
             if found == 0 and codes and all(c < 0 for c in codes):
                 raise StorageUnavailable(self.name, "exists_prefix", detail="the master did not answer")
             for code in codes:
@@ -157,16 +158,12 @@ class MooncakeStorage(StorageBackend):
     def _finish_get(self, call: Call, keys, pages, lo: int, hi: int) -> list[Read]:
         """Wait for a get and check each page in place against the header it brought."""
         try:
-            codes = call.result()
-            self._raise_if_master_down(codes, "get")
-            reads = []
-            for key, slot, page, code in zip(keys[lo:hi], call.slots, pages[lo:hi], codes):
-                if code == HEADER_BYTES + memoryview(page).nbytes:
-                    reads.append(self._verified(key, self._headers.view(slot), page))
-                else:  # absent, of another size, or its owner is gone: a miss
-                    self._note_owner_gone(code)
-                    reads.append(Read.MISS)
-            return reads
+            codes = self.answered("get", call.result(), hi - lo)
+            whole = [code == HEADER_BYTES + memoryview(page).nbytes for code, page in zip(codes, pages[lo:hi])]
+            self.owners.read(codes, sum(whole), head=lo == 0)
+            # absent, of another size, or its owner is gone: a miss
+            return [self._verified(key, self._headers.view(slot), page) if ok else Read.MISS
+                    for key, slot, page, ok in zip(keys[lo:hi], call.slots, pages[lo:hi], whole)]
         finally:
             call.done()
 
@@ -190,16 +187,17 @@ class MooncakeStorage(StorageBackend):
     def _get_blobs(self, keys: list[bytes]) -> list[bytes | None]:
         """Copying reads (pages outside attached memory): whole records through the
         store's local buffer. One larger than that buffer reads as empty: a miss."""
-        blobs = self._calls.run("get", self._client().get_batch, [self.store_key(k) for k in keys])
+        blobs = self.answered("get", self._calls.run("get", self._client().get_batch,
+                                                     [self.store_key(k) for k in keys]), len(keys))
         return [blob if blob else None for blob in blobs]
 
     def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
         store = self._client()
         names = [self.store_key(k) for k, _ in items]
-        present = self._calls.run("put", store.batch_is_exist, names)
-        self._raise_if_master_down(present, "put")
+        present = self.answered("put", self._calls.run("put", store.batch_is_exist, names), len(names))
         todo = [i for i, code in enumerate(present) if code != 1]
-        codes = self._put_runs(store, [names[j] for j in todo], [items[j][1] for j in todo])
+        codes = self.answered("put", self._put_runs(store, [names[j] for j in todo], [items[j][1] for j in todo]),
+                              len(todo))
         stored = [False] * len(items)
         for j, code in zip(todo, codes):
             stored[j] = code == 0
@@ -271,7 +269,8 @@ class MooncakeStorage(StorageBackend):
 
     def _close(self) -> None:
         """Leave the store without freeing memory it may still use. Store calls still
-        running (a frozen peer) are waited for, bounded; then the registered buffers are
+        running (a frozen peer) are waited for, bounded; then, if the master answers (the
+        store's close() holds the GIL while it waits for it), the registered buffers are
         unregistered and the store closed, on a thread, bounded too (unmounting a segment
         waits out readers' leases, 10 s). Whatever is still running after that keeps the
         store and this backend's buffers for the rest of the process (logged): freeing
@@ -286,6 +285,12 @@ class MooncakeStorage(StorageBackend):
             _keep_forever(store, self._calls, self._staging)
             return
         if store is None:
+            return
+        silent = probe_master(self.master, self.timeout)
+        if silent is not None:  # close() would hold the GIL until the master answers
+            log.warning("storage %s: leaving the store skipped: %s; its buffers are kept until the process "
+                        "exits (the master drops this client after client_ttl)", self.name, silent)
+            _keep_forever(store, self._calls, self._staging)
             return
         closing = threading.Thread(target=_close_store, args=(store, self._member, self.name), daemon=True,
                                    name="radixkv-mooncake-close")
@@ -307,15 +312,9 @@ class MooncakeStorage(StorageBackend):
         config.replica_num = self._replicas
         return config
 
-    def _raise_if_master_down(self, codes: list[int], operation: str) -> None:
-        if codes and all(c in RPC_FAIL for c in codes):
-            raise StorageUnavailable(self.name, operation, detail=f"the master did not answer (code {codes[0]})")
-
-    def _note_owner_gone(self, code: int) -> None:
-        if code == TRANSFER_FAIL and not self._owner_gone_logged:
-            self._owner_gone_logged = True
-            log.warning("storage %s: pages whose segment owner stopped answering read as misses "
-                        "(code %d) until the master drops that owner", self.name, code)
+    def answered(self, operation: str, codes, keys: int) -> list:
+        """A batch call's answer, one result per key (mooncake_codes.answered)."""
+        return answered(self.name, operation, codes, keys)
 
 
 def _close_store(store, member: Membership, name: str) -> None:
