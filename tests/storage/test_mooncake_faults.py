@@ -249,6 +249,22 @@ def test_closing_while_the_master_is_frozen_never_freezes_the_process(master):
         os.kill(master.proc.pid, signal.SIGCONT)
 
 
+def test_a_detached_pool_is_unregistered_and_a_new_one_at_its_address_registered_afresh(master):
+    """A namespace's pool closes (DropNamespace): its memory is unregistered, since
+    registered memory stays pinned to its old pages (a new pool at the same address
+    would be read through them over RDMA), and pages from it take the copying path."""
+    b, pool = reader(master)
+    try:
+        addr, nbytes = pool.ctypes.data, pool.nbytes
+        assert b._attached(pool[0]) and addr in b._member._registered
+        b.detach_memory(addr, nbytes)
+        assert not b._attached(pool[0]) and addr not in b._member._registered
+        b.attach_memory(addr, nbytes)  # a new pool where the old one was
+        assert b._attached(pool[0]) and addr in b._member._registered
+    finally:
+        b.close()
+
+
 def test_url_options():
     b = open_storage("mooncake://10.0.0.7:50051?segment=1GiB&buffer=32MiB&protocol=rdma&devices=mlx5_0"
                      "&timeout=0.5&prefix=team:&replicas=2&batch=64")

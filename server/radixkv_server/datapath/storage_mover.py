@@ -95,6 +95,16 @@ class StorageMover:
         except StorageUnavailable as e:  # moving bytes still works, through copies
             log.warning("%s", e)
 
+    def _detach(self) -> None:
+        """The pool is about to be freed: the backend forgets it (`_attach`'s undo)."""
+        tensor = getattr(self._host, "tensor", None)
+        if tensor is None or tensor.numel() == 0:
+            return
+        try:
+            self._backend.detach_memory(tensor.data_ptr(), tensor.numel())
+        except Exception as e:  # best effort: the pool goes either way
+            log.warning("storage %s: forgetting the host pool failed: %s", self._backend.name, e)
+
     def _page_views(self, host_pages: bytes) -> list[memoryview]:
         """Writable views of these host pages: what the backend reads into or writes from."""
         if self._pages is None:
@@ -197,10 +207,9 @@ class StorageMover:
                 self._on_lost()
 
     def _lookup_answered(self) -> None:
-        self._check_generation()
-        if self._read_backoff:
-            self._read_backoff = self._reads_paused_until = 0.0
-            self._health(None, "read")
+        """A lookup got its answer: reads work (an outage, and a pause, end)."""
+        self._read_backoff = self._reads_paused_until = 0.0
+        self._health(None, "read")
 
     async def _answer(self, job, discard=None):
         """The lookup `job`'s answer, waited for at most lookup_timeout. Past it, raises
@@ -350,3 +359,4 @@ class StorageMover:
             self._closed = True
             self._reads.shutdown(wait=False, cancel_futures=True)
             self._writes.shutdown(wait=True)
+            self._detach()

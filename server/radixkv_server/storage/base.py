@@ -239,6 +239,11 @@ class StorageBackend(ABC):
         a backend that moves bytes without copies may register it with its store. A
         no-op by default; attaching a range again is harmless."""
 
+    def detach_memory(self, address: int, nbytes: int) -> None:
+        """The memory `attach_memory` named is about to be freed (its pool closes, no
+        call using it in flight): a backend that registered it unregisters it, so a
+        later pool at the same address is registered afresh. A no-op by default."""
+
     def put(self, items: list[tuple[bytes, bytes]]) -> int:
         """Store (key, payload) pairs whose key is absent; returns how many were stored.
 

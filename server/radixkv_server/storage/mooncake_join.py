@@ -40,6 +40,21 @@ class Membership:
         if store is not None:
             self._register(store)
 
+    def detach(self, address: int, nbytes: int) -> None:
+        """Forget a range (its memory is about to be freed) and unregister it from the
+        joined store: registered memory stays pinned to the pages it had, so a new pool
+        at the same address would otherwise be read through the old ones (RDMA)."""
+        with self._lock:
+            if (address, nbytes) in self._ranges:
+                self._ranges.remove((address, nbytes))
+            registered = address in self._registered
+            self._registered.discard(address)
+            store = self._store
+        if registered and store is not None:
+            code = store.unregister_buffer(address)
+            if code != 0:
+                log.warning("storage %s: unregistering %d bytes answered %d", self.name, nbytes, code)
+
     def attached(self, start: int, nbytes: int) -> bool:
         return any(a <= start and start + nbytes <= a + n for a, n in self._ranges)
 

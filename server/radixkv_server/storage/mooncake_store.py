@@ -95,6 +95,9 @@ class MooncakeStorage(StorageBackend):
     def attach_memory(self, address: int, nbytes: int) -> None:
         self._member.attach(address, nbytes)
 
+    def detach_memory(self, address: int, nbytes: int) -> None:
+        self._member.detach(address, nbytes)
+
     def _client(self):
         """The joined store; StorageUnavailable while joining is in progress or failed."""
         return self._member.client()
