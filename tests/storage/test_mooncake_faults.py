@@ -104,11 +104,11 @@ def test_killed_segment_owner_turns_its_pages_into_misses(master, lenders, caplo
     assert b.get_into(a.keys(), pages) == 16
     pool[:] = 0
     a.kill()
-    # The store fails a transfer to a dead peer it was connected to after about 1 s. No
-    # page could be read and the store (not the key) failed: StorageUnavailable, which
-    # the daemon counts against the storage tier's health.
-    exc, seconds = timed(lambda: b.get_into(a.keys(), pages))
-    assert isinstance(exc, StorageUnavailable) and "-800" in str(exc) and seconds < 2 * TIMEOUT_S + SLACK_S
+    # The store fails a transfer to a dead peer it was connected to after about 1 s: one
+    # node of the pool failed, not the store, so its pages are misses (a fault would
+    # pause the daemon's lookups of every node's pages).
+    read, seconds = timed(lambda: b.get_into(a.keys(), pages))
+    assert read == 0 and seconds < 2 * TIMEOUT_S + SLACK_S
     assert not pool.any()  # nothing was written
     assert "segment owner stopped answering" in caplog.text
     # Once the master drops the dead client (client_ttl), its keys are plainly absent.
@@ -127,8 +127,7 @@ def test_each_segment_owner_death_is_logged_not_only_the_first(master, lenders, 
         assert b.get_into(a.keys(), pages) == 8  # a clean read: the last outage (if any) ended
         a.kill()
         for _ in range(2):  # the second read, in the same outage, is not logged again
-            with pytest.raises(StorageUnavailable, match="-800"):
-                b.get_into(a.keys(), pages)
+            assert b.get_into(a.keys(), pages) == 0
         told.append(caplog.text.count("segment owner stopped answering"))
         poll(lambda: b.exists_prefix(a.keys()) == 0, 20, "the master to drop the dead owner")
     assert told == [1, 2]

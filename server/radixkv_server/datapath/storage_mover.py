@@ -207,9 +207,13 @@ class StorageMover:
                 self._on_lost()
 
     def _lookup_answered(self) -> None:
-        """A lookup got its answer: reads work (an outage, and a pause, end)."""
-        self._read_backoff = self._reads_paused_until = 0.0
-        self._health(None, "read")
+        """A lookup got its answer: a pause of lookups ends, and the outage a failed
+        lookup began (one a fetch began ends with a fetch: where lookups and reads of
+        pages disagree, a dead Mooncake segment owner, the log would flap)."""
+        self._check_generation()
+        if self._read_backoff:
+            self._read_backoff = self._reads_paused_until = 0.0
+            self._health(None, "read")
 
     async def _answer(self, job, discard=None):
         """The lookup `job`'s answer, waited for at most lookup_timeout. Past it, raises

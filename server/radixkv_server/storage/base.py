@@ -17,33 +17,11 @@ from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from ..logs import log_event
+from .errors import StorageUnavailable
 from .record import CorruptPage, NotForThisReader, decode, decode_into, encode, verify
 
 MAX_KEY_BYTES = 64
 log = logging.getLogger(__name__)
-
-
-class StorageUnavailable(Exception):
-    """The store could not be reached, or refused an operation (I/O error, lost
-    connection, timeout, out of memory, closed backend). `store` names it (credentials
-    left out), `operation` is the call that failed, `__cause__` the underlying error."""
-
-    def __init__(self, store: str, operation: str, cause: BaseException | None = None,
-                 detail: str | None = None):
-        self.store = store
-        self.operation = operation
-        reason = detail if detail is not None else f"{type(cause).__name__}: {cause}"
-        super().__init__(f"storage {store} unavailable during {operation}: {reason}")
-
-
-class StorageTimeout(StorageUnavailable):
-    """A call the store did not answer within the backend's timeout. The store's own call
-    may still be running: `settled` (a concurrent.futures.Future) completes when it
-    returns, and until then it may still read or write the buffers it was given."""
-
-    def __init__(self, store: str, operation: str, seconds: float, settled):
-        super().__init__(store, operation, detail=f"no answer within {seconds:g}s")
-        self.settled = settled
 
 
 class Read(enum.Enum):

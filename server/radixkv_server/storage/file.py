@@ -33,7 +33,8 @@ import os
 import secrets
 import stat
 
-from .base import Read, StorageBackend, StorageUnavailable
+from .base import Read, StorageBackend
+from .errors import StorageUnavailable
 from .file_budget import DiskBudget
 from .record import HEADER_BYTES, header
 

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as Futur
 
 import numpy as np
 
-from .base import StorageTimeout, StorageUnavailable
+from .errors import StorageTimeout, StorageUnavailable
 from .record import HEADER_BYTES
 
 

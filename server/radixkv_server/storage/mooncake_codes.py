@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 
-from .base import StorageUnavailable
+from .errors import StorageUnavailable
 
 log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")
 
@@ -45,11 +45,11 @@ class DeadOwners:
         self._told_at = -OWNER_LOG_INTERVAL_S  # time.monotonic() of the last line
 
     def read(self, codes: list[int], hits: int, head: bool) -> None:
-        """Note one batch read's `codes` (`hits` of them found their page). With `head`
-        (the batch starts the run being read) and its first page's owner gone, raises
-        StorageUnavailable: nothing could be read, and the store, not the key, failed, so
-        the mover counts it against the storage tier's health. Later pages of a run whose
-        owner is gone end the run as misses."""
+        """Note one batch read's `codes` (`hits` of them found their page). Pages whose
+        owner is gone are misses: one node of the pool failed, not the store, so lookups
+        and reads of other nodes' pages go on (counting it against the tier's health
+        would pause every lookup, live nodes' pages included). `head`: the batch starts
+        the run being read (kept for callers; a miss there ends the run at once)."""
         gone = sum(1 for c in codes if c == TRANSFER_FAIL)
         now = time.monotonic()
         with self._lock:
@@ -63,7 +63,4 @@ class DeadOwners:
         if first:
             log.warning("storage %s: pages whose segment owner stopped answering read as misses "
                         "(code %d) until the master drops that owner", self.store, TRANSFER_FAIL)
-        if head and codes and codes[0] == TRANSFER_FAIL:
-            raise StorageUnavailable(self.store, "get", detail=(
-                f"the segment owner holding the first page did not answer (code {TRANSFER_FAIL}); "
-                "its pages read as misses until the master drops it (client_ttl)"))
+

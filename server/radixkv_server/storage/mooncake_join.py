@@ -7,7 +7,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..logs import log_event
-from .base import StorageUnavailable
+from .errors import StorageUnavailable
 from .mooncake_probe import probe_master
 
 log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")

@@ -18,7 +18,8 @@ of it.
 
 from contextlib import contextmanager
 
-from .base import Read, StorageTimeout
+from .base import Read
+from .errors import StorageTimeout
 from .record import HEADER_BYTES, header
 
 

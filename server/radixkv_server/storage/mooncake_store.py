@@ -43,7 +43,8 @@ import ctypes
 import logging
 import threading
 
-from .base import Read, StorageBackend, StorageTimeout, StorageUnavailable
+from .base import Read, StorageBackend
+from .errors import StorageTimeout, StorageUnavailable
 from . import mooncake_staged as staged
 from .mooncake_calls import Call, Caller, Staging, address, both
 from .mooncake_codes import MIN_SEGMENT, NO_SPACE, DeadOwners, answered

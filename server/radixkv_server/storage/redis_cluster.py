@@ -38,7 +38,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError, SlotNotCoveredError
 from redis.retry import Retry
 
-from .base import StorageBackend, StorageUnavailable
+from .base import StorageBackend
+from .errors import StorageUnavailable
 from .redis_cluster_batch import NODE_FAILURES, ClusterBatch, DeadlineExceeded
 
 REFRESH_INTERVAL_S = 0.25  # the least time between two re-reads of the slot map (~2 ms each)
