@@ -42,10 +42,26 @@ def test_redis_stopped_then_restarted(private_redis):
     assert backend.stats.errors == 4
 
     private_redis.start()  # same socket, empty (no persistence)
+    assert backend.generation == 0
     assert backend.put([(KEY_B, b"after")]) == 1
+    assert backend.generation == 1  # a new server (its run_id): it may have lost pages
     assert backend.get([KEY_A, KEY_B]) == [None, b"after"]
     assert backend.exists_prefix([KEY_B]) == 1
     backend.close()
+
+
+def test_a_redis_user_without_info_still_stores_and_reads(private_redis):
+    """INFO is @dangerous to Redis's ACLs: a user or proxy refusing it only hides the
+    server's run_id (every connection failed while the daemon asked it unguarded)."""
+    admin = redis.Redis(unix_socket_path=str(private_redis.socket))
+    admin.acl_setuser("kv", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@dangerous"])
+    admin.close()
+    backend = RedisStorage(f"unix://kv:pw@{private_redis.socket}", retries=0)
+    try:
+        assert backend.put([(KEY_A, b"page")]) == 1
+        assert backend.exists_prefix([KEY_A]) == 1 and backend.get([KEY_A]) == [b"page"]
+    finally:
+        backend.close()
 
 
 def test_redis_that_hangs_times_out(private_redis):

@@ -1,7 +1,9 @@
 """RedisStorage: pages in Redis or Valkey, shareable by many daemons.
 
-Only basic commands are used (EXISTS, MGET, SET NX [EX], DEL, PING), so any Redis >= 2.6.12
-or Valkey works, as does a managed service that disables scripting. One page is one
+Only basic commands are needed (EXISTS, MGET, SET NX [EX], DEL, PING), so any Redis >=
+2.6.12 or Valkey works, as does a managed service that disables scripting. Each new
+connection also asks `INFO server` for the server's run_id (a restarted server may have
+lost every page); a user or proxy that refuses INFO only loses that. One page is one
 string value under `key_prefix + hex(key)`; SET NX keeps the first writer's page, so
 pages are never rewritten and concurrent daemons agree on every key's value.
 
@@ -24,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 import redis
 from redis.backoff import EqualJitterBackoff
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from .base import StorageBackend, redact_url
@@ -82,8 +84,11 @@ class RedisStorage(StorageBackend):
         new one is a restarted server, which may have lost every page (`lost_contents`;
         one restarted from a snapshot keeps some, and stores them again skip those)."""
         conn.on_connect()
-        conn.send_command("INFO", "server")
-        info = conn.read_response()
+        try:
+            conn.send_command("INFO", "server")
+            info = conn.read_response()
+        except ResponseError:  # INFO refused (an ACL without @dangerous, a proxy): run_id unknown
+            return
         info = info if isinstance(info, bytes) else str(info).encode()
         run_id = next((line[7:].strip() for line in info.splitlines() if line.startswith(b"run_id:")), None)
         if run_id is None:
