@@ -127,14 +127,20 @@ def test_pages_a_restarted_redis_lost_are_stored_again_before_they_leave_the_hos
     new server (its run_id) and stores A again before it leaves the host."""
     d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
     engine = EngineDouble.connect(d.target, host_pool_pages=16)
+    other = EngineDouble.connect(d.target, "other/tp0")  # makes no storage call after the restart
     try:
         engine.prefill(prompt(1))
+        other.prefill(prompt(5))
         wait_stored(engine, 8 * PS)
+        wait_stored(other, 8 * PS)
         private_redis.stop()
         private_redis.start()  # empty
         engine.prefill(prompt(2))  # its store reconnects, and meets the new server
         wait_stored(engine, 2 * 8 * PS)
-        assert "storage.contents_lost" in d.log() and "storage.forgotten" in d.log()
+        forgotten = lambda: {line.split("namespace=")[1].split()[0]  # noqa: E731
+                             for line in d.log().splitlines() if "event=storage.forgotten" in line}
+        wait_for(lambda: forgotten() == {"model/tp0", "other/tp0"}, DEADLINE_S, "both namespaces told")
+        assert "storage.contents_lost" in d.log()
         engine.evict(engine.pool.num_pages)  # both on host only now
         for i in (3, 4):  # 16 more host pages: prompt 1, the oldest, leaves the host
             engine.prefill(prompt(i))
@@ -145,6 +151,7 @@ def test_pages_a_restarted_redis_lost_are_stored_again_before_they_leave_the_hos
         assert engine.client.check_invariants() == []
     finally:
         engine.close()
+        other.close()
 
 
 def test_a_corrupted_page_file_reads_as_a_miss(daemon_factory, tmp_path):

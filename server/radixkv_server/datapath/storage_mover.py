@@ -73,8 +73,8 @@ class StorageMover:
         self.late_lookups = 0  # lookups past lookup_timeout still running: storage is skipped meanwhile
         self._observe = observe          # (operation, seconds, ok) from worker threads
         self._on_fetch_gave_up = on_fetch_gave_up  # (transfer), on the loop: past the store's timeout
-        self._on_lost = on_lost  # (), on the loop: the store may have lost pages (backend.generation)
-        self._generation = backend.generation
+        # (), on the loop: the store may have lost pages (told by the backend, any thread)
+        self._stop_hearing_lost = backend.on_lost(lambda: self._to_loop(on_lost)) if on_lost else None
         self.namespace = namespace
         self.pending_pages = 0
         self.failing: dict[str, str] = {}  # "read" / "write" -> the error that began its outage
@@ -199,18 +199,10 @@ class StorageMover:
         self._reads_paused_until = self._loop.time() + self._read_backoff
         self._health(error, "read")
 
-    def _check_generation(self) -> None:
-        """Tell `on_lost` once per loss of contents the backend saw (after each call)."""
-        if self._backend.generation != self._generation:
-            self._generation = self._backend.generation
-            if self._on_lost is not None:
-                self._on_lost()
-
     def _lookup_answered(self) -> None:
         """A lookup got its answer: a pause of lookups ends, and the outage a failed
         lookup began (one a fetch began ends with a fetch: where lookups and reads of
         pages disagree, a dead Mooncake segment owner, the log would flap)."""
-        self._check_generation()
         if self._read_backoff:
             self._read_backoff = self._reads_paused_until = 0.0
             self._health(None, "read")
@@ -279,13 +271,11 @@ class StorageMover:
         error = None
         try:
             self._timed("put", self._backend.put, list(zip(keys, self._page_views(host_pages))))
-        except StorageTimeout as e:
-            # The store may still read these pages: reported (and the pages freed, or
-            # reused) only once it lets go of them, as a fetch's stay reserved.
-            message = str(e)
-            e.settled.add_done_callback(lambda _: self._to_loop(self._stored, transfer, count(host_pages), message))
-            return
         except Exception as e:  # StorageUnavailable, or a bug: reported, never raised here
+            # A store past its timeout (StorageTimeout) is reported now, though the store may
+            # still read its pages: a page reused meanwhile lands under the old record's
+            # checksum, so a reader finds it damaged (a miss), never wrong bytes; holding
+            # the pages instead held Evicts and shutdown as long as a frozen node did.
             error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
         self._to_loop(self._stored, transfer, count(host_pages), error)
 
@@ -341,7 +331,6 @@ class StorageMover:
     def _health(self, error: str | None, direction: str) -> None:
         """Log the first failure of `direction` ("read" or "write") and its first success
         after."""
-        self._check_generation()
         if error and direction not in self.failing:
             self.failing[direction] = error
             note = ("stores fail: pages stay on host only; each new store tries again" if direction == "write"
@@ -363,4 +352,6 @@ class StorageMover:
             self._closed = True
             self._reads.shutdown(wait=False, cancel_futures=True)
             self._writes.shutdown(wait=True)
+            if self._stop_hearing_lost is not None:
+                self._stop_hearing_lost()
             self._detach()

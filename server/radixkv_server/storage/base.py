@@ -83,10 +83,11 @@ class StorageBackend(ABC):
       TypeError before the store is touched. After a fault the same object keeps
       working once the store is back (no reopen needed).
     - `close()` is idempotent; any call after it raises StorageUnavailable.
-    - `generation` goes up when the backend learns the store may have lost pages it
-      acknowledged (a Redis server that restarted, a Mooncake master that did): whoever
-      recorded pages as stored records them again (`lost_contents`). Losses it cannot
-      see (eviction under maxmemory, a failover losing unreplicated writes) leave it.
+    - When the backend learns the store may have lost pages it acknowledged (a Redis
+      server that restarted), `generation` goes up and every `on_lost` listener is
+      called at once (from the thread that learned it), so whoever recorded pages as
+      stored records them again. Losses it cannot see (eviction under maxmemory, a
+      failover losing unreplicated writes, a Mooncake master restart) call nothing.
     Subclasses implement the `_`-prefixed primitives and set `faults`, the raw error
     types that mean "the store failed"; the base class wraps those, times and counts.
     """
@@ -100,12 +101,28 @@ class StorageBackend(ABC):
         self._stats_lock = threading.Lock()  # worker threads update stats concurrently
         self._closed = False
         self.generation = 0
+        self._lost_listeners: list[Callable[[], None]] = []
+
+    def on_lost(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener()` (from any thread) whenever the store may have lost what it
+        held; returns the function that stops it. Thread-safe."""
+        with self._stats_lock:
+            self._lost_listeners.append(listener)
+
+        def stop() -> None:
+            with self._stats_lock:
+                if listener in self._lost_listeners:
+                    self._lost_listeners.remove(listener)
+        return stop
 
     def lost_contents(self, why: str) -> None:
         """The store may have lost what it held (`why` names the sign): `generation`
-        goes up. Thread-safe; for subclasses."""
+        goes up and every listener hears it. Thread-safe; for subclasses."""
         with self._stats_lock:
             self.generation += 1
+            listeners = list(self._lost_listeners)
+        for listener in listeners:
+            listener()
         log_event(log, "storage.contents_lost", logging.WARNING, store=self.name, why=why,
                   note="pages recorded as stored are stored again when they leave the host")
 
