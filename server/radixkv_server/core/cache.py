@@ -153,9 +153,9 @@ class HierarchicalCache:
 
     # -- eviction --------------------------------------------------------------------
 
-    def evict_device(self, num_pages: int) -> EvictResult:
+    def evict_device(self, num_pages: int, keep_for_room: bool = True) -> EvictResult:
         """See `DeviceEviction.evict`."""
-        return self.evictions.evict(num_pages)
+        return self.evictions.evict(num_pages, keep_for_room)
 
     def evict_host(self, num_pages: int) -> int:
         """See `HostSpace.evict`."""

@@ -23,6 +23,10 @@ class DeviceEviction:
     """Receives the cache's state, host space (host copies allocate there), storage tier
     (storage write-through after a backup) and copier."""
 
+    # Once the pages asked for are covered by nodes waiting for host room: how many more
+    # leaves to look at for ones that leave at once (a host copy), starting no store.
+    SCAN_PAST_WAITING = 64
+
     def __init__(self, state: CacheState, host_space: HostSpace, storage: StorageTier, copier: Copier):
         self.state = state
         self.host_space = host_space
@@ -73,17 +77,18 @@ class DeviceEviction:
 
     # -- device eviction -------------------------------------------------------------
 
-    def evict(self, num_pages: int) -> EvictResult:
+    def evict(self, num_pages: int, keep_for_room: bool = True) -> EvictResult:
         """Free up to `num_pages` device pages, least valuable unlocked leaves first.
 
         Mutates the tree. Nodes with a host copy leave the device at once; nodes without
         one are written back first (their pages come back through `finish` of the
         transfers in `pending`). When the host has no room for that, a node stays while
-        stores that free host room are in flight (the next Evict writes it back), and is
-        dropped from the cache when none is (nothing there can be evicted). Locked,
-        pinned or backing-up nodes are never touched. When fewer pages than asked come
-        free, the result names the backups and room-freeing stores in flight.
-        Evicting 0 pages does nothing.
+        stores that free host room are in flight and `keep_for_room` (the next Evict,
+        with the room, writes it back), and is dropped from the cache otherwise. Once
+        waiting nodes cover what is asked, up to SCAN_PAST_WAITING more leaves are looked
+        at for ones with a host copy. Locked, pinned or backing-up nodes are never
+        touched. When fewer pages than asked come free, the result names the backups and
+        room-freeing stores in flight. Evicting 0 pages does nothing.
         """
         if num_pages < 0:
             raise CacheError(f"cannot evict {num_pages} pages")
@@ -92,12 +97,20 @@ class DeviceEviction:
         write_back: list[Node] = []
         skipped: list[Node] = []
         tid = state.reserve_transfer_id()
-        planned = waiting = 0  # pages leaving; pages that wait for host room
-        while planned + waiting < num_pages:
+        planned = waiting = past = 0  # pages leaving; pages waiting for host room; leaves looked past
+        while planned < num_pages:
+            covered = planned + waiting >= num_pages
+            if covered and past == self.SCAN_PAST_WAITING:
+                break
             node = state.device_leaves.pop()
             if node is None:
                 break
-            fate = self._evict_one(node, tid, freed, write_back)
+            if covered:  # start no store: only a leaf that leaves at once helps now
+                past += 1
+                if not node.full.host_valid:
+                    skipped.append(node)
+                    continue
+            fate = self._evict_one(node, tid, freed, write_back, keep_for_room)
             if fate is _Fate.LEAVES:
                 planned += state.pages(node)
             else:
@@ -116,7 +129,8 @@ class DeviceEviction:
             backing_up += self.host_space.stores_freeing_room()
         return EvictResult(b"".join(freed), pending, backing_up)
 
-    def _evict_one(self, node: Node, tid: int, freed: list[bytes], write_back: list[Node]) -> _Fate:
+    def _evict_one(self, node: Node, tid: int, freed: list[bytes], write_back: list[Node],
+                   keep_for_room: bool) -> _Fate:
         """Take one device leaf off the device now (appending to `freed`), or plan its
         write-back as part of `tid`; or leave it where it is (`_Fate`)."""
         state = self.state
@@ -126,7 +140,7 @@ class DeviceEviction:
             state.counters.device_evicted_tokens += tokens
         elif self._claim_host_copy(node, tid):
             write_back.append(node)
-        elif self.host_space.stores_freeing_room():
+        elif keep_for_room and self.host_space.stores_freeing_room():
             return _Fate.WAITS
         elif not node.children:
             freed.append(state.release_device(node))

@@ -28,6 +28,8 @@ from .sessions import Session
 
 log = logging.getLogger("radixkv.namespace")
 
+ROOM_WAIT_S = 2.0  # an Evict's wait for host room when --storage-lookup-timeout is 0 (no limit)
+
 
 class Namespace:
     """`config`, `host_pool`, `cache` (the core) and `copies` are its core's, read by
@@ -45,6 +47,7 @@ class Namespace:
         self.session: Session | None = None  # the attached engine's session; set by the Daemon
         self._abandoned: set[asyncio.Task] = set()  # Evicts whose callers gave up (see `evict`)
         self._dropped_at_detach = 0  # tokens the last session's end dropped, for the next Register
+        self._room_waited: set[int] = set()  # copies an Evict waited for host room on (see `_evict`)
         self.copies.attach(device)
 
     @classmethod
@@ -153,16 +156,21 @@ class Namespace:
         freed: list[bytes] = [earlier.freed_pages]
         written_back = earlier.written_back_pages
         need = num_pages
-        waited_backups = False
+        waited, keep_for_room = False, True
         while need > 0:
-            result = self.cache.evict_device(need)
+            result = self.cache.evict_device(need, keep_for_room)
             freed.append(result.freed_pages)
             progress = count(result.freed_pages)
             if not result.pending:
-                if result.backing_up and not waited_backups and progress < need:
-                    waited_backups = True
+                if result.backing_up and keep_for_room and progress < need:
                     need -= progress
-                    await self._wait_for_room(result.backing_up)
+                    # Each copy is waited for once, by one Evict: one still running after
+                    # that wait (a stuck store) is not waited for again, and what waited
+                    # for room is dropped, as when no room is coming (engines are not held).
+                    self._room_waited &= self.cache.transfers.keys()
+                    fresh = [t for t in result.backing_up if t not in self._room_waited]
+                    keep_for_room = bool(fresh) and not waited and await self._wait_for_room(fresh)
+                    waited = True
                     continue
                 break
             for pages in await asyncio.gather(*map(self.copies.written_back, result.pending)):
@@ -174,16 +182,19 @@ class Namespace:
             need -= progress
         return EvictAnswer(b"".join(freed), written_back)
 
-    async def _wait_for_room(self, transfers: tuple[int, ...]) -> None:
-        """Wait for the backups and room-freeing stores an Evict came short on, a store
-        no longer than `storage_lookup_timeout` (an engine call waits that long for
-        storage; the pages stay for the engine's next Evict)."""
-        limit = self.config.storage_lookup_timeout or None
+    async def _wait_for_room(self, transfers: list[int]) -> bool:
+        """Wait for the backups and room-freeing stores an Evict came short on, no longer
+        than `storage_lookup_timeout` (an engine call waits that long for storage;
+        ROOM_WAIT_S when that is 0). Whether they all ended."""
+        self._room_waited.update(transfers)
+        limit = self.config.storage_lookup_timeout or ROOM_WAIT_S
         wait = asyncio.ensure_future(self.copies.wait(transfers))
         try:
             await asyncio.wait_for(asyncio.shield(wait), limit)
+            return True
         except TimeoutError:
             log_event(log, "evict.store_wait_ended", logging.DEBUG, namespace=self.name, waited_s=limit)
+            return False
         finally:
             wait.cancel()
 
