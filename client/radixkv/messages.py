@@ -146,10 +146,12 @@ def prefetch_request(session: str, tokens, *, extra_key: bytes, policy: str,
                      timeout: float | None) -> pb.PrefetchRequest:
     if policy not in PREFETCH_POLICIES:
         raise InvalidArgument(f"prefetch policy {policy!r}: use one of {list(PREFETCH_POLICIES)}")
-    if policy == "timeout" and not timeout:
-        raise InvalidArgument("the timeout policy needs a timeout in seconds")
+    if policy == "timeout" and not (timeout and timeout > 0):
+        raise InvalidArgument(f"the timeout policy needs a timeout in seconds > 0, got {timeout!r}")
+    # Whole milliseconds on the wire, at least 1 (0 means none, which the daemon refuses).
+    timeout_ms = max(1, round(timeout * 1000)) if policy == "timeout" else 0
     return pb.PrefetchRequest(session=session, tokens=_packed(tokens, "tokens"), extra_key=bytes(extra_key),
-                              policy=policy, timeout_ms=int((timeout or 0) * 1000))
+                              policy=policy, timeout_ms=timeout_ms)
 
 
 def insert_request(session: str, tokens, device_pages, *, extra_key: bytes, chunked: bool,

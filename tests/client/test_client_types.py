@@ -8,7 +8,7 @@ import pytest
 
 from radixkv import errors
 from radixkv.layout import KvLayout
-from radixkv.messages import buffer_pb, insert_request, match_request, register_request, transfer_ids
+from radixkv.messages import buffer_pb, insert_request, match_request, prefetch_request, register_request, transfer_ids
 from radixkv.types import (InsertResult, LoadBackResult, LoadOutcome, MatchResult, Prompt, as_packed,
                            pack, unpack)
 from radixkv.v1 import radixkv_pb2 as pb
@@ -133,3 +133,14 @@ def test_unmapped_status_keeps_its_code():
     e = errors.from_rpc_error(_FakeRpcError(grpc.StatusCode.ABORTED, "x"))
     assert type(e) is errors.RadixKVError and e.code is grpc.StatusCode.ABORTED
     assert errors.code_from_int(7) is grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_prefetch_timeout_goes_out_in_whole_milliseconds_never_zero():
+    """0 ms on the wire means no timeout, which the daemon refuses for this policy: a
+    timeout under half a millisecond went out as 0."""
+    assert prefetch_request("s", [1, 2], extra_key=b"", policy="timeout", timeout=0.0004).timeout_ms == 1
+    assert prefetch_request("s", [1, 2], extra_key=b"", policy="timeout", timeout=0.25).timeout_ms == 250
+    assert prefetch_request("s", [1, 2], extra_key=b"", policy="wait_complete", timeout=3.0).timeout_ms == 0
+    for bad in (None, 0, -1.0):
+        with pytest.raises(errors.InvalidArgument, match="timeout policy needs a timeout"):
+            prefetch_request("s", [1, 2], extra_key=b"", policy="timeout", timeout=bad)
