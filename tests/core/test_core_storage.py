@@ -3,6 +3,7 @@
 import pytest
 from radixkv_server.core.pages import pack
 from radixkv_server.core.page_keys import page_keys
+from radixkv_server.core.transfers import TransferKind
 
 from harness import Engine, identity, make_cache, tokens
 
@@ -228,3 +229,30 @@ def test_a_write_back_split_by_a_landing_prefetch_leaves_the_device_deepest_firs
     drain(cache, copier, eng)
     clean(cache)
     assert len(told) == 2 and told == [[], []]  # each half, none told with a device child
+
+
+def test_an_evict_covered_by_nodes_waiting_for_room_still_takes_a_leaf_with_a_host_copy():
+    """X (no host copy) waits for the store freeing host room; Y, next in line, has a
+    host copy and leaves at once: the Evict frees Y now instead of coming back empty."""
+    cache, copier = make_cache("write_through", page_size=2, host_pages=4, storage="write_through")
+    eng = Engine(cache, copier)
+
+    def complete(kind, fail=False):
+        for tid in [t for t, tr in cache.transfers.items() if tr.kind is kind]:
+            copier.complete(cache, tid, fail)
+
+    a, x, y = tokens(1, 2, 3, 4, 5, 6), tokens(7, 8), tokens(9, 10)
+    eng.insert(a)
+    complete(TransferKind.BACKUP)
+    complete(TransferKind.STORE, fail=True)    # A: on host, not in storage
+    eng.give(cache.evict_device(3).freed_pages)  # A: host only (3 of 4 host pages)
+    eng.insert(x)
+    complete(TransferKind.BACKUP, fail=True)   # X: device only
+    eng.insert(y)
+    complete(TransferKind.BACKUP)              # Y: device and host; its store stays in flight
+    assert cache.host.num_free == 0
+    r = cache.evict_device(1)                  # X first (least recent): no room, A's store frees some
+    assert len(r.freed_pages) == 4 and not r.pending  # one page (packed int32), at once
+    assert cache.match(y).device_tokens == 0 and cache.match(y).host_tokens == 2  # Y left the device
+    assert cache.match(x).device_tokens == 2  # X waits for the room
+    clean(cache)
