@@ -95,8 +95,24 @@ class DeviceEviction:
         state = self.state
         freed: list[bytes] = []
         write_back: list[Node] = []
-        skipped: list[Node] = []
         tid = state.reserve_transfer_id()
+        planned = self._take_leaves(num_pages, tid, freed, write_back, keep_for_room)
+        pending = ()
+        if write_back:
+            self._start_device_to_host(TransferKind.WRITE_BACK, write_back, tid)
+            pending = (tid,)
+        backing_up = ()
+        if planned < num_pages:
+            backing_up = tuple(t.id for t in state.transfers.values() if t.kind is TransferKind.BACKUP)
+            backing_up += self.host_space.stores_freeing_room()
+        return EvictResult(b"".join(freed), pending, backing_up)
+
+    def _take_leaves(self, num_pages: int, tid: int, freed: list[bytes], write_back: list[Node],
+                     keep_for_room: bool) -> int:
+        """`evict`'s walk over the device leaves, least valuable first; returns the pages
+        leaving (now, or once written back). Leaves that stay go back to the set."""
+        state = self.state
+        skipped: list[Node] = []
         planned = waiting = past = 0  # pages leaving; pages waiting for host room; leaves looked past
         while planned < num_pages:
             covered = planned + waiting >= num_pages
@@ -119,15 +135,7 @@ class DeviceEviction:
                     waiting += state.pages(node)
         for node in skipped:
             state.refresh(node)
-        pending = ()
-        if write_back:
-            self._start_device_to_host(TransferKind.WRITE_BACK, write_back, tid)
-            pending = (tid,)
-        backing_up = ()
-        if planned < num_pages:
-            backing_up = tuple(t.id for t in state.transfers.values() if t.kind is TransferKind.BACKUP)
-            backing_up += self.host_space.stores_freeing_room()
-        return EvictResult(b"".join(freed), pending, backing_up)
+        return planned
 
     def _evict_one(self, node: Node, tid: int, freed: list[bytes], write_back: list[Node],
                    keep_for_room: bool) -> _Fate:

@@ -84,10 +84,9 @@ class StorageBackend(ABC):
       working once the store is back (no reopen needed).
     - `close()` is idempotent; any call after it raises StorageUnavailable.
     - When the backend learns the store may have lost pages it acknowledged (a Redis
-      server that restarted), `generation` goes up and every `on_lost` listener is
-      called at once (from the thread that learned it), so whoever recorded pages as
-      stored records them again. Losses it cannot see (eviction under maxmemory, a
-      failover losing unreplicated writes, a Mooncake master restart) call nothing.
+      server restarted), `generation` goes up and the `on_lost` listeners are called
+      (from that thread). Losses it cannot see (maxmemory eviction, a failover losing
+      unreplicated writes, a Mooncake master restart) call nothing.
     Subclasses implement the `_`-prefixed primitives and set `faults`, the raw error
     types that mean "the store failed"; the base class wraps those, times and counts.
     """
