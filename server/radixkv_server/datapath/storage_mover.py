@@ -86,24 +86,27 @@ class StorageMover:
         self._pages = None  # numpy view of the pool, [num_pages, page_bytes], made lazily
         self._attach()
 
-    def _attach(self) -> None:
+    def _pool_memory(self) -> tuple[int, int] | None:
+        """(address, bytes) of the host pool's memory; None for a pool with none."""
         tensor = getattr(self._host, "tensor", None)
         if tensor is None or tensor.numel() == 0:
-            return
-        try:
-            self._backend.attach_memory(tensor.data_ptr(), tensor.numel())
-        except StorageUnavailable as e:  # moving bytes still works, through copies
-            log.warning("%s", e)
+            return None
+        return tensor.data_ptr(), tensor.numel()
+
+    def _attach(self) -> None:
+        if (memory := self._pool_memory()) is not None:
+            try:
+                self._backend.attach_memory(*memory)
+            except StorageUnavailable as e:  # moving bytes still works, through copies
+                log.warning("%s", e)
 
     def _detach(self) -> None:
         """The pool is about to be freed: the backend forgets it (`_attach`'s undo)."""
-        tensor = getattr(self._host, "tensor", None)
-        if tensor is None or tensor.numel() == 0:
-            return
-        try:
-            self._backend.detach_memory(tensor.data_ptr(), tensor.numel())
-        except Exception as e:  # best effort: the pool goes either way
-            log.warning("storage %s: forgetting the host pool failed: %s", self._backend.name, e)
+        if (memory := self._pool_memory()) is not None:
+            try:
+                self._backend.detach_memory(*memory)
+            except Exception as e:  # best effort: the pool goes either way
+                log.warning("storage %s: forgetting the host pool failed: %s", self._backend.name, e)
 
     def _page_views(self, host_pages: bytes) -> list[memoryview]:
         """Writable views of these host pages: what the backend reads into or writes from."""
