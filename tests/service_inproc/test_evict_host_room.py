@@ -33,29 +33,34 @@ async def host_full_of_a(daemon) -> Engine:
     return e
 
 
-def config(**more):
-    return dict(storage_policy="write_back", host_pool_size=HOST * LAYOUT.page_bytes, **more)
+def with_store(private_redis, scenario, query: str = "", **config) -> None:
+    """Run `scenario(daemon)` on an in-process daemon whose store is this Redis."""
+    storage = open_storage(private_redis.url + query)
+
+    async def main():
+        async with running_daemon(storage_policy="write_back", host_pool_size=HOST * LAYOUT.page_bytes,
+                                  **config) as daemon:
+            daemon.storage = storage
+            await scenario(daemon)
+
+    try:
+        run(main())
+    finally:
+        storage.close()
 
 
 def test_an_evict_waits_for_the_store_freeing_host_room_and_writes_back(private_redis):
-    storage = open_storage(private_redis.url)
+    async def scenario(daemon):
+        e = await host_full_of_a(daemon)
+        answer = await e.evict(4)
+        assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11] and answer.written_back_pages == 4
+        counters = e.ns.counters()
+        assert counters["dropped_write_back_tokens"] == 0 and counters["stored_tokens"] == 32
+        assert (await e.match(prompt(100, 4))).result.host_tokens == 16
+        assert e.ns.check_invariants() == []
+        await e.close()
 
-    async def scenario():
-        async with running_daemon(**config(storage_lookup_timeout=10.0)) as daemon:
-            daemon.storage = storage
-            e = await host_full_of_a(daemon)
-            answer = await e.evict(4)
-            assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11] and answer.written_back_pages == 4
-            counters = e.ns.counters()
-            assert counters["dropped_write_back_tokens"] == 0 and counters["stored_tokens"] == 32
-            assert (await e.match(prompt(100, 4))).result.host_tokens == 16
-            assert e.ns.check_invariants() == []
-            await e.close()
-
-    try:
-        run(scenario())
-    finally:
-        storage.close()
+    with_store(private_redis, scenario, storage_lookup_timeout=10.0)
 
 
 def test_a_store_that_does_not_end_holds_one_evict_once(private_redis):
@@ -63,30 +68,26 @@ def test_a_store_that_does_not_end_holds_one_evict_once(private_redis):
     storage_lookup_timeout, then drops the node it could not write back (as when no room
     is coming: the engine is not held); the next Evict does not wait for it again."""
     admin = redis.Redis(unix_socket_path=private_redis.socket)
-    storage = open_storage(private_redis.url + "?socket_timeout=60")
 
-    async def scenario():
-        async with running_daemon(**config(storage_lookup_timeout=1.0)) as daemon:
-            daemon.storage = storage
-            e = await host_full_of_a(daemon)
-            stores = lambda: [t for t in e.ns.cache.transfers.values() if t.kind is TransferKind.STORE]  # noqa: E731
-            admin.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
-            try:
-                answer = await asyncio.wait_for(e.evict(4), 10)
-                assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11] and stores()
-                assert e.ns.counters()["dropped_write_back_tokens"] == 16
-                await e.insert(prompt(200, 4), [8, 9, 10, 11])
-                answer = await asyncio.wait_for(e.evict(4), 0.5)  # the stuck store: waited for once
-                assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11]
-            finally:
-                admin.execute_command("CLIENT", "UNPAUSE")
-            while stores():
-                await asyncio.sleep(0.01)
-            assert e.ns.check_invariants() == []
-            await e.close()
+    async def scenario(daemon):
+        e = await host_full_of_a(daemon)
+        stores = lambda: [t for t in e.ns.cache.transfers.values() if t.kind is TransferKind.STORE]  # noqa: E731
+        admin.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+        try:
+            answer = await asyncio.wait_for(e.evict(4), 10)
+            assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11] and stores()
+            assert e.ns.counters()["dropped_write_back_tokens"] == 16
+            await e.insert(prompt(200, 4), [8, 9, 10, 11])
+            answer = await asyncio.wait_for(e.evict(4), 0.5)  # the stuck store: waited for once
+            assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11]
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+        while stores():
+            await asyncio.sleep(0.01)
+        assert e.ns.check_invariants() == []
+        await e.close()
 
     try:
-        run(scenario())
+        with_store(private_redis, scenario, "?socket_timeout=60", storage_lookup_timeout=1.0)
     finally:
-        storage.close()
         admin.close()
