@@ -120,6 +120,7 @@ def snapshot(daemon) -> dict:
         movers = [ns.copies.storage for ns in daemon.namespaces.values() if ns.copies.storage is not None]
         out["storage"] = {
             "stats": daemon.storage.stats.snapshot(),
+            "contents_lost": daemon.storage.generation,
             "up": daemon.storage_answered is not False and all(m.healthy for m in movers),
             "failing": {d: any(d in m.failing for m in movers) for d in ("read", "write")},
         }
@@ -305,7 +306,10 @@ class _StateCollector(Collector):
                                          labels=["direction"])
             nbytes.add_metric(["read"], st.get_bytes)
             nbytes.add_metric(["write"], st.put_bytes)
-            yield from (up, failing, pages, nbytes)
+            lost = CounterMetricFamily("radixkv_storage_contents_lost", "Times the store was seen to have "
+                                       "lost what it held (a Redis server restarted: a new run_id)")
+            lost.add_metric([], snap["storage"]["contents_lost"])
+            yield from (up, failing, pages, nbytes, lost)
         if snap["events"] is not None:
             yield from _event_families(snap["events"])
 

@@ -13,12 +13,13 @@ from tests.support.daemon import DaemonProcess, stop_all
 
 @pytest.fixture
 def daemon_factory():
-    """start(*flags) -> DaemonProcess, started and ready. At teardown every daemon still
-    running must stop cleanly on SIGTERM (see `stop_all`)."""
+    """start(*flags, **options) -> DaemonProcess (options as DaemonProcess takes them),
+    started and ready. At teardown every daemon still running must stop cleanly on
+    SIGTERM (see `stop_all`)."""
     started: list[DaemonProcess] = []
 
-    def start(*flags: str) -> DaemonProcess:
-        d = DaemonProcess(*flags)
+    def start(*flags: str, **options) -> DaemonProcess:
+        d = DaemonProcess(*flags, **options)
         started.append(d)
         return d.start()
 

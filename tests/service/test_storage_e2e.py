@@ -125,7 +125,7 @@ def test_pages_a_restarted_redis_lost_are_stored_again_before_they_leave_the_hos
     """Redis restarted without persistence holds nothing, yet the cache still counted A
     as stored: evicted from the host, A left at once and was lost. The daemon sees the
     new server (its run_id) and stores A again before it leaves the host."""
-    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through", metrics=True)
     engine = EngineDouble.connect(d.target, host_pool_pages=16)
     other = EngineDouble.connect(d.target, "other/tp0")  # makes no storage call after the restart
     try:
@@ -133,6 +133,7 @@ def test_pages_a_restarted_redis_lost_are_stored_again_before_they_leave_the_hos
         other.prefill(prompt(5))
         wait_stored(engine, 8 * PS)
         wait_stored(other, 8 * PS)
+        assert "radixkv_storage_contents_lost_total 0.0" in d.scrape()
         private_redis.stop()
         private_redis.start()  # empty
         engine.prefill(prompt(2))  # its store reconnects, and meets the new server
@@ -141,6 +142,7 @@ def test_pages_a_restarted_redis_lost_are_stored_again_before_they_leave_the_hos
                              for line in d.log().splitlines() if "event=storage.forgotten" in line}
         wait_for(lambda: forgotten() == {"model/tp0", "other/tp0"}, DEADLINE_S, "both namespaces told")
         assert "storage.contents_lost" in d.log()
+        assert "radixkv_storage_contents_lost_total 1.0" in d.scrape()  # one restart, however many namespaces
         engine.evict(engine.pool.num_pages)  # both on host only now
         for i in (3, 4):  # 16 more host pages: prompt 1, the oldest, leaves the host
             engine.prefill(prompt(i))
