@@ -157,9 +157,12 @@ def test_frozen_segment_owner_or_master_never_blocks_past_the_timeout(master, le
 
 def test_master_killed_and_restarted_loses_keys_and_then_works_again(master):
     b, pool = reader(master, segment_bytes=32 << 20)
+    told = []
+    b.on_lost(lambda: told.append(b.generation))
     pool[:] = np.random.default_rng(6).integers(0, 256, size=pool.shape, dtype=np.uint8)
     old, new = lender_keys(21, 8), lender_keys(22, 8)
     assert b.put([(k, memoryview(pool[i])) for i, k in enumerate(old)]) == 8
+    assert b.exists_prefix(old) == 8 and told == []  # the sentinel is placed, nothing lost
     master.kill()
     for call in (lambda: b.exists_prefix(old), lambda: b.put([(new[0], memoryview(pool[0]))])):
         exc, seconds = timed(call)
@@ -167,9 +170,27 @@ def test_master_killed_and_restarted_loses_keys_and_then_works_again(master):
     master.start()  # same port, empty; the client re-mounts its segment by itself
     poll(lambda: _put_ok(b, new, pool), 30, "puts to work after the master restart")
     assert b.exists_prefix(old) == 0
+    assert told == [1]  # the store came back empty, and the backend says so once
     assert b.get_into(new, [memoryview(pool[32 + i]) for i in range(8)]) == 8
     assert np.array_equal(pool[32:40], pool[:8])
     b.close()
+
+
+def test_a_live_master_never_reads_as_lost_and_close_takes_the_sentinel_out(master):
+    lender, _ = reader(master, segment_bytes=32 << 20)  # holds the pages, and the sentinel
+    b, pool = reader(master)
+    b.sentinel.interval = 0  # look on every call
+    told = []
+    b.on_lost(lambda: told.append(b.generation))
+    keys = lender_keys(23, 4)
+    for _ in range(5):
+        b.put([(k, memoryview(pool[i])) for i, k in enumerate(keys)])
+        assert b.exists_prefix(keys) == 4
+    assert lender._client().is_exist(b.sentinel.key) == 1  # noqa: SLF001
+    b.close()
+    assert told == [] and b.generation == 0
+    assert lender._client().is_exist(b.sentinel.key) == 0  # noqa: SLF001
+    lender.close()
 
 
 def _put_ok(b, keys, pool) -> bool:

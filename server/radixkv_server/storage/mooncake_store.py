@@ -23,7 +23,10 @@ What the store does, and what this backend makes of it (measured with the PyPI w
   the first page asked for, StorageUnavailable (the mover's health sees it).
 - a batch answer that does not hold one result per key raises StorageUnavailable; it is
   never matched to the keys by position.
-- a master that restarted has lost every key: misses; this client re-mounts by itself.
+- a master that restarted has lost every key: misses; this client re-mounts by itself,
+  and says nothing of it. The backend notices by a sentinel key of its own that vanished
+  (mooncake_sentinel.py) and reports the loss (`lost_contents`), so pages the daemon
+  counted as stored are stored again.
 - calls to a master or a segment owner that hangs block for 30-60 s inside the store:
   each call here waits at most `timeout` seconds and then raises StorageTimeout. The
   store's call may still finish later; the buffers it was given are not reused before
@@ -50,6 +53,7 @@ from .mooncake_calls import Call, Caller, Staging, address, both
 from .mooncake_codes import MIN_SEGMENT, NO_SPACE, DeadOwners, answered
 from .mooncake_join import Membership
 from .mooncake_probe import probe_master
+from .mooncake_sentinel import Sentinel
 from .record import HEADER_BYTES, header
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,7 @@ class MooncakeStorage(StorageBackend):
                                   [(self._headers.base, self._headers.memory.nbytes)])
         self._staging = Staging(call_threads, self._member.register_new)
         self.owners = DeadOwners(self.name)
+        self.sentinel = Sentinel(prefix, self._calls.run, self._config, self.lost_contents)
 
     def store_key(self, key: bytes) -> str:
         """The Mooncake key that holds (or would hold) the page stored under `key`."""
@@ -106,7 +111,21 @@ class MooncakeStorage(StorageBackend):
     # -- primitives -------------------------------------------------------------------
 
     def _exists_prefix(self, keys: list[bytes]) -> int:
-        store, found = self._client(), 0
+        store = self._client()
+        found = self._watched(self._exists_in, store, keys)
+        self.sentinel.check(store)
+        return found
+
+    def _watched(self, call, *args):
+        """call(*args); a failure makes the sentinel look again after the next success."""
+        try:
+            return call(*args)
+        except StorageUnavailable:
+            self.sentinel.failed()
+            raise
+
+    def _exists_in(self, store, keys: list[bytes]) -> int:
+        found = 0
         for i in range(0, len(keys), 4 * self.max_batch):
             chunk = [self.store_key(k) for k in keys[i:i + 4 * self.max_batch]]
             codes = self.answered("exists_prefix", self._calls.run("exists_prefix", store.batch_is_exist, chunk),
@@ -197,6 +216,11 @@ class MooncakeStorage(StorageBackend):
 
     def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
         store = self._client()
+        stored = self._watched(self._put_in, store, items)
+        self.sentinel.check(store)
+        return stored
+
+    def _put_in(self, store, items: list[tuple[bytes, bytes]]) -> list[bool]:
         names = [self.store_key(k) for k, _ in items]
         present = self.answered("put", self._calls.run("put", store.batch_is_exist, names), len(names))
         todo = [i for i, code in enumerate(present) if code != 1]
@@ -296,8 +320,8 @@ class MooncakeStorage(StorageBackend):
                         "exits (the master drops this client after client_ttl)", self.name, silent)
             _keep_forever(store, self._calls, self._staging)
             return
-        closing = threading.Thread(target=_close_store, args=(store, self._member, self.name), daemon=True,
-                                   name="radixkv-mooncake-close")
+        closing = threading.Thread(target=_close_store, args=(store, self._member, self.sentinel, self.name),
+                                   daemon=True, name="radixkv-mooncake-close")
         closing.start()
         closing.join(grace)
         if closing.is_alive():
@@ -321,8 +345,9 @@ class MooncakeStorage(StorageBackend):
         return answered(self.name, operation, codes, keys)
 
 
-def _close_store(store, member: Membership, name: str) -> None:
+def _close_store(store, member: Membership, sentinel: Sentinel, name: str) -> None:
     try:
+        sentinel.remove(store)
         member.unregister_all(store)
         store.close()
     except Exception as exc:  # closing is best effort

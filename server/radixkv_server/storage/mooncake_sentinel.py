@@ -1,0 +1,84 @@
+"""Noticing that a Mooncake master came back empty (for MooncakeStorage).
+
+A restarted master has lost every key, and nothing in the store client says so: it
+re-mounts its segment and carries on. So each backend keeps one small object of its own
+in the store, its sentinel (a key no other backend uses, hard-pinned so the store never
+evicts it), and looks for it after a call succeeds: at most every `interval` seconds,
+and on the first success after a failed call (a master that restarted failed the calls
+made while it was down). A sentinel that was there and is gone means the store lost
+what it held (the master restarted, or the segment that held it left the pool); the
+backend is told (`lost`) and a new sentinel is put. `remove()` at close leaves nothing
+behind; a process that dies leaves one pinned object of a few bytes.
+"""
+
+import logging
+import threading
+import time
+import uuid
+
+from .errors import StorageUnavailable
+
+log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")
+CHECK_INTERVAL_S = 5.0
+PAYLOAD = b"radixkv sentinel"
+
+
+class Sentinel:
+    """One backend's sentinel. `run(operation, fn, *args)` makes a store call with the
+    backend's deadline; `config()` is a ReplicateConfig to pin with; `lost(why)` is
+    called (on the calling thread) when the sentinel vanished. Thread-safe; a check never
+    raises (a store failure only makes the next call check again)."""
+
+    def __init__(self, prefix: str, run, config, lost, interval: float = CHECK_INTERVAL_S):
+        self.key = f"{prefix}sentinel:{uuid.uuid4().hex}"
+        self.interval = interval
+        self._run, self._config, self._lost = run, config, lost
+        self._lock = threading.Lock()  # call threads check concurrently; one checks at a time
+        self._placed = False           # the store held it at the last look
+        self._due = 0.0                # monotonic time of the next look
+
+    def failed(self) -> None:
+        """A store call failed: look again after the next one that succeeds."""
+        self._due = 0.0
+
+    def check(self, store) -> None:
+        """Look for the sentinel if a look is due (put it when absent; report a loss
+        when it was there before)."""
+        now = time.monotonic()
+        if now < self._due or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._due = now + self.interval
+            self._look(store)
+        except StorageUnavailable as exc:
+            self._due = 0.0
+            log.debug("storage sentinel %s: %s", self.key, exc)
+        finally:
+            self._lock.release()
+
+    def _look(self, store) -> None:
+        code = self._run("sentinel", store.is_exist, self.key)
+        if code == 1:
+            self._placed = True
+            return
+        if code != 0:  # the store could not say
+            self._due = 0.0
+            return
+        if self._placed:
+            self._placed = False
+            self._lost("the store no longer holds this daemon's sentinel key (the master restarted, "
+                       "or the segment that held it left the pool)")
+        config = self._config()
+        config.with_hard_pin = True
+        self._placed = self._run("sentinel", store.put, self.key, PAYLOAD, config) == 0
+        if not self._placed:
+            self._due = 0.0
+
+    def remove(self, store) -> None:
+        """Take the sentinel out of the store: at close, on the closing thread (which
+        bounds it), after every other call has returned."""
+        if self._placed:
+            self._placed = False
+            code = store.remove(self.key, True)
+            if code != 0:
+                log.debug("storage sentinel %s: removing it answered %d", self.key, code)
