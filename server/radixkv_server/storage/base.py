@@ -84,10 +84,9 @@ class StorageBackend(ABC):
       working once the store is back (no reopen needed).
     - `close()` is idempotent; any call after it raises StorageUnavailable.
     - When the backend learns the store may have lost pages it acknowledged (a Redis
-      server restarted, a Mooncake master came back empty), `generation` goes up
-      (exported as `radixkv_storage_contents_lost_total`) and the `on_lost` listeners
-      are called (from that thread). Losses it cannot see (maxmemory eviction, a
-      failover losing unreplicated writes) call nothing.
+      restarted, a Mooncake master came back empty), `generation` goes up (metric
+      `radixkv_storage_contents_lost_total`) and `on_lost` listeners are called (from
+      that thread). Losses it cannot see (maxmemory, a failover) call nothing.
     Subclasses implement the `_`-prefixed primitives and set `faults`, the raw error
     types that mean "the store failed"; the base class wraps those, times and counts.
     """
