@@ -156,6 +156,11 @@ def test_seed_two_anchors_over_one_shared_node(policy):
     assert shared.full.pins == {la.transfer, lb.transfer}
     eng.give(lb.unused_pages)
     clean(cache)
+    # A reader of the shared node waits for the load that fills it, not for b's leaf
+    # load, which only relies on it; so may an Insert over it, once a's copy is done.
+    assert cache.match(tokens(1, 2, 3, 4, 9, 9)).depends_on == (la.transfer,)
+    copier.complete(cache, la.transfer)
+    assert cache.match(tokens(1, 2, 3, 4, 9, 9)).depends_on == ()
     copier.complete_all(cache)
     cache.finish_load_back(la.transfer)
     assert shared.full.pins == {lb.transfer} and shared not in cache.duplicates

@@ -314,11 +314,14 @@ class CacheState:
         return t
 
     def copying(self, nodes) -> set[int]:
-        """Load-backs still copying into any of these nodes."""
+        """Load-backs still copying into any of these nodes; not those that only rely on
+        a node another load fills (`Transfer.shared`): a reader of the node waits for the
+        one that writes it."""
         out = set()
         for node in nodes:
             for tid in node.full.pins:
-                if not self.transfers[tid].copied:
+                t = self.transfers[tid]
+                if not t.copied and node not in t.shared:
                     out.add(tid)
         return out
 
