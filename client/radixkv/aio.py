@@ -127,15 +127,13 @@ class AsyncAckStream:
 
 
 class AsyncClient(ClientBase):
-    """A grpc.aio channel to one daemon and, after `register`, one session on it."""
+    """A grpc.aio channel to one daemon and, after `register`, one session on it: the
+    arguments and calls of `Client`, as coroutines. With `stream=True` any call that goes
+    unanswered within `timeout` ends the session (the stream ends with it)."""
 
     _channel_opener = staticmethod(open_aio_channel)
     _ack_stream_class = AsyncAckStream
     _call_stream_class = AsyncCallStream
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._orphans: set[asyncio.Future] = set()  # cancelled Registers, then their sessions' Closes
 
     async def wait_ready(self, timeout: float = 10.0, service: str = SERVICE) -> None:
         await self._run(self._session.wait_ready(timeout, service))

@@ -54,6 +54,7 @@ class ClientBase:
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._outcome_cache = outcome_cache
+        self._orphans: set = set()  # Registers past their timeout (or cancelled), then their sessions' Closes
         # The session holds the shell's openers weakly: its streams' threads keep the session
         # alive, and through strong openers they would keep a client nobody holds.
         self._session = Session(target, timeout=timeout, reconnect=reconnect, on_session_lost=on_session_lost,

@@ -45,7 +45,10 @@ from .types import (EvictResult, InsertResult, LoadBackResult, LoadOutcome, Matc
 class Client(ClientBase):
     """A channel to one daemon and, after `register`, one session on it.
 
-    `timeout` is the deadline of each RPC in seconds (None: none). With `stream`, the
+    `timeout` is the deadline of each RPC in seconds (default 30; None: none). A call
+    that moves pages or leases (insert, load_back, evict, release) and goes unanswered
+    within it ends the session, since its outcome is unknown: the next call registers
+    again and raises `SessionLost` (drop every cached device page). With `stream`, the
     session's match, load_back, insert, evict, release and echo go as messages on one
     Session stream instead of a unary RPC each (cheaper per call; `radixkv.streaming`);
     the daemon closes the session when that stream ends. `tls` and `token`
@@ -63,10 +66,6 @@ class Client(ClientBase):
     _channel_opener = staticmethod(open_channel)
     _ack_stream_class = AckStream
     _call_stream_class = CallStream
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._orphans: set[grpc.Future] = set()  # Registers past their timeout, then their sessions' Closes
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -240,7 +239,9 @@ class Client(ClientBase):
     def load_back(self, node: int, device_pages, *, engine_event=None, lease: int = 0,
                   start_page: int = 0, wait: bool = False) -> LoadBackResult:
         """Copy the host-only part of `node`'s path (a match's `host_node`) into
-        `device_pages`. Wait for `transfer` and `depends_on` before reading.
+        `device_pages` (`host_tokens // page_size` of them; with fewer, only the whole
+        cached nodes from the top that fit are loaded, possibly none: transfer 0, the
+        rest in `unused_pages`). Wait for `transfer` and `depends_on` before reading.
         `engine_event`: the copy overwrites the pages only after it (kernels still
         reading them from an earlier use). Engine-managed: `lease` is the (scheduler's)
         match lease on the path, `start_page` the path's pages the engine holds already;

@@ -88,7 +88,9 @@ class Prompt:
 @dataclass(frozen=True, slots=True)
 class Registration:
     """A session: pass nothing back, the client keeps it. `warm` says the namespace's
-    host tier survived a previous engine; `daemon_instance` changes when the daemon restarts;
+    host tier survived a previous engine; `dropped_device_tokens`, the tokens the cache
+    lost with that engine's device residency (KV it held on the device only);
+    `daemon_instance` changes when the daemon restarts;
     `storage` is the daemon's storage tier by URL scheme ("file", "redis", "redis+cluster",
     "mooncake"; "" without one)."""
 

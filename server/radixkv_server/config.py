@@ -73,8 +73,8 @@ class DaemonConfig:
     storage_workers: int = _opt(2, "threads doing storage I/O per namespace, for reads and for writes each")
     storage_queue_pages: int = _opt(4096, "pages queued for storage writes before new ones are refused")
     storage_lookup_timeout: float = _opt(2.0, "seconds an engine call (Match with storage, Prefetch) waits for "
-                                         "storage to say what it holds, and an Evict for stores that free host "
-                                         "room; past it the call answers without storage and lookups skip storage "
+                                         "storage to say what it holds, and an Evict for the backups or stores that "
+                                         "free room (once per copy); past it the call answers without storage and lookups skip storage "
                                          "until that one answers (0: no limit)")
     malloc_trim_threshold: int = _opt(256 * 1024**2, "freed heap glibc's malloc keeps for reuse instead of "
                                       "returning it to the kernel, so the reply buffers of each storage fetch do "

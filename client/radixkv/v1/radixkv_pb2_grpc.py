@@ -121,7 +121,9 @@ class RadixKVServicer:
 
     def Register(self, request, context):
         """Attach an engine to a namespace (one model + KV layout). Re-attaching after an
-        engine restart keeps the host tier warm and drops the old device residency.
+        engine restart keeps the host tier warm and drops the old device residency: KV the
+        old engine held on the device only (write_back, or write_through_selective below
+        its threshold, unless evicted before) leaves the cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
