@@ -376,10 +376,11 @@ class Session:
                 rec.failed(time.monotonic())
             raise Unavailable(f"session lost ({reason}); reconnect attempt {rec.attempts} failed: "
                               f"{err.message}") from None
-        except RadixKVError:
+        except RadixKVError as err:  # refused: say why the session was lost too (replaced by another engine?)
             with self._lock:
                 rec.failed(time.monotonic())
-            raise
+            raise type(err)(f"session lost ({reason}); registering again was refused: {err.message}",
+                            err.code) from None
         except BaseException:  # cancelled, or the plan closed: no outcome, the next call tries
             with self._lock:
                 rec.registering = False

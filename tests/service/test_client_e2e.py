@@ -292,6 +292,9 @@ def test_a_restarted_engine_is_told_what_left_with_the_old_ones_device_pages(dae
         assert new.reg.warm and new.reg.dropped_device_tokens == 8
         [m] = new.client.match([pack(range(100, 108))])
         assert m.device_tokens + m.host_tokens == 0
+        if replace:  # the replaced engine learns why, not only that the namespace is taken
+            with pytest.raises(errors.FailedPrecondition, match=r"replaced by a new registration.*attached to a live"):
+                old.client.match([pack(range(8))])
     finally:
         for e in (old, new):
             if e is not None:
