@@ -3,6 +3,7 @@
 import pytest
 from radixkv_server.core.pages import pack
 from radixkv_server.core.page_keys import page_keys
+from radixkv_server.core.errors import InvalidRequest, UnknownTransfer
 from radixkv_server.core.transfers import TransferKind
 
 from harness import Engine, identity, make_cache, tokens
@@ -172,6 +173,46 @@ def test_an_engine_restart_does_not_wait_for_a_storage_fetch():
     copier.complete(cache, tid)  # the store answers later
     clean(cache)
     assert cache.match(old).host_tokens == 4
+
+
+def test_a_fetch_in_flight_when_the_store_lost_its_contents_lands_as_not_stored():
+    """Its bytes are right, but the store may no longer hold them: when the pages leave
+    the host they are stored again, not dropped as if storage kept a copy."""
+    cache, copier = make_cache("write_through", storage="write_back", host_pages=4)
+    eng = Engine(cache, copier)
+    old = tokens(1, 2, 3, 4)
+    eng.insert(old)
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.evict_host(2)
+    drain(cache, copier, eng)  # stored, gone from the host
+    tid = cache.start_prefetch(old, b"", 2)
+    cache.storage_lost()
+    copier.complete(cache, tid)
+    clean(cache)
+    assert cache.match(old).host_tokens == 4
+    assert cache.evict_host(2) == 0  # not freed at once: stored first
+    assert [k for k, *_ in copier.pending.values()] == ["store"]
+    clean(cache)
+
+
+def test_completions_of_the_wrong_kind_are_refused_without_a_change():
+    cache, copier = make_cache("write_back", storage="write_through")
+    eng = Engine(cache, copier)
+    eng.insert(tokens(1, 2, 3, 4))
+    eng.give(cache.evict_device(2).freed_pages)
+    for outcome in copier.complete_all(cache).values():
+        eng.give(outcome.freed_pages)
+    m = cache.match(tokens(1, 2, 3, 4))
+    lb = cache.load_back(m.host_node, pack(eng.alloc(2)))
+    before = cache.state_digest()
+    for bad in (lb.transfer, 12345):
+        with pytest.raises(UnknownTransfer):
+            cache.on_fetch_done(bad, 1)
+    with pytest.raises(InvalidRequest):
+        cache.drop_device(-1)
+    assert cache.state_digest() == before
+    clean(cache)
 
 
 def test_unaligned_storage_probe_and_extra_key_salt_the_keys():

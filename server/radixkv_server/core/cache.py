@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .copier import Copier
 from .device_ledger import DeviceLedger
 from .engine_tier import EngineCopier, EngineTier
-from .errors import LockError, NotReady, UnknownTransfer
+from .errors import InvalidRequest, LockError, NotReady, UnknownTransfer
 from .eviction import DeviceEviction
 from .host_space import HostSpace
 from .insertion import Insertions, check_tokens
@@ -171,7 +171,8 @@ class HierarchicalCache:
         a write-back whose node was touched meanwhile keeps it on the device instead.
         Load-backs are marked copied (failed ones leave the tree now, with every load
         that depends on them) and finish when the engine acknowledges them.
-        Raises UnknownTransfer for a copy reported twice or never started, or a fetch.
+        Raises UnknownTransfer for a copy reported twice or never started, a fetch, or
+        an engine-managed save or load.
         """
         t = self.state.transfers.get(transfer)
         if t is None or t.copied:
@@ -184,6 +185,8 @@ class HierarchicalCache:
             return CopyOutcome(b"")
         if t.kind is TransferKind.FETCH:
             raise UnknownTransfer(f"transfer {transfer} is a fetch: report it with on_fetch_done")
+        if t.kind not in (TransferKind.BACKUP, TransferKind.WRITE_BACK):
+            raise UnknownTransfer(f"transfer {transfer} is an engine-managed {t.kind.value}: report it to the EngineTier")
         return self.evictions.finish(transfer, error)
 
     # -- storage -----------------------------------------------------------------------
@@ -216,7 +219,9 @@ class HierarchicalCache:
         """The store may have lost pages it acknowledged (a restarted server): no node
         counts as stored any more, so each is stored again before it leaves the host
         (a stored leaf left at once, and a store lost its only copy). Stores in flight
-        still record theirs. Returns how many nodes were forgotten."""
+        still record theirs; fetches in flight attach theirs as not stored. Returns how
+        many nodes were forgotten."""
+        self.prefetches.storage_lost()
         return self.state.forget_stored()
 
     def on_fetch_done(self, transfer: int, pages_read: int, error: str | None = None) -> FetchOutcome:
@@ -270,7 +275,10 @@ class HierarchicalCache:
         device ledger of `num_device_pages`. Host copies stay; device-only nodes leave
         with the host-only nodes below them. Returns the tokens dropped from the tree.
         Raises NotReady while copies it needs finished are in flight
-        (`device_drop_waits_for`; finish them first)."""
+        (`device_drop_waits_for`; finish them first), InvalidRequest for a negative
+        count; either before changing anything."""
+        if num_device_pages < 0:
+            raise InvalidRequest(f"num_device_pages must be >= 0, got {num_device_pages}")
         if waits := self.device_drop_waits_for():
             raise NotReady("copies are still in flight", tuple(sorted(waits)))
         dropped = self.state.drop_device_tier()

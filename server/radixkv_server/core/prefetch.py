@@ -9,6 +9,7 @@ from .state import CacheState
 from .storage_tier import StorageTier
 from .host_space import HostSpace
 from .transfers import TransferKind
+from .errors import UnknownTransfer
 
 
 class Prefetches:
@@ -20,6 +21,12 @@ class Prefetches:
         self.host_space = host_space
         self.storage = storage
         self.copier = copier
+        self._read_before_loss: set[int] = set()  # fetches in flight when the store lost its contents
+
+    def storage_lost(self) -> None:
+        """The store may have lost its pages: fetches in flight bring right bytes that it
+        may no longer hold, so their pages join the tree as not stored."""
+        self._read_before_loss.update(tid for tid, t in self.state.transfers.items() if t.kind is TransferKind.FETCH)
 
     def start(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
               ahead: object = None) -> int:
@@ -44,11 +51,17 @@ class Prefetches:
 
     def done(self, transfer: int, pages_read: int, error: str | None = None) -> FetchOutcome:
         """The first `pages_read` pages of a fetch arrived. They join the tree as host
-        copies (new host-only nodes, or the host copy of device-only nodes); pages
-        already cached elsewhere, or cut off from the tree by an eviction meanwhile,
-        are freed. Mutates."""
+        copies (new host-only nodes, or the host copy of device-only nodes), counted as
+        stored unless `storage_lost` came while the fetch ran; pages already cached
+        elsewhere, or cut off from the tree by an eviction meanwhile, are freed. Raises
+        UnknownTransfer unless `transfer` is a fetch in flight. Mutates."""
         state = self.state
-        t = state.transfers.pop(transfer)
+        t = state.transfers.get(transfer)
+        if t is None or t.kind is not TransferKind.FETCH:
+            raise UnknownTransfer(f"transfer {transfer} is not a storage fetch in flight")
+        state.transfers.pop(transfer)
+        stored = transfer not in self._read_before_loss
+        self._read_before_loss.discard(transfer)
         state.host_reserved -= count(t.host_pages)
         n = max(0, min(pages_read, len(t.keys))) if error is None else 0
         got, rest = t.host_pages[:n * 4], t.host_pages[n * 4:]
@@ -57,13 +70,15 @@ class Prefetches:
         added = 0
         if n:
             tokens = t.tokens[:(t.start_page + n) * state.tree.stride]
-            added = self.insert_host(tokens, t.start_page, got, t.extra_key)
+            added = self.insert_host(tokens, t.start_page, got, t.extra_key, stored)
         state.counters.prefetched_tokens += added * state.config.page_size
         return FetchOutcome(pages_read=n, added_tokens=added * state.config.page_size)
 
-    def insert_host(self, tokens: bytes, first: int, host_pages: bytes, extra_key: bytes) -> int:
-        """Attach fetched host pages (for pages `first`.. of `tokens`); returns pages
-        added. Pages the tree holds already, or whose prefix left it, are freed."""
+    def insert_host(self, tokens: bytes, first: int, host_pages: bytes, extra_key: bytes,
+                    stored: bool = True) -> int:
+        """Attach fetched host pages (for pages `first`.. of `tokens`; `stored`: the store
+        still holds them); returns pages added. Pages the tree holds already, or whose
+        prefix left it, are freed."""
         state = self.state
         tree = state.tree
         root = tree.root(extra_key)
@@ -74,16 +89,16 @@ class Prefetches:
             return 0
         if partial is not None:
             path.append(state.split(partial, k))
-        added = self._attach_to_path(path, first, host_pages)
+        added = self._attach_to_path(path, first, host_pages, stored)
         if cached < len(tokens) // tree.stride:
             leaf = tree.add_child(path[-1] if path else root, tokens[cached * tree.stride:])
             state.touch(leaf, state.tick())
             state.refresh(leaf.parent)
-            state.attach_host(leaf, host_pages[(cached - first) * 4:])
+            state.attach_host(leaf, host_pages[(cached - first) * 4:], stored)
             added += state.pages(leaf)
         return added
 
-    def _attach_to_path(self, path: list[Node], first: int, host_pages: bytes) -> int:
+    def _attach_to_path(self, path: list[Node], first: int, host_pages: bytes, stored: bool) -> int:
         """Fetched pages for nodes already in the tree: a device-only node gains its host
         copy, an engine-managed node missing a rank's shard (no save copying into it)
         takes them whole in place of its own; the rest (cached on host already) are
@@ -98,10 +113,10 @@ class Prefetches:
                 pages = host_pages[(lo - first) * 4:(hi - first) * 4]
                 s = node.full
                 if lo == pos and s.host_pages is None and s.device_pages is not None:
-                    state.attach_host(node, pages)
+                    state.attach_host(node, pages, stored)
                     added += m
                 elif lo == pos and s.shards_missing and not s.pins and not s.host_lock:
-                    state.complete_host(node, pages)
+                    state.complete_host(node, pages, stored)
                     added += m
                 else:
                     spare.append(pages)

@@ -165,22 +165,23 @@ class CacheState:
             s.evicting = False
         self.refresh(node)
 
-    def attach_host(self, node: Node, pages: bytes) -> None:
-        """Pages fetched from storage become the node's (valid) host copy."""
+    def attach_host(self, node: Node, pages: bytes, stored: bool = True) -> None:
+        """Pages fetched from storage become the node's (valid) host copy; `stored`: the
+        store still holds them (False when it lost its contents during the fetch)."""
         s = node.full
         s.host_pages = pages
-        s.stored = True
+        s.stored = stored
         self.refresh(node)
         self._emit("host", "stored", node)
 
-    def complete_host(self, node: Node, pages: bytes) -> None:
+    def complete_host(self, node: Node, pages: bytes, stored: bool = True) -> None:
         """Pages fetched from storage replace the host copy of an engine-managed node that
         lacks some rank's shard (nothing copying into it): the node is complete and stored."""
         s = node.full
         self.host.free(s.host_pages)
         s.host_pages = None
         s.shards_missing = 0
-        self.attach_host(node, pages)
+        self.attach_host(node, pages, stored)
 
     def clear_host(self, node: Node) -> None:
         """Free a node's valid host copy (nothing may be copying it). Removal is told only
