@@ -33,7 +33,9 @@ KV_FORMATS = {"mha": 2, "mla": 1}
 
 @dataclass(frozen=True, slots=True)
 class KvLayout:
-    """Shape of one engine's KV cache. Raises ValueError naming the bad field."""
+    """Shape of one engine's KV cache. Raises ValueError naming the bad field. The
+    client always sends `page_size` (the daemon's `--page-size` default is for Register
+    requests that leave it 0, such as grpcurl's)."""
 
     num_layers: int
     num_kv_heads: int

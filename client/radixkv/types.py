@@ -101,11 +101,12 @@ class Registration:
     warm: bool
     dropped_device_tokens: int
     storage: str = ""
+    device_uuid: str = ""  # cuda: the GPU the daemon opened the buffers on
 
     @classmethod
     def from_pb(cls, m: pb.RegisterResponse) -> "Registration":
         return cls(m.session, m.daemon_instance, m.host_pool_pages, m.write_policy, m.warm,
-                   m.dropped_device_tokens, m.storage)
+                   m.dropped_device_tokens, m.storage, m.device_uuid)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from radixkv.kvbuffers import CudaKvBuffers
 from radixkv.layout import KvLayout
 from radixkv.sim import page_keys
 from radixkv.types import pack
+from radixkv_server.datapath.cuda_devices import device_uuid
 from tests.support.engine import EngineDouble
 
 pytestmark = pytest.mark.gpu
@@ -145,6 +146,7 @@ def round_trip(eng: GpuEngine, policy: str, pages: int) -> dict:
 def test_insert_evict_and_load_back_every_byte(gpu_daemon, device, policy):
     d = gpu_daemon(*HOST_FLAGS)
     eng = GpuEngine(d.target, device, policy)
+    assert eng.reg.device_uuid == device_uuid(device)  # the daemon opened the buffers on this GPU
     try:
         facts = round_trip(eng, policy, PROMPT_PAGES)
     finally:
