@@ -1,0 +1,46 @@
+"""The README's "Using it from an engine" snippet runs as written against a real daemon
+(a smaller layout and pool, the test daemon's socket, and the engine's own allocator and
+prompt supplied): once cold, then again as a restarted engine whose prefix sits on host."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_LAYOUT = 'KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)'
+SMALL_LAYOUT = 'KvLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="bfloat16", page_size=16)'
+README_TARGET = "unix:///run/radixkv/radixkv.sock"
+
+
+def readme_snippet(target: str) -> str:
+    [code] = re.findall(r"<!-- readme-engine -->\n```python\n(.*?)```", README.read_text(), re.S)
+    assert README_LAYOUT in code and README_TARGET in code and code.count("4096") == 2, "the snippet changed shape"
+    return code.replace(README_LAYOUT, SMALL_LAYOUT).replace(README_TARGET, target).replace("4096", "64")
+
+
+def engine_globals() -> dict:
+    """What the snippet leaves to the engine: its prompt and its page allocator."""
+    free = list(range(64))
+
+    def my_free_pages(n: int) -> list[int]:
+        taken, free[:] = free[:n], free[n:]
+        return taken
+
+    return {"prompt_tokens": list(range(1000, 1000 + 4 * 16 + 5)),  # 4 whole pages and a partial one
+            "my_free_pages": my_free_pages, "my_free": lambda pages: free.extend(pages), "free": free}
+
+
+def test_the_readme_engine_snippet_runs_cold_and_then_loads_back_its_prefix(daemon):
+    code = readme_snippet(daemon)
+    cold = engine_globals()
+    exec(code, cold)  # noqa: S102 - the README's own code
+    assert cold["m"].device_tokens == cold["m"].host_tokens == 0
+    assert cold["r"].cached_tokens == 0
+    assert sorted(cold["free"]) == list(range(64))  # every page came back: write-through, evicted whole
+
+    warm = engine_globals()
+    exec(code, warm)  # noqa: S102
+    assert warm["m"].host_tokens == 4 * 16  # the restarted engine finds its prefix on host
+    assert warm["lb"].loaded_tokens == 4 * 16
+    assert warm["outcomes"] and all(o.ok for o in warm["outcomes"].values())
+    assert warm["r"].cached_tokens == 4 * 16 and warm["new_pages"] == []
+    assert sorted(warm["free"]) == list(range(64))
