@@ -64,6 +64,9 @@ def test_an_attached_unknown_or_unnamed_namespace_is_refused_saying_why(daemon, 
         assert m.device_tokens == PAGES * PS
     finally:
         engine.close()
+    with pytest.raises(errors.FailedPrecondition, match="no storage tier"):  # nothing would keep the host copies
+        admin.drop_namespace("model/tp0", store=True)
+    assert [ns.namespace for ns in admin.stats().namespaces] == ["model/tp0"]  # still there
 
 
 def test_a_drop_that_stores_first_leaves_the_prefixes_in_storage(daemon_factory, tmp_path):

@@ -22,7 +22,7 @@ from ..logs import log_event
 from . import convert, engine_ops
 from .acks import AckStream
 from .daemon import Daemon
-from .errors import ServiceError, invalid, status_of, unauthenticated
+from .errors import ServiceError, invalid, precondition, status_of, unauthenticated
 from .inspection import inspect_namespace, namespace_stats
 from .session_stream import SessionStream
 from .tenants import EVERYTHING, Grant, Tokens, authorize, visible
@@ -158,6 +158,13 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         held = self.daemon.sessions.holdings(ns)
         stats.leases, stats.oldest_lease_seconds = held.leases, held.oldest_lease_seconds
         stats.load_backs_unacked = held.unacked_loads
+        now = time.monotonic()
+        stats.sessions.extend(
+            pb.SessionInfo(session=s.id, engine=s.engine, role=s.role, tp_rank=s.rank, instance=s.instance,
+                           age_seconds=now - s.created,
+                           streams_open=s.ack_stream is not None or s.session_stream is not None,
+                           leases=len(s.leases), load_backs_unacked=len(s.unacked))
+            for s in sorted(self.daemon.sessions.all(), key=lambda s: s.created) if s.namespace is ns)
         return stats
 
     @rpc
@@ -181,6 +188,9 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     async def DropNamespace(self, request, context):
         if not request.namespace:
             raise invalid("DropNamespace needs the namespace to drop")
+        if request.store and self.daemon.storage is None:
+            raise precondition("DropNamespace with store: no storage tier is configured (start the daemon with "
+                               "--storage), so nothing would keep the host copies; drop without store to lose them")
         d = await self.daemon.drop_namespace(request.namespace, request.store)
         return pb.DropNamespaceResponse(host_tokens=d.host_tokens, freed_host_bytes=d.freed_host_bytes,
                                         stored_tokens=d.stored_tokens)
