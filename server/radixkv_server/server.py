@@ -312,7 +312,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
                  ("grpc.max_send_message_length", config.max_message_size),
                  ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        interceptors=[TokenAuth(tokens)] if tokens.required else None,
+        interceptors=[TokenAuth(tokens, lambda method: metrics.rpc_requests.labels(method, "UNAUTHENTICATED").inc())]
+        if tokens.required else None,
     )
     # Every service is added through the guard: bytes that do not parse are refused
     # INVALID_ARGUMENT before any handler runs (service/wire.py).

@@ -65,8 +65,8 @@ def _ip(hex_address: str) -> str:
 def daemons():
     made: list[DaemonProcess] = []
 
-    def start(*flags, listen=None, ready=True, probe=None):
-        d = DaemonProcess(*flags, listen=listen, probe=probe)
+    def start(*flags, listen=None, ready=True, probe=None, metrics=False):
+        d = DaemonProcess(*flags, listen=listen, probe=probe, metrics=metrics)
         made.append(d)
         d.start(ready)
         return d
@@ -181,7 +181,7 @@ def test_mutual_tls(daemons, pki):
 def test_shared_token(daemons, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    d = daemons("--auth-token-file", str(token_file))
+    d = daemons("--auth-token-file", str(token_file), metrics=True)
     with Client(d.target, timeout=3, reconnect=None) as anonymous:
         anonymous.wait_ready(5)  # health checks stay open for probes
         for call in (anonymous.stats, anonymous.echo, anonymous.check_invariants):
@@ -196,6 +196,9 @@ def test_shared_token(daemons, tmp_path):
             list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert reaches(d.target, token="wrong") == "UNAUTHENTICATED"
+    # A stale token shows on dashboards: refusals are counted as answered calls are
+    # (Stats twice: without a token, then with the wrong one).
+    assert 'radixkv_rpc_requests_total{code="UNAUTHENTICATED",method="Stats"} 2.0' in d.scrape()
 
     # The right token: a whole round trip, ack stream included, blocking and asyncio.
     buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)

@@ -13,6 +13,7 @@ new certificate and client CA; connections already open keep theirs.
 
 import logging
 import ssl
+from collections.abc import Callable
 
 import grpc
 
@@ -92,10 +93,12 @@ class ReloadableTls:
 
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Refuse RPCs without `authorization: Bearer <token>` naming one of `tokens`
-    (health checks excepted). `tokens` may be reloaded meanwhile."""
+    (health checks excepted). `tokens` may be reloaded meanwhile. `on_refused(method)`
+    (the method's short name) is told of each refusal (metrics)."""
 
-    def __init__(self, tokens):
+    def __init__(self, tokens, on_refused: Callable[[str], None] | None = None):
         self._tokens = tokens  # tenants.Tokens
+        self._on_refused = on_refused
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -103,6 +106,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
                 self._tokens.grant(details.invocation_metadata) is not None:
             return handler
         log_event(log, "rpc.unauthenticated", logging.DEBUG, method=details.method)
+        if self._on_refused is not None:
+            self._on_refused(details.method.rsplit("/", 1)[-1])
         return _refusing(handler)
 
 
