@@ -222,7 +222,7 @@ class LoadOutcome:
     ack stream was lost) and the tokens must be recomputed; `failed_pages` are device
     pages the daemon handed back with a failed load (the caller's again; empty when the
     daemon did not answer). `expired`: the daemon finished the transfer itself because
-    it was not acknowledged within its ack_timeout (told unasked on the ack stream;
+    it was not acknowledged within the daemon's --ack-timeout (told unasked on the ack stream;
     `reason` says what became of it): a load's device pages other than `failed_pages`
     stay with the cache; an engine-managed save's pages are the engine's, stored or not.
     """

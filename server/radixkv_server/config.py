@@ -285,5 +285,22 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         try:
             values[f.name] = _convert(f, text)
         except ValueError as e:
-            raise ValueError(f"{f.name}: {e}") from None
-    return DaemonConfig(**values)
+            where = "--" + f.name.replace("_", "-") if given is not None else "RADIXKV_" + f.name.upper()
+            raise ValueError(f"{where}: {e}") from None
+    try:
+        return DaemonConfig(**values)
+    except ValueError as e:
+        raise ValueError(as_flags(str(e))) from None
+
+
+def as_flags(message: str) -> str:
+    """A DaemonConfig message with its settings named as the command line spells them
+    (`max_sessions` -> `--max-sessions`; each is also RADIXKV_<NAME> in the environment):
+    every setting whose name has an underscore, and the one a message starts with."""
+    names = {f.name for f in dataclasses.fields(DaemonConfig)}
+
+    def flag(m: re.Match) -> str:
+        word = m.group(0)
+        named = word in names and ("_" in word or m.start() == 0)
+        return "--" + word.replace("_", "-") if named else word
+    return re.sub(r"\b[a-z][a-z0-9_]*\b", flag, message)

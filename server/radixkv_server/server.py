@@ -231,6 +231,9 @@ def _check_host_pool(config: DaemonConfig) -> None:
 def _check_port(address: str) -> None:
     """StartupError for a TCP address without a port in 0-65535 (gRPC would bind a port
     modulo 65536, not the one asked for)."""
+    if address.startswith(("/", ".", "~")) or ":" not in address:
+        raise BadSetting(f"cannot listen on {address}: a Unix socket is unix://PATH (unix:///run/x.sock), "
+                         "a TCP address HOST:PORT")
     port = address.rpartition(":")[2]
     if not (port.isdigit() and int(port) < 65536):
         raise BadSetting(f"cannot listen on {address}: the port must be a number in 0-65535")
@@ -302,7 +305,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
         reloadable_tls = ReloadableTls.open(config.tls_cert, config.tls_key, config.tls_client_ca)
     except (AuthError, TokenFileError) as e:
         raise StartupError(str(e)) from None
-    reloadable.extend(x for x in (tokens, reloadable_tls) if x is not None)
+    reloadable.extend(x for x in (tokens if config.auth_token_file else None, reloadable_tls) if x is not None)
     tls = reloadable_tls.credentials() if reloadable_tls is not None else None
     events = _open_events(config, loop)
     daemon = Daemon(config, metrics, storage, events)

@@ -143,10 +143,10 @@ def test_stuck_engine_leases_and_acks_expire(daemon_factory):
         with pytest.raises(grpc.RpcError) as err:
             stub.Release(pb.ReleaseRequest(session=stuck.id, leases=[m.lease]))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        assert f"lease {m.lease} expired: held longer than lease_timeout={STUCK_TIMEOUT_S}s" in err.value.details()
+        assert f"lease {m.lease} expired: held longer than --lease-timeout={STUCK_TIMEOUT_S}s" in err.value.details()
         reply = stuck.ack(lb.transfer)
         assert reply.code == grpc.StatusCode.NOT_FOUND.value[0]
-        assert f"expired: not acknowledged within ack_timeout={STUCK_TIMEOUT_S}s" in reply.message
+        assert f"expired: not acknowledged within --ack-timeout={STUCK_TIMEOUT_S}s" in reply.message
         with pytest.raises(grpc.RpcError) as err:
             stub.Insert(pb.InsertRequest(session=stuck.id, tokens=tokens(200, 1), device_pages=pack([12]),
                                          release_lease=ins.lease))

@@ -48,7 +48,7 @@ def test_failed_copy_expired_pages_reach_the_engine(daemon_factory):
         assert (pushed.transfer, pushed.code, pushed.expired, pushed.unsolicited, pushed.load_failed) == \
             (lb.transfer, NOT_FOUND, True, True, True), pushed
         assert pushed.failed_pages == pack([8, 9, 10, 11])
-        assert "not acknowledged within ack_timeout=0.4s" in pushed.message
+        assert "not acknowledged within --ack-timeout=0.4s" in pushed.message
         assert "its 4 device pages are the engine's again" in pushed.message
         late = s.ack(lb.transfer)  # the engine wakes up and acks: the same answer
         assert (late.code, late.expired, late.unsolicited, late.failed_pages) == \

@@ -271,9 +271,9 @@ def test_sighup_reloads_tls_certificates(daemons, pki, tmp_path):
 
 
 def test_bad_security_config_is_refused_at_start(tmp_path):
-    for flags, says in [(("--tls-cert", "x.pem"), "tls_cert and tls_key go together"),
+    for flags, says in [(("--tls-cert", "x.pem"), "--tls-cert and --tls-key go together"),
                         (("--auth-token", "a", "--auth-token-file", "f"), "not both"),
-                        (("--lease-timeout", "-1"), "lease_timeout must be a number of seconds >= 0")]:
+                        (("--lease-timeout", "-1"), "--lease-timeout must be a number of seconds >= 0")]:
         with pytest.raises(ValueError, match=says):
             load_config(list(flags), {})
     empty = tmp_path / "empty"

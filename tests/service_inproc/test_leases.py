@@ -102,7 +102,7 @@ def test_an_expired_lease_is_released_and_later_release_says_it_expired():
             with pytest.raises(ServiceError) as info:
                 e.release([lease])
             assert refused(info) == (grpc.StatusCode.NOT_FOUND,
-                                     f"lease {lease} expired: held longer than lease_timeout=5s")
+                                     f"lease {lease} expired: held longer than --lease-timeout=5s")
             assert e.ns.expirations["lease"] == 1
             await e.close()
     run(scenario())

@@ -76,7 +76,7 @@ def prompts(request: pb.MatchRequest, limit: int) -> list[Prompt]:
     tokens are not packed int32."""
     given = request.prompts
     if len(given) > limit:
-        raise exhausted(f"{len(given)} prompts in one Match; the limit is {limit}")
+        raise exhausted(f"{len(given)} prompts in one Match; the limit is {limit} (--max-prompts-per-match)")
     out = []
     for p in given:
         tokens = p.tokens  # each read of a bytes field is a copy: read it once

@@ -67,7 +67,7 @@ class Expiry:
                 for lease in session.overdue_leases(now, self.lease_timeout):
                     ns.release(session, [lease])
                     self._expired(session, "lease", lease,
-                                  f"expired: held longer than lease_timeout={self.lease_timeout:g}s")
+                                  f"expired: held longer than --lease-timeout={self.lease_timeout:g}s")
             if self.ack_timeout:
                 for tid in session.overdue_loads(now, self.ack_timeout):
                     session.acked(tid)
@@ -78,7 +78,7 @@ class Expiry:
                     meaning = ("the daemon finished the save itself" if kind == "save"
                                else "treat its tokens as not loaded")
                     self._expired(session, kind, tid, f"expired: not acknowledged within "
-                                  f"ack_timeout={self.ack_timeout:g}s; {meaning}", key="transfer")
+                                  f"--ack-timeout={self.ack_timeout:g}s; {meaning}", key="transfer")
                     self.daemon.run_in_background(self._finish(session, tid, transfer.kind))
 
     @staticmethod
