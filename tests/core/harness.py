@@ -49,45 +49,60 @@ class MemoryCopier:
         self.pending: dict[int, tuple[str, list, list]] = {}
         self.read_at_start: dict[int, list] = {}  # transfer -> what it read when it started
 
-    def _start(self, transfer, kind, src, dst, source: dict) -> None:
-        self.pending[transfer] = (kind, src, dst)
-        if self.rnd is not None and self.rnd.random() < 0.5:
-            self.read_at_start[transfer] = read_run(source, src) if kind == "fetch" else \
-                [source.get(s, GARBAGE) for s in src]
-
     def load(self, transfer, host_pages, device_pages):
-        self._start(transfer, "load", list(unpack(host_pages)), list(unpack(device_pages)), self.host)
+        self._start(transfer, "load", list(unpack(host_pages)), list(unpack(device_pages)))
 
     def backup(self, transfer, device_pages, host_pages):
-        self._start(transfer, "backup", list(unpack(device_pages)), list(unpack(host_pages)), self.device)
+        self._start(transfer, "backup", list(unpack(device_pages)), list(unpack(host_pages)))
 
     def store(self, transfer, host_pages, keys):
-        self._start(transfer, "store", list(unpack(host_pages)), list(keys), self.host)
+        self._start(transfer, "store", list(unpack(host_pages)), list(keys))
 
     def fetch(self, transfer, keys, host_pages, ahead=None):
-        self._start(transfer, "fetch", list(keys), list(unpack(host_pages)), self.storage)
+        self._start(transfer, "fetch", list(keys), list(unpack(host_pages)))
+
+    def read_host(self, page: int):
+        return self.host.get(page, GARBAGE)
+
+    def write_host(self, page: int, value) -> None:
+        self.host[page] = value
+
+    def _read(self, kind: str, src: list) -> list:
+        """What the copy reads from its source now."""
+        if kind == "fetch":
+            return read_run(self.storage, src)
+        if kind == "backup":
+            return [self.device.get(p, GARBAGE) for p in src]
+        return [self.read_host(p) for p in src]
+
+    def _start(self, transfer: int, kind: str, src: list, dst: list) -> None:
+        self.pending[transfer] = (kind, src, dst)
+        if self.rnd is not None and self.rnd.random() < 0.5:
+            self.read_at_start[transfer] = self._read(kind, src)
 
     def complete(self, cache: HierarchicalCache, transfer: int, fail: bool = False, short: int | None = None):
         """Finish the copy: it reads its source now unless it read it at start. A store
         writes storage only now; a fetch that fails reads nothing, and one cut `short`
         reports at most that many pages."""
         kind, src, dst = self.pending.pop(transfer)
-        early = self.read_at_start.pop(transfer, None)
+        got = self.read_at_start.pop(transfer, None)
+        if got is None:
+            got = self._read(kind, src)
+        error = "injected failure" if fail else None
         if kind == "fetch":
-            got = early if early is not None else read_run(self.storage, src)
             n = 0 if fail else len(got) if short is None else min(len(got), short)
             for page, value in zip(dst[:n], got):
-                self.host[page] = value
-            return cache.on_fetch_done(transfer, n, "injected failure" if fail else None)
-        source, target = {"load": (self.host, self.device), "backup": (self.device, self.host),
-                          "store": (self.host, self.storage)}[kind]
-        got = early if early is not None else [source.get(s, GARBAGE) for s in src]
+                self.write_host(page, value)
+            return cache.on_fetch_done(transfer, n, error)
         for value, d in zip(got, dst):
-            if not fail:
-                target[d] = value
-            elif kind != "store":
-                target[d] = GARBAGE
-        return cache.on_copy_done(transfer, "injected failure" if fail else None)
+            if kind == "store":
+                if not fail:
+                    self.storage[d] = value
+            elif kind == "load":
+                self.device[d] = GARBAGE if fail else value
+            else:
+                self.write_host(d, GARBAGE if fail else value)
+        return cache.on_copy_done(transfer, error)
 
     def complete_all(self, cache: HierarchicalCache):
         outcomes = {}
