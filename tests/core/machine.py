@@ -2,9 +2,14 @@
 
 An engine model drives the cache the way a scheduler would (match, load back, compute,
 insert, evict, lease) while copies complete, fail and get acknowledged in random order.
-After every step: `check_invariants()` is empty, the engine's free pages plus the
-pages the cache holds are exactly the device pool, every device page the cache hands
-out holds the identity of the prefix page it claims, and leased prefixes stay cached.
+The copier reads some copies' sources when they start and the rest when they complete,
+fetches read storage ahead or at completion and may come back short, and freed pages
+hold poison (harness.py). After every step: `check_invariants()` is empty, the engine's
+free pages plus the pages the cache holds are exactly the device pool, every device
+page the cache hands out, every device page of the tree (but those a load is still
+filling) and every valid host copy holds the identity of the prefix page it claims,
+every node counted as stored is in storage with the right bytes, and leased prefixes
+stay cached.
 Used by test_core_stateful.py (shrinking examples and long seeded walks) and by
 test_core_residency.py (the residency listener).
 """
@@ -12,11 +17,12 @@ test_core_residency.py (the residency listener).
 import random
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from radixkv_server.core import NotReady
 from radixkv_server.core.pages import pack, unpack
+from radixkv_server.core.transfers import TransferKind
 
-from harness import Engine, make_cache
+from harness import Engine, identity, make_cache
 
 PAGE = 2
 DEVICE_PAGES = 24
@@ -24,10 +30,19 @@ HOST_PAGES = 12
 
 prompts = st.lists(st.integers(0, 3), min_size=1, max_size=6)
 extra_keys = st.sampled_from([b"", b"lora"])
+shorts = st.none() | st.integers(0, 3)
 
 
 def prompt_bytes(symbols) -> bytes:
     return pack([v for s in symbols for v in (s, s + 10)])
+
+
+def node_identities(node, page_size: int) -> list[bytes]:
+    """The identity each of the node's pages must hold, in order."""
+    prompt = b"".join(n.key for n in reversed(node.path()))
+    stride = page_size * 4
+    first = (len(prompt) - len(node.key)) // stride
+    return [identity(prompt, node.extra_key, i, page_size) for i in range(first, len(prompt) // stride)]
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -38,12 +53,17 @@ class CoreMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
+        self.rnd = random.Random(0)  # the copier's timing and the restart's drain order
         self.cache, self.copier = make_cache(self.policy, page_size=PAGE, device_pages=DEVICE_PAGES,
                                              host_pages=HOST_PAGES, eviction=self.eviction,
-                                             storage=self.storage)
+                                             storage=self.storage, rnd=self.rnd)
         self.eng = Engine(self.cache, self.copier)
         self.loads: dict[int, tuple[bytes, bytes, bytes]] = {}  # transfer -> (prompt, extra, prefix pages)
         self.leases: list[tuple[int, bytes, bytes, int]] = []    # (node, prompt, extra, tokens)
+
+    @initialize(rnd=st.randoms(use_true_random=False))
+    def use_random(self, rnd: random.Random) -> None:
+        self.rnd = self.copier.rnd = rnd
 
     # -- engine requests ---------------------------------------------------------------
 
@@ -123,13 +143,21 @@ class CoreMachine(RuleBasedStateMachine):
             held += 1
         self.cache.start_prefetch(prompt, extra, min(held, limit))
 
+    @rule(symbols=prompts, extra=extra_keys, n=st.integers(1, HOST_PAGES))
+    def evict_and_prefetch(self, symbols, extra, n):
+        """Host pressure sends pages to storage and out, and a request fetches them back."""
+        self.evict_host(n)
+        for tid in [t for t, (kind, *_) in sorted(self.copier.pending.items()) if kind == "store"]:
+            self.copier.complete(self.cache, tid)
+        self.prefetch(symbols, extra, 6)
+
     # -- the data path and the engine's acks -----------------------------------------
 
     @precondition(lambda self: self.copier.pending)
-    @rule(pick=st.integers(0, 1000), fail=st.integers(0, 9))
-    def complete_copy(self, pick, fail):
+    @rule(pick=st.integers(0, 1000), fail=st.integers(0, 9), short=shorts)
+    def complete_copy(self, pick, fail, short=None):
         pending = sorted(self.copier.pending)
-        outcome = self.copier.complete(self.cache, pending[pick % len(pending)], fail=fail == 0)
+        outcome = self.copier.complete(self.cache, pending[pick % len(pending)], fail=fail == 0, short=short)
         self.eng.give(getattr(outcome, "freed_pages", b""))
 
     @precondition(lambda self: self.loads)
@@ -172,20 +200,22 @@ class CoreMachine(RuleBasedStateMachine):
     @rule()
     def engine_restarts(self):
         """The engine goes and a new one registers (the service's detach, then attach):
-        leases released, loads acknowledged, the copies `drop_device` names completed,
-        while stores of pages that stay may go on; every device page is then forgotten,
-        and the new engine has the whole pool."""
+        leases released, then, until `drop_device` waits for nothing, copies complete in
+        any order (some fail, and stores and fetches it does not wait for may land too)
+        and copied loads are acknowledged; every device page is then forgotten, and the
+        new engine has the whole pool."""
         for node, *_ in self.leases:
             self.cache.unlock(node)
         self.leases.clear()
-        while waits := self.cache.device_drop_waits_for():
-            for tid in waits:
-                if tid in self.copier.pending:
-                    self.copier.complete(self.cache, tid)
-            for tid in [t for t in sorted(self.loads) if t not in self.copier.pending]:
-                self.cache.finish_load_back(tid)
-                del self.loads[tid]
+        while self.cache.device_drop_waits_for():
+            if self.loads and (not self.copier.pending or self.rnd.random() < 0.3):
+                self.ack(self.rnd.randrange(1000))  # not ready while it, or a load it needs, copies
+            else:
+                assert self.copier.pending, "drop_device waits for copies no one runs"
+                self.complete_copy(self.rnd.randrange(1000), self.rnd.randrange(10))
+            self.check_all()
         self.cache.drop_device(DEVICE_PAGES)
+        self.copier.device.clear()  # the old engine's memory: nothing in it is the new one's
         self.eng = Engine(self.cache, self.copier)
 
     @rule()
@@ -204,6 +234,37 @@ class CoreMachine(RuleBasedStateMachine):
         assert len(set(free)) == len(free)
         assert not set(free) & self.cache.device.held_pages()
         assert len(free) + self.cache.device.num_held == DEVICE_PAGES
+
+    @invariant()
+    def pages_hold_their_prefix(self):
+        """Device pages of the tree (but those a load still fills) and valid host copies
+        hold their page's identity: a page freed or handed back while the tree or a copy
+        still used it holds poison."""
+        filling = {n for t in self.cache.transfers.values()
+                   if t.kind is TransferKind.LOAD and not t.copied for n in t.nodes}
+        for node in self.cache.tree.iter_nodes():
+            s = node.full
+            want = None
+            if s.device_pages is not None and node not in filling:
+                want = node_identities(node, PAGE)
+                got = [self.copier.device.get(p) for p in unpack(s.device_pages)]
+                assert got == want, f"node {node.id}'s device pages hold {got}"
+            if s.host_valid:
+                want = want or node_identities(node, PAGE)
+                got = [self.copier.host.get(p) for p in unpack(s.host_pages)]
+                assert got == want, f"node {node.id}'s host copy holds {got}"
+
+    @invariant()
+    def stored_nodes_are_in_storage(self):
+        """A node counted as stored has every page in the store, with the right bytes.
+        The fake store writes when a store completes and never loses pages it was not
+        told of (`storage_lost`), so nothing excuses a stored node the store lacks."""
+        if self.storage == "off":
+            return
+        for node in self.cache.tree.iter_nodes():
+            if node.full.stored:
+                got = [self.copier.storage.get(k) for k in self.cache.storage_keys(node)]
+                assert got == node_identities(node, PAGE), f"node {node.id} counts as stored; the store has {got}"
 
     @invariant()
     def leased_prefixes_stay_cached(self):
@@ -235,13 +296,17 @@ class CoreMachine(RuleBasedStateMachine):
     def check_all(self) -> None:
         """Every @invariant, for walks that drive the machine without hypothesis."""
         self.sound()
+        self.pages_hold_their_prefix()
+        self.stored_nodes_are_in_storage()
         self.leased_prefixes_stay_cached()
 
 
 def walk(m: CoreMachine, rnd: random.Random, steps: int) -> None:
-    """Drive `m` through `steps` random operations, checking its invariants after each."""
+    """Drive `m` through `steps` random operations, checking its invariants after each
+    (`rnd` also times the copier's reads and orders the restart's drain)."""
+    m.use_random(rnd)
     for _ in range(steps):
-        op = rnd.randrange(13)
+        op = rnd.randrange(14)
         syms = [rnd.randrange(4) for _ in range(rnd.randint(1, 6))]
         extra = rnd.choice([b"", b"lora"])
         if op == 0:
@@ -249,7 +314,7 @@ def walk(m: CoreMachine, rnd: random.Random, steps: int) -> None:
         elif op == 1:
             m.load_back(syms, extra, rnd.randrange(3))
         elif op in (2, 3) and m.copier.pending:
-            m.complete_copy(rnd.randrange(1000), rnd.randrange(10))
+            m.complete_copy(rnd.randrange(1000), rnd.randrange(10), rnd.randrange(4) if rnd.random() < 0.2 else None)
         elif op == 4 and m.loads:
             m.ack(rnd.randrange(1000))
         elif op == 5:
@@ -266,6 +331,8 @@ def walk(m: CoreMachine, rnd: random.Random, steps: int) -> None:
             m.overlapping_loads(syms[:2], [[rnd.randrange(4)] * rnd.randint(1, 3) for _ in range(2)], extra)
         elif op == 11 and rnd.random() < 0.2:
             m.engine_restarts()
-        elif op == 12 and m.loses_storage and m.storage != "off" and rnd.random() < 0.1:
+        elif op == 13 and m.storage != "off":
+            m.evict_and_prefetch(syms, extra, rnd.randint(1, HOST_PAGES))
+        elif op == 12 and m.loses_storage and m.storage != "off" and rnd.random() < 0.25:
             m.storage_lost()
         m.check_all()

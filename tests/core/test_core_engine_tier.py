@@ -1,25 +1,47 @@
 """Engine-managed namespaces in the core: saves, loads and tensor-parallel shards
 (randomized sequences: engine_machine.py), and the rules a user notices directly."""
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, settings
 from radixkv_server.core import CacheConfig, HierarchicalCache, InvalidRequest, NotReady
 from radixkv_server.core.engine_tier import EngineTier
 from radixkv_server.core.pages import pack, unpack
 
-from engine_machine import PAGE, EngineTierMachine, RankCopier, ShardStore, prompt_bytes, shard
+from engine_machine import PAGE, EngineTierMachine, RankCopier, ShardStore, prompt_bytes, shard, walk
 from harness import MemoryCopier
 
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
-TestEngineTier = EngineTierMachine.TestCase
-TestEngineTier.settings = SETTINGS
-TestEngineTierStorage = type("EngineTierStorageMachine", (EngineTierMachine,), {"storage": "write_back"}).TestCase
-TestEngineTierStorage.settings = SETTINGS
-TestEngineTierStorageThrough = type("EngineTierStorageThroughMachine", (EngineTierMachine,),
-                                    {"storage": "write_through"}).TestCase
-TestEngineTierStorageThrough.settings = SETTINGS
+
+def machine(tp, storage="off"):
+    """The hypothesis test case for `tp` ranks; bound only to a `Test*` name at module
+    level, so pytest collects each machine once."""
+    case = type(f"EngineTierMachine_tp{tp}_{storage}", (EngineTierMachine,), {"tp": tp, "storage": storage}).TestCase
+    case.settings = SETTINGS
+    return case
+
+
+TestEngineTier = machine(2)
+TestEngineTierStorage = machine(2, "write_back")
+TestEngineTierStorageThrough = machine(2, "write_through")
+TestEngineTierOneRank = machine(1, "write_back")
+TestEngineTierThreeRanks = machine(3, "write_back")
+TestEngineTierThreeRanksStorageThrough = machine(3, "write_through")
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("storage", ["off", "write_back", "write_through"])
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_engine_tier_runs_long_sequences(tp, storage, seed):
+    """Long seeded walks per rank count and storage policy, beyond what the shrinking
+    examples cover: every rank saving the same prompts, and the store losing everything
+    with fetches that read it before still in flight."""
+    m = type("M", (EngineTierMachine,), {"tp": tp, "storage": storage})()
+    walk(m, random.Random(seed), 1500)
+    m.teardown()
 
 
 def make(tp=2, host_pages=8):

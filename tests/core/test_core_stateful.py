@@ -36,7 +36,8 @@ TestWriteBackStorageThrough = machine("write_back", storage="write_through")
     ("write_through", "off"), ("write_through_selective", "off"), ("write_back", "off"),
     ("write_through", "write_back"), ("write_back", "write_through")])
 def test_machine_runs_long_sequences(policy, storage, seed):
-    """Long seeded walks per policy, beyond what the shrinking examples cover."""
-    m = type("M", (CoreMachine,), {"policy": policy, "storage": storage})()
+    """Long seeded walks per policy, beyond what the shrinking examples cover; the store
+    loses everything now and then, with fetches that read it before in flight."""
+    m = type("M", (CoreMachine,), {"policy": policy, "storage": storage, "loses_storage": True})()
     walk(m, random.Random(seed), 2000)
     m.teardown()
