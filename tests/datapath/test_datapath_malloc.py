@@ -59,7 +59,7 @@ def test_large_buffers_are_reused_too():
 def test_the_threshold_is_a_flag_with_a_default_and_a_bound():
     assert load_config([]).malloc_trim_threshold == 256 << 20
     assert load_config(["--malloc-trim-threshold", "0"]).malloc_trim_threshold == 0
-    with pytest.raises(ValueError, match="malloc_trim_threshold"):
+    with pytest.raises(ValueError, match="--malloc-trim-threshold"):
         load_config(["--malloc-trim-threshold", "4GiB"])
     with pytest.raises(ValueError, match="0..2GiB"):
         keep_freed_heap(-1)

@@ -19,7 +19,7 @@ from radixkv_server.datapath import HostPool, cuda, cuda_host
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4)
 PAGES = 8
 REFUSAL = "cudaHostRegister of 4096 bytes failed: CUDA error 2 (out of memory)"
-POOL_LOG = "radixkv_server.datapath.host_pool"
+POOL_LOG = "radixkv.datapath"
 
 
 class Driver:

@@ -19,7 +19,7 @@ def _faults_of_first_write(pool: HostPool) -> int:
 
 
 def test_a_prefaulted_pool_takes_no_faults_on_first_use(caplog):
-    with caplog.at_level(logging.INFO, logger="radixkv_server.datapath.host_pool"):
+    with caplog.at_level(logging.INFO, logger="radixkv.datapath"):
         warm = HostPool(LAYOUT, PAGES, pin="never", prefault=True)
     cold = HostPool(LAYOUT, PAGES, pin="never")
     try:
@@ -42,7 +42,7 @@ def test_a_namespace_registered_with_the_flag_has_its_pool_faulted_in(caplog):
 
     async def scenario():
         async with running_daemon(host_pool_prefault=True) as daemon:
-            with caplog.at_level(logging.INFO, logger="radixkv_server.datapath.host_pool"):
+            with caplog.at_level(logging.INFO, logger="radixkv.datapath"):
                 e = await Engine.register(daemon, "t/prefault")
             assert "host pool: faulted in" in caplog.text
             await e.close()

@@ -226,7 +226,11 @@ TABLE = [
     Row("Insert", "too many pages", unary("Insert", lambda c: pb.InsertRequest(
         session=A(c), tokens=tokens(50, 2), device_pages=pack([9, 10, 11]))), C.INVALID_ARGUMENT, r"need 2 device pages, got 3"),
     Row("Insert", "page bytes not a multiple of 4", unary("Insert", lambda c: pb.InsertRequest(
-        session=A(c), tokens=tokens(50, 1), device_pages=pack([9])[:3])), C.INVALID_ARGUMENT, r"need 1 device pages, got 0.75"),
+        session=A(c), tokens=tokens(50, 1), device_pages=pack([9])[:3])), C.INVALID_ARGUMENT,
+        r"device page bytes \(3\) are not a multiple of 4"),
+    Row("Insert", "less than a page", unary("Insert", lambda c: pb.InsertRequest(
+        session=A(c), tokens=pack(range(50, 53)), device_pages=b"")), C.INVALID_ARGUMENT,
+        r"3 tokens is less than one page \(page_size 4\); only whole pages are cached"),
     Row("Insert", "page out of range", unary("Insert", lambda c: pb.InsertRequest(
         session=A(c), tokens=tokens(50, 1), device_pages=pack([NUM_PAGES]))), C.INVALID_ARGUMENT, r"device page 32 is out of range \[0, 32\)"),
     Row("Insert", "negative page", unary("Insert", lambda c: pb.InsertRequest(

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from .errors import InvalidRequest, NotOwner, NotReady, UnknownTransfer
 from .host_space import HostSpace
-from .insertion import check_tokens
+from .insertion import check_insert
 from .invariants import check_invariants
 from .node import Node
 from .pages import count
@@ -114,13 +114,7 @@ class EngineTier:
         return SaveResult(off * state.config.page_size, last.id, tid)
 
     def _check_save(self, tokens: bytes, device_pages: bytes) -> None:
-        check_tokens(tokens, "Insert")
-        ps = self.state.config.page_size
-        n = len(tokens) // 4
-        if n == 0 or n % ps:
-            raise InvalidRequest(f"Insert: {n} tokens is not a positive whole number of pages (page_size {ps})")
-        if len(device_pages) % 4 or len(device_pages) // 4 != n // ps:
-            raise InvalidRequest(f"Insert: {n} tokens need {n // ps} device pages, got {len(device_pages) / 4:g}")
+        check_insert(tokens, device_pages, self.state.config.page_size)
 
     def _existing(self, path: list[Node], device_pages: bytes, rank: int, now: int) -> tuple[list, int]:
         """The (node, engine pages) of the path's nodes that lack rank's shard and are not

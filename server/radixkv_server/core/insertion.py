@@ -15,6 +15,26 @@ def check_tokens(tokens: bytes, what: str) -> None:
         raise InvalidRequest(f"{what}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
 
 
+def check_insert(tokens: bytes, device_pages: bytes, page_size: int) -> int:
+    """Raise InvalidRequest unless an Insert's tokens are whole pages, one packed device
+    page each; returns the number of tokens."""
+    check_tokens(tokens, "Insert")
+    if len(device_pages) % 4:
+        raise InvalidRequest(f"Insert: device page bytes ({len(device_pages)}) are not a multiple of 4 (packed int32)")
+    n = len(tokens) // 4
+    if n == 0:
+        raise InvalidRequest("Insert: no tokens given")
+    if n < page_size:
+        raise InvalidRequest(f"Insert: {n} tokens is less than one page (page_size {page_size}); "
+                             "only whole pages are cached")
+    if n % page_size:
+        raise InvalidRequest(f"Insert: {n} tokens is not a whole number of pages (page_size {page_size}); "
+                             f"insert the first {n - n % page_size}")
+    if len(device_pages) // 4 != n // page_size:
+        raise InvalidRequest(f"Insert: {n} tokens need {n // page_size} device pages, got {len(device_pages) // 4}")
+    return n
+
+
 class Insertions:
     """Receives the cache's state and the device eviction part (which starts backups)."""
 
@@ -33,7 +53,7 @@ class Insertions:
         of the prefix is still being loaded (wait for those transfers, then insert).
         """
         state = self.state
-        num_tokens = self._check_sizes(tokens, device_pages)
+        num_tokens = check_insert(tokens, device_pages, state.config.page_size)
         segments, partial = self._existing(tokens, extra_key, device_pages)
         if partial is not None:
             segments[-1] = (state.split(partial, segments[-1][1]), segments[-1][1])
@@ -49,25 +69,6 @@ class Insertions:
         state.counters.inserted_tokens += num_tokens - off * ps
         self.evictions.start_backups(last)
         return InsertResult(off * ps, redundant, last.id)
-
-    def _check_sizes(self, tokens: bytes, device_pages: bytes) -> int:
-        """Raise InvalidRequest unless `tokens` are whole pages, one device page each;
-        returns the number of tokens."""
-        check_tokens(tokens, "Insert")
-        ps = self.state.config.page_size
-        num_tokens = len(tokens) // 4
-        if num_tokens == 0:
-            raise InvalidRequest("Insert: no tokens given")
-        if num_tokens % ps:
-            raise InvalidRequest(
-                f"Insert: {num_tokens} tokens is not a whole number of pages (page_size {ps}); "
-                f"insert the first {num_tokens - num_tokens % ps}"
-            )
-        if len(device_pages) % 4 or len(device_pages) // 4 != num_tokens // ps:
-            raise InvalidRequest(
-                f"Insert: {num_tokens} tokens need {num_tokens // ps} device pages, got {len(device_pages) / 4:g}"
-            )
-        return num_tokens
 
     def _existing(self, tokens: bytes, extra_key: bytes, device_pages: bytes) -> tuple[list[Segment], Node | None]:
         """The cached part of the prompt as segments (the last one partial when the

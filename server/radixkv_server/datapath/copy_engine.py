@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..core.pages import count
 from .device import CopyError, DeviceBuffers
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.datapath")
 
 
 class _Flight:

@@ -40,7 +40,7 @@ from .device import (
     BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenError, buffer_name, check_overlap, element_width,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.datapath")
 
 EVENT_RING = 64            # load-backs whose events may be outstanding before reuse
 SCRATCH_BYTES = 32 << 20   # preallocated device scratch per stream; bigger batches go in groups

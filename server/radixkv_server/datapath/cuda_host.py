@@ -13,7 +13,7 @@ Every function touches CUDA only when called, so the module imports on CPU machi
 import ctypes
 import logging
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.datapath")
 
 _HOST_REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 ATTR_CAN_USE_HOST_POINTER = 91      # CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM

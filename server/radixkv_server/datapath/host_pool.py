@@ -21,7 +21,7 @@ from radixkv.layout import KvLayout
 
 from . import numa
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.datapath")
 
 PIN_MODES = ("auto", "always", "never")
 

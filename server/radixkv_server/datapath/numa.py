@@ -14,7 +14,7 @@ import os
 import re
 from contextlib import contextmanager
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.datapath")
 
 SYS = "/sys"
 

@@ -37,7 +37,7 @@ from .config import EventsConfig
 from .fanout import Subscription
 from .publisher import Publisher
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.events")
 _CHANGES = {"stored": STORED, "removed": REMOVED}
 RESYNC_RETRY_S = 0.05  # how soon a dropped namespace's resync is tried again
 

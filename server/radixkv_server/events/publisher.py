@@ -25,7 +25,7 @@ from radixkv.routing.wire import END_SEQ, KVEventBatch, encode_batch, seq_bytes
 from .config import EventsConfig
 from .fanout import Broadcast
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.events")
 _IDLE_POLL_S = 0.005  # how often an idle thread looks at the replay socket
 MAX_EVENTS_PER_BATCH = 1024  # a larger job (a resync's snapshot) goes out as several batches
 

@@ -21,7 +21,7 @@ from .errors import StorageUnavailable
 from .record import CorruptPage, NotForThisReader, decode, decode_into, encode, verify
 
 MAX_KEY_BYTES = 64
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.storage")
 
 
 class Read(enum.Enum):

@@ -43,7 +43,7 @@ SUFFIX = ".page"
 _PAGE_ERRORS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP})
 _LOGGED_PATHS = 1024  # unreadable page files remembered (the probe skips them) and logged once each, at most
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.storage")
 
 
 class FileStorage(StorageBackend):

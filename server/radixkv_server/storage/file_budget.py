@@ -33,7 +33,7 @@ import os
 import threading
 import time
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.storage")
 
 SHARDS = 256  # the first fan-out level: two hex digits
 LOOK_EVERY = 0.1  # of a shard's share written by this process: measure the shard again

@@ -8,7 +8,7 @@ import time
 
 from .errors import StorageUnavailable
 
-log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")
+log = logging.getLogger("radixkv.storage")
 
 NO_SPACE = -200            # NO_AVAILABLE_HANDLE: the store is full
 BUFFER_TOO_SMALL = -600    # the object is larger than the buffers given

@@ -10,7 +10,7 @@ from ..logs import log_event
 from .errors import StorageUnavailable
 from .mooncake_probe import probe_master
 
-log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")
+log = logging.getLogger("radixkv.storage")
 RETRY_INTERVAL_S = 1.0  # after a failed setup(), the next call waits this long to retry
 
 

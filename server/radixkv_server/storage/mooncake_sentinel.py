@@ -5,7 +5,8 @@ re-mounts its segment and carries on. So each backend keeps one small object of 
 in the store, its sentinel (a key no other backend uses, hard-pinned so the store never
 evicts it), and looks for it after a call succeeds: at most every `interval` seconds,
 and on the first success after a failed call (a master that restarted failed the calls
-made while it was down). A sentinel that was there and is gone means the store lost
+made while it was down). A look runs on a thread of its own, so the call that asks for
+it never waits for it (a master that freezes meanwhile costs that thread its timeout). A sentinel that was there and is gone means the store lost
 what it held (the master restarted, or the segment that held it left the pool); the
 backend is told (`lost`) and a new sentinel is put. `remove()` at close leaves nothing
 behind; a process that dies leaves one pinned object of a few bytes.
@@ -18,7 +19,7 @@ import uuid
 
 from .errors import StorageUnavailable
 
-log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".mooncake_store")
+log = logging.getLogger("radixkv.storage")
 CHECK_INTERVAL_S = 5.0
 PAYLOAD = b"radixkv sentinel"
 
@@ -42,13 +43,17 @@ class Sentinel:
         self._due = 0.0
 
     def check(self, store) -> None:
-        """Look for the sentinel if a look is due (put it when absent; report a loss
-        when it was there before)."""
+        """Start a look for the sentinel if one is due and none runs (it puts the
+        sentinel when absent, and reports a loss when it was there before). Returns at
+        once."""
         now = time.monotonic()
         if now < self._due or not self._lock.acquire(blocking=False):
             return
+        self._due = now + self.interval
+        threading.Thread(target=self._looking, args=(store,), daemon=True, name="radixkv-mooncake-sentinel").start()
+
+    def _looking(self, store) -> None:
         try:
-            self._due = now + self.interval
             self._look(store)
         except StorageUnavailable as exc:
             self._due = 0.0
@@ -75,10 +80,8 @@ class Sentinel:
             self._due = 0.0
 
     def remove(self, store) -> None:
-        """Take the sentinel out of the store: at close, on the closing thread (which
-        bounds it), after every other call has returned."""
-        if self._placed:
-            self._placed = False
-            code = store.remove(self.key, True)
-            if code != 0:
-                log.debug("storage sentinel %s: removing it answered %d", self.key, code)
+        """Take the sentinel out of the store (absent: nothing happens): at close, on the
+        closing thread (which bounds it), after every store call has returned."""
+        self._placed = False
+        code = store.remove(self.key, True)
+        log.debug("storage sentinel %s: removing it answered %d", self.key, code)

@@ -56,7 +56,7 @@ from .mooncake_probe import probe_master
 from .mooncake_sentinel import Sentinel
 from .record import HEADER_BYTES, header
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.storage")
 
 
 class MooncakeStorage(StorageBackend):

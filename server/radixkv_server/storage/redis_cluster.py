@@ -45,7 +45,7 @@ from .redis_cluster_batch import NODE_FAILURES, ClusterBatch, DeadlineExceeded
 REFRESH_INTERVAL_S = 0.25  # the least time between two re-reads of the slot map (~2 ms each)
 # A reply that says nothing of the key: its node, its slot or the call failed.
 _NO_ANSWER = NODE_FAILURES + (SlotNotCoveredError, DeadlineExceeded)
-log = logging.getLogger(__name__)
+log = logging.getLogger("radixkv.storage")
 
 
 class RedisClusterStorage(StorageBackend):
