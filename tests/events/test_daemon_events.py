@@ -192,6 +192,10 @@ def test_a_router_that_joins_late_catches_up_from_a_snapshot(tmp_path):
             with pytest.raises(grpc.RpcError) as e:
                 next(stub.WatchEvents(pb.WatchEventsRequest(namespace="nope", snapshot=True)))
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.RpcError) as e:  # a name no namespace can have: not waited for
+                next(stub.WatchEvents(pb.WatchEventsRequest(namespace="bad name!" + "x" * 500)))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "(509 characters)" in e.value.details() and len(e.value.details()) < 300
         late = WatchFollower(PS, d.target, namespace=NS, snapshot=True)
         wait_for(lambda: converged(late, engine.client, prompts), SETTLE_S, "the snapshot to match the daemon")
         assert late.index.num_blocks(WORKER, NS)[2] > 0  # storage too

@@ -79,11 +79,18 @@ def storage_salt(reg: Registration) -> bytes:
     return namespace_salt(reg.model_name, layout_fingerprint(reg.layout, reg.tp_size, rank))
 
 
+def check_namespace_name(name: str) -> None:
+    """INVALID_ARGUMENT unless `name` could name a namespace (the message shows at most
+    80 characters of it)."""
+    if not _NAME.match(name):
+        shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"
+        raise invalid(f"namespace {shown}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -, "
+                      "starting with a letter or digit")
+
+
 def validate(reg: Registration) -> None:
     """INVALID_ARGUMENT for a request that can never succeed, whatever the state."""
-    if not _NAME.match(reg.namespace):
-        raise invalid(f"namespace {reg.namespace!r}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -, "
-                      "starting with a letter or digit")
+    check_namespace_name(reg.namespace)
     if reg.backend not in BACKENDS:  # the data path's table of device backends
         raise invalid(f"backend {reg.backend!r}: use one of {list(BACKENDS)}")
     validate_ranks(reg)

@@ -22,6 +22,7 @@ from ..events.builder import TIER_MEDIUM
 from ..events.hub import NamespaceEvents
 from ..events.publisher import MAX_EVENTS_PER_BATCH
 from .errors import ServiceError, precondition, unavailable
+from .registration import check_namespace_name
 
 _TIER_OF = {medium: tier for tier, medium in TIER_MEDIUM.items()}
 SNAPSHOT_SLICE = 2  # (tier, node) pairs recorded and hashed per loop turn while a snapshot is made
@@ -35,13 +36,16 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
     (`snapshot_batches`). FAILED_PRECONDITION when events are off, OUT_OF_RANGE when the
     replay buffer no longer (or not yet) holds from_seq, ABORTED when the reader fell
     behind, UNAVAILABLE once shutdown has begun, INVALID_ARGUMENT for a snapshot with
-    from_seq, NOT_FOUND for a snapshot of an unknown namespace."""
+    from_seq or a namespace name that cannot exist, NOT_FOUND for a snapshot of an unknown
+    namespace."""
     hub = daemon.events
     if hub is None:
         raise precondition("KV events are off: start the daemon with --kv-events-watch true "
                            "(or a --kv-events-endpoint)")
     if not daemon.accepting:
         raise unavailable("the daemon is shutting down")
+    if request.namespace:  # one that does not exist yet may come: wait for it; one that cannot, refuse
+        check_namespace_name(request.namespace)
     from_seq = request.from_seq if request.HasField("from_seq") else None
     if request.snapshot and from_seq is not None:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
