@@ -220,3 +220,34 @@ def test_lookups_pause_while_the_store_refuses_connections(daemon_factory, priva
         e.close()
     finally:
         e.release_memory()
+
+
+def test_a_store_that_succeeds_ends_the_pause_of_lookups(daemon_factory, private_redis):
+    """Lookups that keep failing pause for longer each time (1 s, 2 s, 4 s, ...); a store
+    that succeeds shows the store answers again, so the next lookup goes to it at once
+    instead of waiting out the pause (radixkv_storage_up stayed 0 meanwhile)."""
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
+    ns = "ops/lookup-resume"
+    e = RawEngine(d.target, ns, host_pool_pages=16)
+    try:
+        store_to_host_and_storage(e, d, ns, fresh_tokens(P), 0)
+        private_redis.stop()
+
+        def match(tokens):
+            return e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(tokens))],
+                                                include_storage=True), timeout=RPC_TIMEOUT_S).results[0]
+
+        def third_failure():  # past the 1 s and 2 s pauses: the next one is 4 s long
+            match(fresh_tokens(P))
+            return storage_series(d).get(calls("exists"), 0) >= 3 + before
+        before = storage_series(d).get(calls("exists"), 0)
+        wait_for(third_failure, DEADLINE_S, "three failed lookups", interval=0.1)
+        private_redis.start()
+        store_to_host_and_storage(e, d, ns, fresh_tokens(P), 4 * PAGE)
+        assert match(fresh_tokens(P)).storage_tokens == 0  # a fresh prompt: a miss, but asked of the store
+        series_now = storage_series(d)
+        assert series_now[("radixkv_storage_failing", (("direction", "read"),))] == 0
+        assert series_now[("radixkv_storage_up", ())] == 1
+        e.close()
+    finally:
+        e.release_memory()

@@ -309,6 +309,8 @@ class StorageMover:
         self.pending_pages -= queued_pages
         if queued_pages:  # a store refused before it was queued says nothing of the store
             self._health(error, "write")
+            if error is None:  # the store answers again: the next lookup tries it, past any pause
+                self._reads_paused_until = 0.0
         self._on_stored(transfer, error)
 
     def _fetched(self, transfer: int, read: int, error: str | None) -> None:
