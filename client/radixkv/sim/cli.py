@@ -73,13 +73,15 @@ def _non_negative(text: str) -> int:
 
 def parse_args(argv=None) -> SimConfig:
     d = SimConfig()
-    p = argparse.ArgumentParser(prog="radixkv-sim", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="radixkv-sim", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=d.target, help="daemon address (unix:///path or host:port)")
     p.add_argument("--token", default=d.token,
                    help="the token of a daemon started with --auth-token or --auth-token-file")
-    p.add_argument("--namespace", default=d.namespace)
-    p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
-    p.add_argument("--requests", type=_positive, default=d.requests)
+    p.add_argument("--namespace", default=d.namespace, help="the namespace the simulated engine registers")
+    p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS),
+                   help="multiturn chats, or requests sharing system prompts")
+    p.add_argument("--requests", type=_positive, default=d.requests, help="requests to run in all")
     p.add_argument("--clients", type=_positive, default=d.clients, help="multiturn: concurrent chats")
     p.add_argument("--rounds", type=_non_negative, default=d.rounds, help="multiturn: rounds per chat (0: until --requests)")
     p.add_argument("--max-context", type=_positive, default=d.max_context,
@@ -87,23 +89,25 @@ def parse_args(argv=None) -> SimConfig:
     p.add_argument("--groups", type=_positive, default=d.groups, help="shared_prefix: distinct system prompts")
     p.add_argument("--rate", type=float, default=d.rate, help="Poisson arrivals per step (0: no waiting)")
     p.add_argument("--batch", type=_positive, default=d.batch, help="requests per scheduler step")
-    p.add_argument("--device-pages", type=_positive, default=d.device_pages)
+    p.add_argument("--device-pages", type=_positive, default=d.device_pages, help="the engine's KV pool, in pages")
     p.add_argument("--host-pages", type=_non_negative, default=d.host_pages, help="host pool pages (0: daemon default)")
-    p.add_argument("--layers", type=_positive, default=d.layers)
-    p.add_argument("--heads", type=_positive, default=d.heads)
-    p.add_argument("--head-dim", type=_positive, default=d.head_dim)
-    p.add_argument("--page-size", type=_positive, default=d.page_size)
-    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPE_SIZES))
-    p.add_argument("--kv-format", default=d.kv_format, choices=sorted(KV_FORMATS))
+    p.add_argument("--layers", type=_positive, default=d.layers, help="KV layout: layers")
+    p.add_argument("--heads", type=_positive, default=d.heads, help="KV layout: KV heads")
+    p.add_argument("--head-dim", type=_positive, default=d.head_dim, help="KV layout: head size")
+    p.add_argument("--page-size", type=_positive, default=d.page_size, help="KV layout: tokens per page")
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPE_SIZES), help="KV layout: element type")
+    p.add_argument("--kv-format", default=d.kv_format, choices=sorted(KV_FORMATS),
+                   help="KV layout: K and V buffers per layer (mha) or one (mla)")
     p.add_argument("--backend", default=d.backend, choices=SIM_BACKENDS,
                    help="where the engine's KV buffers live: shared memory, or CUDA tensors (IPC)")
     p.add_argument("--device", type=int, default=d.device, help="CUDA device of the KV buffers (--backend cuda)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="the workload's and the KV bytes' seed")
     p.add_argument("--write-policy", default=d.write_policy,
                    help="write_through, write_through_selective or write_back (default: the daemon's)")
     p.add_argument("--replace-existing", action="store_true", help="take over the namespace from a live session")
-    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout)
-    p.add_argument("--progress-every", type=_non_negative, default=d.progress_every)
+    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for the daemon")
+    p.add_argument("--progress-every", type=_non_negative, default=d.progress_every,
+                   help="print progress every N requests (0: every step)")
     p.add_argument("--torch-threads", type=_non_negative, default=d.torch_threads,
                    help="torch intra-op threads for this process (0: torch's default)")
     a = p.parse_args(argv)
