@@ -123,7 +123,8 @@ class RadixKVServicer:
         """Attach an engine to a namespace (one model + KV layout). Re-attaching after an
         engine restart keeps the host tier warm and drops the old device residency: KV the
         old engine held on the device only (write_back, or write_through_selective below
-        its threshold, unless evicted before) leaves the cache.
+        its threshold, unless evicted before) leaves the cache. It is answered once the old
+        session's copies in flight have ended (they may still write the old engine's pages).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
