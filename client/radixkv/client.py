@@ -46,7 +46,7 @@ class Client(ClientBase):
     """A channel to one daemon and, after `register`, one session on it.
 
     `timeout` is the deadline of each RPC in seconds (default 30; None: none). A call
-    that moves pages or leases (insert, load_back, evict, release) and goes unanswered
+    that moves pages or leases (insert, load_back, evict, release, a leased match) and goes unanswered
     within it ends the session, since its outcome is unknown: the next call registers
     again and raises `SessionLost` (drop every cached device page). With `stream`, the
     session's match, load_back, insert, evict, release and echo go as messages on one

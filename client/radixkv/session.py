@@ -379,7 +379,7 @@ class Session:
         except RadixKVError as err:  # refused: say why the session was lost too (replaced by another engine?)
             with self._lock:
                 rec.failed(time.monotonic())
-            raise type(err)(f"session lost ({reason}); registering again was refused: {err.message}",
+            raise type(err)(f"session lost ({reason}); registering again failed: {err.message}",
                             err.code) from None
         except BaseException:  # cancelled, or the plan closed: no outcome, the next call tries
             with self._lock:

@@ -23,6 +23,11 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
 
+def flag(name: str) -> str:
+    """A setting as the command line spells it (`max_sessions` -> `--max-sessions`)."""
+    return "--" + name.replace("_", "-")
+
+
 def parse_size(text: str | int) -> int:
     """Bytes from '4GiB', '512MiB', '1.5G', '4096' (decimal k/M/G, binary Ki/Mi/Gi)."""
     if isinstance(text, int):
@@ -130,42 +135,44 @@ class DaemonConfig:
     log_format: str = _opt("text", "log lines as key=value text or JSON", choices=("text", "json"))
 
     def __post_init__(self):
+        """ValueError naming the setting as the command line spells it (each is also
+        RADIXKV_<NAME> in the environment)."""
         if not self.listen:
-            raise ValueError("listen: give at least one address")
+            raise ValueError("--listen: give at least one address")
         if len(set(self.listen)) != len(self.listen):
-            raise ValueError(f"listen: an address is given twice ({', '.join(self.listen)})")
+            raise ValueError(f"--listen: an address is given twice ({', '.join(self.listen)})")
         for name in ("page_size", "write_through_threshold", "copy_workers", "storage_workers",
                      "storage_queue_pages", "max_sessions", "max_namespaces",
                      "max_prompts_per_match", "max_concurrent_rpcs", "max_acks_in_flight"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("shutdown_grace", "shutdown_store_timeout", "storage_lookup_timeout", "lease_timeout",
                      "ack_timeout", "fault_copy_delay", "invariant_check_interval"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be a number of seconds >= 0, got {getattr(self, name)}")
         if not 0 <= self.fault_fail_loads <= 1:
-            raise ValueError(f"fault_fail_loads must be in [0, 1], got {self.fault_fail_loads}")
+            raise ValueError(f"--fault-fail-loads must be in [0, 1], got {self.fault_fail_loads}")
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert and tls_key go together: give both or neither")
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
-            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.auth_token and self.auth_token_file:
-            raise ValueError("give auth_token or auth_token_file, not both")
+            raise ValueError("give --auth-token or --auth-token-file, not both")
         if not 0 <= self.malloc_trim_threshold < 2 * 1024**3:
-            raise ValueError(f"malloc_trim_threshold must be 0..2GiB, got {self.malloc_trim_threshold}")
+            raise ValueError(f"--malloc-trim-threshold must be 0..2GiB, got {self.malloc_trim_threshold}")
         if self.host_pool_size < 1 or self.max_host_pool_size < 0:
-            raise ValueError(f"host_pool_size must be > 0 (a namespace's pool unless its Register asks for "
-                             f"another) and max_host_pool_size >= 0, got {self.host_pool_size} and "
+            raise ValueError(f"--host-pool-size must be > 0 (a namespace's pool unless its Register asks for "
+                             f"another) and --max-host-pool-size >= 0, got {self.host_pool_size} and "
                              f"{self.max_host_pool_size}")
         if self.max_message_size < MIN_MESSAGE_SIZE:
-            raise ValueError(f"max_message_size must be at least {MIN_MESSAGE_SIZE >> 20}MiB (a Register or a "
+            raise ValueError(f"--max-message-size must be at least {MIN_MESSAGE_SIZE >> 20}MiB (a Register or a "
                              f"batched Match would not fit), got {self.max_message_size}")
         if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+                raise ValueError(f"{flag(f.name)} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
 
     @property
     def host_pool_limit(self) -> int:
@@ -285,22 +292,6 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         try:
             values[f.name] = _convert(f, text)
         except ValueError as e:
-            where = "--" + f.name.replace("_", "-") if given is not None else "RADIXKV_" + f.name.upper()
+            where = flag(f.name) if given is not None else "RADIXKV_" + f.name.upper()
             raise ValueError(f"{where}: {e}") from None
-    try:
-        return DaemonConfig(**values)
-    except ValueError as e:
-        raise ValueError(as_flags(str(e))) from None
-
-
-def as_flags(message: str) -> str:
-    """A DaemonConfig message with its settings named as the command line spells them
-    (`max_sessions` -> `--max-sessions`; each is also RADIXKV_<NAME> in the environment):
-    every setting whose name has an underscore, and the one a message starts with."""
-    names = {f.name for f in dataclasses.fields(DaemonConfig)}
-
-    def flag(m: re.Match) -> str:
-        word = m.group(0)
-        named = word in names and ("_" in word or m.start() == 0)
-        return "--" + word.replace("_", "-") if named else word
-    return re.sub(r"\b[a-z][a-z0-9_]*\b", flag, message)
+    return DaemonConfig(**values)

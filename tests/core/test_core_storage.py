@@ -196,6 +196,25 @@ def test_a_fetch_in_flight_when_the_store_lost_its_contents_lands_as_not_stored(
     clean(cache)
 
 
+def test_a_fetch_read_ahead_before_a_loss_it_started_after_lands_as_not_stored():
+    """A Prefetch that waits reads the pages while it looks (before its fetch exists):
+    a loss in that gap counts too."""
+    cache, copier = make_cache("write_through", storage="write_back", host_pages=4)
+    eng = Engine(cache, copier)
+    old = tokens(1, 2, 3, 4)
+    eng.insert(old)
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.evict_host(2)
+    drain(cache, copier, eng)
+    seen = cache.storage_losses  # the lookup reads the pages here
+    cache.storage_lost()
+    tid = cache.start_prefetch(old, b"", 2, losses_seen=seen)
+    copier.complete(cache, tid)
+    assert cache.evict_host(2) == 0 and [k for k, *_ in copier.pending.values()] == ["store"]
+    clean(cache)
+
+
 def test_completions_of_the_wrong_kind_are_refused_without_a_change():
     cache, copier = make_cache("write_back", storage="write_through")
     eng = Engine(cache, copier)

@@ -224,8 +224,9 @@ def test_lookups_pause_while_the_store_refuses_connections(daemon_factory, priva
 
 def test_a_store_that_succeeds_ends_the_pause_of_lookups(daemon_factory, private_redis):
     """Lookups that keep failing pause for longer each time (1 s, 2 s, 4 s, ...); a store
-    that succeeds shows the store answers again, so the next lookup goes to it at once
-    instead of waiting out the pause (radixkv_storage_up stayed 0 meanwhile)."""
+    that succeeds after failed ones shows the store answers again, so the next lookup
+    goes to it at once instead of waiting out the pause (radixkv_storage_up stayed 0
+    meanwhile)."""
     d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
     ns = "ops/lookup-resume"
     e = RawEngine(d.target, ns, host_pool_pages=16)
@@ -242,6 +243,10 @@ def test_a_store_that_succeeds_ends_the_pause_of_lookups(daemon_factory, private
             return storage_series(d).get(calls("exists"), 0) >= 3 + before
         before = storage_series(d).get(calls("exists"), 0)
         wait_for(third_failure, DEADLINE_S, "three failed lookups", interval=0.1)
+        assert e.insert(fresh_tokens(P)) == 0  # the engine goes on: its store fails too
+        e.evict(e.pool.num_pages)
+        wait_for(lambda: storage_series(d).get(("radixkv_storage_failing", (("direction", "write"),))) == 1,
+                 DEADLINE_S, "the store to fail")
         private_redis.start()
         store_to_host_and_storage(e, d, ns, fresh_tokens(P), 4 * PAGE)
         assert match(fresh_tokens(P)).storage_tokens == 0  # a fresh prompt: a miss, but asked of the store

@@ -29,18 +29,31 @@ def engine_globals() -> dict:
             "my_free_pages": my_free_pages, "my_free": lambda pages: free.extend(pages), "free": free}
 
 
-def test_the_readme_engine_snippet_runs_cold_and_then_loads_back_its_prefix(daemon):
-    code = readme_snippet(daemon)
-    cold = engine_globals()
+def run_twice(code: str) -> tuple[dict, dict]:
+    """The snippet as a cold engine, then as the engine restarted (its prefix on host)."""
+    cold, warm = engine_globals(), engine_globals()
     exec(code, cold)  # noqa: S102 - the README's own code
+    exec(code, warm)  # noqa: S102
+    return cold, warm
+
+
+def test_the_readme_engine_snippet_runs_cold_and_then_loads_back_its_prefix(daemon):
+    cold, warm = run_twice(readme_snippet(daemon))
     assert cold["m"].device_tokens == cold["m"].host_tokens == 0
     assert cold["r"].cached_tokens == 0
     assert sorted(cold["free"]) == list(range(64))  # every page came back: write-through, evicted whole
-
-    warm = engine_globals()
-    exec(code, warm)  # noqa: S102
     assert warm["m"].host_tokens == 4 * 16  # the restarted engine finds its prefix on host
     assert warm["lb"].loaded_tokens == 4 * 16
     assert warm["outcomes"] and all(o.ok for o in warm["outcomes"].values())
     assert warm["r"].cached_tokens == 4 * 16 and warm["new_pages"] == []
     assert sorted(warm["free"]) == list(range(64))
+
+
+def test_after_a_failed_load_the_snippet_recomputes_and_loses_no_page(daemon_factory):
+    d = daemon_factory("--fault-fail-loads", "1")  # every host -> device copy fails
+    cold, warm = run_twice(readme_snippet(d.target))
+    assert cold["m"].host_tokens == 0 and sorted(cold["free"]) == list(range(64))
+    assert warm["m"].host_tokens == 4 * 16 and not any(o.ok for o in warm["outcomes"].values())
+    assert warm["prefix"] == [] and len(warm["new_pages"]) == 4  # recomputed on fresh pages
+    assert warm["r"].cached_tokens == 4 * 16  # the host copies stay; the engine's pages join them
+    assert sorted(warm["free"]) == list(range(64))  # every page back once: none lost, none twice

@@ -10,6 +10,7 @@ from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.layout import KvLayout
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
+from tests.support.daemon import wait_for
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", page_size=4)
 
@@ -24,10 +25,13 @@ def test_a_session_left_by_hand_is_listed_and_closed_by_its_id(daemon):
         by_hand = stub.Register(msg.register_request(  # as from grpcurl: no Acks stream ever opens
             "ops/stuck", LAYOUT, buffers.specs(), 16, backend="shm", device=0, write_policy="",
             host_pool_pages=8, replace_existing=False, engine="by-hand", model="")).session
-        stats = {ns.namespace: ns for ns in stub.Stats(pb.StatsRequest()).namespaces}
-        [live] = stats["ops/live"].sessions
-        assert (live.session, live.engine, live.streams_open) == (engine.registration.session, "live-engine", True)
-        [stuck] = stats["ops/stuck"].sessions
+        def stats():
+            return {ns.namespace: ns for ns in stub.Stats(pb.StatsRequest()).namespaces}
+        # The client opens its Acks stream right after Register, without waiting for it.
+        wait_for(lambda: stats()["ops/live"].sessions[0].streams_open, 10, "the engine's Acks stream open")
+        [live] = stats()["ops/live"].sessions
+        assert (live.session, live.engine) == (engine.registration.session, "live-engine")
+        [stuck] = stats()["ops/stuck"].sessions
         assert (stuck.session, stuck.engine, stuck.streams_open) == (by_hand, "by-hand", False)
         assert stuck.age_seconds >= 0 and stuck.leases == 0
 

@@ -103,7 +103,7 @@ def parse_args(argv=None) -> SimConfig:
     p.add_argument("--device", type=int, default=d.device, help="CUDA device of the KV buffers (--backend cuda)")
     p.add_argument("--seed", type=int, default=d.seed, help="the workload's and the KV bytes' seed")
     p.add_argument("--write-policy", default=d.write_policy,
-                   help="write_through, write_through_selective or write_back (default: the daemon's)")
+                   help="write_through, write_through_selective or write_back (empty: the daemon's)")
     p.add_argument("--replace-existing", action="store_true", help="take over the namespace from a live session")
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for the daemon")
     p.add_argument("--progress-every", type=_non_negative, default=d.progress_every,

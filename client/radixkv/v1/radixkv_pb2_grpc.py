@@ -199,7 +199,7 @@ class RadixKVServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Operators: counters and pool usage per namespace.
+        """Operators: counters and pool usage per namespace, and its live sessions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -224,7 +224,8 @@ class RadixKVServicer:
         its tree goes, its host pool is freed (and unpinned), routers are told it is
         cleared; the storage tier keeps what it holds. With `store`, the host copies storage
         lacks are stored first, as at shutdown (within --shutdown-store-timeout).
-        FAILED_PRECONDITION while a session is attached, NOT_FOUND for an unknown name.
+        FAILED_PRECONDITION while a session is attached (Stats lists them; Close ends one)
+        or for `store` without a storage tier, NOT_FOUND for an unknown name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -244,7 +245,7 @@ class RadixKVServicer:
         holds it, else OUT_OF_RANGE saying what it holds (start over without from_seq after
         Inspect). A reader that falls behind gets ABORTED saying the from_seq to resume
         with. FAILED_PRECONDITION when KV events are off (neither --kv-events-watch nor
-        a --kv-events-endpoint).
+        a --kv-events-endpoint); INVALID_ARGUMENT for a namespace name none can have.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -211,9 +211,15 @@ class HierarchicalCache:
         return self.storage_tier.store_now(nodes)
 
     def start_prefetch(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
-                       ahead: object = None) -> int:
+                       ahead: object = None, losses_seen: int | None = None) -> int:
         """See `Prefetches.start`."""
-        return self.prefetches.start(tokens, extra_key, max_pages, owner, ahead)
+        return self.prefetches.start(tokens, extra_key, max_pages, owner, ahead, losses_seen)
+
+    @property
+    def storage_losses(self) -> int:
+        """How many times `storage_lost` was called (pass it, read before reading storage
+        ahead of a prefetch, to `start_prefetch`)."""
+        return self.prefetches.losses
 
     def storage_lost(self) -> int:
         """The store may have lost pages it acknowledged (a restarted server): no node

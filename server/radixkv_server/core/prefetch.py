@@ -22,18 +22,21 @@ class Prefetches:
         self.storage = storage
         self.copier = copier
         self._read_before_loss: set[int] = set()  # fetches in flight when the store lost its contents
+        self.losses = 0  # storage_lost calls so far
 
     def storage_lost(self) -> None:
         """The store may have lost its pages: fetches in flight bring right bytes that it
         may no longer hold, so their pages join the tree as not stored."""
+        self.losses += 1
         self._read_before_loss.update(tid for tid, t in self.state.transfers.items() if t.kind is TransferKind.FETCH)
 
     def start(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
-              ahead: object = None) -> int:
+              ahead: object = None, losses_seen: int | None = None) -> int:
         """Reserve host pages for up to `max_pages` pages of `tokens` past the cached
-        prefix and start fetching them from storage (`ahead` goes to the copier as is).
-        Returns the transfer id, or 0 when there is nothing to fetch or no host room.
-        Mutates: reserves host pages."""
+        prefix and start fetching them from storage (`ahead` goes to the copier as is;
+        `losses_seen`: `losses` when it was read, so a loss since makes its pages join
+        as not stored). Returns the transfer id, or 0 when there is nothing to fetch or
+        no host room. Mutates: reserves host pages."""
         state = self.state
         start, keys = self.storage.probe(tokens, extra_key)
         keys = keys[:max(0, max_pages)]
@@ -46,6 +49,8 @@ class Prefetches:
         t = state.new_transfer(TransferKind.FETCH, [], owner=owner)
         t.host_pages, t.keys, t.extra_key, t.start_page = host, keys, extra_key, start
         t.tokens = tokens[:(start + len(keys)) * state.tree.stride]
+        if losses_seen is not None and losses_seen != self.losses:
+            self._read_before_loss.add(t.id)
         self.copier.fetch(t.id, t.keys, host, ahead)
         return t.id
 

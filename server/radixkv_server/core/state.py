@@ -176,7 +176,8 @@ class CacheState:
 
     def complete_host(self, node: Node, pages: bytes, stored: bool = True) -> None:
         """Pages fetched from storage replace the host copy of an engine-managed node that
-        lacks some rank's shard (nothing copying into it): the node is complete and stored."""
+        lacks some rank's shard (nothing copying into it): the node is complete, and
+        stored unless `stored` is False (the store lost its contents meanwhile)."""
         s = node.full
         self.host.free(s.host_pages)
         s.host_pages = None

@@ -29,7 +29,8 @@ caller gave up first (its deadline) counts as late the same way. A lookup that f
 (a store that refuses connections fails each call in a fraction of a second, which every
 engine call paid) pauses lookups: for `READ_BACKOFF_S[0]` seconds, doubling with each
 failure up to `READ_BACKOFF_S[1]`, lookups answer "nothing stored" at once, and one
-lookup per pause tries storage again; the first that succeeds ends the outage. Lookups
+lookup per pause tries storage again (a store that succeeds after failed ones ends the
+pause: the next lookup tries at once); the first that succeeds ends the outage. Lookups
 and fetches run on threads apart from the stores', so writes a store is slow to take (a
 fork, a failover) never hold up reads.
 """
@@ -308,8 +309,9 @@ class StorageMover:
     def _stored(self, transfer: int, queued_pages: int, error: str | None) -> None:
         self.pending_pages -= queued_pages
         if queued_pages:  # a store refused before it was queued says nothing of the store
+            back = error is None and "write" in self.failing
             self._health(error, "write")
-            if error is None:  # the store answers again: the next lookup tries it, past any pause
+            if back:  # the store answers again after an outage: the next lookup tries it, past any pause
                 self._reads_paused_until = 0.0
         self._on_stored(transfer, error)
 

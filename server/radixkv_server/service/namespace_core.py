@@ -89,6 +89,7 @@ class NamespaceCore:
             raise precondition("no storage tier is configured (start the daemon with --storage)")
         # A caller that waits for the whole fetch loses nothing if the read that finds the
         # run brings it along; the other policies answer STARTED as soon as it is found.
+        losses = self.cache.storage_losses  # a loss while the lookup reads: its pages join as not stored
         ahead = await self.copies.find_run(self.cache.storage_probe(request.tokens, request.extra_key).keys,
                                            read=request.policy is PrefetchPolicy.WAIT_COMPLETE)
         pages, transfer = ahead.found, 0
@@ -96,7 +97,7 @@ class NamespaceCore:
             session.check_open()
             if pages:  # the fetch it starts takes `ahead` over
                 transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id,
-                                                     ahead=ahead)
+                                                     ahead=ahead, losses_seen=losses)
         finally:
             if not transfer:
                 ahead.close()

@@ -82,7 +82,7 @@ def storage_salt(reg: Registration) -> bytes:
 def check_namespace_name(name: str) -> None:
     """INVALID_ARGUMENT unless `name` could name a namespace (the message shows at most
     80 characters of it)."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"
         raise invalid(f"namespace {shown}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -, "
                       "starting with a letter or digit")

@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 
-from .errors import StorageUnavailable
 
 log = logging.getLogger("radixkv.storage")
 CHECK_INTERVAL_S = 5.0
@@ -27,8 +26,8 @@ PAYLOAD = b"radixkv sentinel"
 class Sentinel:
     """One backend's sentinel. `run(operation, fn, *args)` makes a store call with the
     backend's deadline; `config()` is a ReplicateConfig to pin with; `lost(why)` is
-    called (on the calling thread) when the sentinel vanished. Thread-safe; a check never
-    raises (a store failure only makes the next call check again)."""
+    called (on the sentinel's thread) when the sentinel vanished. Thread-safe; a check
+    never raises (a failed look only makes the next call look again)."""
 
     def __init__(self, prefix: str, run, config, lost, interval: float = CHECK_INTERVAL_S):
         self.key = f"{prefix}sentinel:{uuid.uuid4().hex}"
@@ -50,12 +49,17 @@ class Sentinel:
         if now < self._due or not self._lock.acquire(blocking=False):
             return
         self._due = now + self.interval
-        threading.Thread(target=self._looking, args=(store,), daemon=True, name="radixkv-mooncake-sentinel").start()
+        try:
+            threading.Thread(target=self._looking, args=(store,), daemon=True,
+                             name="radixkv-mooncake-sentinel").start()
+        except RuntimeError:  # no thread to be had (the process is exiting): look another time
+            self._due = 0.0
+            self._lock.release()
 
     def _looking(self, store) -> None:
         try:
             self._look(store)
-        except StorageUnavailable as exc:
+        except Exception as exc:  # StorageUnavailable, or a call cancelled at close: look again later
             self._due = 0.0
             log.debug("storage sentinel %s: %s", self.key, exc)
         finally:
