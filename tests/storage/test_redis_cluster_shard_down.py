@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import redis
+from redis.crc import key_slot
 
 from radixkv_server.storage import StorageUnavailable, open_storage
 from tests.storage.fleet import RedisCluster, lender_keys, poll
@@ -35,17 +36,23 @@ def shards():
 
 
 def _stored(cluster, prefix: str, seed: int):
-    """A backend on `cluster`, PAGES pages put through it, and the victim master's port
-    with the indices of the pages it holds (neither none nor all of them)."""
+    """A backend on `cluster`, PAGES pages put through it, the victim master's port with
+    the indices of the pages it holds (neither none nor all of them), and which master
+    holds a key. All read while every master answers: a client made later asks a random
+    master for its COMMAND table, the victim too."""
     backend = open_storage(f"{cluster.url}?socket_timeout={SOCKET_TIMEOUT}&prefix={prefix}")
     keys = lender_keys(seed, PAGES)
     data = [np.random.default_rng(seed + i).bytes(PAGE) for i in range(PAGES)]
     assert backend.put(list(zip(keys, data))) == PAGES
     victim = cluster.primaries()[0]
     with redis.RedisCluster(host="127.0.0.1", port=cluster.primaries()[1]) as checker:
-        lost = {i for i, k in enumerate(keys) if checker.get_node_from_key(backend.redis_key(k)).port == victim}
+        ports = [checker.nodes_manager.get_node_from_slot(slot).port for slot in range(16384)]
+
+    def port_of(key: bytes) -> int:
+        return ports[key_slot(backend.redis_key(key))]
+    lost = {i for i, k in enumerate(keys) if port_of(k) == victim}
     assert 0 < len(lost) < PAGES
-    return backend, keys, data, victim, lost
+    return backend, keys, data, victim, lost, port_of
 
 
 def _timed(call):
@@ -67,12 +74,11 @@ def _check_served_but_lost(backend, keys, data, lost) -> None:
     assert backend.exists_prefix(keys) == first_lost
 
 
-def _check_put_stores_the_rest(backend, lost_port: int, cluster) -> None:
+def _check_put_stores_the_rest(backend, lost_port: int, port_of) -> None:
     """A put while the shard is out raises in time, naming the pages not stored; the
     other shards' pages are stored."""
     keys = lender_keys(99, PAGES)
-    with redis.RedisCluster(host="127.0.0.1", port=[p for p in cluster.primaries() if p != lost_port][0]) as c:
-        lost = [k for k in keys if c.get_node_from_key(backend.redis_key(k)).port == lost_port]
+    lost = [k for k in keys if port_of(k) == lost_port]
     start = time.monotonic()
     with pytest.raises(StorageUnavailable, match=f"{len(lost)} of {PAGES} pages not stored"):
         backend.put([(k, b"page") for k in keys])
@@ -82,12 +88,12 @@ def _check_put_stores_the_rest(backend, lost_port: int, cluster) -> None:
 
 
 def test_one_frozen_master_costs_a_timeout_and_its_pages_are_misses_until_it_resumes(shards):
-    backend, keys, data, victim, lost = _stored(shards, "frozen:", 11)
+    backend, keys, data, victim, lost, port_of = _stored(shards, "frozen:", 11)
     shards.procs[victim].send_signal(signal.SIGSTOP)
     try:
         _check_served_but_lost(backend, keys, data, lost)
         _check_served_but_lost(backend, keys, data, lost)  # still out: the same, as fast
-        _check_put_stores_the_rest(backend, victim, shards)
+        _check_put_stores_the_rest(backend, victim, port_of)
     finally:
         shards.procs[victim].send_signal(signal.SIGCONT)
     poll(lambda: backend.get(keys) == data, 10, "every page served once the master resumed")
@@ -95,12 +101,12 @@ def test_one_frozen_master_costs_a_timeout_and_its_pages_are_misses_until_it_res
 
 
 def test_one_dead_master_without_replica_leaves_the_other_shards_served(shards):
-    backend, keys, data, victim, lost = _stored(shards, "dead:", 12)
+    backend, keys, data, victim, lost, port_of = _stored(shards, "dead:", 12)
     shards.set_all("cluster-require-full-coverage", "no")  # the others serve their slots
     shards.kill(victim)
     for _ in range(2):  # the second call after the slot map was re-read
         _check_served_but_lost(backend, keys, data, lost)
-    _check_put_stores_the_rest(backend, victim, shards)
+    _check_put_stores_the_rest(backend, victim, port_of)
     backend.close()
 
 
