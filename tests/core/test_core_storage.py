@@ -154,18 +154,24 @@ def test_prefetch_is_dropped_when_its_prefix_left_the_cache():
     assert cache.host.num_free == cache.host.capacity
 
 
+def stored_and_gone(cache, copier, eng, prompt) -> None:
+    """Insert `prompt` (2 pages), then evict it from the device and the host: it is in
+    storage only."""
+    eng.insert(prompt)
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.evict_host(2)
+    drain(cache, copier, eng)
+    assert cache.match(prompt).host_tokens == 0
+
+
 def test_an_engine_restart_does_not_wait_for_a_storage_fetch():
     """A fetch fills host pages reserved apart from the tree: the device tier drops
     under it (a Close need not wait for a frozen store), and its pages land after."""
     cache, copier = make_cache("write_through", storage="write_back", host_pages=4)
     eng = Engine(cache, copier)
     old = tokens(1, 2, 3, 4)
-    eng.insert(old)
-    drain(cache, copier, eng)
-    eng.give(cache.evict_device(2).freed_pages)
-    cache.evict_host(2)
-    drain(cache, copier, eng)  # stored, gone from the host
-    assert cache.match(old).host_tokens == 0
+    stored_and_gone(cache, copier, eng, old)
     tid = cache.start_prefetch(old, b"", 2)
     assert tid and cache.device_drop_waits_for() == []
     cache.drop_device(32)
@@ -181,11 +187,7 @@ def test_a_fetch_in_flight_when_the_store_lost_its_contents_lands_as_not_stored(
     cache, copier = make_cache("write_through", storage="write_back", host_pages=4)
     eng = Engine(cache, copier)
     old = tokens(1, 2, 3, 4)
-    eng.insert(old)
-    drain(cache, copier, eng)
-    eng.give(cache.evict_device(2).freed_pages)
-    cache.evict_host(2)
-    drain(cache, copier, eng)  # stored, gone from the host
+    stored_and_gone(cache, copier, eng, old)
     tid = cache.start_prefetch(old, b"", 2)
     cache.storage_lost()
     copier.complete(cache, tid)
@@ -202,11 +204,7 @@ def test_a_fetch_read_ahead_before_a_loss_it_started_after_lands_as_not_stored()
     cache, copier = make_cache("write_through", storage="write_back", host_pages=4)
     eng = Engine(cache, copier)
     old = tokens(1, 2, 3, 4)
-    eng.insert(old)
-    drain(cache, copier, eng)
-    eng.give(cache.evict_device(2).freed_pages)
-    cache.evict_host(2)
-    drain(cache, copier, eng)
+    stored_and_gone(cache, copier, eng, old)
     seen = cache.storage_losses  # the lookup reads the pages here
     cache.storage_lost()
     tid = cache.start_prefetch(old, b"", 2, losses_seen=seen)

@@ -61,6 +61,11 @@ def pages(operation: str, result: str) -> tuple:
     return ("radixkv_storage_pages_total", (("operation", operation), ("result", result)))
 
 
+def match_with_storage(e: RawEngine, tokens: list[int]) -> pb.MatchResult:
+    return e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(tokens))],
+                                        include_storage=True), timeout=RPC_TIMEOUT_S).results[0]
+
+
 def store_to_host_and_storage(e: RawEngine, daemon, namespace: str, tokens: list[int], stored_before: int) -> None:
     """Insert, evict (written back to host), then wait for the write-through store."""
     assert e.insert(tokens) == 0
@@ -202,19 +207,16 @@ def test_lookups_pause_while_the_store_refuses_connections(daemon_factory, priva
         store_to_host_and_storage(e, d, ns, fresh_tokens(P), 0)
         private_redis.stop()
 
-        def match(tokens):
-            return e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(tokens))],
-                                                include_storage=True), timeout=RPC_TIMEOUT_S).results[0]
         before = storage_series(d).get(calls("exists"), 0)
         for _ in range(30):
-            assert match(fresh_tokens(P)).storage_tokens == 0
+            assert match_with_storage(e, fresh_tokens(P)).storage_tokens == 0
         got = storage_series(d)
         assert got[calls("exists")] - before <= 2  # the first lookup; a second only if 30 Matches outlast 1 s
         assert got[("radixkv_storage_failing", (("direction", "read"),))] == 1
         private_redis.start()
 
         def used_again():
-            match(fresh_tokens(P))  # past the pause, one lookup goes to the store, and succeeds
+            match_with_storage(e, fresh_tokens(P))  # past the pause, one lookup goes to the store, and succeeds
             return storage_series(d)[("radixkv_storage_failing", (("direction", "read"),))] == 0
         wait_for(used_again, DEADLINE_S, "lookups to use the store again")
         e.close()
@@ -234,12 +236,8 @@ def test_a_store_that_succeeds_ends_the_pause_of_lookups(daemon_factory, private
         store_to_host_and_storage(e, d, ns, fresh_tokens(P), 0)
         private_redis.stop()
 
-        def match(tokens):
-            return e.stub.Match(pb.MatchRequest(session=e.session, prompts=[pb.Prompt(tokens=pack(tokens))],
-                                                include_storage=True), timeout=RPC_TIMEOUT_S).results[0]
-
         def third_failure():  # past the 1 s and 2 s pauses: the next one is 4 s long
-            match(fresh_tokens(P))
+            match_with_storage(e, fresh_tokens(P))
             return storage_series(d).get(calls("exists"), 0) >= 3 + before
         before = storage_series(d).get(calls("exists"), 0)
         wait_for(third_failure, DEADLINE_S, "three failed lookups", interval=0.1)
@@ -249,7 +247,7 @@ def test_a_store_that_succeeds_ends_the_pause_of_lookups(daemon_factory, private
                  DEADLINE_S, "the store to fail")
         private_redis.start()
         store_to_host_and_storage(e, d, ns, fresh_tokens(P), 4 * PAGE)
-        assert match(fresh_tokens(P)).storage_tokens == 0  # a fresh prompt: a miss, but asked of the store
+        assert match_with_storage(e, fresh_tokens(P)).storage_tokens == 0  # a miss, but asked of the store
         series_now = storage_series(d)
         assert series_now[("radixkv_storage_failing", (("direction", "read"),))] == 0
         assert series_now[("radixkv_storage_up", ())] == 1

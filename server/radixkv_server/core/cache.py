@@ -186,7 +186,8 @@ class HierarchicalCache:
         if t.kind is TransferKind.FETCH:
             raise UnknownTransfer(f"transfer {transfer} is a fetch: report it with on_fetch_done")
         if t.kind not in (TransferKind.BACKUP, TransferKind.WRITE_BACK):
-            raise UnknownTransfer(f"transfer {transfer} is an engine-managed {t.kind.value}: report it to the EngineTier")
+            raise UnknownTransfer(f"transfer {transfer} is an engine-managed {t.kind.value}: "
+                                  "report it to the EngineTier")
         return self.evictions.finish(transfer, error)
 
     # -- storage -----------------------------------------------------------------------

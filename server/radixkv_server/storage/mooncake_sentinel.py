@@ -6,10 +6,11 @@ in the store, its sentinel (a key no other backend uses, hard-pinned so the stor
 evicts it), and looks for it after a call succeeds: at most every `interval` seconds,
 and on the first success after a failed call (a master that restarted failed the calls
 made while it was down). A look runs on a thread of its own, so the call that asks for
-it never waits for it (a master that freezes meanwhile costs that thread its timeout). A sentinel that was there and is gone means the store lost
-what it held (the master restarted, or the segment that held it left the pool); the
-backend is told (`lost`) and a new sentinel is put. `remove()` at close leaves nothing
-behind; a process that dies leaves one pinned object of a few bytes.
+it never waits for it (a master that freezes meanwhile costs that thread its timeout).
+A sentinel that was there and is gone means the store lost what it held (the master
+restarted, or the segment that held it left the pool); the backend is told (`lost`)
+and a new sentinel is put. `remove()` at close leaves nothing behind; a process that
+dies leaves one pinned object of a few bytes.
 """
 
 import logging
