@@ -40,7 +40,7 @@ def _stored(cluster, prefix: str, seed: int):
     the indices of the pages it holds (neither none nor all of them), and which master
     holds a key. All read while every master answers: a client made later asks a random
     master for its COMMAND table, the victim too."""
-    backend = open_storage(f"{cluster.url}?socket_timeout={SOCKET_TIMEOUT}&prefix={prefix}")
+    backend = open_storage(f"{cluster.url}?socket_timeout={SOCKET_TIMEOUT}&retries=0&prefix={prefix}")
     keys = lender_keys(seed, PAGES)
     data = [np.random.default_rng(seed + i).bytes(PAGE) for i in range(PAGES)]
     assert backend.put(list(zip(keys, data))) == PAGES
