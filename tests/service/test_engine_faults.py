@@ -81,7 +81,7 @@ def test_engine_killed_with_copies_in_flight(daemon_factory):
         buffers.close()
 
 
-STUCK_TIMEOUT_S = 2.5  # lease and ack timeouts
+STUCK_TIMEOUT_S = 5.0  # lease and ack timeouts (the stuck engine takes a lease, then loads with it)
 
 
 def hold_leases_and_a_load_back(stub, stuck: RawSession):
@@ -143,10 +143,10 @@ def test_stuck_engine_leases_and_acks_expire(daemon_factory):
         with pytest.raises(grpc.RpcError) as err:
             stub.Release(pb.ReleaseRequest(session=stuck.id, leases=[m.lease]))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        assert f"lease {m.lease} expired: held longer than --lease-timeout={STUCK_TIMEOUT_S}s" in err.value.details()
+        assert f"lease {m.lease} expired: held longer than --lease-timeout={STUCK_TIMEOUT_S:g}s" in err.value.details()
         reply = stuck.ack(lb.transfer)
         assert reply.code == grpc.StatusCode.NOT_FOUND.value[0]
-        assert f"expired: not acknowledged within --ack-timeout={STUCK_TIMEOUT_S}s" in reply.message
+        assert f"expired: not acknowledged within --ack-timeout={STUCK_TIMEOUT_S:g}s" in reply.message
         with pytest.raises(grpc.RpcError) as err:
             stub.Insert(pb.InsertRequest(session=stuck.id, tokens=tokens(200, 1), device_pages=pack([12]),
                                          release_lease=ins.lease))

@@ -113,10 +113,10 @@ def test_mooncake_master_killed_and_restarted(mooncake_master, daemon_factory):
         ([m], seconds) = timed(lambda: engine.client.match([prompt(2)], include_storage=True))
         assert seconds < ENGINE_BOUND_S and m.device_tokens == 8 * PS
         mooncake_master.start()  # empty: the keys stored before are gone
-        deadline = time.monotonic() + DEADLINE_S
+        deadline, fresh = time.monotonic() + DEADLINE_S, iter(range(20, 10_000))
         while engine.counters()["stored_tokens"] < 2 * 8 * PS:  # polled: stores succeed again
             assert time.monotonic() < deadline, "stores did not succeed after the master restart"
-            engine.prefill(prompt(20 + int(time.monotonic() * 10) % 1000))
+            engine.prefill(prompt(next(fresh)))  # a new prompt each time: each one is stored
             time.sleep(0.2)
         assert engine.client.check_invariants() == []
     finally:

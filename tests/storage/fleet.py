@@ -184,6 +184,16 @@ class _NodeExited(RuntimeError):
     pass
 
 
+def _distinct_ports(n: int) -> list[int]:
+    """n free ports, no two alike (a port drawn twice would start one node over another)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port(span=10000)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 class RedisCluster:
     """`masters` redis-servers in cluster mode with `replicas` replicas each, on
     127.0.0.1, created with `redis-cli --cluster create`. node_timeout_ms is how long a
@@ -195,7 +205,7 @@ class RedisCluster:
                 raise RuntimeError(f"{exe} is not installed (scripts/ensure-system-deps.sh)")
         self.dir = tempfile.mkdtemp(prefix="rkv-rc-")
         self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
-        self.ports = [free_port(span=10000) for _ in range(masters * (1 + replicas))]
+        self.ports = _distinct_ports(masters * (1 + replicas))
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property
@@ -214,7 +224,7 @@ class RedisCluster:
                 if attempt == 2:
                     self.cleanup()
                     raise RuntimeError(str(e)) from None
-                self.ports = [free_port(span=10000) for _ in self.ports]
+                self.ports = _distinct_ports(len(self.ports))
             except BaseException:
                 self.cleanup()  # no server outlives a failed start
                 raise

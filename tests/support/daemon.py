@@ -64,6 +64,10 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.02):
         time.sleep(interval)
 
 
+class _MetricsPortTaken(Exception):
+    """The daemon exited at start: its metrics port was taken meanwhile."""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
@@ -132,7 +136,24 @@ class DaemonProcess:
 
     def start(self, ready: bool = True) -> "DaemonProcess":
         """Start (again, on the same socket; the logs are appended to); with `ready`, wait
-        until it is ready (see wait_ready)."""
+        until it is ready (see wait_ready). A metrics port another process took between
+        choosing and binding it is chosen afresh (twice at most)."""
+        for attempt in range(3):
+            self._spawn()
+            if not ready:
+                return self
+            try:
+                self.wait_ready()
+                return self
+            except _MetricsPortTaken:
+                if attempt == 2:
+                    fail(f"the metrics port was taken three times:\n{self.tail()}")
+                self.metrics_port = free_port()
+                self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+                self.flags = ("--metrics-port", str(self.metrics_port), *self.flags[2:])
+        raise AssertionError("unreachable")
+
+    def _spawn(self) -> None:
         with contextlib.ExitStack() as files:
             err = files.enter_context(open(self.log_path, "ab"))
             out = files.enter_context(open(self.out_path, "ab")) if self.out_path else err
@@ -141,9 +162,6 @@ class DaemonProcess:
                 stdout=out, stderr=err, cwd=self.dir, env=self.env)
         self.starts += 1
         self.killed = False
-        if ready:
-            self.wait_ready()
-        return self
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until the health service reports READINESS SERVING. Fails (with the log's
@@ -154,6 +172,8 @@ class DaemonProcess:
         with Client(self.target, timeout=5, reconnect=None, **self.probe) as probe:
             while True:
                 if self.proc.poll() is not None:
+                    if self.metrics_port and "cannot serve metrics" in self.tail():
+                        raise _MetricsPortTaken()
                     fail(f"daemon exited with {self.proc.returncode} at start:\n{self.tail()}")
                 left = deadline - time.monotonic()
                 if left <= 0:
