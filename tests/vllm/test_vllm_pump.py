@@ -95,3 +95,26 @@ def test_close_cancels_what_is_unfinished():
     pump.close()
     assert task.cancelled()
 
+
+
+def test_close_while_the_watchdog_ends_the_last_task_returns():
+    """close() began while the watchdog ran the pass that finished the last task: that
+    pass cleared the watchdog's wake-up after close set it, and close waited forever for
+    the watchdog (a CI run hung in SchedulerSide.close)."""
+    import threading
+
+    pump = LoopPump(idle_s=0.001)
+    inside, release = threading.Event(), threading.Event()
+
+    async def held():
+        inside.set()
+        release.wait(10)  # holds the watchdog's pass until close has begun
+
+    pump.spawn(held())
+    assert inside.wait(10), "the watchdog never ran the task"
+    closer = threading.Thread(target=pump.close, daemon=True)
+    closer.start()
+    closer.join(0.3)  # close begins (it cannot end before the pass does)
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive(), "close() never returned"

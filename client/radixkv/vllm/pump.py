@@ -27,6 +27,7 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 
 PASS_ITERATIONS = 3  # loop iterations per tick: an answer read, its task resumed, its callbacks run
+WATCHDOG_CHECK_S = 1.0  # an idle watchdog looks this often whether the pump closed
 
 
 class LoopPump:
@@ -76,8 +77,9 @@ class LoopPump:
         """Stop the watchdog, cancel what is unfinished, close the loop. Idempotent."""
         if self._closed.is_set():
             return
-        self._closed.set()
-        self._work.set()
+        with self.lock:  # not between a pass's `_finished` seeing it open and clearing `_work`
+            self._closed.set()
+            self._work.set()
         self._watchdog.join()
         with self.lock:
             for task in list(self._tasks):
@@ -105,12 +107,13 @@ class LoopPump:
 
     def _finished(self, task: asyncio.Task) -> None:  # in a pass, under the lock
         self._tasks.discard(task)
-        if not self._tasks:
+        if not self._tasks and not self._closed.is_set():  # a closing pump's watchdog must wake
             self._work.clear()
 
     def _watch(self) -> None:
-        while True:
-            self._work.wait()
+        while not self._closed.is_set():
+            if not self._work.wait(WATCHDOG_CHECK_S):
+                continue  # idle: look again whether the pump closed
             if self._closed.wait(self._idle_s):
                 return
             with self.lock:
