@@ -21,14 +21,13 @@ class Prefetches:
         self.host_space = host_space
         self.storage = storage
         self.copier = copier
-        self._read_before_loss: set[int] = set()  # fetches in flight when the store lost its contents
         self.losses = 0  # storage_lost calls so far
+        self._losses_at_read: dict[int, int] = {}  # fetch in flight -> `losses` when its read began
 
     def storage_lost(self) -> None:
         """The store may have lost its pages: fetches in flight bring right bytes that it
         may no longer hold, so their pages join the tree as not stored."""
         self.losses += 1
-        self._read_before_loss.update(tid for tid, t in self.state.transfers.items() if t.kind is TransferKind.FETCH)
 
     def start(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
               ahead: object = None, losses_seen: int | None = None) -> int:
@@ -49,8 +48,7 @@ class Prefetches:
         t = state.new_transfer(TransferKind.FETCH, [], owner=owner)
         t.host_pages, t.keys, t.extra_key, t.start_page = host, keys, extra_key, start
         t.tokens = tokens[:(start + len(keys)) * state.tree.stride]
-        if losses_seen is not None and losses_seen != self.losses:
-            self._read_before_loss.add(t.id)
+        self._losses_at_read[t.id] = self.losses if losses_seen is None else losses_seen
         self.copier.fetch(t.id, t.keys, host, ahead)
         return t.id
 
@@ -65,8 +63,7 @@ class Prefetches:
         if t is None or t.kind is not TransferKind.FETCH:
             raise UnknownTransfer(f"transfer {transfer} is not a storage fetch in flight")
         state.transfers.pop(transfer)
-        stored = transfer not in self._read_before_loss
-        self._read_before_loss.discard(transfer)
+        stored = self._losses_at_read.pop(transfer) == self.losses
         state.host_reserved -= count(t.host_pages)
         n = max(0, min(pages_read, len(t.keys))) if error is None else 0
         got, rest = t.host_pages[:n * 4], t.host_pages[n * 4:]
