@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_randomized_kills_and_restarts_never_give_wrong_bytes():
     out = run(SoakConfig(seconds=15, seed=20261129, engines_per_daemon=3, steady=False, daemon_fault_every=3,
                          engine_kill_every=4, stall=0.02, verbose=False,
-                         min_daemon_faults=2, min_engine_kills=1))
+                         min_daemon_faults=2, min_engine_kills=1, min_session_losses=2))
     lines = "\n".join(summary(out))
     assert out["ok"], lines
     t = out["totals"]

@@ -78,7 +78,9 @@ def test_a_store_that_serves_reads_but_refuses_writes_is_one_warning_not_a_flapp
                                                                                          private_redis):
     # Redis at maxmemory with noeviction (its default policy) refuses every SET and serves
     # every GET, as a full disk does: prefetches work between the failing stores.
-    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through", "--log-format", "json")
+    # A long lookup timeout: a lookup slow on a loaded machine is not what this test is about.
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through", "--log-format", "json",
+                       "--storage-lookup-timeout", "30")
     engine = EngineDouble.connect(d.target, host_pool_pages=2 * PAGES)
     redis = private_redis.client()
     stored = 20  # more than the host holds: the first ones are in storage only
@@ -87,13 +89,17 @@ def test_a_store_that_serves_reads_but_refuses_writes_is_one_warning_not_a_flapp
             engine.prefill(prompt(i))
             wait_for(lambda: engine.counters()["stored_tokens"] == (i + 1) * PAGES * PS, DEADLINE_S, "the store")
         redis.config_set("maxmemory-policy", "noeviction")
-        redis.config_set("maxmemory", str(redis.info("memory")["used_memory"] + 1000))
+        redis.config_set("maxmemory", "1")  # below what it uses: every write refused, reads served
         for i in range(10):
             engine.prefill(prompt(100 + i))  # its store is refused
+            # Until its refusal lands, the store holds its host pages: with a host of two
+            # prompts, the prefetch would find no room (a miss on a slow machine).
+            wait_for(lambda: engine.client.stats().namespaces[0].transfers_in_flight == 0, DEADLINE_S,
+                     "the copies and the store to settle")
             engine.evict(engine.pool.num_pages)
             [done] = engine.client.prefetch(prompt(i), policy="wait_complete")[-1:]
             assert done.state == "done"  # the read works
-        wait_for(lambda: engine.counters()["store_failed_tokens"] > 0, DEADLINE_S, "the stores refused")
+        assert engine.counters()["store_failed_tokens"] > 0
         assert engine.counters()["stored_tokens"] == stored * PAGES * PS
     finally:
         redis.close()

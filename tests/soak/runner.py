@@ -17,7 +17,8 @@ engine reported itself registered (its readiness file), so a short run on a load
 machine, where an engine takes 10-20 s to import torch, still faults engines that are
 up and lets them see the daemon restart. The run goes on past its time until the
 minimum faults (min_daemon_faults, min_engine_kills) happened and, after the last one,
-an engine reported seeing a daemon restart (both bounded by OVERTIME_S).
+the engines reported seeing a daemon restart and at least min_session_losses lost
+sessions (both bounded by OVERTIME_S).
 
 The run is clean when: zero byte mismatches, zero invariant violations, no engine
 protocol or page-accounting error, no client error that no fault explains (each one's
@@ -66,6 +67,7 @@ class SoakConfig:
     verbose: bool = True
     min_daemon_faults: int = 1       # the run goes on past `seconds` until this many happened
     min_engine_kills: int = 1
+    min_session_losses: int = 1      # ... and, after the last fault, until engines reported this many
     storage: bool = True             # the crashy daemon has a file storage tier (write-through)
 
     def scaled(self) -> "SoakConfig":
@@ -276,14 +278,20 @@ class Soak:
         return total
 
     def wait_restarts_seen(self) -> None:
-        """After the last fault: wait (bounded) until some engine reported a daemon restart,
-        so "engines saw the restarts" judges the daemon, not the clock."""
+        """After the last fault: wait (bounded) until some engine reported a daemon restart
+        and the engines min_session_losses lost sessions (an engine counts a loss at its
+        next call, and one killed before it wrote its stats takes its count along), so
+        "engines saw the restarts" judges the daemon, not the clock."""
         deadline = time.monotonic() + OVERTIME_S
-        while self.daemon_faults() and not self.engine_totals("daemon_restarts"):
+        while self.daemon_faults() and not self.restarts_seen():
             self.check_engines()
             if time.monotonic() > deadline:
                 return  # the verdict's check fails and says so
             time.sleep(0.2)  # polling the engines' stats files against the deadline
+
+    def restarts_seen(self) -> bool:
+        return (self.engine_totals("daemon_restarts") > 0
+                and self.engine_totals("session_losses") >= self.cfg.min_session_losses)
 
     def finish(self) -> dict:
         Path(self.stop_file).touch()
@@ -364,7 +372,8 @@ class Soak:
             "loads verified": t.get("host_loaded_pages", 0) > 0,
             "storage hits prefetched": not self.cfg.storage or t.get("staged_pages", 0) > 0,
             "faults injected": faults["daemon_sigkill"] + faults["daemon_sigterm"] > 0 and faults["engine_sigkill"] > 0,
-            "engines saw the restarts": t.get("daemon_restarts", 0) > 0,
+            "engines saw the restarts": t.get("daemon_restarts", 0) > 0
+            and t.get("session_losses", 0) >= self.cfg.min_session_losses,
             "rss flat after warm-up": not out["rss"].get("checked") or out["rss"]["flat"],
         }
         out["checks"] = checks
