@@ -1,6 +1,7 @@
 """The storage tier checked at start, on a thread of its own: a store that does not answer
 (a wrong address, a server not up yet, a password refused) is logged at once, not at the
-first store, which may be the shutdown's. Until a check succeeds it is checked again every
+first store, which may be the shutdown's; a first check that succeeds logs
+`storage.checked`. Until a check succeeds it is checked again every
 RETRY_S seconds, and `radixkv_storage_up` reads 0 (the daemon serves meanwhile: lookups
 find nothing in storage, stores fail and are retried as they come).
 """
@@ -23,10 +24,11 @@ def check_storage(storage, daemon, loop: asyncio.AbstractEventLoop) -> None:
     never waits for it. Sets `daemon.storage_answered` on the loop: False after a failed
     check, True once one succeeded."""
 
-    def report(answered: bool, error: str = "") -> None:
+    def report(answered: bool, error: str = "", first: bool = False) -> None:
         daemon.storage_answered = answered
         if answered:
-            log_event(log, "storage.recovered", store=storage.name, direction="check")
+            log_event(log, "storage.checked" if first else "storage.recovered", store=storage.name,
+                      direction="check")
         else:
             log_event(log, "storage.unavailable", logging.WARNING, store=storage.name, direction="check",
                       error=error, note=f"checked at start: lookups find nothing in storage and stores fail "
@@ -45,8 +47,7 @@ def check_storage(storage, daemon, loop: asyncio.AbstractEventLoop) -> None:
                 if not daemon.accepting:  # shutting down
                     return
                 continue
-            if failed:
-                _tell(loop, report, True)
+            _tell(loop, report, True, "", not failed)
             return
 
     threading.Thread(target=run, name="radixkv-storage-check", daemon=True).start()

@@ -60,9 +60,10 @@ def register_request(namespace: str) -> pb.RegisterRequest:
 
 
 def test_readiness_polls_not_serving_while_copies_hold_the_shutdown(daemon_factory):
-    # Every copy waits 2 s before it starts: a write-through backup keeps the shutdown
-    # in its "drain copies" step long enough to poll and to try a registration.
-    daemon = daemon_factory("--fault-copy-delay", "2.0")
+    # Every copy waits 8 s before it starts: a write-through backup keeps the shutdown
+    # in its "drain copies" step long enough to poll and to try a registration, on a
+    # loaded machine too.
+    daemon = daemon_factory("--fault-copy-delay", "8.0")
     engine = RawEngine(daemon.target, "ops/held", write_policy="write_through")
     try:
         engine.insert(fresh_tokens(16))  # returns at once; its backup copy is in flight

@@ -219,13 +219,15 @@ def test_reconnect_keeps_its_timeout_against_a_daemon_that_does_not_answer(daemo
             began = time.monotonic()
             with pytest.raises(errors.Unavailable, match="did not answer within 1s"):
                 c.reconnect(timeout=1.0)  # not known lost: the probe gets no answer
+            assert time.monotonic() - began < 10, "reconnect waited for the 30 s call timeout"
             d.kill()
             d.start()
             c.wait_ready(10)  # the channel reaches the new daemon ...
             os.kill(d.pid, signal.SIGSTOP)  # ... which then stops answering
+            began = time.monotonic()
             with pytest.raises(errors.Unavailable, match="no session after 1.0s.*the last attempt"):
                 c.reconnect(timeout=1.0)
-            assert time.monotonic() - began < 20, "reconnect waited for the 30 s call timeout"
+            assert time.monotonic() - began < 10, "reconnect waited for the 30 s call timeout"
         finally:
             os.kill(d.pid, signal.SIGCONT)
         assert isinstance(c.reconnect(timeout=10), errors.DaemonRestarted)

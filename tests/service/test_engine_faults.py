@@ -36,7 +36,9 @@ def ns_stats(client: Client, namespace: str):
 
 
 def test_engine_killed_with_copies_in_flight(daemon_factory):
-    d = daemon_factory("--fault-copy-delay", "0.5")
+    # The victim's last calls and a Stats must fit inside one copy's delay (its acked load
+    # ends with it): 2 s leaves a loaded machine room.
+    d = daemon_factory("--fault-copy-delay", "2.0")
     child = subprocess.Popen([sys.executable, "-m", "tests.soak.victim", d.target, "kill/tp0"], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -50,7 +52,7 @@ def test_engine_killed_with_copies_in_flight(daemon_factory):
         child.stdout.close()
     with Client(d.target, timeout=10) as ops:
         ns = wait_for(lambda: (s := ns_stats(ops, "kill/tp0")) and not s.attached and not s.transfers_in_flight and s,
-                      15, "the dead engine's session closed and its copies finished")
+                      30, "the dead engine's session closed and its copies finished")
         assert ns.device_pages_protected == 0 and ns.pinned_nodes == 0  # no lease, no lock, no pin left
         assert ns.host_pages_used >= 16  # the three prefixes and the written-back LATE
         assert ops.check_invariants() == []

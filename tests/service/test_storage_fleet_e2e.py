@@ -78,8 +78,10 @@ def test_mooncake_segment_owner_killed_reader_misses_and_keeps_serving(mooncake_
         b = daemon_factory(*mooncake_flags(mooncake_master))
         reader = EngineDouble.connect(b.target)
         assert writer.registration.storage == reader.registration.storage == "mooncake"
-        [m] = reader.client.match([prompt(3)], include_storage=True)
-        assert m.storage_tokens == 8 * PS
+        # Its join is lazy, and a lookup waits for it at most a second: on a loaded machine
+        # the first lookups may find nothing yet.
+        wait_for(lambda: reader.client.match([prompt(3)], include_storage=True)[0].storage_tokens == 8 * PS,
+                 DEADLINE_S, "the reader's daemon to join the store and find the writer's pages")
         a.kill()  # the node whose segment holds the pages (b stored nothing)
         ([m], seconds) = timed(lambda: reader.client.match([prompt(3)], include_storage=True))
         assert seconds < ENGINE_BOUND_S

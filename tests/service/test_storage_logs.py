@@ -29,6 +29,8 @@ def test_an_outage_is_one_warning_and_one_recovery_however_many_stores_fail(daem
     d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through", "--log-format", "json")
     engine = EngineDouble.connect(d.target)
     try:
+        # The start's check (on a thread of its own) first: it records the server's run_id.
+        wait_for(lambda: count(d.log(), "storage.checked"), DEADLINE_S, "the start's storage check")
         private_redis.stop()
         for i in range(30):
             engine.prefill(prompt(i))

@@ -70,6 +70,7 @@ def test_an_insert_left_unanswered_ends_the_session_before_its_pages_are_the_eng
                 c.insert(PROMPT, [1, 2])
         finally:
             os.kill(d.pid, signal.SIGCONT)
+        c.timeout = 10  # the resumed daemon may take a while on a loaded machine
         with pytest.raises(errors.SessionLost, match="outcome is unknown"):
             c.match([PROMPT])
         eng.kv.write([1, 2], page_keys(OTHER, 4))  # now the engine's again: reused

@@ -164,7 +164,7 @@ def test_a_load_answered_too_late_holds_its_blocks_until_the_daemon_answers(shm_
     """A load whose answer misses timeout_s fills no block (vLLM recomputes them), but the
     daemon may still write them: the request's blocks stay held (`get_finished` does not
     list it, a preemption's flush waits for the answer) until the daemon answered."""
-    daemon = daemon_factory("--fault-copy-delay", "1.0")  # every copy starts 1 s late
+    daemon = daemon_factory("--fault-copy-delay", "3.0")  # every copy starts 3 s late
     with open_sessions(shm_kv, daemon, timeout_s=0.2) as (views, adapter, scheduler):
         [hit] = scheduler.lookup([SAVED])
         for v in views.values():
@@ -230,8 +230,10 @@ def test_a_load_the_stream_cannot_carry_is_not_sent_and_the_session_comes_back(s
 
         pending = wait_for(sent_load, 40, "the session back")
         assert adapter.finish_load(pending) == 0  # a node of the old daemon: refused
-        transfer = adapter.save(SAVED, [1, 2])
-        assert transfer and adapter.done([transfer], timeout=None) == {transfer}
+        # A load goes on the new stream as soon as it is up; saves are skipped until the
+        # registering thread has returned, a moment later.
+        transfer = wait_for(lambda: adapter.save(SAVED, [1, 2]), 10, "saves going through again")
+        assert adapter.done([transfer], timeout=None) == {transfer}
         hits = []
         wait_for(lambda: hits.extend(h for h in scheduler.lookup([SAVED]) if h.tokens) or hits, 10,
                  "the scheduler's session back too")
