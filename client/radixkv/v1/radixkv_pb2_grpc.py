@@ -163,7 +163,9 @@ class RadixKVServicer:
         transfer is finished; the answer says whether the bytes arrived. One stream per
         session; when it ends, the session is closed. With the daemon's ack_timeout set, a
         load-back left unacknowledged that long is finished by the daemon (as a close would)
-        and a later ack of it answers NOT_FOUND.
+        and a later ack of it answers NOT_FOUND. A session the daemon closes while the
+        stream is open (a Register with replace_existing, a Close from another client) ends
+        it with FAILED_PRECONDITION "session ... was closed: <why>".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -259,7 +261,8 @@ class RadixKVServicer:
         the session its first session-bound request names (a request may leave `session`
         empty to mean the stream's; another session is PERMISSION_DENIED); one per session.
         When it ends, the session is closed, as with Acks. Bytes that do not parse end it
-        with INVALID_ARGUMENT; daemon shutdown ends it with UNAVAILABLE.
+        with INVALID_ARGUMENT; daemon shutdown ends it with UNAVAILABLE; a session the
+        daemon closes (replaced, or closed by another client) ends it with FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,6 +9,11 @@ Clients open the stream right after Register with a message naming the session a
 transfer 0 (acknowledges nothing), so an engine that dies is noticed at once: its
 connection drops, the stream is cancelled and the session closed.
 
+A session the daemon closes while its stream is open (a Register with replace_existing
+took its namespace, a Close from another client) ends the stream once the acks in hand
+are answered, with FAILED_PRECONDITION naming why: the engine learns at once that its
+session is gone, and a replaced engine that hangs on holds no stream, tasks or RPC slot.
+
 Memory stays bounded: at most `max_acks_in_flight` acks per stream are unanswered
 (waiting for copies, or answers not yet written); past that the reader stops reading
 and gRPC flow control holds the engine back.
@@ -28,7 +33,7 @@ from ..core.errors import CacheError
 from ..logs import log_event
 from . import convert
 from .daemon import Daemon
-from .errors import ServiceError, status_of
+from .errors import ServiceError, precondition, status_of
 from .tenants import EVERYTHING, Grant
 
 log = logging.getLogger("radixkv.acks")
@@ -44,22 +49,40 @@ class AckStream:
         self.acks: set[asyncio.Task] = set()
         self.slots = asyncio.Semaphore(daemon.config.max_acks_in_flight)
         self.ended = False
+        self._closed: ServiceError | None = None  # the status the stream ends with: its session closed
+        self._closed_event = asyncio.Event()
+
+    def session_closed(self, reason: str) -> None:
+        """The daemon closed this stream's session (`Daemon._end_session`): end the
+        stream once the acks in hand are answered, saying `reason`."""
+        if self._closed is None:
+            self._closed = precondition(f"session {self.session.id} was closed: {reason}")
+            self._closed_event.set()
+
+    async def _told_to_end(self) -> None:
+        """Returns once the daemon shuts down or closed the session."""
+        waits = {asyncio.ensure_future(self.daemon.stopping.wait()), asyncio.ensure_future(self._closed_event.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._write())
-        stopping = asyncio.create_task(self.daemon.stopping.wait())
+        stopping = asyncio.create_task(self._told_to_end())
         reason = "ack stream ended"
         read = None
         try:
             while True:
                 if not await self._room(stopping):
-                    reason = "daemon shutting down"
+                    reason = self._ending_reason()
                     break
                 read = asyncio.create_task(self.context.read())
                 done, _ = await asyncio.wait({read, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if read not in done:
                     read.cancel()
-                    reason = "daemon shutting down"
+                    reason = self._ending_reason()
                     break
                 request = read.result()
                 if request is grpc.aio.EOF:
@@ -69,6 +92,8 @@ class AckStream:
                 await asyncio.gather(*self.acks)
             await self.replies.put(None)
             await writer
+            if self._closed is not None:
+                raise self._closed
         except asyncio.CancelledError:
             reason = "ack stream cancelled (engine gone?)"
             raise
@@ -84,9 +109,12 @@ class AckStream:
                     self.session.ack_stream = None
                 self.daemon.close_in_background(self.session, reason)
 
+    def _ending_reason(self) -> str:
+        return "its session was closed" if self._closed is not None else "daemon shutting down"
+
     async def _room(self, stopping: asyncio.Task) -> bool:
         """Take a slot for the next ack (waiting while the stream is full); False when
-        the daemon began shutting down meanwhile."""
+        the daemon began shutting down (or closed the session) meanwhile."""
         if not self.slots.locked():
             await self.slots.acquire()
             return True

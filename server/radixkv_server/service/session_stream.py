@@ -15,7 +15,9 @@ the caller's token does not grant; until then each such request is answered with
 error and the stream stays unbound). A later request naming another session is
 PERMISSION_DENIED; an empty `session` means the stream's. A session has one Session
 stream at most. When the stream ends, however it ends, its session is closed in the
-background, as when its Acks stream ends (load-backs finished, leases released).
+background, as when its Acks stream ends (load-backs finished, leases released). A
+session the daemon closes while the stream is open (replaced, or closed by another
+client) ends it, once the call in hand is answered, with FAILED_PRECONDITION naming why.
 """
 
 import asyncio
@@ -53,11 +55,34 @@ class SessionStream:
         self.session: Session | None = None
         self._reading = False
         self._stopping = False
+        self._closed: ServiceError | None = None  # the status the stream ends with: its session closed
+        self._task: asyncio.Task | None = None
         self._metrics: dict = {}  # (method, code) -> (requests counter, duration histogram)
 
+    def session_closed(self, reason: str) -> None:
+        """The daemon closed this stream's session (`Daemon._end_session`): end the
+        stream once the call in hand is answered, saying `reason`."""
+        if self._closed is None:
+            self._closed = precondition(f"session {self.session.id} was closed: {reason}")
+            self._stop()
+
+    def _stop(self) -> None:
+        """End the stream: a read in progress is interrupted, a call in hand answered first."""
+        self._stopping = True
+        if self._reading and self._task is not None:
+            self._task.cancel()
+
+    def _ending(self) -> tuple[str, ServiceError]:
+        """Why the daemon ends the stream, for the log and for the engine."""
+        if self._closed is not None:
+            return "its session was closed", self._closed
+        return "daemon shutting down", unavailable("the daemon is shutting down: the session stream ends")
+
     async def run(self) -> None:
-        """Answer requests until the engine half-closes (or the daemon stops)."""
-        watcher = asyncio.create_task(self._watch_shutdown(asyncio.current_task()))
+        """Answer requests until the engine half-closes (or the daemon stops, or closes
+        the session)."""
+        self._task = asyncio.current_task()
+        watcher = asyncio.create_task(self._watch_shutdown())
         reason = "session stream ended"
         try:
             while not self._stopping:
@@ -69,15 +94,15 @@ class SessionStream:
                 if request is grpc.aio.EOF:
                     return
                 await self.context.write(await self.answer(request))
-            reason = "daemon shutting down"
-            raise unavailable("the daemon is shutting down: the session stream ends")
+            reason, status = self._ending()
+            raise status
         except asyncio.CancelledError:
             if not self._stopping:
                 reason = "session stream cancelled (engine gone?)"
                 raise
             asyncio.current_task().uncancel()  # our own cancel, of a read: end with a status
-            reason = "daemon shutting down"
-            raise unavailable("the daemon is shutting down: the session stream ends") from None
+            reason, status = self._ending()
+            raise status from None
         finally:
             watcher.cancel()
             if self.session is not None:
@@ -85,12 +110,10 @@ class SessionStream:
                     self.session.session_stream = None
                 self.daemon.close_in_background(self.session, reason)
 
-    async def _watch_shutdown(self, reader: asyncio.Task) -> None:
+    async def _watch_shutdown(self) -> None:
         """On shutdown, interrupt a read in progress (a call in hand is answered first)."""
         await self.daemon.stopping.wait()
-        self._stopping = True
-        if self._reading:
-            reader.cancel()
+        self._stop()
 
     async def answer(self, request: pb.SessionRequest) -> pb.SessionResponse:
         """The answer to one request: its response, or its status."""

@@ -1,0 +1,124 @@
+"""A session the daemon closes while its engine still holds its streams open (a Register
+with replace_existing took its namespace, or another client closed it by id) ends those
+streams, saying why: the engine learns at once that its session is gone, and a replaced
+engine that hangs on holds no stream, task or RPC slot in the daemon (with
+`--max-concurrent-rpcs`, superseded engines' streams once filled the daemon up)."""
+
+import threading
+
+import grpc
+import pytest
+from radixkv import errors
+from radixkv.client import Client
+from radixkv.kvbuffers import ShmKvBuffers
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
+
+from tests.support.daemon import wait_for
+from tests.support.engine import LAYOUT
+
+NUM_PAGES = 16
+NAMESPACE = "closed/streams"
+
+
+@pytest.fixture
+def buffers():
+    made = [ShmKvBuffers.create(LAYOUT, NUM_PAGES) for _ in range(2)]
+    yield made
+    for b in made:
+        b.close()
+
+
+def register(client: Client, buffers, replace: bool = False) -> None:
+    client.register(NAMESPACE, LAYOUT, buffers.specs(), NUM_PAGES, host_pool_pages=16, replace_existing=replace)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_replaced_engine_is_told_at_once_and_its_streams_end(daemon, buffers, stream):
+    old = Client(daemon, timeout=10, stream=stream)
+    new = Client(daemon, timeout=10)
+    try:
+        register(old, buffers[0])
+        register(new, buffers[1], replace=True)
+        # No call of the old engine's needed: its streams ended, so it knows.
+        wait_for(lambda: old.session_lost, 10, "the replaced engine to see its session end")
+        # Its next call registers again, which the namespace's new session refuses, saying both.
+        with pytest.raises(errors.FailedPrecondition, match="replaced by a new registration.*attached to a live"):
+            old.match([b"\0" * 64])
+        assert new.stats(NAMESPACE).sessions == 1
+        assert new.check_invariants() == []
+    finally:
+        old.close()
+        new.close()
+
+
+def test_a_session_closed_by_another_client_ends_its_acks_stream_with_the_reason(daemon, buffers):
+    channel = grpc.insecure_channel(daemon)
+    stub = pb_grpc.RadixKVStub(channel)
+    engine = Client(daemon, timeout=10)
+    try:
+        register(engine, buffers[0])
+        # The operator's way (docs/operations.md): Stats lists the session, Close ends it.
+        [info] = engine.stats(NAMESPACE).namespaces[0].sessions
+        stub.Close(pb.CloseRequest(session=info.session), timeout=10)
+        wait_for(lambda: engine.session_lost, 10, "the engine to see its session end")
+        with pytest.raises(errors.SessionLost, match="was closed"):
+            engine.match([b"\0" * 64])
+    finally:
+        engine.close()
+        channel.close()
+
+
+def test_raw_acks_and_session_streams_end_failed_precondition_naming_the_replacement(daemon, buffers):
+    channel = grpc.insecure_channel(daemon)
+    stub = pb_grpc.RadixKVStub(channel)
+    new = Client(daemon, timeout=10)
+    done = threading.Event()
+    try:
+        layout = pb.KvLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads,
+                             head_dim=LAYOUT.head_dim, dtype=LAYOUT.dtype, page_size=LAYOUT.page_size)
+        reply = stub.Register(pb.RegisterRequest(
+            namespace=NAMESPACE, backend="shm", num_device_pages=NUM_PAGES, layout=layout, host_pool_pages=16,
+            buffers=[pb.DeviceBuffer(handle=s.handle, offset=s.offset, size=s.size) for s in buffers[0].specs()]),
+            timeout=10)
+        acks = stub.Acks(held_open(pb.AckRequest(session=reply.session), done), timeout=30)
+        match = pb.MatchRequest(session=reply.session, prompts=[pb.Prompt(tokens=b"\0" * 64)])
+        calls = stub.Session(held_open(pb.SessionRequest(id=1, match=match), done), timeout=30)
+        assert next(calls).id == 1  # the Session stream is bound to the session now
+        wait_for(lambda: new.stats(NAMESPACE).namespaces[0].sessions[0].streams_open, 10, "the Acks stream bound")
+        register(new, buffers[1], replace=True)
+        for call in (acks, calls):
+            with pytest.raises(grpc.RpcError) as ended:
+                list(call)
+            assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ended.value
+            assert f"session {reply.session} was closed: replaced by a new registration" in ended.value.details()
+    finally:
+        done.set()
+        new.close()
+        channel.close()
+
+
+def held_open(first, done: threading.Event):
+    """A request stream that sends `first`, then stays open (no half-close) until `done`."""
+    yield first
+    done.wait(60)
+
+
+def test_superseded_engines_that_stay_connected_do_not_fill_the_rpc_limit(daemon_factory):
+    """Each replaced engine's streams took one of `--max-concurrent-rpcs` for as long as
+    its process stayed connected: eight replacements refused every call after."""
+    d = daemon_factory("--max-concurrent-rpcs", "8")
+    made, clients = [], []
+    try:
+        for _ in range(12):
+            made.append(ShmKvBuffers.create(LAYOUT, NUM_PAGES))
+            c = Client(d.target, timeout=10)
+            clients.append(c)
+            register(c, made[-1], replace=True)  # the one before stays connected
+        assert clients[-1].stats(NAMESPACE).sessions == 1
+        wait_for(lambda: all(old.session_lost for old in clients[:-1]), 10, "the replaced engines told")
+    finally:
+        for c in clients:
+            c.close()
+        for b in made:
+            b.close()
