@@ -237,8 +237,8 @@ class Daemon:
                 ns.session = None
             self.sessions.forget(session, reason)
             for stream in (session.ack_stream, session.session_stream):  # still open: a replaced
-                if stream is not None:  # engine's, or a Close from another client
-                    stream.session_closed(reason)
+                if stream is not None and self.accepting:  # engine's, or a Close from another client
+                    stream.session_closed(reason)  # (a shutdown ends them with its own status)
         log_event(log, "session.closed", namespace=ns.name, session=session.id[:8], reason=reason)
 
     def close_in_background(self, session: Session, reason: str) -> None:
