@@ -6,7 +6,6 @@ import threading
 
 import pytest
 
-from radixkv.routing.wire import AllBlocksCleared, KVEventBatch
 from radixkv_server.core.tree import RadixTree
 from radixkv_server.events import (
     AsyncSubscription, Broadcast, EventHub, EventsConfig, ReplayUnavailable, SubscriberLagged,
@@ -19,7 +18,7 @@ JOIN_DEADLINE_S = 20.0  # a generous bound: a blocked publisher would never fini
 
 def publish(b: Broadcast, n: int) -> None:
     for _ in range(n):
-        b.publish("ns", b"kv@ns", b"payload", KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+        b.publish("ns", b"kv@ns", b"payload")
 
 
 def drain(sub) -> list[int]:

@@ -184,3 +184,32 @@ def test_a_dropped_namespace_leaves_nothing_of_its_tree_in_the_hub(hub):
     del tree, listen
     gc.collect()
     assert alive() is None
+
+
+def test_the_replay_ring_keeps_wire_bytes_not_decoded_token_lists(hub):
+    """A full ring of long prompts' events costs about their msgpack size: it once kept
+    each batch decoded beside its bytes, 80 KiB of Python ints per 2k-token BlockStored
+    against 8 KiB on the wire (most of a gigabyte at the default 10000 batches)."""
+    import tracemalloc
+
+    n, tokens = 200, 2048
+    sub = hub.subscribe(from_seq=0)
+    tree = RadixTree(PAGE)
+    listen = hub.attach("long", PAGE)
+    nodes = [chain(tree, range(1_000_000 * (i + 1), 1_000_000 * (i + 1) + tokens))[0] for i in range(n)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for node in nodes:
+            listen("host", "stored", node)
+            hub.flush()
+        items = drain(sub, n + 2)  # with the start's and the namespace's clears
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    wire = sum(len(item.payload) for item in items)
+    assert wire > n * tokens * 3  # the token ids are in the bytes (msgpack: 3-5 bytes each)
+    # On top of the bytes: the builder's memo of the last nodes' block hashes (bounded;
+    # 512 hashes a node at this page size). Token lists kept anywhere were 16 MB more.
+    assert kept < 4 * wire, f"the ring and the subscriber hold {kept} bytes for {wire} bytes of batches"
+    assert items[-1].batch.events[0].token_ids == list(range(1_000_000 * n, 1_000_000 * n + tokens))

@@ -40,7 +40,9 @@ class EventBuilder:
         self._max_cached = max_cached
         # The last nodes' blocks: a write-through node is stored on device, then on host.
         # (node id, key length, start digest) names the content: keys only shrink by splits.
-        self._recent: dict[tuple, tuple[bytes, list[int], list[int]]] = {}
+        # Hashes only: token lists are made per event (a 2k-token node's list of Python
+        # ints is 80 KiB; a thousand of them kept here would be 80 MiB).
+        self._recent: dict[tuple, tuple[bytes, list[int]]] = {}
 
     def build(self, records) -> tuple[list[Event], list[bytes]]:
         """The records' events, and per event the radixkv extra_key of its blocks."""
@@ -58,12 +60,12 @@ class EventBuilder:
         return out, [extra_key for _, _, extra_key, _ in records]
 
     def _blocks(self, node_id: int, key: bytes, start: bytes | None, extra_key: bytes):
-        """(last digest, block hashes, token ids) of a node's pages, memoised briefly."""
+        """(last digest, block hashes) of a node's pages, memoised briefly."""
         memo = (node_id, len(key), start)
         hit = self._recent.get(memo)
         if hit is None:
             digests = block_digests(key, self.block_size, parent=start, extra_key=extra_key, seed=self.seed)
-            hit = (digests[-1], [external_hash(d) for d in digests], as_token_array(key).tolist())
+            hit = (digests[-1], [external_hash(d) for d in digests])
             self._recent[memo] = hit
             if len(self._recent) > _RECENT_NODES:
                 del self._recent[next(iter(self._recent))]
@@ -72,7 +74,7 @@ class EventBuilder:
     def _event(self, kind: int, medium: str, extra_key: bytes, path) -> Event:
         start = self._start_digest(path, extra_key)
         node_id, key = path[0]
-        last, hashes, tokens = self._blocks(node_id, key, start, extra_key)
+        last, hashes = self._blocks(node_id, key, start, extra_key)
         bit = _TIER_BIT[medium]
         if kind == REMOVED:
             left = self._resident.get(node_id, 0) & ~bit
@@ -89,7 +91,7 @@ class EventBuilder:
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if start is None else external_hash(start),
-            token_ids=tokens,
+            token_ids=as_token_array(key).tolist(),
             block_size=self.block_size,
             lora_id=None,
             medium=medium,

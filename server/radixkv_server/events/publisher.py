@@ -174,7 +174,7 @@ class Publisher:
             batch = KVEventBatch(ts=ts, events=events[start:end],
                                  data_parallel_rank=self.config.data_parallel_rank)
             payload = encode_batch(batch)
-            item = self.broadcast.publish(namespace, topic, payload, batch, tuple(extra_keys[start:end]))
+            item = self.broadcast.publish(namespace, topic, payload, tuple(extra_keys[start:end]))
             if self._pub is not None:
                 try:
                     self._pub.send_multipart((topic, seq_bytes(item.seq), payload), flags=zmq.NOBLOCK)

@@ -135,9 +135,10 @@ async def _until_stopping(sub: Subscription, stopping: asyncio.Event) -> AsyncIt
 
 
 def batch_message(item: PublishedBatch, instance: str) -> pb.KvEventBatch:
-    batch = pb.KvEventBatch(seq=item.seq, namespace=item.namespace, ts=item.batch.ts, daemon_instance=instance)
+    decoded = item.batch
+    batch = pb.KvEventBatch(seq=item.seq, namespace=item.namespace, ts=decoded.ts, daemon_instance=instance)
     keys = item.extra_keys
-    for i, event in enumerate(item.batch.events):
+    for i, event in enumerate(decoded.events):
         _fill(batch.events.add(), event, keys[i] if i < len(keys) else b"")
     return batch
 
