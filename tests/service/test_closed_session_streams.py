@@ -29,6 +29,14 @@ def buffers():
         b.close()
 
 
+@pytest.fixture
+def stub(daemon):
+    """The generated stub alone, as grpcurl or an engine without the client calls."""
+    channel = grpc.insecure_channel(daemon)
+    yield pb_grpc.RadixKVStub(channel)
+    channel.close()
+
+
 def register(client: Client, buffers, replace: bool = False) -> None:
     client.register(NAMESPACE, LAYOUT, buffers.specs(), NUM_PAGES, host_pool_pages=16, replace_existing=replace)
 
@@ -52,9 +60,7 @@ def test_a_replaced_engine_is_told_at_once_and_its_streams_end(daemon, buffers, 
         new.close()
 
 
-def test_a_session_closed_by_another_client_ends_its_acks_stream_with_the_reason(daemon, buffers):
-    channel = grpc.insecure_channel(daemon)
-    stub = pb_grpc.RadixKVStub(channel)
+def test_a_session_closed_by_another_client_ends_its_acks_stream_with_the_reason(daemon, buffers, stub):
     engine = Client(daemon, timeout=10)
     try:
         register(engine, buffers[0])
@@ -66,12 +72,9 @@ def test_a_session_closed_by_another_client_ends_its_acks_stream_with_the_reason
             engine.match([b"\0" * 64])
     finally:
         engine.close()
-        channel.close()
 
 
-def test_raw_acks_and_session_streams_end_failed_precondition_naming_the_replacement(daemon, buffers):
-    channel = grpc.insecure_channel(daemon)
-    stub = pb_grpc.RadixKVStub(channel)
+def test_raw_acks_and_session_streams_end_failed_precondition_naming_the_replacement(daemon, buffers, stub):
     new = Client(daemon, timeout=10)
     done = threading.Event()
     try:
@@ -95,7 +98,6 @@ def test_raw_acks_and_session_streams_end_failed_precondition_naming_the_replace
     finally:
         done.set()
         new.close()
-        channel.close()
 
 
 def held_open(first, done: threading.Event):
