@@ -18,6 +18,7 @@ and session stream (`radixkv.streaming`) are opened per registration through the
 `open_acks` / `open_calls`, and abandoned once the lost session's Close was answered.
 """
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -290,9 +291,10 @@ class Session:
     def _attach(self, reg: Registration) -> None:
         msg.forget_stale_events(self._register_request)
         self.registration = reg
-        self._acks = self._open_acks(reg.session, self._stream_broken)
+        broken = functools.partial(self._stream_broken, reg.session)
+        self._acks = self._open_acks(reg.session, broken)
         if self._open_calls is not None:
-            self._calls = self._open_calls(reg.session, self._stream_broken)
+            self._calls = self._open_calls(reg.session, broken)
 
     def drop(self, reason: str) -> None:
         """The client is gone without `close` (collected): end its streams now, which
@@ -315,11 +317,14 @@ class Session:
         with self._lock:
             self._recovery.lose(f"{why}: its outcome is unknown, so the session was ended", time.monotonic())
 
-    def _stream_broken(self, reason: str) -> None:
-        """The daemon ended the ack or session stream, and with it the session (any thread)."""
+    def _stream_broken(self, session: str, reason: str) -> None:
+        """The daemon ended the ack or session stream of `session`, and with it that
+        session (any thread). A stream of a session already replaced (its reader late:
+        the daemon ends an old session's streams itself) says nothing of the current one."""
         if self._recovery is not None and not self.closed:
             with self._lock:
-                self._recovery.lose(reason, time.monotonic())
+                if self.registration is not None and self.registration.session == session:
+                    self._recovery.lose(reason, time.monotonic())
 
     def _check_session(self, err: RadixKVError, timeout: float = PROBE_TIMEOUT, quiet: bool = True) -> Plan[None]:
         """After `err`, ask the daemon whether the session lives; mark it lost if not.

@@ -21,8 +21,9 @@ LAYOUT = KvLayout(1, 1, 8, "float16", 4)
 class Acks:
     """The ack stream a shell would open: records what the session does with it."""
 
-    def __init__(self, session: str):
+    def __init__(self, session: str, on_broken=None):
         self.session = session
+        self.on_broken = on_broken  # what the shell's reader calls when the daemon ends the stream
         self.issued: list[int] = []
         self.abandoned: str | None = None
 
@@ -81,7 +82,7 @@ def setup():
     daemon, streams, lost = Daemon(), [], []
 
     def open_acks(session, on_broken):
-        streams.append(Acks(session))
+        streams.append(Acks(session, on_broken))
         return streams[-1]
 
     s = Session("unix:///x", timeout=5, reconnect=Backoff(initial=60, maximum=60, jitter=0),
@@ -104,6 +105,20 @@ def test_a_restarted_daemon_is_reported_once_and_the_session_replaced(setup):
     assert lost == [info.value]
     assert streams[0].abandoned and len(streams) == 2 and streams[1].session == "s1-d2"
     assert len(run(s.match([[1, 2, 3, 4]], False, False), daemon)) == 1  # and calls work again
+
+
+def test_an_old_sessions_stream_ending_late_leaves_the_new_session_alone(setup):
+    """The daemon ends a replaced session's streams itself; a reader that reports it only
+    after the session was registered again must not mark the new one lost."""
+    s, daemon, streams, lost = setup
+    daemon.forget("d2")
+    with pytest.raises(errors.DaemonRestarted):
+        run(s.match([[1, 2, 3, 4]], False, False), daemon)
+    streams[0].on_broken("the daemon ended the ack stream (session closed)")  # the old reader, late
+    assert not s.lost
+    assert len(run(s.match([[1, 2, 3, 4]], False, False), daemon)) == 1 and len(lost) == 1
+    streams[1].on_broken("the daemon ended the ack stream (session closed)")  # the live one's
+    assert s.lost
 
 
 def test_a_call_that_failed_alone_keeps_the_session(setup):

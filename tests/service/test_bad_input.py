@@ -201,7 +201,7 @@ TABLE = [
     Row("Match", "unknown session", unary("Match", lambda c: pb.MatchRequest(session="f" * 32)),
         C.UNAUTHENTICATED, r"unknown session 'f+'; register again"),
     Row("Match", "closed session", unary("Match", lambda c: pb.MatchRequest(session=c["closed"])),
-        C.UNAUTHENTICATED, r"was closed \(closed by the engine\); register again"),
+        C.UNAUTHENTICATED, r"was closed \(closed by a Close call\); register again"),
     Row("Match", "token bytes not a multiple of 4", unary("Match", lambda c: pb.MatchRequest(
         session=A(c), prompts=[pb.Prompt(tokens=c["p"]), pb.Prompt(tokens=b"\1\2\3\4\5\6\7")])),
         C.INVALID_ARGUMENT, r"prompt 1: token bytes \(7\) are not a multiple of 4"),
@@ -329,7 +329,7 @@ TABLE = [
         r"unknown session 'xxxx"),
     Row("Session", "closed session", session_stream(
         lambda c: pb.SessionRequest(id=1, evict=pb.EvictRequest(session=c["closed"], num_pages=1))),
-        C.UNAUTHENTICATED, r"was closed \(closed by the engine\); register again"),
+        C.UNAUTHENTICATED, r"was closed \(closed by a Close call\); register again"),
     Row("Session", "no session", session_stream(
         lambda c: pb.SessionRequest(id=1, release=pb.ReleaseRequest(leases=[1]))), C.UNAUTHENTICATED,
         r"no session given"),

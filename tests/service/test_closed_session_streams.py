@@ -60,7 +60,7 @@ def test_a_replaced_engine_is_told_at_once_and_its_streams_end(daemon, buffers, 
         new.close()
 
 
-def test_a_session_closed_by_another_client_ends_its_acks_stream_with_the_reason(daemon, buffers, stub):
+def test_a_session_closed_by_another_client_is_told_to_its_engine_at_once(daemon, buffers, stub):
     engine = Client(daemon, timeout=10)
     try:
         register(engine, buffers[0])
@@ -68,13 +68,14 @@ def test_a_session_closed_by_another_client_ends_its_acks_stream_with_the_reason
         [info] = engine.stats(NAMESPACE).namespaces[0].sessions
         stub.Close(pb.CloseRequest(session=info.session), timeout=10)
         wait_for(lambda: engine.session_lost, 10, "the engine to see its session end")
-        with pytest.raises(errors.SessionLost, match="was closed"):
+        with pytest.raises(errors.SessionLost, match="the daemon ended the ack stream"):
             engine.match([b"\0" * 64])
     finally:
         engine.close()
 
 
-def test_raw_acks_and_session_streams_end_failed_precondition_naming_the_replacement(daemon, buffers, stub):
+@pytest.mark.parametrize("how", ["replaced", "closed"])
+def test_raw_streams_end_failed_precondition_when_replaced_and_ok_after_a_close(daemon, buffers, stub, how):
     new = Client(daemon, timeout=10)
     done = threading.Event()
     try:
@@ -84,25 +85,33 @@ def test_raw_acks_and_session_streams_end_failed_precondition_naming_the_replace
             namespace=NAMESPACE, backend="shm", num_device_pages=NUM_PAGES, layout=layout, host_pool_pages=16,
             buffers=[pb.DeviceBuffer(handle=s.handle, offset=s.offset, size=s.size) for s in buffers[0].specs()]),
             timeout=10)
-        acks = stub.Acks(held_open(pb.AckRequest(session=reply.session), done), timeout=30)
-        match = pb.MatchRequest(session=reply.session, prompts=[pb.Prompt(tokens=b"\0" * 64)])
-        calls = stub.Session(held_open(pb.SessionRequest(id=1, match=match), done), timeout=30)
-        assert next(calls).id == 1  # the Session stream is bound to the session now
-        wait_for(lambda: new.stats(NAMESPACE).namespaces[0].sessions[0].streams_open, 10, "the Acks stream bound")
-        register(new, buffers[1], replace=True)
+        session = reply.session
+        unknown = pb.AckRequest(session=session, transfer=12345)
+        acks = stub.Acks(held_open([pb.AckRequest(session=session), unknown], done), timeout=10)
+        assert next(acks).code == grpc.StatusCode.NOT_FOUND.value[0]  # the Acks stream is bound now
+        match = pb.MatchRequest(session=session, prompts=[pb.Prompt(tokens=b"\0" * 64)])
+        calls = stub.Session(held_open([pb.SessionRequest(id=1, match=match)], done), timeout=10)
+        assert next(calls).id == 1  # and so is the Session stream
+        if how == "replaced":
+            register(new, buffers[1], replace=True)
+        else:
+            stub.Close(pb.CloseRequest(session=session), timeout=10)
         for call in (acks, calls):
-            with pytest.raises(grpc.RpcError) as ended:
-                list(call)
-            assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ended.value
-            assert f"session {reply.session} was closed: replaced by a new registration" in ended.value.details()
+            if how == "replaced":
+                with pytest.raises(grpc.RpcError) as ended:
+                    list(call)
+                assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ended.value
+                assert f"session {session} was closed: replaced by a new registration" in ended.value.details()
+            else:  # ended by the daemon (an open stream ran into its 10 s deadline before)
+                assert list(call) == [] and call.code() == grpc.StatusCode.OK
     finally:
         done.set()
         new.close()
 
 
-def held_open(first, done: threading.Event):
-    """A request stream that sends `first`, then stays open (no half-close) until `done`."""
-    yield first
+def held_open(requests, done: threading.Event):
+    """A request stream that sends `requests`, then stays open (no half-close) until `done`."""
+    yield from requests
     done.wait(60)
 
 

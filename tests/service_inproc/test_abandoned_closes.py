@@ -70,8 +70,8 @@ def test_a_close_whose_caller_gave_up_ends_before_a_retried_close_is_answered():
     async def scenario():
         async with running_daemon(fault_copy_delay=0.2) as daemon:
             e, transfer = await loading(daemon, "t/close")
-            await cancelled_at_first_await(daemon.close_session(e.session, "closed by the engine"))
-            await daemon.close_session(e.session, "closed by the engine")  # the client's retry
+            await cancelled_at_first_await(daemon.close_session(e.session, "closed by a Close call"))
+            await daemon.close_session(e.session, "closed by a Close call")  # the client's retry
             await served_again(e, transfer)
     run(scenario())
 

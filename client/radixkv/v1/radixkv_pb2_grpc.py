@@ -164,8 +164,8 @@ class RadixKVServicer:
         session; when it ends, the session is closed. With the daemon's ack_timeout set, a
         load-back left unacknowledged that long is finished by the daemon (as a close would)
         and a later ack of it answers NOT_FOUND. A session the daemon closes while the
-        stream is open (a Register with replace_existing, a Close from another client) ends
-        it with FAILED_PRECONDITION "session ... was closed: <why>".
+        stream is open ends it: FAILED_PRECONDITION "session ... was closed: <why>" when a
+        Register with replace_existing took its namespace, OK after a Close call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -261,8 +261,8 @@ class RadixKVServicer:
         the session its first session-bound request names (a request may leave `session`
         empty to mean the stream's; another session is PERMISSION_DENIED); one per session.
         When it ends, the session is closed, as with Acks. Bytes that do not parse end it
-        with INVALID_ARGUMENT; daemon shutdown ends it with UNAVAILABLE; a session the
-        daemon closes (replaced, or closed by another client) ends it with FAILED_PRECONDITION.
+        with INVALID_ARGUMENT; daemon shutdown ends it with UNAVAILABLE; its session closed
+        by the daemon ends it as on Acks (FAILED_PRECONDITION when replaced, OK after a Close).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

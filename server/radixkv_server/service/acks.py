@@ -9,10 +9,11 @@ Clients open the stream right after Register with a message naming the session a
 transfer 0 (acknowledges nothing), so an engine that dies is noticed at once: its
 connection drops, the stream is cancelled and the session closed.
 
-A session the daemon closes while its stream is open (a Register with replace_existing
-took its namespace, a Close from another client) ends the stream once the acks in hand
-are answered, with FAILED_PRECONDITION naming why: the engine learns at once that its
-session is gone, and a replaced engine that hangs on holds no stream, tasks or RPC slot.
+A session the daemon closes while its stream is open ends the stream once the acks in
+hand are answered: with FAILED_PRECONDITION naming why when a Register with
+replace_existing took its namespace, with OK after a Close call (the engine's own, or an
+operator's). The engine learns at once that its session is gone, and a replaced engine
+that hangs on holds no stream, tasks or RPC slot.
 
 Memory stays bounded: at most `max_acks_in_flight` acks per stream are unanswered
 (waiting for copies, or answers not yet written); past that the reader stops reading
@@ -52,11 +53,13 @@ class AckStream:
         self._closed: ServiceError | None = None  # the status the stream ends with: its session closed
         self._closed_event = asyncio.Event()
 
-    def session_closed(self, reason: str) -> None:
+    def session_closed(self, reason: str, failed: bool = True) -> None:
         """The daemon closed this stream's session (`Daemon._end_session`): end the
-        stream once the acks in hand are answered, saying `reason`."""
-        if self._closed is None:
-            self._closed = precondition(f"session {self.session.id} was closed: {reason}")
+        stream once the acks in hand are answered, with FAILED_PRECONDITION saying
+        `reason` (`failed`), else with OK."""
+        if not self._closed_event.is_set():
+            if failed:
+                self._closed = precondition(f"session {self.session.id} was closed: {reason}")
             self._closed_event.set()
 
     async def _told_to_end(self) -> None:
@@ -110,7 +113,7 @@ class AckStream:
                 self.daemon.close_in_background(self.session, reason)
 
     def _ending_reason(self) -> str:
-        return "its session was closed" if self._closed is not None else "daemon shutting down"
+        return "its session was closed" if self._closed_event.is_set() else "daemon shutting down"
 
     async def _room(self, stopping: asyncio.Task) -> bool:
         """Take a slot for the next ack (waiting while the stream is full); False when

@@ -201,16 +201,19 @@ class Daemon:
         """The live session with this id; UNAUTHENTICATED saying why otherwise."""
         return self.sessions.get(session_id)
 
-    async def close_session(self, session: Session, reason: str) -> None:
+    async def close_session(self, session: Session, reason: str, *, by_close: bool = False) -> None:
         """End the session in its namespace (load-backs finished after their copies,
         leases released, device buffers closed) and forget it. The close is a task the
         daemon owns, run to its end whoever stops waiting (a Close past its deadline, a
         replacing Register cancelled): cut part-way, it left the session forgotten with
         its load-backs, pins and device buffers held, and answered a retried Close while
         a copy still wrote the engine's pages. Idempotent; concurrent calls wait for the
-        first's task."""
+        first's task. Streams of the session still open end once it closed: with OK
+        after a Close call (`by_close`: the engine's own, most likely, or an operator's;
+        either way the engine knows or can read that it was closed), else with
+        FAILED_PRECONDITION naming `reason`."""
         if session.closer is None:
-            session.closer = self.run_in_background(self._end_session(session, reason))
+            session.closer = self.run_in_background(self._end_session(session, reason, by_close))
         await self.closed(session)
 
     @staticmethod
@@ -228,7 +231,7 @@ class Daemon:
                 with contextlib.suppress(Exception):  # a failed close was logged; the session is gone
                     await self.closed(session)
 
-    async def _end_session(self, session: Session, reason: str) -> None:
+    async def _end_session(self, session: Session, reason: str, by_close: bool = False) -> None:
         ns = session.namespace
         try:
             await ns.end_session(session)
@@ -238,7 +241,7 @@ class Daemon:
             self.sessions.forget(session, reason)
             for stream in (session.ack_stream, session.session_stream):  # still open: a replaced
                 if stream is not None and self.accepting:  # engine's, or a Close from another client
-                    stream.session_closed(reason)  # (a shutdown ends them with its own status)
+                    stream.session_closed(reason, failed=not by_close)  # (a shutdown: its own status)
         log_event(log, "session.closed", namespace=ns.name, session=session.id[:8], reason=reason)
 
     def close_in_background(self, session: Session, reason: str) -> None:

@@ -32,6 +32,7 @@ from .wire import end_call
 log = logging.getLogger("radixkv.rpc")
 
 
+CLOSED_BY_CALL = "closed by a Close call"  # the engine's own, or an operator's: the daemon cannot tell
 STREAMS = frozenset({"Acks", "Session", "WatchEvents"})  # live as long as an engine or watcher
 
 
@@ -113,7 +114,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         already (its stream ended); at once for one closed before or unknown: idempotent."""
         session = self.daemon.sessions.find(request.session)
         if session is not None:
-            await self.daemon.close_session(session, "closed by the engine")
+            await self.daemon.close_session(session, CLOSED_BY_CALL, by_close=True)
         return pb.CloseResponse()
 
     @rpc

@@ -16,8 +16,9 @@ error and the stream stays unbound). A later request naming another session is
 PERMISSION_DENIED; an empty `session` means the stream's. A session has one Session
 stream at most. When the stream ends, however it ends, its session is closed in the
 background, as when its Acks stream ends (load-backs finished, leases released). A
-session the daemon closes while the stream is open (replaced, or closed by another
-client) ends it, once the call in hand is answered, with FAILED_PRECONDITION naming why.
+session the daemon closes while the stream is open ends it, once the call in hand is
+answered: with FAILED_PRECONDITION naming why when it was replaced, with OK after a Close
+call.
 """
 
 import asyncio
@@ -55,15 +56,19 @@ class SessionStream:
         self.session: Session | None = None
         self._reading = False
         self._stopping = False
+        self._session_closed = False
         self._closed: ServiceError | None = None  # the status the stream ends with: its session closed
         self._task: asyncio.Task | None = None
         self._metrics: dict = {}  # (method, code) -> (requests counter, duration histogram)
 
-    def session_closed(self, reason: str) -> None:
+    def session_closed(self, reason: str, failed: bool = True) -> None:
         """The daemon closed this stream's session (`Daemon._end_session`): end the
-        stream once the call in hand is answered, saying `reason`."""
-        if self._closed is None:
-            self._closed = precondition(f"session {self.session.id} was closed: {reason}")
+        stream once the call in hand is answered, with FAILED_PRECONDITION saying
+        `reason` (`failed`), else with OK."""
+        if not self._session_closed:
+            self._session_closed = True
+            if failed:
+                self._closed = precondition(f"session {self.session.id} was closed: {reason}")
             self._stop()
 
     def _stop(self) -> None:
@@ -72,9 +77,10 @@ class SessionStream:
         if self._reading and self._task is not None:
             self._task.cancel()
 
-    def _ending(self) -> tuple[str, ServiceError]:
-        """Why the daemon ends the stream, for the log and for the engine."""
-        if self._closed is not None:
+    def _ending(self) -> tuple[str, ServiceError | None]:
+        """Why the daemon ends the stream, for the log, and the status it ends with
+        (None: OK)."""
+        if self._session_closed:
             return "its session was closed", self._closed
         return "daemon shutting down", unavailable("the daemon is shutting down: the session stream ends")
 
@@ -95,14 +101,16 @@ class SessionStream:
                     return
                 await self.context.write(await self.answer(request))
             reason, status = self._ending()
-            raise status
+            if status is not None:
+                raise status
         except asyncio.CancelledError:
             if not self._stopping:
                 reason = "session stream cancelled (engine gone?)"
                 raise
             asyncio.current_task().uncancel()  # our own cancel, of a read: end with a status
             reason, status = self._ending()
-            raise status from None
+            if status is not None:
+                raise status from None
         finally:
             watcher.cancel()
             if self.session is not None:
