@@ -7,11 +7,11 @@ run plans (`PlanRun`): they perform each yielded step on their own channel, send
 answer back in, or throw the failed call's `RadixKVError` into the plan.
 
 Session recovery lives here too: after a call fails with Unavailable or Unauthenticated
-the session is probed; a lost session (or an ack stream the daemon ended) is registered
-again with the arguments of the last `register`, paced by `radixkv.reconnect.Recovery`,
-and the call that succeeds raises `SessionLost` (`DaemonRestarted` for a new daemon).
-The lost session is closed first (the daemon answers once its copies are over): once
-`SessionLost` is raised the daemon no longer touches the engine's pages for it. A call
+the session is probed; a lost session (or a stream the daemon ended) is registered again
+with the last `register`'s arguments, paced by `radixkv.reconnect.Recovery`, and the call
+that succeeds raises `SessionLost` (`DaemonRestarted` for a new daemon). The lost session
+is closed first (answered once its copies are over): once `SessionLost` is raised the
+daemon no longer touches the engine's pages for it. A call
 that moves pages or leases left without an answer may still be carried out: it ends the
 session the same way (`_give_up`; docs/reliability.md). The ack stream (`radixkv.acks`)
 and session stream (`radixkv.streaming`) are opened per registration through the shell's
@@ -44,17 +44,15 @@ RETRY_WHILE_REGISTERING_S = 0.05  # `reconnect` looks again this soon while anot
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-
 class Session:
     """The state of one client: its registration, ack stream and recovery, and a plan
     per operation (see the module docstring; `Client` documents each operation).
 
     `open_acks(session_id, on_broken)` is the shell's: it returns an opened ack stream
     (`issue`, `abandon`, `wait`, `close`) that calls `on_broken(reason)` when the daemon
-    ends it. `open_calls` (None: unary calls only) likewise opens a session stream
-    (`call`, `abandon`, `close`). `on_broken` may come from another thread (the blocking client's reader):
-    recovery state changes hold `_lock`. Plans run one at a time per client.
-    """
+    ends it. `open_calls` (None: unary calls only) likewise opens a session stream (`call`,
+    `abandon`, `close`). `on_broken` may come from another thread (the blocking client's
+    reader): recovery state changes hold `_lock`. Plans run one at a time per client."""
 
     def __init__(self, target: str, *, timeout: float | None, reconnect: Backoff | None,
                  on_session_lost: Callable[[SessionLost], None] | None,
@@ -297,8 +295,8 @@ class Session:
             self._calls = self._open_calls(reg.session, broken)
 
     def drop(self, reason: str) -> None:
-        """The client is gone without `close` (collected): end its streams now, which
-        makes the daemon close the session. Sends nothing; any thread."""
+        """The client was collected without `close`: end its streams (the daemon then
+        closes the session). Sends nothing; any thread."""
         self.closed = True
         for stream in (self._acks, self._calls):
             if stream is not None:
@@ -306,21 +304,19 @@ class Session:
 
     def _give_up(self, why: str) -> None:
         """A call that moves pages or leases ended without its outcome (the daemon may
-        still carry it out): mark the session lost, so the next call closes it (the
-        daemon answers once its copies are over), registers again and raises
-        SessionLost. Its streams stay until that Close is answered: failing the other
-        calls and acks in flight here would tell their callers that nothing more is
-        read or written while the daemon may still do it. Without recovery nothing
-        changes: close() before reusing the pages the call named."""
+        still carry it out): mark the session lost, so the next call closes it (answered
+        once its copies are over), registers again and raises SessionLost. Its streams
+        stay until that Close is answered: failing the calls and acks in flight here would
+        tell their callers nothing more is read or written while the daemon may still do
+        it. Without recovery nothing changes: close() before reusing the call's pages."""
         if self.closed or self.registration is None or self._recovery is None:
             return
         with self._lock:
             self._recovery.lose(f"{why}: its outcome is unknown, so the session was ended", time.monotonic())
 
     def _stream_broken(self, session: str, reason: str) -> None:
-        """The daemon ended the ack or session stream of `session`, and with it that
-        session (any thread). A stream of a session already replaced (its reader late:
-        the daemon ends an old session's streams itself) says nothing of the current one."""
+        """The daemon ended a stream of `session`, and that session (any thread); a
+        replaced session's stream, reported late, says nothing of the current one."""
         if self._recovery is not None and not self.closed:
             with self._lock:
                 if self.registration is not None and self.registration.session == session:
