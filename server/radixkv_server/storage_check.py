@@ -7,6 +7,7 @@ find nothing in storage, stores fail and are retried as they come).
 """
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -47,7 +48,7 @@ def check_storage(storage, daemon, loop: asyncio.AbstractEventLoop) -> None:
                 if not daemon.accepting:  # shutting down
                     return
                 continue
-            _tell(loop, report, True, "", not failed)
+            _tell(loop, functools.partial(report, True, first=not failed))
             return
 
     threading.Thread(target=run, name="radixkv-storage-check", daemon=True).start()

@@ -43,10 +43,12 @@ class EventBuilder:
         # Hashes only: token lists are made per event (a 2k-token node's list of Python
         # ints is 80 KiB; a thousand of them kept here would be 80 MiB).
         self._recent: dict[tuple, tuple[bytes, list[int]]] = {}
+        self._tokens: dict[tuple[int, int], list[int]] = {}
 
     def build(self, records) -> tuple[list[Event], list[bytes]]:
         """The records' events, and per event the radixkv extra_key of its blocks."""
         out: list[Event] = []
+        self._tokens: dict[tuple[int, int], list[int]] = {}  # this batch's token lists, shared
         for kind, medium, extra_key, path in records:
             if kind == CLEARED:
                 self._digests.clear()
@@ -57,6 +59,7 @@ class EventBuilder:
                 out.append(self._event(kind, medium, extra_key, path))
         if len(self._digests) > self._max_cached:  # a cache only: recomputed on demand
             self._digests.clear()
+        self._tokens = {}
         return out, [extra_key for _, _, extra_key, _ in records]
 
     def _blocks(self, node_id: int, key: bytes, start: bytes | None, extra_key: bytes):
@@ -91,7 +94,7 @@ class EventBuilder:
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if start is None else external_hash(start),
-            token_ids=as_token_array(key).tolist(),
+            token_ids=self._token_list(node_id, key),
             block_size=self.block_size,
             lora_id=None,
             medium=medium,
@@ -100,6 +103,15 @@ class EventBuilder:
             group_idx=0,
             kv_cache_spec_kind=FULL_ATTENTION,
         )
+
+    def _token_list(self, node_id: int, key: bytes) -> list[int]:
+        """A node's tokens as a list, made once per batch: a write-through node's device
+        and host events share it."""
+        memo = (node_id, len(key))
+        tokens = self._tokens.get(memo)
+        if tokens is None:
+            tokens = self._tokens[memo] = as_token_array(key).tolist()
+        return tokens
 
     def _start_digest(self, path, extra_key: bytes) -> bytes | None:
         """Digest of the page before path[0] (None at the root), caching ancestors'."""

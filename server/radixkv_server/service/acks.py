@@ -34,7 +34,7 @@ from ..core.errors import CacheError
 from ..logs import log_event
 from . import convert
 from .daemon import Daemon
-from .errors import ServiceError, precondition, status_of
+from .errors import ServiceError, SessionEnd, status_of
 from .tenants import EVERYTHING, Grant
 
 log = logging.getLogger("radixkv.acks")
@@ -50,21 +50,17 @@ class AckStream:
         self.acks: set[asyncio.Task] = set()
         self.slots = asyncio.Semaphore(daemon.config.max_acks_in_flight)
         self.ended = False
-        self._closed: ServiceError | None = None  # the status the stream ends with: its session closed
-        self._closed_event = asyncio.Event()
+        self._closed = SessionEnd()
 
     def session_closed(self, reason: str, failed: bool = True) -> None:
         """The daemon closed this stream's session (`Daemon._end_session`): end the
         stream once the acks in hand are answered, with FAILED_PRECONDITION saying
         `reason` (`failed`), else with OK."""
-        if not self._closed_event.is_set():
-            if failed:
-                self._closed = precondition(f"session {self.session.id} was closed: {reason}")
-            self._closed_event.set()
+        self._closed.say(self.session.id, reason, failed)
 
     async def _told_to_end(self) -> None:
         """Returns once the daemon shuts down or closed the session."""
-        waits = {asyncio.ensure_future(self.daemon.stopping.wait()), asyncio.ensure_future(self._closed_event.wait())}
+        waits = {asyncio.ensure_future(self.daemon.stopping.wait()), asyncio.ensure_future(self._closed.event.wait())}
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -95,8 +91,8 @@ class AckStream:
                 await asyncio.gather(*self.acks)
             await self.replies.put(None)
             await writer
-            if self._closed is not None:
-                raise self._closed
+            if self._closed.status is not None:
+                raise self._closed.status
         except asyncio.CancelledError:
             reason = "ack stream cancelled (engine gone?)"
             raise
@@ -113,7 +109,7 @@ class AckStream:
                 self.daemon.close_in_background(self.session, reason)
 
     def _ending_reason(self) -> str:
-        return "its session was closed" if self._closed_event.is_set() else "daemon shutting down"
+        return "its session was closed" if self._closed else "daemon shutting down"
 
     async def _room(self, stopping: asyncio.Task) -> bool:
         """Take a slot for the next ack (waiting while the stream is full); False when

@@ -1,5 +1,7 @@
 """Every error a caller can cause, mapped to a gRPC status in this one place."""
 
+import asyncio
+
 import grpc
 
 from ..core import errors as core
@@ -58,3 +60,25 @@ def unauthenticated(message: str) -> ServiceError:
 
 def unavailable(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+class SessionEnd:
+    """A stream's word that the daemon closed its session (`Daemon._end_session`), said
+    once: `event` is set, and `status` is what the stream ends with (None: OK)."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+        self.status: ServiceError | None = None
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+    def say(self, session_id: str, reason: str, failed: bool) -> bool:
+        """Record the close: FAILED_PRECONDITION saying `reason` when `failed`, else OK.
+        False when it was said already (the first word stands)."""
+        if self.event.is_set():
+            return False
+        if failed:
+            self.status = precondition(f"session {session_id} was closed: {reason}")
+        self.event.set()
+        return True

@@ -32,7 +32,7 @@ from ..core.errors import CacheError
 from ..logs import log_event
 from . import engine_ops
 from .daemon import Daemon
-from .errors import ServiceError, precondition, status_of, unavailable
+from .errors import ServiceError, SessionEnd, precondition, status_of, unavailable
 from .sessions import Session
 from .tenants import EVERYTHING, Grant
 
@@ -56,8 +56,7 @@ class SessionStream:
         self.session: Session | None = None
         self._reading = False
         self._stopping = False
-        self._session_closed = False
-        self._closed: ServiceError | None = None  # the status the stream ends with: its session closed
+        self._closed = SessionEnd()
         self._task: asyncio.Task | None = None
         self._metrics: dict = {}  # (method, code) -> (requests counter, duration histogram)
 
@@ -65,10 +64,7 @@ class SessionStream:
         """The daemon closed this stream's session (`Daemon._end_session`): end the
         stream once the call in hand is answered, with FAILED_PRECONDITION saying
         `reason` (`failed`), else with OK."""
-        if not self._session_closed:
-            self._session_closed = True
-            if failed:
-                self._closed = precondition(f"session {self.session.id} was closed: {reason}")
+        if self._closed.say(self.session.id, reason, failed):
             self._stop()
 
     def _stop(self) -> None:
@@ -80,8 +76,8 @@ class SessionStream:
     def _ending(self) -> tuple[str, ServiceError | None]:
         """Why the daemon ends the stream, for the log, and the status it ends with
         (None: OK)."""
-        if self._session_closed:
-            return "its session was closed", self._closed
+        if self._closed:
+            return "its session was closed", self._closed.status
         return "daemon shutting down", unavailable("the daemon is shutting down: the session stream ends")
 
     async def run(self) -> None:
