@@ -114,7 +114,25 @@ def test_close_while_the_watchdog_ends_the_last_task_returns():
     assert inside.wait(10), "the watchdog never ran the task"
     closer = threading.Thread(target=pump.close, daemon=True)
     closer.start()
-    closer.join(0.3)  # close begins (it cannot end before the pass does)
+    wait_for(lambda: _waiting_in_close(closer), 10, "close() waiting for the watchdog's pass")
     release.set()
     closer.join(10)
     assert not closer.is_alive(), "close() never returned"
+
+
+def _waiting_in_close(thread) -> bool:
+    """`thread` is inside LoopPump.close and blocked there: on the pump's lock (the `with`
+    line is its innermost frame) or further in, joining the watchdog."""
+    import inspect
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    innermost = frame
+    while frame is not None and frame.f_code is not LoopPump.close.__code__:
+        frame = frame.f_back
+    if frame is None:
+        return False
+    if innermost is not frame:  # in a call close made: joining the watchdog?
+        return innermost.f_code.co_name in ("join", "_wait_for_tstate_lock")
+    lines, first = inspect.getsourcelines(LoopPump.close)
+    return "with self.lock" in lines[frame.f_lineno - first]
