@@ -91,7 +91,7 @@ class DaemonConfig:
                                 "the machine's memory)", size=True)
     max_prompts_per_match: int = _opt(4096, "most prompts in one Match")
     max_message_size: int = _opt(64 * 1024**2, "largest gRPC message, bytes", size=True)
-    max_concurrent_rpcs: int = _opt(1024, "RPCs in progress before new ones get RESOURCE_EXHAUSTED")
+    max_concurrent_rpcs: int = _opt(1024, "RadixKV RPCs in progress before new ones get RESOURCE_EXHAUSTED (health checks and reflection are not counted)")
     shutdown_grace: float = _opt(10.0, "seconds in-flight RPCs get on shutdown")
     shutdown_store_timeout: float = _opt(20.0, "seconds a graceful shutdown may spend storing host pages that "
                                          "storage does not hold yet (with --storage; 0: none)")

@@ -34,6 +34,7 @@ from .metrics import Metrics
 from .service.auth import AuthError, ReloadableTls, TokenAuth
 from .service import host_budget
 from .service.daemon import Daemon
+from .service.rpc_limit import RpcLimit
 from .storage import StorageUnavailable, open_storage
 from .storage_check import check_storage
 from .service.servicer import RadixKVServicer
@@ -314,9 +315,11 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
         options=[("grpc.max_receive_message_length", config.max_message_size),
                  ("grpc.max_send_message_length", config.max_message_size),
                  ("grpc.so_reuseport", 0)],
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        interceptors=[TokenAuth(tokens, lambda method: metrics.rpc_requests.labels(method, "UNAUTHENTICATED").inc())]
-        if tokens.required else None,
+        maximum_concurrent_rpcs=RpcLimit.server_limit(config.max_concurrent_rpcs),
+        interceptors=([TokenAuth(tokens, lambda method: metrics.rpc_requests.labels(method, "UNAUTHENTICATED").inc())]
+                      if tokens.required else [])
+        + [RpcLimit(config.max_concurrent_rpcs,
+                    lambda method: metrics.rpc_requests.labels(method, "RESOURCE_EXHAUSTED").inc())],
     )
     # Every service is added through the guard: bytes that do not parse are refused
     # INVALID_ARGUMENT before any handler runs (service/wire.py).

@@ -9,6 +9,8 @@ import grpc
 import pytest
 
 from radixkv.v1 import radixkv_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from radixkv_server.service.rpc_limit import RESERVE
 from tests.support.daemon import rss_of, wait_for
 
 from faultkit import LAYOUT, RawSession, status, stub_for
@@ -71,9 +73,19 @@ def test_by_default_no_host_pool_is_made_past_the_memory_there_is(daemon_factory
         channel.close()
 
 
+def health(stub_channel) -> int:
+    """The daemon's liveness answer (a HealthCheckResponse status), or -1 when refused."""
+    try:
+        return health_pb2_grpc.HealthStub(stub_channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                               timeout=10).status
+    except grpc.RpcError:
+        return -1
+
+
 def test_concurrent_rpc_limit(daemon_factory):
     """Each engine holds one long-lived Acks stream: with 3 engines attached and a limit of
-    3 RPCs in progress, any further call is refused until one of them leaves."""
+    3 RPCs in progress, any further call is refused until one of them leaves; health
+    checks are not counted (a liveness probe refused would restart the daemon)."""
     d = daemon_factory("--max-concurrent-rpcs", "3")
     channel, stub = stub_for(d.target)
     engines = [RawSession(stub, f"rpcs/e{i}") for i in range(3)]
@@ -81,6 +93,8 @@ def test_concurrent_rpc_limit(daemon_factory):
         code, message = wait_for(lambda: (r := status(lambda: stub.Echo(pb.EchoRequest(payload=b"x"))))[0]
                                  != grpc.StatusCode.OK and r, 10, "the limit to be reached")
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit exceeded" in message
+        assert "(--max-concurrent-rpcs) is 3" in message
+        assert health(channel) == health_pb2.HealthCheckResponse.SERVING
         leaving = engines.pop()
         leaving.acks.close()  # its stream ends (and its session with it)
         leaving.buffers.close()
@@ -93,9 +107,30 @@ def test_concurrent_rpc_limit(daemon_factory):
         channel.close()
 
 
-def test_overload_is_refused_without_memory_growth(daemon_factory):
+def test_idle_streams_past_the_limit_leave_health_checks_served(daemon_factory):
+    """A client opening streams it never uses (Acks without a first message) takes the
+    limit; the next RadixKV call is refused, but liveness and readiness still answer."""
     d = daemon_factory("--max-concurrent-rpcs", "4")
     channel, stub = stub_for(d.target)
+    idle = [stub.Acks(iter(threading.Event().wait, True)) for _ in range(4)]  # never sends
+    try:
+        wait_for(lambda: status(lambda: stub.Stats(pb.StatsRequest()))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 10, "the idle streams to take the limit")
+        for _ in range(3 * RESERVE):  # more checks than gRPC's reserve: each ends before the next
+            assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for call in idle:
+            call.cancel()
+        channel.close()
+
+
+def test_overload_is_refused_without_memory_growth(daemon_factory):
+    """With the limit taken by engines' streams, a flood of 256 KiB calls from 24 threads
+    is refused without the daemon keeping their bytes; once an engine leaves, calls are
+    served again."""
+    d = daemon_factory("--max-concurrent-rpcs", "4")
+    channel, stub = stub_for(d.target)
+    engines = [RawSession(stub, f"flood/e{i}") for i in range(4)]
     payload = b"\xab" * (256 << 10)
     counts = {grpc.StatusCode.OK: 0, grpc.StatusCode.RESOURCE_EXHAUSTED: 0}
     lock = threading.Lock()
@@ -114,14 +149,24 @@ def test_overload_is_refused_without_memory_growth(daemon_factory):
         for t in threads:
             t.join()
 
-    round_of(1.0)  # warm-up: allocator pools, grpc buffers
-    before = rss_of(d.proc.pid)
-    round_of(2.5)
-    after = rss_of(d.proc.pid)
-    channel.close()
-    assert set(counts) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, counts
-    assert counts[grpc.StatusCode.OK] > 0 and counts[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0
-    assert after - before < 32 << 20, f"RSS grew {(after - before) >> 20} MiB under overload ({counts})"
+    try:
+        round_of(1.0)  # warm-up: allocator pools, grpc buffers
+        before = rss_of(d.proc.pid)
+        round_of(2.5)
+        after = rss_of(d.proc.pid)
+        assert set(counts) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, counts
+        assert counts[grpc.StatusCode.OK] == 0 and counts[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0, counts
+        assert after - before < 32 << 20, f"RSS grew {(after - before) >> 20} MiB under overload ({counts})"
+        leaving = engines.pop()
+        leaving.acks.close()
+        leaving.buffers.close()
+        wait_for(lambda: status(lambda: stub.Echo(pb.EchoRequest(payload=payload)))[0] == grpc.StatusCode.OK,
+                 10, "calls to be served again")
+    finally:
+        for e in engines:
+            e.acks.close()
+            e.buffers.close()
+        channel.close()
 
 
 def test_ack_stream_back_pressure_loses_nothing(daemon_factory):
