@@ -90,6 +90,8 @@ class DaemonConfig:
                                 "past it is refused (0: a cgroup memory limit less 1 GiB, or else 80%% of "
                                 "the machine's memory)", size=True)
     max_prompts_per_match: int = _opt(4096, "most prompts in one Match")
+    max_extra_key_bytes: int = _opt(4096, "longest extra_key (a LoRA adapter's name and path, a salt) a "
+                                    "Match, Insert or Prefetch may carry; each cached node keeps its own", size=True)
     max_message_size: int = _opt(64 * 1024**2, "largest gRPC message, bytes", size=True)
     max_concurrent_rpcs: int = _opt(1024, "RadixKV RPCs in progress before new ones get RESOURCE_EXHAUSTED (health checks and reflection are not counted)")
     shutdown_grace: float = _opt(10.0, "seconds in-flight RPCs get on shutdown")
@@ -123,6 +125,8 @@ class DaemonConfig:
     kv_events_queue_size: int = _opt(10000, "KV event batches queued for the publisher thread before "
                                      "drops (a dropped batch is followed by a resync)")
     kv_events_replay_size: int = _opt(10000, "KV event batches kept for replay (ZMQ and WatchEvents)")
+    kv_events_replay_bytes: int = _opt(256 * 1024**2, "most bytes the KV event batches kept for replay may hold "
+                                       "(the oldest go first)", size=True)
     kv_events_hwm: int = _opt(100000, "ZMQ send high-water mark per KV event subscriber")
     kv_events_subscriber_buffer: int = _opt(1000, "KV event batches one WatchEvents stream may fall "
                                             "behind before it is ended with ABORTED")
@@ -143,7 +147,7 @@ class DaemonConfig:
             raise ValueError(f"--listen: an address is given twice ({', '.join(self.listen)})")
         for name in ("page_size", "write_through_threshold", "copy_workers", "storage_workers",
                      "storage_queue_pages", "max_sessions", "max_namespaces",
-                     "max_prompts_per_match", "max_concurrent_rpcs", "max_acks_in_flight"):
+                     "max_prompts_per_match", "max_extra_key_bytes", "max_concurrent_rpcs", "max_acks_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("shutdown_grace", "shutdown_store_timeout", "storage_lookup_timeout", "lease_timeout",

@@ -12,16 +12,17 @@ def test_from_daemon_maps_the_proposed_fields():
     daemon = SimpleNamespace(
         kv_events_endpoint="tcp://*:5557", kv_events_replay_endpoint="tcp://*:5558",
         kv_events_topic="kv@pod-3@{namespace}", kv_events_queue_size=5, kv_events_replay_size=6,
-        kv_events_hwm=7, kv_events_subscriber_buffer=8, kv_events_hash_seed="fleet-seed")
+        kv_events_replay_bytes=9, kv_events_hwm=7, kv_events_subscriber_buffer=8, kv_events_hash_seed="fleet-seed")
     c = EventsConfig.from_daemon(daemon)
-    assert (c.endpoint, c.replay_endpoint, c.queue_size, c.ring_size, c.hwm, c.subscriber_buffer,
-            c.hash_seed) == ("tcp://*:5557", "tcp://*:5558", 5, 6, 7, 8, "fleet-seed")
+    assert (c.endpoint, c.replay_endpoint, c.queue_size, c.ring_size, c.ring_bytes, c.hwm, c.subscriber_buffer,
+            c.hash_seed) == ("tcp://*:5557", "tcp://*:5558", 5, 6, 9, 7, 8, "fleet-seed")
     assert c.topic_for("llama/tp0") == b"kv@pod-3@llama/tp0"
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"queue_size": 0}, "--kv-events-queue-size must be >= 1, got 0"),
     ({"ring_size": 0}, "--kv-events-replay-size must be >= 1"),  # the flag, not the field
+    ({"ring_bytes": 0}, "--kv-events-replay-bytes must be >= 1"),
     ({"replay_endpoint": "tcp://*:5558"}, "needs --kv-events-endpoint"),
     ({"endpoint": "localhost:5557"}, "ZMQ address"),
     ({"topic": "kv-events"}, "must contain {namespace}: namespaces sharing one topic would mix"),

@@ -145,3 +145,18 @@ def test_async_subscription_receives_batches_from_the_publisher_thread():
             hub.close()
 
     assert asyncio.run(asyncio.wait_for(main(), 20)) == list(range(6))
+
+
+def test_the_ring_keeps_batches_within_its_bytes_the_newest_whatever_its_size():
+    """Long prompts' batches are megabytes: the ring drops the oldest past `ring_bytes`
+    (a count alone let one client's events grow the daemon by gigabytes), and a replay
+    from a dropped seq is refused with the ring's bounds."""
+    b = Broadcast(ring_size=1000, capacity=50, ring_bytes=10_000)
+    for _ in range(10):
+        b.publish("ns", b"kv@ns", b"x" * 3000, (b"k" * 100,))
+    assert b.ring_held <= 10_000 and [item.seq for item in b.since(0)] == [7, 8, 9]
+    with pytest.raises(ReplayUnavailable) as err:
+        b.subscribe(from_seq=6)
+    assert err.value.oldest == 7
+    b.publish("ns", b"kv@ns", b"y" * 50_000)  # alone past the bound: kept, alone
+    assert [item.seq for item in b.since(0)] == [10] and b.ring_held == 50_000

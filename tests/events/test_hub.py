@@ -213,3 +213,30 @@ def test_the_replay_ring_keeps_wire_bytes_not_decoded_token_lists(hub):
     # 512 hashes a node at this page size). Token lists kept anywhere were 16 MB more.
     assert kept < 4 * wire, f"the ring and the subscriber hold {kept} bytes for {wire} bytes of batches"
     assert items[-1].batch.events[0].token_ids == list(range(1_000_000 * n, 1_000_000 * n + tokens))
+
+
+def test_a_job_of_long_prompts_goes_out_in_batches_a_default_grpc_client_takes():
+    """200 stored 2k-token nodes in one flush are ~2 MB of msgpack: published as several
+    batches under 1 MiB each (one batch once passed the 4 MiB a router's channel takes by
+    default), their events in order and none lost."""
+    from radixkv_server.events.publisher import MAX_BATCH_BYTES
+
+    hub = EventHub(EventsConfig(topic="kv@{namespace}"))
+    try:
+        n, tokens = 200, 2048
+        sub = hub.subscribe(from_seq=0)
+        tree = RadixTree(PAGE)
+        listen = hub.attach("long", PAGE)
+        nodes = [chain(tree, range(1_000_000 * (i + 1), 1_000_000 * (i + 1) + tokens))[0] for i in range(n)]
+        for node in nodes:
+            listen("host", "stored", node)
+        hub.flush()
+        items = drain(sub, 4)[2:]  # after the start's and the namespace's clears
+        wait_for(lambda: items.extend(iter(sub.get_nowait, None)) or
+                 sum(len(i.batch.events) for i in items) >= n, 10, "every event")
+        assert len(items) > 1 and all(len(i.payload) <= MAX_BATCH_BYTES for i in items)
+        firsts = [e.token_ids[0] for i in items for e in i.batch.events]
+        assert firsts == [1_000_000 * (i + 1) for i in range(n)]
+        assert [i.seq for i in items] == list(range(items[0].seq, items[0].seq + len(items)))
+    finally:
+        hub.close()

@@ -30,7 +30,7 @@ C = grpc.StatusCode
 MAX_MESSAGE = 1 << 20
 COPY_DELAY = 0.3
 FLAGS = ("--max-message-size", str(MAX_MESSAGE), "--max-prompts-per-match", "64",
-         "--fault-copy-delay", str(COPY_DELAY))
+         "--max-extra-key-bytes", "64", "--fault-copy-delay", str(COPY_DELAY))
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +212,11 @@ TABLE = [
         session=A(c), prompts=[pb.Prompt(tokens=HUGE)])), C.RESOURCE_EXHAUSTED, r"larger than max \(\d+ vs\. 1048576\)"),
     Row("Match", "too many prompts", unary("Match", lambda c: pb.MatchRequest(
         session=A(c), prompts=[pb.Prompt(tokens=c["p"])] * 65)), C.RESOURCE_EXHAUSTED, r"65 prompts in one Match; the limit is 64"),
+    Row("Match", "extra_key at the limit (a miss)", unary("Match", lambda c: pb.MatchRequest(
+        session=A(c), prompts=[pb.Prompt(tokens=c["p"], extra_key=b"k" * 64)])), C.OK, ""),
+    Row("Match", "extra_key past the limit", unary("Match", lambda c: pb.MatchRequest(
+        session=A(c), prompts=[pb.Prompt(tokens=c["p"]), pb.Prompt(tokens=c["p"], extra_key=b"k" * 65)])),
+        C.INVALID_ARGUMENT, r"prompt 1: extra_key is 65 bytes; the limit is 64 \(--max-extra-key-bytes\)"),
     # -- Insert ------------------------------------------------------------------------
     Row("Insert", "no session", unary("Insert", lambda c: pb.InsertRequest(tokens=tokens(50, 1), device_pages=pack([9]))),
         C.UNAUTHENTICATED, r"no session given"),
@@ -243,6 +248,9 @@ TABLE = [
         session=A(c), tokens=tokens(50, 1), device_pages=pack([9]), release_lease=987654)), C.NOT_FOUND, r"lease 987654 " + NOT_HELD),
     Row("Insert", "release another session's lease", unary("Insert", lambda c: pb.InsertRequest(
         session=B(c), tokens=tokens(50, 1), device_pages=pack([9]), release_lease=c["lease"])), C.PERMISSION_DENIED, r"belongs to another session"),
+    Row("Insert", "extra_key past the limit", unary("Insert", lambda c: pb.InsertRequest(
+        session=A(c), tokens=tokens(60, 1), device_pages=pack([9]), extra_key=b"k" * 65)),
+        C.INVALID_ARGUMENT, r"^extra_key is 65 bytes; the limit is 64 \(--max-extra-key-bytes\)"),
     Row("Insert", "message over the size limit", unary("Insert", lambda c: pb.InsertRequest(
         session=A(c), tokens=HUGE, device_pages=pack([9]))), C.RESOURCE_EXHAUSTED, r"larger than max"),
     # -- LoadBack ----------------------------------------------------------------------
@@ -304,6 +312,8 @@ TABLE = [
         C.INVALID_ARGUMENT, r"prefetch policy 'eager'"),
     Row("Prefetch", "timeout policy without a timeout", streamed(lambda c: pb.PrefetchRequest(
         session=A(c), tokens=c["p"], policy="timeout")), C.INVALID_ARGUMENT, r"'timeout' needs timeout_ms > 0"),
+    Row("Prefetch", "extra_key past the limit", streamed(lambda c: pb.PrefetchRequest(
+        session=A(c), tokens=c["p"], extra_key=b"k" * 65)), C.INVALID_ARGUMENT, r"^extra_key is 65 bytes; the limit is 64"),
     Row("Prefetch", "no storage tier", streamed(lambda c: pb.PrefetchRequest(session=A(c), tokens=c["p"])),
         C.FAILED_PRECONDITION, r"no storage tier is configured"),
     # -- operators ---------------------------------------------------------------------

@@ -8,7 +8,8 @@ from radixkv.routing.blockhash import DEFAULT_SEED
 
 
 FLAGS = {"queue_size": "--kv-events-queue-size", "ring_size": "--kv-events-replay-size",
-         "hwm": "--kv-events-hwm", "subscriber_buffer": "--kv-events-subscriber-buffer"}  # field -> its flag
+         "ring_bytes": "--kv-events-replay-bytes", "hwm": "--kv-events-hwm",
+         "subscriber_buffer": "--kv-events-subscriber-buffer"}  # field -> its flag
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class EventsConfig:
     topic: str = "kv@{namespace}"  # per-namespace topic; {namespace} is substituted
     queue_size: int = 10_000     # batches waiting for the publisher thread; then dropped
     ring_size: int = 10_000      # batches kept for replay (ZMQ and WatchEvents)
+    ring_bytes: int = 256 << 20  # ... while they hold no more bytes than this
     hwm: int = 100_000           # ZMQ send high-water mark per subscriber
     subscriber_buffer: int = 1_000  # batches one WatchEvents stream may fall behind
     hash_seed: str = DEFAULT_SEED   # block-hash chain seed (vLLM's NONE_HASH seed)
@@ -50,6 +52,7 @@ class EventsConfig:
             topic=config.kv_events_topic,
             queue_size=config.kv_events_queue_size,
             ring_size=config.kv_events_replay_size,
+            ring_bytes=config.kv_events_replay_bytes,
             hwm=config.kv_events_hwm,
             subscriber_buffer=config.kv_events_subscriber_buffer,
             hash_seed=config.kv_events_hash_seed,

@@ -1,7 +1,8 @@
 """Published batches: the replay ring and the in-process fan-out behind `WatchEvents`.
 
 `Broadcast` numbers batches as they are published (contiguous from 0), keeps the last
-`ring_size` for replay, and hands each one to every `Subscription`. A subscription's buffer
+`ring_size` for replay (fewer when they pass `ring_bytes`: long prompts' batches are
+megabytes each), and hands each one to every `Subscription`. A subscription's buffer
 is bounded: one that falls `capacity` batches behind is cut off and raises
 `SubscriberLagged` (with the first sequence number it missed) instead of slowing the
 publisher; its reader may resubscribe from that number while the ring still holds it, or
@@ -29,6 +30,11 @@ class PublishedBatch:
     topic: bytes
     payload: bytes          # the msgpack KVEventBatch, as sent on ZMQ
     extra_keys: tuple[bytes, ...] = ()  # per event, the radixkv extra_key of its blocks (gRPC shows it)
+
+    @property
+    def size(self) -> int:
+        """The bytes it holds (payload and extra keys), as the ring counts them."""
+        return len(self.payload) + sum(len(k) for k in self.extra_keys)
 
     @property
     def batch(self) -> KVEventBatch:
@@ -116,13 +122,16 @@ class Subscription:
 
 
 class Broadcast:
-    def __init__(self, ring_size: int, capacity: int):
-        if ring_size < 1 or capacity < 1:
-            raise ValueError("ring_size and capacity must be >= 1")
+    def __init__(self, ring_size: int, capacity: int, ring_bytes: int = 256 << 20):
+        if ring_size < 1 or capacity < 1 or ring_bytes < 1:
+            raise ValueError("ring_size, capacity and ring_bytes must be >= 1")
         # The publisher thread appends; subscribers, gRPC streams and replays read.
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
-        self._ring: deque[PublishedBatch] = deque(maxlen=ring_size)
+        self._ring: deque[PublishedBatch] = deque()
+        self._ring_size = ring_size
+        self._ring_bytes = ring_bytes
+        self.ring_held = 0  # bytes the ring holds (PublishedBatch.size)
         self._subs: set[Subscription] = set()
         self._capacity = capacity
         self.next_seq = 0
@@ -135,6 +144,9 @@ class Broadcast:
             item = PublishedBatch(self.next_seq, namespace, topic, payload, extra_keys)
             self.next_seq += 1
             self._ring.append(item)
+            self.ring_held += item.size
+            while len(self._ring) > 1 and (len(self._ring) > self._ring_size or self.ring_held > self._ring_bytes):
+                self.ring_held -= self._ring.popleft().size  # the newest batch stays, whatever its size
             for sub in self._subs:
                 sub._offer(item)
             self._ready.notify_all()

@@ -28,6 +28,9 @@ from .fanout import Broadcast
 log = logging.getLogger("radixkv.events")
 _IDLE_POLL_S = 0.005  # how often an idle thread looks at the replay socket
 MAX_EVENTS_PER_BATCH = 1024  # a larger job (a resync's snapshot) goes out as several batches
+# ... and so does one whose batch would pass this (long prompts' BlockStored are 8 KiB per
+# 2k tokens): a router's gRPC channel takes 4 MiB messages by default.
+MAX_BATCH_BYTES = 1 << 20
 
 
 def _bind_or_connect(sock: zmq.Socket, endpoint: str, bound_files: list) -> None:
@@ -66,7 +69,7 @@ class Publisher:
 
     def __init__(self, config: EventsConfig):
         self.config = config
-        self.broadcast = Broadcast(config.ring_size, config.subscriber_buffer)
+        self.broadcast = Broadcast(config.ring_size, config.subscriber_buffer, config.ring_bytes)
         self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
         self._ctx = zmq.Context()
         self._pub = self._replay = None
@@ -171,15 +174,28 @@ class Publisher:
         events, extra_keys = builder.build(records)
         for start in range(0, max(len(events), 1), MAX_EVENTS_PER_BATCH):
             end = start + MAX_EVENTS_PER_BATCH
-            batch = KVEventBatch(ts=ts, events=events[start:end],
-                                 data_parallel_rank=self.config.data_parallel_rank)
-            payload = encode_batch(batch)
-            item = self.broadcast.publish(namespace, topic, payload, tuple(extra_keys[start:end]))
-            if self._pub is not None:
-                try:
-                    self._pub.send_multipart((topic, seq_bytes(item.seq), payload), flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    self.num_send_errors += 1
+            for payload, keys in self._encoded(ts, events[start:end], extra_keys[start:end]):
+                self._send(namespace, topic, payload, keys)
+
+    def _encoded(self, ts: float, events: list, extra_keys: list):
+        """(payload, extra keys) of batches holding `events` in order, each at most
+        MAX_BATCH_BYTES unless it is one event."""
+        payload = encode_batch(KVEventBatch(ts=ts, events=events, data_parallel_rank=self.config.data_parallel_rank))
+        if len(payload) <= MAX_BATCH_BYTES or len(events) < 2:
+            yield payload, tuple(extra_keys)
+            return
+        half = len(events) // 2
+        yield from self._encoded(ts, events[:half], extra_keys[:half])
+        yield from self._encoded(ts, events[half:], extra_keys[half:])
+
+    def _send(self, namespace: str, topic: bytes, payload: bytes, extra_keys: tuple[bytes, ...]) -> None:
+        """Publish one batch: into the ring and to WatchEvents, and on ZMQ."""
+        item = self.broadcast.publish(namespace, topic, payload, extra_keys)
+        if self._pub is not None:
+            try:
+                self._pub.send_multipart((topic, seq_bytes(item.seq), payload), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.num_send_errors += 1
 
     def _serve_replays(self) -> None:
         try:

@@ -71,9 +71,17 @@ def engine_event(request) -> bytes:
     return ev
 
 
-def prompts(request: pb.MatchRequest, limit: int) -> list[Prompt]:
+def extra_key(key: bytes, limit: int, where: str = "") -> bytes:
+    """`key`, or INVALID_ARGUMENT when it is longer than `limit` bytes (every node cached
+    under it keeps a copy: a key of megabytes made the tree outgrow its pools)."""
+    if len(key) > limit:
+        raise invalid(f"{where}extra_key is {len(key)} bytes; the limit is {limit} (--max-extra-key-bytes)")
+    return key
+
+
+def prompts(request: pb.MatchRequest, limit: int, key_limit: int) -> list[Prompt]:
     """RESOURCE_EXHAUSTED past `limit` prompts; INVALID_ARGUMENT naming a prompt whose
-    tokens are not packed int32."""
+    tokens are not packed int32 or whose extra_key is past `key_limit` bytes."""
     given = request.prompts
     if len(given) > limit:
         raise exhausted(f"{len(given)} prompts in one Match; the limit is {limit} (--max-prompts-per-match)")
@@ -82,7 +90,7 @@ def prompts(request: pb.MatchRequest, limit: int) -> list[Prompt]:
         tokens = p.tokens  # each read of a bytes field is a copy: read it once
         if len(tokens) % 4:
             raise invalid(f"prompt {len(out)}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
-        out.append(Prompt(tokens, p.extra_key))
+        out.append(Prompt(tokens, extra_key(p.extra_key, key_limit, f"prompt {len(out)}: ")))
     return out
 
 
@@ -99,8 +107,10 @@ def match_response(answers: list[MatchAnswer], out: pb.MatchResponse) -> pb.Matc
     return out
 
 
-def insert_request(request: pb.InsertRequest) -> InsertRequest:
-    return InsertRequest(request.tokens, request.device_pages, request.extra_key, request.chunked,
+def insert_request(request: pb.InsertRequest, key_limit: int) -> InsertRequest:
+    """INVALID_ARGUMENT for an extra_key past `key_limit` bytes."""
+    return InsertRequest(request.tokens, request.device_pages, extra_key(request.extra_key, key_limit),
+                         request.chunked,
                          request.release_lease, request.lease, getattr(request, "async"))
 
 
@@ -125,9 +135,9 @@ def evict_response(answer: EvictAnswer, out: pb.EvictResponse) -> pb.EvictRespon
     return out
 
 
-def prefetch_request(request: pb.PrefetchRequest) -> PrefetchRequest:
-    """INVALID_ARGUMENT for tokens that are not packed int32, an unknown policy, or
-    policy "timeout" without a timeout."""
+def prefetch_request(request: pb.PrefetchRequest, key_limit: int) -> PrefetchRequest:
+    """INVALID_ARGUMENT for tokens that are not packed int32, an extra_key past
+    `key_limit` bytes, an unknown policy, or policy "timeout" without a timeout."""
     if len(request.tokens) % 4:
         raise invalid(f"token bytes ({len(request.tokens)}) are not a multiple of 4 (packed int32)")
     try:
@@ -137,7 +147,7 @@ def prefetch_request(request: pb.PrefetchRequest) -> PrefetchRequest:
     if policy is PrefetchPolicy.TIMEOUT and not request.timeout_ms:
         raise invalid("prefetch policy 'timeout' needs timeout_ms > 0 (how long to wait for the fetch)")
     timeout = request.timeout_ms / 1000 if request.timeout_ms else None
-    return PrefetchRequest(request.tokens, request.extra_key, policy, timeout)
+    return PrefetchRequest(request.tokens, extra_key(request.extra_key, key_limit), policy, timeout)
 
 
 def prefetch_progress(step: PrefetchStep) -> pb.PrefetchProgress:

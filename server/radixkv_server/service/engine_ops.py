@@ -20,7 +20,7 @@ from .sessions import Session
 
 async def match(daemon: Daemon, session: Session, request: pb.MatchRequest,
                 out: pb.MatchResponse | None = None) -> pb.MatchResponse:
-    prompts = convert.prompts(request, daemon.config.max_prompts_per_match)
+    prompts = convert.prompts(request, daemon.config.max_prompts_per_match, daemon.config.max_extra_key_bytes)
     answers = await session.namespace.match(session, prompts, request.lease, request.include_storage)
     return convert.match_response(answers, pb.MatchResponse() if out is None else out)
 
@@ -28,7 +28,7 @@ async def match(daemon: Daemon, session: Session, request: pb.MatchRequest,
 async def insert(daemon: Daemon, session: Session, request: pb.InsertRequest,
                  out: pb.InsertResponse | None = None) -> pb.InsertResponse:
     session.namespace.order_after(session, convert.engine_event(request))
-    answer = await session.namespace.insert(session, convert.insert_request(request))
+    answer = await session.namespace.insert(session, convert.insert_request(request, daemon.config.max_extra_key_bytes))
     return convert.insert_response(answer, pb.InsertResponse() if out is None else out)
 
 

@@ -141,7 +141,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     async def Prefetch(self, request, context):
         """Stream prefetch progress (see the proto); errors abort the stream with a status."""
         session = self.daemon.session(request.session)
-        async for step in session.namespace.prefetch(session, convert.prefetch_request(request)):
+        prefetch = convert.prefetch_request(request, self.daemon.config.max_extra_key_bytes)
+        async for step in session.namespace.prefetch(session, prefetch):
             await context.write(convert.prefetch_progress(step))
 
     @rpc
