@@ -270,3 +270,26 @@ def test_batches_published_while_a_snapshot_is_sent_wait_for_the_reader_past_its
     assert [b.seq for b in live] == list(range(first.seq, first.seq + len(live)))
     assert len(live) > 4, "the new prompts came in no more batches than the buffer holds: not exercised"
     assert stored >= wanted
+
+
+def test_negative_token_ids_reach_watchers_as_they_were_inserted():
+    """Engines' placeholder ids may be negative (the vLLM connector's multimodal ones
+    are): WatchEvents once answered INTERNAL to every watcher of the namespace, its
+    token_ids field being unsigned."""
+    d = DaemonProcess("--kv-events-watch", "true")
+    d.start()
+    engine = EngineDouble.connect(d.target, NS)
+    channel = grpc.insecure_channel(d.target)
+    try:
+        prompt = [-5 - t if t % 3 == 0 else t for t in range(2 * PS)]
+        engine.prefill(prompt)
+        stored = []
+        for batch in pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(from_seq=0), timeout=30):
+            stored += [list(e.token_ids) for e in batch.events if e.kind == pb.KvEvent.BLOCK_STORED]
+            if stored:
+                break
+        assert stored == [prompt]
+    finally:
+        engine.close()
+        channel.close()
+        stop_all([d])
