@@ -92,6 +92,24 @@ def test_bad_requests_change_nothing():
     assert len(cache.tree.nodes) == 0 and tier.check_invariants() == []
 
 
+def test_a_load_from_past_the_path_is_refused_not_answered_with_tokens_it_lacks():
+    """A load from the path's end loads nothing and says the engine holds the path; one
+    from further on once answered OK with made-up tokens (4000 for an 8-token path), or
+    INTERNAL once the count passed 32 bits."""
+    cache, tier, copier = make(tp=1)
+    prompt = prompt_bytes([1, 2])
+    t = tier.save(prompt, pack([0, 1]), b"", owner="a", rank=0).transfer
+    copier.complete(tier, t, False)
+    tier.finish(t, owner="a")
+    node = cache.match(prompt).host_node
+    at_end = tier.load(node, pack([5]), 2, owner="b")
+    assert (at_end.transfer, at_end.device_tokens, at_end.loaded_tokens) == (0, 2 * PAGE, 0)
+    for start in (3, 1000, 2**32 - 1):
+        with pytest.raises(InvalidRequest, match=f"start_page {start} is past node {node}'s path \\(2 pages\\)"):
+            tier.load(node, pack([5]), start, owner="b")
+    assert tier.check_invariants() == []
+
+
 def test_host_pressure_stores_complete_nodes_and_drops_incomplete_ones():
     cache = HierarchicalCache(CacheConfig(page_size=PAGE, write_policy="write_back", storage="write_back",
                                           storage_salt=b"s"), MemoryCopier(), num_device_pages=0, host_pages=4)

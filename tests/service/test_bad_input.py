@@ -162,6 +162,11 @@ TABLE = [
     Row("Register", "page_stride below page_bytes", reg(buffers=lambda bs: [
         pb.DeviceBuffer(handle=b.handle, offset=b.offset, size=b.size, page_stride=8) for b in bs]),
         C.INVALID_ARGUMENT, r"page_stride 8 is less than its page_bytes"),
+    Row("Register", "page_stride past any buffer (one page: no size check sees it)", reg(num_device_pages=1, buffers=lambda bs: [
+        pb.DeviceBuffer(handle=b.handle, offset=b.offset, size=b.size, page_stride=2**64 - 1) for b in bs]),
+        C.INVALID_ARGUMENT, r"buffer 0: page_stride 18446744073709551615 is past any buffer"),
+    Row("Register", "more device pages than int32 page ids name", reg(num_device_pages=2**31),
+        C.INVALID_ARGUMENT, r"num_device_pages 2147483648: page ids are int32, at most 2147483647 pages"),
     Row("Register", "scheduler role on a managed-device namespace", reg(role=pb.SCHEDULER), C.INVALID_ARGUMENT,
         r"role is for engine-managed namespaces"),
     Row("Register", "tp_rank past tp_size on a managed-device namespace", reg(tp_size=2, tp_rank=3),

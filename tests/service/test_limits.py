@@ -198,3 +198,25 @@ def test_limits_must_be_positive(flag):
     from radixkv_server.config import load_config
     with pytest.raises(ValueError, match=">= 1"):
         load_config([flag, "0"], {})
+
+
+def test_a_host_pool_of_more_pages_than_int32_ids_name_is_refused_saying_why():
+    """A layout of 1-byte pages makes the default 4 GiB pool 2**32 pages: once INTERNAL
+    (the free list is an int32 array), now RESOURCE_EXHAUSTED naming the bound."""
+    from types import SimpleNamespace
+
+    from radixkv.layout import KvLayout
+    from radixkv_server.config import DaemonConfig
+    from radixkv_server.service.errors import ServiceError
+    from radixkv_server.service.registration import MAX_PAGES, host_pages
+
+    tiny = KvLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="int8", kv_format="mla", page_size=1)
+    assert tiny.page_bytes == 1
+    config = DaemonConfig(host_pool_size=4 << 30, max_host_pool_size=8 << 30)
+    for asked, words in ((0, "the default host pool (4294967296 bytes) holds 4294967296 pages"),
+                         (MAX_PAGES + 1, "exceeds the per-namespace limit of 2147483647 pages")):
+        with pytest.raises(ServiceError) as e:
+            host_pages(config, SimpleNamespace(layout=tiny, host_pool_pages=asked))
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and words in str(e.value)
+        assert "int32" in str(e.value)
+    assert host_pages(config, SimpleNamespace(layout=tiny, host_pool_pages=MAX_PAGES)) == MAX_PAGES

@@ -170,7 +170,8 @@ class EngineTier:
         """Copy the complete host pages of `node_id`'s path from page `start_page` on into
         rank `rank`'s engine pages `device_pages` (as many as both allow). The result's
         `device_pages` are the pages written, covering tokens up to `device_tokens`;
-        `unused_pages` the rest. Raises UnknownNode / InvalidRequest before changing anything."""
+        `unused_pages` the rest. Raises UnknownNode / InvalidRequest (a start_page past the
+        path among them) before changing anything."""
         state = self.state
         self._check_rank(rank)
         node = state.tree.get(node_id)
@@ -182,6 +183,10 @@ class EngineTier:
         n = count(host)
         ps = state.config.page_size
         if n == 0:
+            path_pages = sum(state.pages(p) for p in node.path())
+            if start_page > path_pages:
+                raise InvalidRequest(f"LoadBack: start_page {start_page} is past node {node_id}'s path "
+                                     f"({path_pages} pages)")
             return LoadBackResult(0, b"", start_page * ps, 0, (), device_pages)
         tid = state.reserve_transfer_id()
         for s in sources:

@@ -28,6 +28,8 @@ from radixkv.layout import KvLayout
 
 from ..core.pages import unpack
 
+MAX_BUFFER_BYTES = 1 << 48  # no device or shared-memory buffer is larger (strides past it overflowed int64)
+
 
 class DeviceOpenError(Exception):
     """The engine's buffers cannot be opened as described; the message says what to fix."""
@@ -225,6 +227,8 @@ def buffer_geometry(layout: KvLayout, specs: list[BufferSpec]) -> tuple[int, lis
     for i, stride in enumerate(strides):
         if stride < chunk:
             raise DeviceOpenError(f"buffer {i}: page_stride {stride} is less than its page_bytes {chunk} (pages would overlap)")
+        if stride > MAX_BUFFER_BYTES:
+            raise DeviceOpenError(f"buffer {i}: page_stride {stride} is past any buffer (at most {MAX_BUFFER_BYTES} bytes)")
     return chunk, strides
 
 

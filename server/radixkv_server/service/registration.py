@@ -20,6 +20,7 @@ from .namespace import Namespace
 from .namespace_config import NamespaceConfig
 from .sessions import Session
 
+MAX_PAGES = 2**31 - 1  # page ids travel as packed int32 (Insert, LoadBack, Evict answers)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
@@ -103,6 +104,8 @@ def validate(reg: Registration) -> None:
                       "namespace has one ENGINE session (of one tensor-parallel rank: tp_rank, tp_size)")
     if reg.num_device_pages < 1:
         raise invalid("num_device_pages must be >= 1")
+    if reg.num_device_pages > MAX_PAGES:
+        raise invalid(f"num_device_pages {reg.num_device_pages}: page ids are int32, at most {MAX_PAGES} pages")
     if not any(b.page_bytes for b in reg.buffers) and len(reg.buffers) != reg.layout.num_buffers:
         raise invalid(f"layout needs {reg.layout.num_buffers} device buffers "
                       f"({reg.layout.num_layers} layers x {reg.layout.buffers_per_layer}), got {len(reg.buffers)} "
@@ -189,17 +192,21 @@ def host_pages(config: DaemonConfig, reg: Registration) -> int:
     """Host pool pages for a new namespace; RESOURCE_EXHAUSTED past the per-namespace limit,
     or when the default pool holds no page of the layout (a namespace that can cache nothing)."""
     page_bytes = reg.layout.page_bytes
-    limit = config.host_pool_limit // page_bytes
+    limit = min(config.host_pool_limit // page_bytes, MAX_PAGES)
     if reg.host_pool_pages:
         if reg.host_pool_pages > limit:
             raise exhausted(
                 f"host pool of {reg.host_pool_pages} pages ({reg.host_pool_pages * page_bytes} bytes) "
-                f"exceeds the per-namespace limit of {limit} pages ({config.host_pool_limit} bytes)")
+                f"exceeds the per-namespace limit of {limit} pages ({config.host_pool_limit} bytes"
+                f"{'; page ids are int32' if limit == MAX_PAGES else ''})")
         return reg.host_pool_pages
     pages = config.host_pool_size // page_bytes
     if pages < 1:
         raise exhausted(f"a host page of this layout is {page_bytes} bytes, more than the whole host pool "
                         f"({config.host_pool_size} bytes): raise --host-pool-size, or ask for host_pool_pages")
+    if pages > MAX_PAGES:
+        raise exhausted(f"the default host pool ({config.host_pool_size} bytes) holds {pages} pages of "
+                        f"{page_bytes} bytes; page ids are int32: ask for host_pool_pages <= {MAX_PAGES}")
     return pages
 
 
