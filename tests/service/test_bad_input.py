@@ -201,6 +201,8 @@ TABLE = [
     # -- Close: idempotent -------------------------------------------------------------
     Row("Close", "unknown session (idempotent)", unary("Close", lambda c: pb.CloseRequest(session="nobody")), C.OK, ""),
     # -- Match -------------------------------------------------------------------------
+    Row("Match", "a session id of 20k characters (quoted, cut)", unary("Match", lambda c: pb.MatchRequest(session="s" * 20_000)),
+        C.UNAUTHENTICATED, r"^unknown session 's{100}.*\.\.\. \(cut: 200\d\d characters\)$"),
     Row("Match", "no session", unary("Match", lambda c: pb.MatchRequest(prompts=[pb.Prompt(tokens=c["p"])])),
         C.UNAUTHENTICATED, r"no session given: call Register"),
     Row("Match", "unknown session", unary("Match", lambda c: pb.MatchRequest(session="f" * 32)),
@@ -323,6 +325,8 @@ TABLE = [
         C.FAILED_PRECONDITION, r"no storage tier is configured"),
     # -- operators ---------------------------------------------------------------------
     Row("Stats", "unknown namespace", unary("Stats", lambda c: pb.StatsRequest(namespace="nope")), C.NOT_FOUND, r"no namespace 'nope'"),
+    Row("Stats", "a namespace of 20k characters (quoted, cut)", unary("Stats", lambda c: pb.StatsRequest(namespace="n" * 20_000)),
+        C.NOT_FOUND, r"^no namespace 'n{100}.*\(cut: \d+ characters\)$"),
     Row("Inspect", "no namespace", unary("Inspect", lambda c: pb.InspectRequest()), C.INVALID_ARGUMENT, r"namespace is required"),
     Row("Inspect", "unknown namespace", unary("Inspect", lambda c: pb.InspectRequest(namespace="nope")), C.NOT_FOUND, r"no namespace"),
     Row("DropNamespace", "no namespace", unary("DropNamespace", lambda c: pb.DropNamespaceRequest()),

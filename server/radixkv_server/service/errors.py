@@ -28,14 +28,26 @@ _CORE_STATUS: list[tuple[type, grpc.StatusCode]] = [
 ]
 
 
+MAX_MESSAGE_CHARS = 2000  # a status travels in a trailer: gRPC's limit is 16 KiB, percent-encoded
+
+
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
-    """The status and message for a caller error; None for anything else (a bug)."""
+    """The status and message for a caller error; None for anything else (a bug). A
+    message quoting a caller's string of many kilobytes (a session id, a name) is cut to
+    MAX_MESSAGE_CHARS: whole, it passed gRPC's trailer limit and the caller got
+    RESOURCE_EXHAUSTED "metadata size exceeds hard limit" instead."""
     if isinstance(exc, ServiceError):
-        return exc.code, str(exc)
+        return exc.code, _cut(str(exc))
     for cls, code in _CORE_STATUS:
         if isinstance(exc, cls):
-            return code, str(exc)
+            return code, _cut(str(exc))
     return None
+
+
+def _cut(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... (cut: {len(message)} characters)"
 
 
 def invalid(message: str) -> ServiceError:
