@@ -110,9 +110,16 @@ def test_sidecar_matches_the_daemons_flags():
         command = side[probe]["exec"]["command"]
         assert command[0] == "radixkv-health" and "radixkv-health" in SCRIPTS
     assert side["livenessProbe"]["exec"]["command"][-2:] == ["--service", ""]
-    # Memory: requested = limit >= host pool x namespaces + the daemon's own ~1 GiB.
+    # Memory: requested = limit >= host pool x namespaces + the daemon's own ~1 GiB; and
+    # the pod Guaranteed as the manifest says: CPU and memory requested = limit in every
+    # container (one without a CPU limit made it Burstable, the pool an early OOM victim).
     limits, requests = side["resources"]["limits"], side["resources"]["requests"]
-    assert limits["memory"] == requests["memory"]
+    for container in (side, *spec["containers"]):
+        r = container["resources"]
+        for resource in ("cpu", "memory"):
+            assert r["limits"].get(resource) == r["requests"].get(resource), (container["name"], resource)
+    # The critical invariant alert has something to count.
+    assert config.invariant_check_interval > 0
     assert parse_size(limits["memory"]) >= config.host_pool_size * config.max_namespaces + 2**30
     # Shutdown: the kubelet waits longer than the daemon's grace and its storing.
     assert spec["terminationGracePeriodSeconds"] > config.shutdown_grace + config.shutdown_store_timeout
@@ -155,6 +162,22 @@ def test_service_and_monitors_select_the_sidecar_port():
     for e in endpoints:
         assert e["path"] == "/metrics"
         assert _seconds(e["scrapeTimeout"]) <= _seconds(e["interval"])
+        # The Operator's `namespace` target label would rename radixkv's own (the cache
+        # namespace every per-namespace panel and alert groups by) to exported_namespace.
+        assert {"action": "labeldrop", "regex": "namespace"} in e["relabelings"]
+        assert {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "kubernetes_namespace"} \
+            in e["relabelings"]
+
+
+def test_the_readmes_tcp_listener_keeps_the_socket_the_probes_and_engine_use():
+    """deploy/kubernetes/README.md's TCP recipe: a --listen flag replaces RADIXKV_LISTEN,
+    so the recipe lists both; followed, the daemon still listens on the socket."""
+    text = (DEPLOY / "kubernetes" / "README.md").read_text()
+    (value,) = re.findall(r"`RADIXKV_LISTEN=([^`]+)`", text)
+    env = {e["name"]: str(e["value"]) for e in sidecar()["env"]}
+    env["RADIXKV_LISTEN"] = value
+    listen = load_config([], environ=env).listen
+    assert f"unix://{SOCKET_DIR}/radixkv.sock" in listen and any(a.startswith("0.0.0.0:") for a in listen)
 
 
 # -- systemd -------------------------------------------------------------------------
@@ -186,6 +209,7 @@ def test_systemd_unit_settings():
     config = load_config([], environ=env)
     assert all(k[len("RADIXKV_"):].lower() in DaemonConfig.__dataclass_fields__ for k in env)
     assert config.listen == (f"unix://{SOCKET_DIR}/radixkv.sock",)
+    assert config.invariant_check_interval > 0, "the critical invariant alert would have nothing to count"
     assert float(unit["TimeoutStopSec"][0]) > config.shutdown_grace + config.shutdown_store_timeout
 
 
