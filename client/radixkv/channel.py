@@ -8,13 +8,17 @@ should use it. With a token every call carries `authorization: Bearer <token>`.
 """
 
 import os
+import time
 from collections import namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from .errors import InvalidArgument
+from grpc_health.v1 import health_pb2
+
+from .errors import InvalidArgument, RadixKVError, Unavailable
+from .plans import Plan, Rpc, Sleep
 
 
 DEFAULT_TARGET = "unix:///run/radixkv/radixkv.sock"
@@ -149,4 +153,27 @@ def open_aio_channel(target: str, options: Sequence, tls: Tls | None, token: str
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
-__all__ = ["Tls", "open_aio_channel", "open_channel"]
+def wait_serving(target: str, timeout: float, service: str) -> Plan[None]:
+    """Until the daemon at `target` answers `service` SERVING (health), within `timeout`
+    seconds; raises Unavailable saying what it answered last (or why nothing came)."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            resp = yield Rpc("Check", health_pb2.HealthCheckRequest(service=service), min(left, 1.0),
+                             health=True, wait_for_ready=True)
+            if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except RadixKVError as e:
+            last = str(e)
+        yield Sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    if "DEADLINE_EXCEEDED" in last:  # waiting for a connection hides why there is none
+        try:
+            yield Rpc("Check", health_pb2.HealthCheckRequest(service=service), 1.0, health=True)
+        except RadixKVError as e:
+            last = str(e)
+    raise Unavailable(f"daemon at {target} not serving after {timeout}s ({last})")
+
+
+__all__ = ["Tls", "open_aio_channel", "open_channel", "wait_serving"]

@@ -90,6 +90,12 @@ class Internal(RadixKVError):
     code = grpc.StatusCode.INTERNAL
 
 
+class Unimplemented(RadixKVError):
+    """The daemon has no such RPC: it is older than this client (upgrade the daemon)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class SessionLost(RadixKVError):
     """The session is gone and the client registered a new one: every device page the
     engine handed to the cache is the engine's again (the daemon holds none of them),
@@ -117,7 +123,7 @@ class DaemonRestarted(SessionLost):
 _BY_CODE: dict[grpc.StatusCode, type[RadixKVError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, Unauthenticated, PermissionDenied,
-                ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled, Internal)
+                ResourceExhausted, Unavailable, DeadlineExceeded, Cancelled, Internal, Unimplemented)
 }
 
 
@@ -154,5 +160,5 @@ def from_rpc_error(err: grpc.RpcError, method: str = "", timeout: float | None =
 __all__ = [
     "Cancelled", "DaemonRestarted", "DeadlineExceeded", "FailedPrecondition", "Internal",
     "InvalidArgument", "NotFound", "PermissionDenied", "RadixKVError", "ResourceExhausted",
-    "SessionLost", "Unauthenticated", "Unavailable", "code_from_int", "error_for", "from_rpc_error",
+    "SessionLost", "Unauthenticated", "Unavailable", "Unimplemented", "code_from_int", "error_for", "from_rpc_error",
 ]

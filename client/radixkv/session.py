@@ -11,9 +11,9 @@ the session is probed; a lost session (or a stream the daemon ended) is register
 with the last `register`'s arguments, paced by `radixkv.reconnect.Recovery`, and the call
 that succeeds raises `SessionLost` (`DaemonRestarted` for a new daemon). The lost session
 is closed first (answered once its copies are over): once `SessionLost` is raised the
-daemon no longer touches the engine's pages for it. A call
-that moves pages or leases left without an answer may still be carried out: it ends the
-session the same way (`_give_up`; docs/reliability.md). The ack stream (`radixkv.acks`)
+daemon no longer touches the engine's pages for it. A call that moves pages or leases
+left without an answer may still be carried out: it ends the session the same way
+(`_give_up`; docs/reliability.md). The ack stream (`radixkv.acks`)
 and session stream (`radixkv.streaming`) are opened per registration through the shell's
 `open_acks` / `open_calls`, and abandoned once the lost session's Close was answered.
 """
@@ -24,35 +24,33 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from grpc_health.v1 import health_pb2
-
 from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
-from .channel import DEFAULT_TARGET
-from .errors import DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated, Unavailable
+from .channel import DEFAULT_TARGET, wait_serving
+from .errors import (DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
+                     Unavailable, Unimplemented)
 from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
 from .reconnect import Backoff, Recovery, lost_message
-from .streaming import STREAM_METHODS
+from .streaming import STREAM_METHODS, check_served
 from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, PrefetchProgress,
                     Registration, Violation)
 
 SERVICE = "radixkv.v1.RadixKV"
 PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
 RETRY_WHILE_REGISTERING_S = 0.05  # `reconnect` looks again this soon while another call registers
-_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class Session:
     """The state of one client: its registration, ack stream and recovery, and a plan
     per operation (see the module docstring; `Client` documents each operation).
 
-    `open_acks(session_id, on_broken)` is the shell's: it returns an opened ack stream
-    (`issue`, `abandon`, `wait`, `close`) that calls `on_broken(reason)` when the daemon
-    ends it. `open_calls` (None: unary calls only) likewise opens a session stream (`call`,
-    `abandon`, `close`). `on_broken` may come from another thread (the blocking client's
-    reader): recovery state changes hold `_lock`. Plans run one at a time per client."""
+    `open_acks(session_id, on_broken)` is the shell's: an opened ack stream (`issue`,
+    `abandon`, `wait`, `close`) calling `on_broken(reason)` when the daemon ends it;
+    `open_calls` (None: unary calls only) opens a session stream (`call`, `abandon`,
+    `close`) alike. `on_broken` may come from another thread: recovery state changes
+    hold `_lock`. Plans run one at a time per client."""
 
     def __init__(self, target: str, *, timeout: float | None, reconnect: Backoff | None,
                  on_session_lost: Callable[[SessionLost], None] | None,
@@ -81,17 +79,17 @@ class Session:
     @property
     def id(self) -> str:
         """The session id. Raises FailedPrecondition before `register` or after `close`."""
-        self._check_open()
-        if self.registration is None:
-            raise FailedPrecondition("not registered: call register() first")
-        return self.registration.session
+        return self._registered(self.registration).session
 
     def acks(self):
         """The ack stream. Raises FailedPrecondition before `register` or after `close`."""
+        return self._registered(self._acks)
+
+    def _registered(self, value):
         self._check_open()
-        if self._acks is None:
+        if value is None:
             raise FailedPrecondition("not registered: call register() first")
-        return self._acks
+        return value
 
     def live_stream(self):
         """The session stream when a call can go on it now without recovery first
@@ -110,24 +108,7 @@ class Session:
     # -- lifecycle ---------------------------------------------------------------------
 
     def wait_ready(self, timeout: float, service: str) -> Plan[None]:
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                resp = yield Rpc("Check", health_pb2.HealthCheckRequest(service=service), min(left, 1.0),
-                                 health=True, wait_for_ready=True)
-                if resp.status == _SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-            except RadixKVError as e:
-                last = str(e)
-            yield Sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        if "DEADLINE_EXCEEDED" in last:  # waiting for a connection hides why there is none
-            try:
-                yield Rpc("Check", health_pb2.HealthCheckRequest(service=service), 1.0, health=True)
-            except RadixKVError as e:
-                last = str(e)
-        raise Unavailable(f"daemon at {self.target} not serving after {timeout}s ({last})")
+        return (yield from wait_serving(self.target, timeout, service))
 
     def register(self, namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int,
                  **options) -> Plan[Registration]:
@@ -139,6 +120,12 @@ class Session:
         self._register_request = req
         self._buffers = buffers
         self._attach(reg)
+        if self._calls is not None:
+            try:
+                yield from check_served(reg.session, self.timeout)
+            except Unimplemented:
+                self.drop("the daemon has no Session stream")
+                raise
         return reg
 
     def reconnect(self, timeout: float) -> Plan[SessionLost | None]:
@@ -360,9 +347,8 @@ class Session:
                 raise Unavailable(f"session lost ({reason}); another call is registering it again")
             rec.registering = True  # cleared with the outcome: failed() or recovered()
         try:  # as first registered: replace_existing only if the engine asked for it then
-            # The lost session first: the daemon answers once its copies are over (at
-            # once for a session it no longer knows: closing is idempotent). Only then
-            # do its streams' calls and acks still unanswered fail: nothing more comes.
+            # The lost session first: answered once its copies are over (at once if unknown).
+            # Only then do its streams' unanswered calls and acks fail: nothing more comes.
             end = None if within is None else time.monotonic() + within
             step = self.timeout if within is None else min(within, self.timeout or within)
             yield Rpc("Close", pb.CloseRequest(session=reg.session), step)

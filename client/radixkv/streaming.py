@@ -33,7 +33,10 @@ import grpc
 
 from radixkv.v1 import radixkv_pb2 as pb
 
-from .errors import DeadlineExceeded, RadixKVError, Unavailable, code_from_int, error_for, from_rpc_error
+from .errors import (
+    DeadlineExceeded, RadixKVError, Unavailable, Unimplemented, code_from_int, error_for, from_rpc_error,
+)
+from .plans import Plan, Rpc
 
 # RadixKV method -> its field of the SessionRequest / SessionResponse oneofs
 STREAM_METHODS = {"Match": "match", "LoadBack": "load_back", "Insert": "insert", "Evict": "evict",
@@ -56,6 +59,7 @@ class CallLedger:
     def __init__(self):
         self._ids = itertools.count(1)
         self.ended: str | None = None
+        self.unsupported = False  # the daemon has no Session stream (UNIMPLEMENTED)
 
     def request(self, method: str, request) -> tuple[int, pb.SessionRequest]:
         """(id, the message carrying `request`); Unavailable once the stream ended."""
@@ -74,15 +78,36 @@ class CallLedger:
             return RadixKVError(f"the daemon answered call {response.id} with nothing")
         return getattr(response, kind)
 
-    def end(self, reason: str) -> bool:
-        """No more answers will come; the first reason stays. True if this call ended it."""
+    def end(self, reason: str, cause: BaseException | None = None) -> bool:
+        """No more answers will come; the first reason stays. True if this call ended it
+        (and the session should be told: not when the daemon has no Session stream at
+        all, which says nothing of the session)."""
         if self.ended is not None:
             return False
         self.ended = reason
-        return True
+        self.unsupported = isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.UNIMPLEMENTED
+        return not self.unsupported
 
-    def broken(self) -> Unavailable:
+    def broken(self) -> RadixKVError:
+        if self.unsupported:
+            return Unimplemented("the daemon has no Session stream: it is older than this client. Upgrade the "
+                                 f"daemon, or make the client with stream=False ({self.ended})")
         return Unavailable(f"no answer on the session stream: {self.ended}")
+
+
+def check_served(session: str, timeout: float | None) -> Plan[None]:
+    """One Echo on a new session's stream: a daemon older than the Session stream answers
+    it UNIMPLEMENTED, and every call on it would fail (each taken for a lost session and
+    registered again, in a loop). Then `session` is closed and Unimplemented raised,
+    saying what to do."""
+    try:
+        yield Rpc("Echo", pb.EchoRequest(), timeout, on_stream=True)
+    except Unimplemented:
+        try:
+            yield Rpc("Close", pb.CloseRequest(session=session), timeout)
+        except RadixKVError:
+            pass  # the session was the daemon's to close: it goes with the client's streams
+        raise
 
 
 class CallStream:
@@ -164,7 +189,7 @@ class CallStream:
             error = e
         reason = stream_end_reason(error)
         with self._lock:
-            by_daemon = self._ledger.end(reason)
+            by_daemon = self._ledger.end(reason, error)
         self._queue.put(_CLOSE)  # stop the request iterator
         self._fail_pending()
         if by_daemon and self._on_broken is not None:
@@ -240,7 +265,7 @@ class AsyncCallStream:
             if task is not None and task.cancelling():
                 raise
         except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._end(stream_end_reason(e))
+            self._end(stream_end_reason(e), e)
         finally:
             self._deadlines.pop(rid, None)
             self._pending.pop(rid, None)
@@ -291,7 +316,7 @@ class AsyncCallStream:
             while self._pending and not self._reading and self._ledger.ended is None:
                 await self._read_one()
         except (asyncio.CancelledError, Exception) as e:  # the waiters must hear of it
-            self._end(stream_end_reason(e))
+            self._end(stream_end_reason(e), e)
         finally:
             self._reader = None
 
@@ -318,10 +343,10 @@ class AsyncCallStream:
         self._deadlines.clear()
         self._end(f"a {method} was not answered within {timeout}s")  # a read in progress ends too
 
-    def _end(self, reason: str) -> None:
+    def _end(self, reason: str, cause: BaseException | None = None) -> None:
         """The stream is over (and the daemon closes the session with it): fail what is
         owed; tell the session, unless the client ended it (close, abandon)."""
-        by_daemon = self._ledger.end(reason)
+        by_daemon = self._ledger.end(reason, cause)
         self._call.cancel()
         self._fail_pending()
         if by_daemon and self._on_broken is not None:
@@ -338,4 +363,4 @@ class AsyncCallStream:
                 answer.set_result(self._ledger.broken())
 
 
-__all__ = ["STREAM_METHODS", "AsyncCallStream", "CallLedger", "CallStream", "stream_end_reason"]
+__all__ = ["STREAM_METHODS", "AsyncCallStream", "CallLedger", "CallStream", "check_served", "stream_end_reason"]

@@ -111,11 +111,13 @@ class DaemonProcess:
     probe          Client arguments the readiness probe needs (tls=... on a TLS listener)
     env            the daemon's environment (default: this process's)
     start_timeout  how long start() waits for readiness
+    launcher       the interpreter's arguments before the daemon's flags (default
+                   `-m radixkv_server`; `-c <script>` runs the daemon from a script)
     """
 
     def __init__(self, *flags: str, metrics: bool = False, split_logs: bool = False,
                  listen: str | None = None, probe: dict | None = None, env: dict | None = None,
-                 start_timeout: float = START_TIMEOUT_S):
+                 start_timeout: float = START_TIMEOUT_S, launcher: tuple[str, ...] = ("-m", "radixkv_server")):
         # mkdtemp under /tmp, not tmp_path: a unix socket path must stay under 108 bytes.
         self.dir = tempfile.mkdtemp(prefix="rkv-d-")
         self.socket = os.path.join(self.dir, "radixkv.sock")
@@ -128,6 +130,7 @@ class DaemonProcess:
         self.probe = probe or {}
         self.env = env
         self.start_timeout = start_timeout
+        self.launcher = launcher
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.killed = False  # the last run was ended by kill(), on purpose
@@ -158,7 +161,7 @@ class DaemonProcess:
             err = files.enter_context(open(self.log_path, "ab"))
             out = files.enter_context(open(self.out_path, "ab")) if self.out_path else err
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "radixkv_server", "--listen", self.target, *self.flags],
+                [sys.executable, *self.launcher, "--listen", self.target, *self.flags],
                 stdout=out, stderr=err, cwd=self.dir, env=self.env)
         self.starts += 1
         self.killed = False
