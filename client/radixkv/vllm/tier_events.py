@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import grpc
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
+from radixkv.channel import Tls, open_channel
 from radixkv.messages import channel_options
 from radixkv.routing.wire import watch_event_fields
 from radixkv.v1 import radixkv_pb2 as pb
@@ -42,11 +43,13 @@ RETRY_S = 1.0               # wait before following the daemon again after a bro
 class TierEvents:
     """Follows the daemon's events of `namespace` at `target` on a thread of its own."""
 
-    def __init__(self, target: str, namespace: str, *, max_pending: int = 100_000,
-                 max_storage_blocks: int = 1 << 20, retry_s: float = RETRY_S):
+    def __init__(self, target: str, namespace: str, *, tls: Tls | None = None, token: str | None = None,
+                 max_pending: int = 100_000, max_storage_blocks: int = 1 << 20, retry_s: float = RETRY_S):
         self.namespace = namespace
         self.max_pending, self.max_storage_blocks, self.retry_s = max_pending, max_storage_blocks, retry_s
-        self._channel = grpc.insecure_channel(target, options=channel_options(64 << 20))
+        # The connector's TLS and token, as its other channels: a daemon that asks for
+        # them refused the events for good otherwise.
+        self._channel = open_channel(target, channel_options(64 << 20), tls, token)
         self._stub = pb_grpc.RadixKVStub(self._channel)
         self._lock = threading.Lock()
         self._pending: list = []                                 # vLLM events not taken yet
@@ -104,7 +107,7 @@ class TierEvents:
                         self._call.cancel()
                         break
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
                     log.warning("radixkv: the daemon publishes no KV events (%s); vLLM's KV events "
                                 "will not show radixkv's host and storage tiers", e.details())
                     return
