@@ -17,9 +17,10 @@ Used by test_core_engine_tier.py (for tp_size 1, 2 and 3).
 
 import random
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from radixkv_server.core import CacheConfig, HierarchicalCache, NotReady
+from radixkv_server.core import CacheConfig, HierarchicalCache, InvalidRequest, NotReady
 from radixkv_server.core.engine_tier import EngineTier
 from radixkv_server.core.pages import pack, unpack
 from radixkv_server.core.transfers import TransferKind
@@ -171,6 +172,10 @@ class EngineTierMachine(RuleBasedStateMachine):
             return
         want = max(complete // PAGE - start, 0)
         pages = self._pages(rank, want + 1)
+        if start > result.host_tokens // PAGE:  # past the node's path: refused, nothing changes
+            with pytest.raises(InvalidRequest, match="is past node"):
+                self.tier.load(result.host_node, pack(pages), start, owner=rank, rank=rank)
+            return
         r = self.tier.load(result.host_node, pack(pages), start, owner=rank, rank=rank)
         loaded = r.loaded_tokens // PAGE
         assert loaded == want, "a load copies every complete page asked for"
