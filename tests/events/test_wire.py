@@ -83,3 +83,18 @@ def test_bad_payload_raises_a_decode_error():
     with pytest.raises(msgspec.DecodeError):
         wire.decode_batch(b"\x93\xcb")
     assert wire.seq_of(wire.END_SEQ) == -1 and wire.seq_of(wire.seq_bytes(2**40)) == 2**40
+
+
+def test_events_of_a_type_not_known_here_are_skipped_the_rest_kept(caplog):
+    """A newer vLLM adding an event type: the batch's other events still apply (the whole
+    batch once failed, and a router reset that worker at every batch); a bad event of a
+    known type still fails the batch."""
+    stored, removed = built_batch().events[0], built_batch().events[3]
+    raw = msgspec.msgpack.decode(wire.encode_batch(wire.KVEventBatch(ts=2.0, events=[stored, removed])))
+    raw[1].insert(1, {"type": "BlockReused", "block_hashes": [1, 2]})
+    got = wire.decode_batch(msgspec.msgpack.encode(raw))
+    assert (got.ts, got.events) == (2.0, [stored, removed])
+    assert "'BlockReused' are not known here" in caplog.text
+    raw[1][1] = {"type": "BlockRemoved", "block_hashes": "not a list"}
+    with pytest.raises(msgspec.ValidationError):
+        wire.decode_batch(msgspec.msgpack.encode(raw))

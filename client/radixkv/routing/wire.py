@@ -12,6 +12,7 @@ msgspec structs that encode byte for byte as vLLM's do and decode vLLM's batches
   then `(b"", b"", END_SEQ, b"")`, END_SEQ being -1 as 8 signed big-endian bytes.
 """
 
+import logging
 from typing import Any
 
 import msgspec
@@ -19,6 +20,8 @@ import msgspec
 from radixkv.v1 import radixkv_pb2 as pb
 
 from .extra_keys import event_extra_keys
+
+log = logging.getLogger("radixkv.routing")
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -76,8 +79,19 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+class _LooseBatch(msgspec.Struct, array_like=True, gc=False):
+    """A batch whose events are decoded one by one (see `decode_batch`)."""
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_loose_decoder = msgspec.msgpack.Decoder(_LooseBatch)
+_event_decoder = msgspec.msgpack.Decoder(Event)
+KNOWN_EVENTS = frozenset(cls.__name__ for cls in (BlockStored, BlockRemoved, AllBlocksCleared))
+_unknown_seen: set[str] = set()  # event types skipped and logged (once each)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -85,8 +99,30 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one payload; raises msgspec.DecodeError (a ValueError) on a bad one."""
-    return _decoder.decode(payload)
+    """Decode one payload. Events of a type this module does not know (a newer vLLM's)
+    are skipped, logged once per type: they once failed the whole batch, and a router
+    then reset that worker at every batch. Raises msgspec.DecodeError (a ValueError) on
+    a bad payload, or a bad event of a known type."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.ValidationError:
+        loose = _loose_decoder.decode(payload)
+    events = []
+    for raw in loose.events:
+        kind = _event_type(raw)
+        if kind in KNOWN_EVENTS:
+            events.append(_event_decoder.decode(raw))
+        elif kind not in _unknown_seen:
+            _unknown_seen.add(kind)
+            log.warning("KV events of type %r are not known here (a newer vLLM?): skipped", kind)
+    return KVEventBatch(loose.ts, events, loose.data_parallel_rank)
+
+
+def _event_type(raw: msgspec.Raw) -> str:
+    event = msgspec.msgpack.decode(raw)
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        raise msgspec.DecodeError(f"a KV event is not a map with a 'type': {event!r:.80}")
+    return event["type"]
 
 
 def watch_event_fields(event: pb.KvEvent) -> tuple[str, dict[str, Any]]:
