@@ -196,3 +196,17 @@ def test_extra_keys_differ_by_salt_and_adapter_and_are_empty_without(fields):
     plain = {"cache_salt": fields.get("cache_salt")} if "cache_salt" in fields else {
         "lora_name": fields["lora_request"][0], "lora_path": fields["lora_request"][1]}
     assert key_of(**plain) == key  # what a router computes without vLLM's objects
+
+
+def test_a_key_longer_than_the_vllm_form_allows_is_sent_hashed_and_stays_apart():
+    """An end user's cache_salt has no bound in vLLM, nor has an adapter's path: keys past
+    1 KiB are hashed to 16 bytes (the daemon refuses keys past --max-extra-key-bytes, and
+    one refused key failed the whole step's lookups); different salts stay apart."""
+    from radixkv.vllm.request_keys import MAX_VLLM_FORM_BYTES
+
+    short = key_of(cache_salt="s" * 100)
+    assert len(short) > 100  # the vLLM form, as before
+    long_keys = {key_of(cache_salt="s" * 5000), key_of(cache_salt="s" * 5001),
+                 key_of(lora_name="adapter", lora_path="/" + "p" * 4094)}
+    assert len(long_keys) == 3 and all(len(k) == 16 for k in long_keys)
+    assert len(key_of(cache_salt="s" * (MAX_VLLM_FORM_BYTES - 20))) <= MAX_VLLM_FORM_BYTES

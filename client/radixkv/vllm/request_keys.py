@@ -44,15 +44,22 @@ def extra_key(request, epoch: bytes = b"") -> bytes:
                   cache_salt=getattr(request, "cache_salt", None), epoch=epoch)
 
 
+MAX_VLLM_FORM_BYTES = 1024  # a longer key is sent hashed: the daemon refuses past 4 KiB by default
+
+
 def key_of(*, lora_name: str | None = None, lora_path: str | None = None, cache_salt: str | None = None,
            epoch: bytes = b"") -> bytes:
     """The extra key of a request under LoRA adapter `lora_name` (at `lora_path`) and
     `cache_salt` (b"" with none of them): `vllm_extra_key` of the three, or after a reset
-    (`epoch`) 16 bytes of a hash over the tagged, length-prefixed fields. Routers pass it
-    to `RoutingIndex.score(extra_key=...)` to score such a request against what the
+    (`epoch`), or when that form passes MAX_VLLM_FORM_BYTES (an end user's salt has no
+    bound), 16 bytes of a hash over the tagged, length-prefixed fields: such requests stay
+    cached and apart, their events just lack vLLM's form of the keys. Routers pass it to
+    `RoutingIndex.score(extra_key=...)` to score such a request against what the
     connector saved (no vLLM import needed)."""
     if not epoch:
-        return vllm_extra_key(lora_name, lora_path, cache_salt)
+        key = vllm_extra_key(lora_name, lora_path, cache_salt)
+        if len(key) <= MAX_VLLM_FORM_BYTES:
+            return key
     fields = [b"epoch", epoch]
     if lora_name:
         fields += [b"lora", str(lora_name).encode(), str(lora_path or "").encode()]
