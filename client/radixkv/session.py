@@ -123,9 +123,12 @@ class Session:
         if self._calls is not None:
             try:
                 yield from check_served(reg.session, self.timeout)
-            except Unimplemented:
+            except Unimplemented:  # closed: unregistered again, the client stays usable (and closable)
                 self.drop("the daemon has no Session stream")
+                self.closed, self.registration, self._acks, self._calls = False, None, None, None
                 raise
+            except RadixKVError:
+                pass  # any other end of the stream is the recovery's, as after any registration
         return reg
 
     def reconnect(self, timeout: float) -> Plan[SessionLost | None]:

@@ -446,8 +446,13 @@ def test_a_daemon_older_than_the_stream_is_said_at_register_not_taken_for_lost_s
         with pytest.raises(errors.Unimplemented, match="no Session stream: it is older than this client. Upgrade "
                                                        "the daemon, or make the client with stream=False"):
             if client_class is Client:
-                with Client(d.target, **options) as client:
+                client = Client(d.target, **options)
+                try:
                     client.register("older/a", LAYOUT, buffers.specs(), 8)
+                finally:
+                    client.close()
+                    with pytest.raises(ValueError, match="closed channel"):  # closed with the client
+                        client._channel.unary_unary("/radixkv.v1.RadixKV/Echo")(b"")
             else:
                 asyncio.run(register())
         wait_for(lambda: stub.Stats(pb.StatsRequest()).sessions == 0, 10, "no session left behind")
