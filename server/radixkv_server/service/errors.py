@@ -28,13 +28,13 @@ _CORE_STATUS: list[tuple[type, grpc.StatusCode]] = [
 ]
 
 
-MAX_MESSAGE_CHARS = 2000  # a status travels in a trailer: gRPC's limit is 16 KiB, percent-encoded
+MAX_MESSAGE_BYTES = 2000  # UTF-8: a status travels in a trailer of 16 KiB at most, percent-encoded (x3)
 
 
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
     """The status and message for a caller error; None for anything else (a bug). A
     message quoting a caller's string of many kilobytes (a session id, a name) is cut to
-    MAX_MESSAGE_CHARS: whole, it passed gRPC's trailer limit and the caller got
+    MAX_MESSAGE_BYTES: whole, it passed gRPC's trailer limit and the caller got
     RESOURCE_EXHAUSTED "metadata size exceeds hard limit" instead."""
     if isinstance(exc, ServiceError):
         return exc.code, _cut(str(exc))
@@ -45,9 +45,11 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
 
 
 def _cut(message: str) -> str:
-    if len(message) <= MAX_MESSAGE_CHARS:
+    encoded = message.encode()
+    if len(encoded) <= MAX_MESSAGE_BYTES:
         return message
-    return f"{message[:MAX_MESSAGE_CHARS]}... (cut: {len(message)} characters)"
+    kept = encoded[:MAX_MESSAGE_BYTES].decode(errors="ignore")  # on a character's boundary
+    return f"{kept}... (cut: {len(message)} characters)"
 
 
 def invalid(message: str) -> ServiceError:
