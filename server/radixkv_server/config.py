@@ -93,7 +93,9 @@ class DaemonConfig:
     max_extra_key_bytes: int = _opt(4096, "longest extra_key (a LoRA adapter's name and path, a salt) a "
                                     "Match, Insert or Prefetch may carry; each cached node keeps its own", size=True)
     max_message_size: int = _opt(64 * 1024**2, "largest gRPC message, bytes", size=True)
-    max_concurrent_rpcs: int = _opt(1024, "RadixKV RPCs in progress before new ones get RESOURCE_EXHAUSTED (health checks and reflection are not counted)")
+    max_concurrent_rpcs: int = _opt(1024, "RadixKV calls in progress (streams, calls waiting in the daemon) before "
+                                    "new ones get RESOURCE_EXHAUSTED; health checks are not counted, and gRPC's own "
+                                    "bound, 64 calls above, caps bursts of quick unary calls")
     shutdown_grace: float = _opt(10.0, "seconds in-flight RPCs get on shutdown")
     shutdown_store_timeout: float = _opt(20.0, "seconds a graceful shutdown may spend storing host pages that "
                                          "storage does not hold yet (with --storage; 0: none)")

@@ -34,7 +34,7 @@ from .metrics import Metrics
 from .service.auth import AuthError, ReloadableTls, TokenAuth
 from .service import host_budget
 from .service.daemon import Daemon
-from .service.rpc_limit import RpcLimit
+from .service.rpc_limit import RESERVE, RpcLimit, is_other_than_a_check
 from .storage import StorageUnavailable, open_storage
 from .storage_check import check_storage
 from .service.servicer import RadixKVServicer
@@ -311,6 +311,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
     events = _open_events(config, loop)
     daemon = Daemon(config, metrics, storage, events)
     metrics.watch(daemon, loop)
+    refused = lambda method: metrics.rpc_requests.labels(method, "RESOURCE_EXHAUSTED").inc()  # noqa: E731
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", config.max_message_size),
                  ("grpc.max_send_message_length", config.max_message_size),
@@ -318,8 +319,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
         maximum_concurrent_rpcs=RpcLimit.server_limit(config.max_concurrent_rpcs),
         interceptors=([TokenAuth(tokens, lambda method: metrics.rpc_requests.labels(method, "UNAUTHENTICATED").inc())]
                       if tokens.required else [])
-        + [RpcLimit(config.max_concurrent_rpcs,
-                    lambda method: metrics.rpc_requests.labels(method, "RESOURCE_EXHAUSTED").inc())],
+        + [RpcLimit(config.max_concurrent_rpcs, refused),
+           RpcLimit(RESERVE // 2, refused, counts=is_other_than_a_check, what="health watches and reflection calls",
+                    flag="")],
     )
     # Every service is added through the guard: bytes that do not parse are refused
     # INVALID_ARGUMENT before any handler runs (service/wire.py).

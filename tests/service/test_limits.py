@@ -65,7 +65,7 @@ def test_by_default_no_host_pool_is_made_past_the_memory_there_is(daemon_factory
     channel, stub = stub_for(d.target)
     a = RawSession(stub, "mem/small", host_pool_pages=4)
     try:
-        huge = (64 << 40) // LAYOUT.page_bytes
+        huge = min((64 << 40) // LAYOUT.page_bytes, 2**31 - 1)  # page ids are int32
         code, message = status(lambda: stub.Register(a.request(namespace="mem/huge", host_pool_pages=huge)))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "set --max-host-memory" in message
     finally:
@@ -121,6 +121,30 @@ def test_idle_streams_past_the_limit_leave_health_checks_served(daemon_factory):
     finally:
         for call in idle:
             call.cancel()
+        channel.close()
+
+
+def test_health_watches_past_their_share_leave_health_checks_served(daemon_factory):
+    """Health watches and reflection take gRPC's reserve above the limit, but only half of
+    it: a client holding watch streams gets the next refused, and probes (Health/Check)
+    are still answered."""
+    d = daemon_factory("--max-concurrent-rpcs", "2")
+    channel, _ = stub_for(d.target)
+    health_stub = health_pb2_grpc.HealthStub(channel)
+    watches = [health_stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(RESERVE // 2)]
+    try:
+        for w in watches:
+            assert next(w).status == health_pb2.HealthCheckResponse.SERVING  # each one held, answered
+        extra = health_stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        with pytest.raises(grpc.RpcError) as refused:
+            next(extra)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"{RESERVE // 2} health watches and reflection calls in progress" in refused.value.details()
+        for _ in range(RESERVE):
+            assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for w in watches:
+            w.cancel()
         channel.close()
 
 

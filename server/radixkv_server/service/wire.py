@@ -70,7 +70,7 @@ class GuardedServer:
         if handler is None or handler.request_deserializer is None:
             return handler
         name = method.rsplit("/", 1)[-1]
-        kind = _kind(handler)
+        kind = handler_kind(handler)
         behaviour = getattr(handler, kind)
         if not (inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)):
             return handler  # a synchronous handler (none here): left as grpc runs it
@@ -113,7 +113,8 @@ class _GuardedGeneric(grpc.GenericRpcHandler):
         return self._cache[method]
 
 
-def _kind(handler: grpc.RpcMethodHandler) -> str:
+def handler_kind(handler: grpc.RpcMethodHandler) -> str:
+    """The field of `handler` holding its behaviour ("unary_unary", ..., "stream_stream")."""
     return {(False, False): "unary_unary", (False, True): "unary_stream",
             (True, False): "stream_unary", (True, True): "stream_stream"}[
         (handler.request_streaming, handler.response_streaming)]
