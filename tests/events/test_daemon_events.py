@@ -4,6 +4,7 @@ evictions, storage stores and a daemon restart; a stalled reader costs engines n
 """
 
 import contextlib
+import itertools
 import random
 import time
 
@@ -289,6 +290,41 @@ def test_negative_token_ids_reach_watchers_as_they_were_inserted():
             if stored:
                 break
         assert stored == [prompt]
+    finally:
+        engine.close()
+        channel.close()
+        stop_all([d])
+
+
+def test_a_snapshot_of_long_prompts_comes_in_batches_a_default_grpc_client_takes():
+    """Snapshot batches end at about 1 MiB, as live ones do: 1024 stored long prompts
+    once made one message of several MiB, which a router's default 4 MiB channel refused
+    at every retry."""
+    from radixkv.layout import KvLayout
+    from radixkv_server.events.publisher import MAX_BATCH_BYTES
+
+    layout = KvLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", page_size=64)
+    d = DaemonProcess("--kv-events-watch", "true", "--page-size", "64")
+    d.start()
+    engine = EngineDouble.connect(d.target, NS, num_pages=24 * 256, layout=layout)
+    channel = grpc.insecure_channel(d.target)
+    try:
+        prompts = [[1_000_000 * (i + 1) + t for t in range(16384)] for i in range(24)]
+        for p in prompts:
+            engine.prefill(p)
+        call = pb_grpc.RadixKVStub(channel).WatchEvents(pb.WatchEventsRequest(namespace=NS, snapshot=True),
+                                                         timeout=60)
+        first = next(call)
+        engine.prefill([7] * 64)  # a live batch, sent once the snapshot is: its end
+        batches, firsts = [], set()
+        for batch in itertools.chain([first], call):
+            if not batch.snapshot:
+                break
+            batches.append(batch.ByteSize())
+            firsts |= {e.token_ids[0] for e in batch.events if e.kind == pb.KvEvent.BLOCK_STORED}
+        call.cancel()
+        assert firsts == {p[0] for p in prompts} and len(batches) > 1
+        assert max(batches) < MAX_BATCH_BYTES + 128 << 10, batches  # one event past the bound at most
     finally:
         engine.close()
         channel.close()

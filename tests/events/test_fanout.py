@@ -160,3 +160,19 @@ def test_the_ring_keeps_batches_within_its_bytes_the_newest_whatever_its_size():
     assert err.value.oldest == 7
     b.publish("ns", b"kv@ns", b"y" * 50_000)  # alone past the bound: kept, alone
     assert [item.seq for item in b.since(0)] == [10] and b.ring_held == 50_000
+
+
+def test_a_reader_that_does_not_read_is_cut_off_past_the_rings_bytes():
+    """Batches the ring dropped stay alive while a subscription holds them: a held reader
+    (sending its snapshot) or a live one that stops reading is cut off once it holds the
+    ring's bytes, as past its count, instead of keeping gigabytes."""
+    b = Broadcast(ring_size=1000, capacity=1000, ring_bytes=10_000)
+    held, live, reading = b.subscribe(hold=1000), b.subscribe(), b.subscribe()
+    for _ in range(5):
+        b.publish("ns", b"kv@ns", b"x" * 3000)
+        assert reading.get_nowait() is not None  # a reader that reads keeps up whatever the bytes
+    for sub in (held, live):
+        assert drain_until_lagged(sub) == ([0, 1, 2], 3)  # 9000 bytes held; the fourth passed 10000
+    b.publish("ns", b"kv@ns", b"y" * 50_000)  # alone past the bound: a reader with nothing queued takes it
+    assert reading.get_nowait().payload == b"y" * 50_000
+

@@ -1,9 +1,9 @@
 """Published batches: the replay ring and the in-process fan-out behind `WatchEvents`.
 
 `Broadcast` numbers batches as they are published (contiguous from 0), keeps the last
-`ring_size` for replay (fewer when they pass `ring_bytes`: long prompts' batches are
-megabytes each), and hands each one to every `Subscription`. A subscription's buffer
-is bounded: one that falls `capacity` batches behind is cut off and raises
+`ring_size` for replay (fewer when they pass `ring_bytes`: a batch of long prompts'
+events is up to a megabyte), and hands each one to every `Subscription`. A subscription's buffer
+is bounded: one that falls `capacity` batches (or `ring_bytes`) behind is cut off and raises
 `SubscriberLagged` (with the first sequence number it missed) instead of slowing the
 publisher; its reader may resubscribe from that number while the ring still holds it, or
 start over from a fresh snapshot. No asyncio here; `AsyncSubscription` adapts one
@@ -14,7 +14,7 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixkv.routing.wire import KVEventBatch, decode_batch
 
@@ -30,11 +30,10 @@ class PublishedBatch:
     topic: bytes
     payload: bytes          # the msgpack KVEventBatch, as sent on ZMQ
     extra_keys: tuple[bytes, ...] = ()  # per event, the radixkv extra_key of its blocks (gRPC shows it)
+    size: int = field(init=False)  # the bytes it holds (payload and extra keys), as the ring counts them
 
-    @property
-    def size(self) -> int:
-        """The bytes it holds (payload and extra keys), as the ring counts them."""
-        return len(self.payload) + sum(len(k) for k in self.extra_keys)
+    def __post_init__(self):
+        object.__setattr__(self, "size", len(self.payload) + sum(len(k) for k in self.extra_keys))
 
     @property
     def batch(self) -> KVEventBatch:
@@ -69,6 +68,7 @@ class Subscription:
         self._items: deque[PublishedBatch] = deque()
         self._capacity = capacity  # room for live batches; a replay's backlog comes on top
         self._backlog = 0          # replayed batches not read yet (they never cut a reader off)
+        self._bytes = 0            # what the batches it holds hold: at most the ring's bytes
         self._missed_from: int | None = None
         self._held: int | None = None  # while held: how many batches it may hold in all
         self._missed_while_held = False
@@ -85,18 +85,23 @@ class Subscription:
         """Caller holds the owner's lock."""
         if self._missed_from is not None:
             return
+        # Past the ring's bytes it is cut off as past its count: batches the ring dropped
+        # would otherwise stay in memory for a reader that does not read.
+        too_big = bool(self._items) and self._bytes + item.size > self._owner.ring_bytes
         if self._held is not None:
-            if len(self._items) < self._held:
+            if len(self._items) < self._held and not too_big:
                 self._items.append(item)
+                self._bytes += item.size
                 self._backlog += 1
             else:
                 self._missed_from, self._missed_while_held = item.seq, True
                 self._owner.num_lagged += 1
-        elif len(self._items) >= self._capacity + self._backlog:
+        elif len(self._items) >= self._capacity + self._backlog or too_big:
             self._missed_from = item.seq  # what it holds stays readable; then the signal
             self._owner.num_lagged += 1
         else:
             self._items.append(item)
+            self._bytes += item.size
         if self.on_ready is not None:
             self.on_ready()
 
@@ -105,7 +110,9 @@ class Subscription:
         with self._owner._lock:
             if self._items:
                 self._backlog = max(0, self._backlog - 1)
-                return self._items.popleft()
+                item = self._items.popleft()
+                self._bytes -= item.size
+                return item
             if self._missed_from is not None:
                 raise SubscriberLagged(self._missed_from, self._missed_while_held)
             return None
@@ -130,7 +137,7 @@ class Broadcast:
         self._ready = threading.Condition(self._lock)
         self._ring: deque[PublishedBatch] = deque()
         self._ring_size = ring_size
-        self._ring_bytes = ring_bytes
+        self.ring_bytes = ring_bytes
         self.ring_held = 0  # bytes the ring holds (PublishedBatch.size)
         self._subs: set[Subscription] = set()
         self._capacity = capacity
@@ -145,7 +152,7 @@ class Broadcast:
             self.next_seq += 1
             self._ring.append(item)
             self.ring_held += item.size
-            while len(self._ring) > 1 and (len(self._ring) > self._ring_size or self.ring_held > self._ring_bytes):
+            while len(self._ring) > 1 and (len(self._ring) > self._ring_size or self.ring_held > self.ring_bytes):
                 self.ring_held -= self._ring.popleft().size  # the newest batch stays, whatever its size
             for sub in self._subs:
                 sub._offer(item)
@@ -182,6 +189,7 @@ class Broadcast:
                 backlog = [b for b in self._ring if b.seq >= from_seq]
                 sub._items.extend(backlog)
                 sub._backlog = len(backlog)
+                sub._bytes = sum(b.size for b in backlog)
             sub.start_seq = self.next_seq if from_seq is None else from_seq
             self._subs.add(sub)
         return sub

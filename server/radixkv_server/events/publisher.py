@@ -179,9 +179,10 @@ class Publisher:
 
     def _encoded(self, ts: float, events: list, extra_keys: list):
         """(payload, extra keys) of batches holding `events` in order, each at most
-        MAX_BATCH_BYTES unless it is one event."""
+        MAX_BATCH_BYTES (with its extra keys) unless it is one event."""
         payload = encode_batch(KVEventBatch(ts=ts, events=events, data_parallel_rank=self.config.data_parallel_rank))
-        if len(payload) <= MAX_BATCH_BYTES or len(events) < 2:
+        size = len(payload) + sum(len(k) for k in extra_keys)  # WatchEvents carries each event's radixkv key too
+        if size <= MAX_BATCH_BYTES or len(events) < 2:
             yield payload, tuple(extra_keys)
             return
         half = len(events) // 2

@@ -20,7 +20,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 from ..events import AsyncSubscription, PublishedBatch, ReplayUnavailable, SubscriberLagged, Subscription
 from ..events.builder import TIER_MEDIUM
 from ..events.hub import NamespaceEvents
-from ..events.publisher import MAX_EVENTS_PER_BATCH
+from ..events.publisher import MAX_BATCH_BYTES, MAX_EVENTS_PER_BATCH
 from .errors import ServiceError, precondition, unavailable
 from .registration import check_namespace_name
 
@@ -67,11 +67,12 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
     except SubscriberLagged as e:
         if e.while_held:
             raise ServiceError(grpc.StatusCode.ABORTED,
-                               f"more than {hub.config.ring_size} batches were published while this stream's "
-                               f"snapshot was sent: raise --kv-events-replay-size, or take the snapshot when "
-                               f"the daemon is less busy") from None
+                               f"more than {hub.config.ring_size} batches (or {hub.config.ring_bytes} bytes) were "
+                               f"published while this stream's snapshot was sent: raise --kv-events-replay-size "
+                               f"(or -bytes), or take the snapshot when the daemon is less busy") from None
         raise ServiceError(grpc.StatusCode.ABORTED,
-                           f"this stream fell more than {hub.config.subscriber_buffer} batches behind; "
+                           f"this stream fell more than {hub.config.subscriber_buffer} batches (or "
+                           f"{hub.config.ring_bytes} bytes) behind; "
                            f"resubscribe with from_seq={e.missed_from} (OUT_OF_RANGE if the replay buffer "
                            f"no longer holds it: then start over with a snapshot)") from None
     finally:
@@ -82,7 +83,8 @@ async def snapshot_batches(namespaces, seq: int, instance: str) -> AsyncIterator
     """Per namespace with events, AllBlocksCleared then a BlockStored for every node held
     on each tier, as `snapshot` batches numbered `seq` (the first live batch's). The walk
     begins after the live subscription did, so the live batches that follow (from `seq`)
-    bring the state on from there. Each batch is made when the reader is ready for it, on
+    bring the state on from there. A batch ends at MAX_EVENTS_PER_BATCH events or about
+    MAX_BATCH_BYTES, as live ones do. Each batch is made when the reader is ready for it, on
     the loop in slices of SNAPSHOT_SLICE (tier, node) pairs (`NamespaceEvents.snapshot_slices`,
     whatever the tree's size), its events written into the batch in place, with the
     loop's other work between slices. An engine's call waits a slice per loop turn it
@@ -95,13 +97,15 @@ async def snapshot_batches(namespaces, seq: int, instance: str) -> AsyncIterator
         listener = ns.cache.residency_listener
         if not isinstance(listener, NamespaceEvents) or listener.closed:
             continue
-        batch = _snapshot_batch(seq, ns.name, ts, instance)
+        batch, size = _snapshot_batch(seq, ns.name, ts, instance), 0
         for built, keys in listener.snapshot_slices(SNAPSHOT_SLICE):
             for event, key in zip(built, keys):
-                _fill(batch.events.add(), event, key)  # in place: a batch is never copied whole
-                if len(batch.events) == MAX_EVENTS_PER_BATCH:
+                added = batch.events.add()
+                _fill(added, event, key)  # in place: a batch is never copied whole
+                size += added.ByteSize()
+                if len(batch.events) == MAX_EVENTS_PER_BATCH or size >= MAX_BATCH_BYTES:
                     yield batch
-                    batch = _snapshot_batch(seq, ns.name, ts, instance)
+                    batch, size = _snapshot_batch(seq, ns.name, ts, instance), 0
             await asyncio.sleep(0)  # engines' calls run between slices
         if batch.events:
             yield batch
