@@ -62,15 +62,17 @@ def test_a_daemon_without_events_leaves_vllms_stream_as_it_is(daemon_factory, ca
 
 
 def test_a_daemon_that_asks_for_a_token_gets_the_connectors(daemon_factory):
-    """The connector's token (and TLS) go on the events channel as on its others: it once
-    opened a plain channel without them, and a daemon with tokens refused the relay for
-    good (UNAUTHENTICATED, warned every second)."""
+    """The connector's token (and TLS) go on the events channel as on its others (the
+    connector opens its relay with `for_connector`): it once opened a plain channel
+    without them, and a daemon with tokens refused the relay for good (UNAUTHENTICATED,
+    warned every second)."""
     from radixkv.client import Client
+    from radixkv.vllm.config import ConnectorConfig
 
     d = daemon_factory("--kv-events-watch", "true", "--write-policy", "write_through", "--auth-token", "s3cret")
     engine = EngineDouble()
     engine.register(Client(d.target, timeout=10, token="s3cret"), NS)
-    tier = TierEvents(d.target, NS, token="s3cret")
+    tier = TierEvents.for_connector(ConnectorConfig(target=d.target, namespace=NS, token="s3cret"))
     prompt = [7000 + t for t in range(2 * PS)]
     try:
         engine.prefill(prompt)

@@ -83,7 +83,7 @@ class RadixKVConnector(KVConnectorBase_V1):
                 log.info("radixkv: kv_role %s: %s", tc.kv_role,
                          "loads only, nothing is saved" if loads else "saves only, nothing is looked up")
             if loads and self.config.tier_events and _publishes_kv_events(vllm_config):
-                self._tier_events = TierEvents(self.config.target, self.config.namespace, **self.config.channel())
+                self._tier_events = TierEvents.for_connector(self.config)
         if role == KVConnectorRole.SCHEDULER and getattr(tc, "kv_load_failure_policy", "") == "fail":
             log.warning("radixkv: kv_load_failure_policy is 'fail': a request whose load fails "
                         "(daemon restarted, page evicted) fails too; set it to 'recompute'")

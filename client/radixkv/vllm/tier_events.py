@@ -65,6 +65,11 @@ class TierEvents:
         self._thread = threading.Thread(target=self._run, name="radixkv-tier-events", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def for_connector(cls, config) -> "TierEvents":
+        """The relay of a connector's `ConnectorConfig`: its daemon, namespace, TLS and token."""
+        return cls(config.target, config.namespace, **config.channel())
+
     # -- vLLM's side -------------------------------------------------------------------
 
     def take(self) -> list:
