@@ -2,6 +2,7 @@
 refused with RESOURCE_EXHAUSTED, and the daemon's memory does not grow with the load.
 (Message size, prompts per Match and the host pool limit are rows of test_bad_input.)"""
 
+import contextlib
 import threading
 import time
 
@@ -82,29 +83,40 @@ def health(stub_channel) -> int:
         return -1
 
 
+@contextlib.contextmanager
+def engines_holding(stub, n: int, prefix: str):
+    """`n` engines, each holding one Acks stream (one RPC in progress) until it leaves."""
+    engines = [RawSession(stub, f"{prefix}/e{i}") for i in range(n)]
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.acks.close()
+            e.buffers.close()
+
+
+def one_leaves(engines: list, call) -> None:
+    """An engine leaves (its stream ends, and its session with it): `call` is served again."""
+    leaving = engines.pop()
+    leaving.acks.close()
+    leaving.buffers.close()
+    wait_for(lambda: status(call)[0] == grpc.StatusCode.OK, 10, "calls to be served again")
+
+
 def test_concurrent_rpc_limit(daemon_factory):
     """Each engine holds one long-lived Acks stream: with 3 engines attached and a limit of
     3 RPCs in progress, any further call is refused until one of them leaves; health
     checks are not counted (a liveness probe refused would restart the daemon)."""
     d = daemon_factory("--max-concurrent-rpcs", "3")
     channel, stub = stub_for(d.target)
-    engines = [RawSession(stub, f"rpcs/e{i}") for i in range(3)]
-    try:
-        code, message = wait_for(lambda: (r := status(lambda: stub.Echo(pb.EchoRequest(payload=b"x"))))[0]
-                                 != grpc.StatusCode.OK and r, 10, "the limit to be reached")
+    echo = lambda: stub.Echo(pb.EchoRequest(payload=b"x"))  # noqa: E731
+    with channel, engines_holding(stub, 3, "rpcs") as engines:
+        code, message = wait_for(lambda: (r := status(echo))[0] != grpc.StatusCode.OK and r, 10,
+                                 "the limit to be reached")
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit exceeded" in message
         assert "(--max-concurrent-rpcs) is 3" in message
         assert health(channel) == health_pb2.HealthCheckResponse.SERVING
-        leaving = engines.pop()
-        leaving.acks.close()  # its stream ends (and its session with it)
-        leaving.buffers.close()
-        wait_for(lambda: status(lambda: stub.Echo(pb.EchoRequest(payload=b"x")))[0] == grpc.StatusCode.OK,
-                 10, "calls to be served again")
-    finally:
-        for e in engines:
-            e.acks.close()
-            e.buffers.close()
-        channel.close()
+        one_leaves(engines, echo)
 
 
 def test_idle_streams_past_the_limit_leave_health_checks_served(daemon_factory):
@@ -154,7 +166,6 @@ def test_overload_is_refused_without_memory_growth(daemon_factory):
     served again."""
     d = daemon_factory("--max-concurrent-rpcs", "4")
     channel, stub = stub_for(d.target)
-    engines = [RawSession(stub, f"flood/e{i}") for i in range(4)]
     payload = b"\xab" * (256 << 10)
     counts = {grpc.StatusCode.OK: 0, grpc.StatusCode.RESOURCE_EXHAUSTED: 0}
     lock = threading.Lock()
@@ -173,7 +184,7 @@ def test_overload_is_refused_without_memory_growth(daemon_factory):
         for t in threads:
             t.join()
 
-    try:
+    with channel, engines_holding(stub, 4, "flood") as engines:
         round_of(1.0)  # warm-up: allocator pools, grpc buffers
         before = rss_of(d.proc.pid)
         round_of(2.5)
@@ -181,16 +192,7 @@ def test_overload_is_refused_without_memory_growth(daemon_factory):
         assert set(counts) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, counts
         assert counts[grpc.StatusCode.OK] == 0 and counts[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0, counts
         assert after - before < 32 << 20, f"RSS grew {(after - before) >> 20} MiB under overload ({counts})"
-        leaving = engines.pop()
-        leaving.acks.close()
-        leaving.buffers.close()
-        wait_for(lambda: status(lambda: stub.Echo(pb.EchoRequest(payload=payload)))[0] == grpc.StatusCode.OK,
-                 10, "calls to be served again")
-    finally:
-        for e in engines:
-            e.acks.close()
-            e.buffers.close()
-        channel.close()
+        one_leaves(engines, lambda: stub.Echo(pb.EchoRequest(payload=payload)))
 
 
 def test_ack_stream_back_pressure_loses_nothing(daemon_factory):
