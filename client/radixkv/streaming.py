@@ -42,6 +42,7 @@ from .plans import Plan, Rpc
 STREAM_METHODS = {"Match": "match", "LoadBack": "load_back", "Insert": "insert", "Evict": "evict",
                   "Release": "release", "Echo": "echo"}
 _CLOSE = object()
+STATUS_WAIT_S = 1.0  # how long an ended stream's status may take to come (AsyncCallStream)
 
 
 def stream_end_reason(error: BaseException | None) -> str:
@@ -78,14 +79,14 @@ class CallLedger:
             return RadixKVError(f"the daemon answered call {response.id} with nothing")
         return getattr(response, kind)
 
-    def end(self, reason: str, cause: BaseException | None = None) -> bool:
-        """No more answers will come; the first reason stays. True if this call ended it
-        (and the session should be told: not when the daemon has no Session stream at
-        all, which says nothing of the session)."""
+    def end(self, reason: str, code: grpc.StatusCode | None = None) -> bool:
+        """No more answers will come (`code`: the stream's status, when known); the first
+        reason stays. True if this call ended it (and the session should be told: not when
+        the daemon has no Session stream at all, which says nothing of the session)."""
         if self.ended is not None:
             return False
         self.ended = reason
-        self.unsupported = isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.UNIMPLEMENTED
+        self.unsupported = code == grpc.StatusCode.UNIMPLEMENTED
         return not self.unsupported
 
     def broken(self) -> RadixKVError:
@@ -189,7 +190,7 @@ class CallStream:
             error = e
         reason = stream_end_reason(error)
         with self._lock:
-            by_daemon = self._ledger.end(reason, error)
+            by_daemon = self._ledger.end(reason, error.code() if isinstance(error, grpc.RpcError) else None)
         self._queue.put(_CLOSE)  # stop the request iterator
         self._fail_pending()
         if by_daemon and self._on_broken is not None:
@@ -265,7 +266,7 @@ class AsyncCallStream:
             if task is not None and task.cancelling():
                 raise
         except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._end(stream_end_reason(e), e)
+            self._end(stream_end_reason(e), await self._status(e))
         finally:
             self._deadlines.pop(rid, None)
             self._pending.pop(rid, None)
@@ -300,7 +301,7 @@ class AsyncCallStream:
         finally:
             self._reading = False
         if response is grpc.aio.EOF:
-            self._end(stream_end_reason(None))
+            self._end(stream_end_reason(None), await self._status())
             return
         answer = self._pending.pop(response.id, None)
         if answer is not None and not answer.done():
@@ -316,7 +317,7 @@ class AsyncCallStream:
             while self._pending and not self._reading and self._ledger.ended is None:
                 await self._read_one()
         except (asyncio.CancelledError, Exception) as e:  # the waiters must hear of it
-            self._end(stream_end_reason(e), e)
+            self._end(stream_end_reason(e), await self._status(e))
         finally:
             self._reader = None
 
@@ -343,10 +344,19 @@ class AsyncCallStream:
         self._deadlines.clear()
         self._end(f"a {method} was not answered within {timeout}s")  # a read in progress ends too
 
-    def _end(self, reason: str, cause: BaseException | None = None) -> None:
+    async def _status(self, error: BaseException | None = None) -> grpc.StatusCode | None:
+        """The ended stream's status: the call's when it is over, else `error`'s. A write
+        after the daemon refused the stream fails otherwise (INTERNAL "Internal error from
+        Core", UsageError) or a read finds the end, while the call holds the refusal."""
+        try:  # a broken stream's status follows at once (a second at most)
+            return await asyncio.wait_for(asyncio.shield(self._call.code()), STATUS_WAIT_S)
+        except (asyncio.CancelledError, Exception):
+            return error.code() if isinstance(error, grpc.RpcError) else None
+
+    def _end(self, reason: str, code: grpc.StatusCode | None = None) -> None:
         """The stream is over (and the daemon closes the session with it): fail what is
         owed; tell the session, unless the client ended it (close, abandon)."""
-        by_daemon = self._ledger.end(reason, cause)
+        by_daemon = self._ledger.end(reason, code)
         self._call.cancel()
         self._fail_pending()
         if by_daemon and self._on_broken is not None:
