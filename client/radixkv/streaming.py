@@ -316,7 +316,9 @@ class AsyncCallStream:
         try:
             while self._pending and not self._reading and self._ledger.ended is None:
                 await self._read_one()
-        except (asyncio.CancelledError, Exception) as e:  # the waiters must hear of it
+        except asyncio.CancelledError as e:  # the waiters must hear of it
+            self._end(stream_end_reason(e))
+        except Exception as e:
             self._end(stream_end_reason(e), await self._status(e))
         finally:
             self._reader = None
