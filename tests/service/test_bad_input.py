@@ -203,6 +203,8 @@ TABLE = [
     # -- Match -------------------------------------------------------------------------
     Row("Match", "a session id of 20k characters (quoted, cut)", unary("Match", lambda c: pb.MatchRequest(session="s" * 20_000)),
         C.UNAUTHENTICATED, r"^unknown session 's{100}.*\.\.\. \(cut: 200\d\d characters\)$"),
+    Row("Match", "a session id of 20k 4-byte characters (cut by bytes)", unary("Match", lambda c: pb.MatchRequest(
+        session="\U0001F600" * 20_000)), C.UNAUTHENTICATED, r"^unknown session '\U0001F600{100}.*\(cut: 200\d\d characters\)$"),
     Row("Match", "no session", unary("Match", lambda c: pb.MatchRequest(prompts=[pb.Prompt(tokens=c["p"])])),
         C.UNAUTHENTICATED, r"no session given: call Register"),
     Row("Match", "unknown session", unary("Match", lambda c: pb.MatchRequest(session="f" * 32)),
@@ -325,8 +327,6 @@ TABLE = [
         C.FAILED_PRECONDITION, r"no storage tier is configured"),
     # -- operators ---------------------------------------------------------------------
     Row("Stats", "unknown namespace", unary("Stats", lambda c: pb.StatsRequest(namespace="nope")), C.NOT_FOUND, r"no namespace 'nope'"),
-    Row("Match", "a session id of 20k 4-byte characters (cut by bytes)", unary("Match", lambda c: pb.MatchRequest(
-        session="\U0001F600" * 20_000)), C.UNAUTHENTICATED, r"^unknown session '\U0001F600{100}.*\(cut: 200\d\d characters\)$"),
     Row("Stats", "a namespace of 20k characters (quoted, cut)", unary("Stats", lambda c: pb.StatsRequest(namespace="n" * 20_000)),
         C.NOT_FOUND, r"^no namespace 'n{100}.*\(cut: \d+ characters\)$"),
     Row("Inspect", "no namespace", unary("Inspect", lambda c: pb.InspectRequest()), C.INVALID_ARGUMENT, r"namespace is required"),
