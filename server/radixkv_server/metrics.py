@@ -136,7 +136,7 @@ def snapshot(daemon) -> dict:
             "counters": cache.counters.as_dict(),
             "loaded_bytes": ns.copies.loaded_bytes,
             "backed_up_bytes": ns.copies.backed_up_bytes,
-            "page_bytes": ns.layout.page_bytes,
+            "page_bytes": ns.host_pool.layout.page_bytes,  # a host page (every TP rank's shard)
             "host_used": cache.host.num_used,
             "host_capacity": cache.host.capacity,
             "device_pages": cache.device.num_pages,
@@ -147,7 +147,6 @@ def snapshot(daemon) -> dict:
             "pins": pins,
             "nodes": len(cache.tree.nodes) - len(cache.tree.roots),
             "duplicates": len(cache.duplicates),
-            "attached": ns.session is not None,
             "held": daemon.sessions.holdings(ns),
         }
     return out

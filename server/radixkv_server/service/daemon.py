@@ -107,7 +107,7 @@ class Daemon:
             if ns is None:
                 ns_config = registration.namespace_config(
                     self.config, reg, reg.write_policy or self.config.write_policy, self.storage is not None)
-                self.check_host_room(ns_config)
+                self.check_host_room(ns_config.name, ns_config.host_pages * ns_config.layout.page_bytes)
             device = await registration.open_device(reg)  # before the live session goes: errors change nothing
             try:
                 if replacing and ns.session is not None:
@@ -143,12 +143,11 @@ class Daemon:
                 f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
         return True
 
-    def check_host_room(self, ns_config) -> None:
-        """RESOURCE_EXHAUSTED when a new namespace's host pool would take all host pools
-        past the daemon's host memory budget (host_budget.py)."""
-        held = {name: ns.host_pool.nbytes for name, ns in self.namespaces.items()}
-        host_budget.check_room(held, ns_config.name, ns_config.host_pages * ns_config.layout.page_bytes,
-                               self.host_memory_limit, self._host_memory_source)
+    def check_host_room(self, name: str, nbytes: int) -> None:
+        """RESOURCE_EXHAUSTED when a new namespace `name`'s host pool of `nbytes` would
+        take all host pools past the daemon's host memory budget (host_budget.py)."""
+        held = {n: ns.host_pool.nbytes for n, ns in self.namespaces.items()}
+        host_budget.check_room(held, name, nbytes, self.host_memory_limit, self._host_memory_source)
 
     def add_namespace(self, ns):
         """Enter a new namespace (managed or engine-managed) in the registry; its

@@ -57,6 +57,11 @@ class EngineNamespace:
         self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
         self.tier = self.cache.engine_tier(self.ranks, tp_size)
 
+    @property
+    def attached(self) -> bool:
+        """Whether any session (a scheduler or a rank) shares it (Stats' `attached`)."""
+        return bool(self.sessions)
+
     @classmethod
     async def open(cls, config: NamespaceConfig, tp_size: int, *, metrics=None, storage=None) -> "EngineNamespace":
         """A new engine-managed namespace; its host pool (pages of `tp_size` shards) is

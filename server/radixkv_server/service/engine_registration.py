@@ -44,8 +44,8 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     if len(daemon.sessions) >= daemon.config.max_sessions:
         raise exhausted(f"session limit reached ({daemon.config.max_sessions}); raise --max-sessions")
     config = namespace_config(daemon, reg) if ns is None else None
-    if config is not None:
-        daemon.check_host_room(config)
+    if config is not None:  # its host pages hold every rank's shard
+        daemon.check_host_room(config.name, config.host_pages * host_layout(reg.layout, reg.tp_size).page_bytes)
     device = None if reg.role == SCHEDULER else await registration.open_device(reg)
     try:
         warm = ns is not None

@@ -14,11 +14,11 @@ def namespace_stats(ns: Namespace) -> pb.NamespaceStats:
     return pb.NamespaceStats(
         namespace=ns.name, layout=layout_pb(ns.layout),
         write_policy=ns.config.cache.write_policy.value, eviction_policy=ns.config.cache.eviction_policy,
-        attached=ns.session is not None, nodes=len(cache.tree.nodes) - len(cache.tree.roots),
+        attached=ns.attached, nodes=len(cache.tree.nodes) - len(cache.tree.roots),
         device_pages=cache.device.num_pages, device_pages_held=cache.device.num_held,
         device_pages_evictable=cache.evictable_pages, device_pages_protected=cache.protected_pages,
         host_pages_used=cache.host.num_used, host_pages_capacity=cache.host.capacity,
-        host_page_bytes=ns.layout.page_bytes, transfers_in_flight=len(cache.transfers),
+        host_page_bytes=ns.host_pool.layout.page_bytes, transfers_in_flight=len(cache.transfers),
         pinned_nodes=sum(1 for n in cache.tree.iter_nodes() if n.full.pins),
         tracked_duplicates=len(cache.duplicates), counters=ns.counters())
 

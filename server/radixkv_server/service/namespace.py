@@ -50,6 +50,11 @@ class Namespace:
         self._room_waited: set[int] = set()  # copies an Evict waited for host room on (see `_evict`)
         self.copies.attach(device)
 
+    @property
+    def attached(self) -> bool:
+        """Whether an engine's session is attached (Stats' `attached`)."""
+        return self.session is not None
+
     @classmethod
     async def open(cls, config: NamespaceConfig, device: DeviceBuffers, *,
                    metrics=None, storage=None) -> "Namespace":
