@@ -34,7 +34,7 @@ from ..core.errors import CacheError
 from ..logs import log_event
 from . import convert
 from .daemon import Daemon
-from .errors import ServiceError, SessionEnd, status_of
+from .errors import ServiceError, SessionEnd, internal, status_of
 from .tenants import EVERYTHING, Grant
 
 log = logging.getLogger("radixkv.acks")
@@ -162,8 +162,8 @@ class AckStream:
             return
         except Exception as e:  # a bug: answer it rather than leave the engine waiting
             log.exception("internal error acknowledging transfer %s", transfer)
-            self.replies.put_nowait(pb.AckResponse(
-                transfer=transfer, code=grpc.StatusCode.INTERNAL.value[0], message=f"internal error: {e}"))
+            code, message = internal("Acks", e)
+            self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=code.value[0], message=message))
             return
         if result.error is not None:
             log_event(log, "load.failed", logging.WARNING, session=self.session.id[:8],

@@ -44,6 +44,13 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+def internal(where: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status answering a bug in `where`: INTERNAL naming the exception's type only
+    (its text may quote the daemon's memory or paths; the daemon's log has the traceback).
+    Every RPC path, unary or stream, answers a bug with it."""
+    return grpc.StatusCode.INTERNAL, f"internal error in {where}: {type(exc).__name__}"
+
+
 def _cut(message: str) -> str:
     encoded = message.encode()
     if len(encoded) <= MAX_MESSAGE_BYTES:

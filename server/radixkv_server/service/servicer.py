@@ -22,7 +22,7 @@ from ..logs import log_event
 from . import convert, engine_ops
 from .acks import AckStream
 from .daemon import Daemon
-from .errors import ServiceError, invalid, precondition, status_of, unauthenticated
+from .errors import ServiceError, internal, invalid, precondition, status_of, unauthenticated
 from .inspection import inspect_namespace, namespace_stats
 from .session_stream import SessionStream
 from .tenants import EVERYTHING, Grant, Tokens, authorize, visible
@@ -67,9 +67,9 @@ def rpc(method):
             log_event(log, "rpc.gone", logging.DEBUG, method=name, error=str(e) or type(e).__name__)
             raise asyncio.CancelledError(f"{name}: the call ended before its answer was sent") from e
         except Exception as e:
-            code = grpc.StatusCode.INTERNAL
             log.exception("internal error in %s", name)
-            await end_call(context, code, f"internal error in {name}: {type(e).__name__}", name)
+            code, message = internal(name, e)
+            await end_call(context, code, message, name)
         finally:
             self.daemon.last_call = time.monotonic()
             metrics = self.daemon.metrics

@@ -32,7 +32,7 @@ from ..core.errors import CacheError
 from ..logs import log_event
 from . import engine_ops
 from .daemon import Daemon
-from .errors import ServiceError, SessionEnd, precondition, status_of, unavailable
+from .errors import ServiceError, SessionEnd, internal, precondition, status_of, unavailable
 from .sessions import Session
 from .tenants import EVERYTHING, Grant
 
@@ -141,9 +141,8 @@ class SessionStream:
             code, message = status_of(e)
             log_event(log, "rpc.refused", logging.DEBUG, method=f"Session.{method}", code=code.name, message=message)
         except Exception as e:  # a bug: answer it, keep the stream
-            code = grpc.StatusCode.INTERNAL
             log.exception("internal error in Session.%s", method)
-            message = f"internal error in {method}: {type(e).__name__}"
+            code, message = internal(method, e)
         finally:
             self._count(method, code, time.perf_counter() - start)
         response.error.code, response.error.message = code.value[0], message  # replaces a partial answer
