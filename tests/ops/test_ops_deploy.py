@@ -15,7 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from radixkv_server.config import DaemonConfig, load_config, parse_size
+from radixkv_server.config import DaemonConfig, load_config
+from radixkv_server.units import parse_size
 from tests.support.daemon import wait_for
 from opstools import BIN, REPO, run_tool
 

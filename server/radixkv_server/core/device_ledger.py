@@ -55,8 +55,5 @@ class DeviceLedger:
         self.num_held -= k
         self.num_returned += k
 
-    def is_held(self, page: int) -> bool:
-        return bool(self._held[page])
-
     def held_pages(self) -> set[int]:
         return {i for i, h in enumerate(self._held) if h}

@@ -24,9 +24,6 @@ class HostAllocator:
     def num_used(self) -> int:
         return self.capacity - len(self._free)
 
-    def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def alloc(self, n: int) -> bytes | None:
         """Take `n` pages; packed indices, or None (nothing taken) when fewer are free."""
         if n > len(self._free):

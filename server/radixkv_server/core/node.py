@@ -5,12 +5,7 @@ radixkv caches FULL attention KV only for now. Residency, locks and pins live in
 state can be added later as further components without reshaping the tree.
 """
 
-import enum
 from dataclasses import dataclass, field
-
-
-class Component(enum.Enum):
-    FULL = "full"
 
 
 @dataclass(slots=True, eq=False)
@@ -79,10 +74,6 @@ class Node:
         self.last_access = 0
         self.device_children = 0  # children whose FULL component is on device
         self.chain: bytes | None = None  # storage key of the last page, computed on demand
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
 
     def path(self) -> list["Node"]:
         """Nodes from this one up to (excluding) the root, deepest first."""

@@ -106,10 +106,6 @@ def validate(reg: Registration) -> None:
         raise invalid("num_device_pages must be >= 1")
     if reg.num_device_pages > MAX_PAGES:
         raise invalid(f"num_device_pages {reg.num_device_pages}: page ids are int32, at most {MAX_PAGES} pages")
-    if not any(b.page_bytes for b in reg.buffers) and len(reg.buffers) != reg.layout.num_buffers:
-        raise invalid(f"layout needs {reg.layout.num_buffers} device buffers "
-                      f"({reg.layout.num_layers} layers x {reg.layout.buffers_per_layer}), got {len(reg.buffers)} "
-                      "(or describe each buffer's page_bytes)")
     try:
         buffer_geometry(reg.layout, reg.buffers)
     except DeviceOpenError as e:

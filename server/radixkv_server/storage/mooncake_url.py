@@ -1,6 +1,6 @@
 """`mooncake://HOST:PORT?...`: the URL form of a MooncakeStorage (see open.py)."""
 
-from ..config import parse_size
+from ..units import parse_size
 from .mooncake_store import MooncakeStorage
 
 URL_OPTIONS = {"segment": "segment_bytes", "buffer": "buffer_bytes", "protocol": "protocol",

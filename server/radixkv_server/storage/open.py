@@ -9,7 +9,7 @@ its schemes in `SCHEMES`. The backends import `base`, never this module.
 from collections.abc import Callable
 from urllib.parse import SplitResult, parse_qs, unquote, urlencode, urlsplit
 
-from ..config import parse_size
+from ..units import parse_size
 from .base import StorageBackend, redact_url
 
 Opener = Callable[[str, SplitResult, dict[str, str]], StorageBackend]
