@@ -150,6 +150,7 @@ class AsyncClient(ClientBase):
             device_tier=device_tier, role=role, tp_rank=tp_rank, tp_size=tp_size, instance=instance))
 
     async def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
+        """As `Client.reconnect`."""
         return await self._run(self._session.reconnect(timeout))
 
     async def close(self) -> None:

@@ -106,7 +106,10 @@ class Client(ClientBase):
 
         Returns None when the session was alive, else the `SessionLost` that a call
         would have raised (drop the cached device pages). Raises Unavailable if the
-        daemon did not take a registration within `timeout` seconds."""
+        daemon did not answer a registration within `timeout` seconds, and the daemon's
+        refusal of the last attempt as itself (FailedPrecondition for another layout or
+        model in the namespace, PermissionDenied, ResourceExhausted): one that does not
+        pass by itself."""
         return self._run(self._session.reconnect(timeout))
 
     def close(self) -> None:

@@ -155,8 +155,10 @@ class Session:
                 return e
             except RadixKVError as e:
                 if time.monotonic() >= deadline:
-                    raise Unavailable(f"no session after {timeout}s: {rec.reason}; the last attempt: "
-                                      f"{e.message}") from None
+                    message = f"no session after {timeout}s: {rec.reason}; the last attempt: {e.message}"
+                    if isinstance(e, (Unavailable, DeadlineExceeded)):
+                        raise Unavailable(message) from None
+                    raise type(e)(message, e.code) from None  # refused: as the daemon said it
 
     def close(self) -> Plan[list]:
         """Mark the client closed and end the session (Close); returns the streams for

@@ -221,3 +221,27 @@ def test_reconnect_for_one_attempt_gives_it_the_clients_timeout(setup):
     s._recovery.lose("the ack stream ended", 0.0)
     assert isinstance(run(s.reconnect(1.5), record), errors.SessionLost)
     assert 0 < timeouts["Register"] <= 1.5
+
+
+def test_a_refused_attempt_at_registering_again_is_raised_as_the_refusal(setup):
+    """A daemon that refuses the lost session's registration (another engine holds the
+    namespace with another layout or model) answers for good: `reconnect` raises that
+    refusal, not Unavailable, so the vLLM connector warns instead of waiting at debug
+    level for a daemon that is already there (it said Unavailable for both)."""
+    s, daemon, streams, lost = setup
+    daemon.forget("d2")
+    refusing = daemon.__call__
+
+    def refuse(step):
+        if isinstance(step, Rpc) and step.method == "Register":
+            daemon.calls.append("Register")
+            raise errors.FailedPrecondition("namespace ns has the other device tier")
+        return refusing(step)
+
+    s._recovery.lose("the ack stream ended", 0.0)
+    with pytest.raises(errors.FailedPrecondition, match="the last attempt: .*has the other device tier"):
+        run(s.reconnect(0), refuse)
+    daemon.down = True
+    s._recovery.next_at = 0.0
+    with pytest.raises(errors.Unavailable, match="the last attempt: .*connection refused"):
+        run(s.reconnect(0), daemon)

@@ -31,7 +31,7 @@ from radixkv.layout import KvLayout
 from radixkv.types import as_packed
 
 from .config import ConnectorConfig
-from .outages import OutageLog
+from .outages import OutageLog, registering_again_failed
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
@@ -330,7 +330,7 @@ class DaemonAdapter:
             with self._lock:
                 self._client.reconnect(timeout=0)
         except RadixKVError as e:
-            log.info("radixkv: the session is not back yet: %s", e)
+            registering_again_failed(log, "worker", e)
 
 
 __all__ = ["DaemonAdapter", "Hit", "MISS", "hit_of", "register_options", "registration_refused"]

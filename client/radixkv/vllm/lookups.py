@@ -33,13 +33,13 @@ import logging
 from collections import Counter
 
 from radixkv.aio import AsyncClient
-from radixkv.errors import DeadlineExceeded, NotFound, RadixKVError, Unavailable
+from radixkv.errors import NotFound, RadixKVError, Unavailable
 from radixkv.layout import KvLayout
 from radixkv.types import Prompt
 
 from .config import ConnectorConfig
 from .daemon import MISS, Hit, hit_of, register_options, registration_refused
-from .outages import OutageLog
+from .outages import OutageLog, registering_again_failed
 from .pump import LoopPump
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
@@ -234,10 +234,8 @@ class Lookups:
             lost = await client.reconnect(timeout=0)  # one attempt, if the backoff lets it
             if lost is not None:
                 log.warning("radixkv: scheduler: %s", lost)
-        except (Unavailable, DeadlineExceeded) as e:
-            log.debug("radixkv: the scheduler's session is not back yet: %s", e)
-        except RadixKVError as e:  # the daemon refused it (another layout or model now?)
-            log.warning("radixkv: registering the scheduler's session again was refused: %s", e)
+        except RadixKVError as e:
+            registering_again_failed(log, "scheduler", e)
 
     async def _release_soon(self) -> None:
         """One Release of every lease released before this task ran."""

@@ -7,6 +7,8 @@ lasts; a line per request would bury the one that says what happened.
 
 import logging
 
+from radixkv.errors import DeadlineExceeded, RadixKVError, Unavailable
+
 
 class OutageLog:
     """A run of failures of `what` (for example "lookups fail and are treated as misses"),
@@ -32,4 +34,17 @@ class OutageLog:
             self.failures = 0
 
 
-__all__ = ["OutageLog"]
+def registering_again_failed(log: logging.Logger, who: str, error: RadixKVError) -> None:
+    """Log one failed attempt of `who` (a worker, the scheduler) at registering its lost
+    session again, the same way for every session: a daemon that is away or slow
+    (Unavailable, DeadlineExceeded) at debug, as the next attempt follows; a refusal
+    (another model or layout holds the namespace now, a token revoked, a limit) as a
+    warning, since it does not pass by itself and every lookup or load is a miss until
+    an operator acts."""
+    if isinstance(error, (Unavailable, DeadlineExceeded)):
+        log.debug("radixkv: %s: the session is not back yet: %s", who, error)
+    else:
+        log.warning("radixkv: %s: registering the session again was refused: %s", who, error)
+
+
+__all__ = ["OutageLog", "registering_again_failed"]
