@@ -11,7 +11,7 @@ MOONCAKE_STAMP := $(VENV)/.mooncake-installed
 TORCH_SPEC ?= torch>=2.4,<2.14
 PYTEST_ARGS ?=
 
-.PHONY: install vllm-install serve test unit service bench bench-full soak proto proto-check system-deps sim clean
+.PHONY: install vllm-install serve test unit bench bench-full soak proto proto-check system-deps sim clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)

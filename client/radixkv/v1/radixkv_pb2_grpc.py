@@ -181,11 +181,12 @@ class RadixKVServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Evict(self, request, context):
-        """Free device pages: least recently used unlocked leaves, written back to host first
-        where needed. Returns the pages, now the engine's again: whole nodes, so more than
-        num_pages when the last leaf is longer than what was left to free; fewer when
-        locked, pinned or backing-up nodes hold the rest, or a write-back found no host
-        room within storage_lookup_timeout (the node stays for the next Evict).
+        """Free device pages: unlocked leaves in the daemon's --eviction-policy order (LRU by
+        default), written back to host first where needed. Returns the pages, now the
+        engine's again: whole nodes, so more than num_pages when the last leaf is longer
+        than what was left to free; fewer when locked, pinned or backing-up nodes hold the
+        rest, or a write-back found no host room within storage_lookup_timeout (the node
+        stays for the next Evict).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
