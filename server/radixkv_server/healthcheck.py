@@ -4,7 +4,8 @@ unreachable, timed out). For container HEALTHCHECKs and Kubernetes exec probes: 
 talks over the unix socket, so the gRPC API need not listen on the network.
 
 The address defaults to the daemon's own: the first unix address in RADIXKV_LISTEN,
-else the default socket. `--service ""` checks liveness instead of readiness.
+else its first address (TCP, plaintext), else the default socket. `--service ""` checks
+liveness instead of readiness.
 Imports grpc only (no torch): a probe runs every few seconds.
 """
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixkv-health", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", default=default_address(),
                         help="daemon gRPC address (default: first unix address of RADIXKV_LISTEN, "
-                             f"else {DEFAULT_SOCKET})")
+                             f"else its first address, else {DEFAULT_SOCKET})")
     parser.add_argument("--service", default=READINESS,
                         help=f'health service name: "{READINESS}" = ready (default), "" = alive')
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")

@@ -10,8 +10,9 @@ block the untagged extra keys, the salt in the prompt's first block only.
 
 The digest of a node's last page names the whole token path from the root to the node's
 end, which no split changes, so it is cached by node id (per namespace attachment: ids
-restart with a new tree) and dropped when the node leaves the device and host tiers (the
-core never reports storage removals; the cache is also cleared past `max_cached`).
+restart with a new tree) and dropped when the node leaves the device and host tiers, or
+past `max_cached`: a cache only, recomputed from the path where a later record needs it
+(a storage removal, reported only when the store lost its contents).
 """
 
 from radixkv.routing.blockhash import DEFAULT_SEED, as_token_array, block_digests, external_hash
@@ -21,7 +22,8 @@ from radixkv.routing.wire import (
 )
 
 TIER_MEDIUM = {"device": MEDIUM_GPU, "host": MEDIUM_CPU, "storage": MEDIUM_STORAGE}
-# Tiers whose removals the core reports; storage evicts unseen, so it is not tracked.
+# Residency tracked per node for device and host; storage evicts unseen (its removals are
+# reported only when the store lost its contents), so it is not tracked.
 _TIER_BIT = {MEDIUM_GPU: 1, MEDIUM_CPU: 2, MEDIUM_STORAGE: 0}
 STORED, REMOVED, CLEARED = 0, 1, 2
 CLEAR_RECORD = (CLEARED, None, b"", ())

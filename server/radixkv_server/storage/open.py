@@ -1,4 +1,6 @@
-"""`open_storage(url)`: the one place that knows every storage backend.
+"""`open_storage(url)`: the one place that knows every storage backend: `file://`,
+`redis://`, `rediss://`, `unix://` (Redis/Valkey), `redis+cluster://` (its options parsed
+in `redis_cluster.py`) and `mooncake://` (`mooncake_url.py`).
 
 `SCHEMES` maps a URL scheme to the function opening that backend; a backend module is
 imported only when its scheme is opened (redis-py, a Mooncake client, ... load on
