@@ -92,7 +92,8 @@ class Registration:
     lost with that engine's device residency (KV it held on the device only);
     `daemon_instance` changes when the daemon restarts;
     `storage` is the daemon's storage tier by URL scheme ("file", "redis", "redis+cluster",
-    "mooncake"; "" without one)."""
+    "mooncake"; "" without one); `max_prompts_per_match`, the most prompts one Match may
+    carry (0: a daemon too old to say)."""
 
     session: str
     daemon_instance: str
@@ -102,11 +103,12 @@ class Registration:
     dropped_device_tokens: int
     storage: str = ""
     device_uuid: str = ""  # cuda: the GPU the daemon opened the buffers on
+    max_prompts_per_match: int = 0
 
     @classmethod
     def from_pb(cls, m: pb.RegisterResponse) -> "Registration":
         return cls(m.session, m.daemon_instance, m.host_pool_pages, m.write_policy, m.warm,
-                   m.dropped_device_tokens, m.storage, m.device_uuid)
+                   m.dropped_device_tokens, m.storage, m.device_uuid, m.max_prompts_per_match)
 
 
 @dataclass(frozen=True, slots=True)

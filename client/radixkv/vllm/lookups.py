@@ -3,7 +3,9 @@
 vLLM asks `get_num_new_matched_tokens` for a waiting request, possibly several times.
 The first ask queues its prompt here and answers None ("ask again next step"). At the
 end of the scheduler step (`send`, from build_connector_meta) whatever was asked goes
-out in one batched Match with leases on the session stream; a later ask gets the hit.
+out in one batched Match with leases on the session stream (several, when a burst of
+waiting requests passes the daemon's prompts per Match or MATCH_BYTES of keys); a later
+ask gets the hit.
 
 The session is an `AsyncClient` on the connector's own event loop, which the scheduler's
 calls run in short passes (`radixkv.vllm.pump`): `send` writes the Match in one, and the
@@ -43,6 +45,32 @@ from .outages import OutageLog, registering_again_failed
 from .pump import LoopPump
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
+
+# A step's lookups go out in Matches of at most the daemon's --max-prompts-per-match
+# prompts (Register says it; OLDER_DAEMON_PROMPTS, its default, from a daemon too old to
+# say) and about MATCH_BYTES of token and extra-key bytes (a longer prompt goes alone):
+# vLLM asks for every waiting request in a step, and one Match past either limit was
+# refused whole, every lookup of the step a miss.
+OLDER_DAEMON_PROMPTS = 4096
+MATCH_BYTES = 4 << 20
+
+
+def batches(prompts: dict[str, Prompt], most: int) -> list[dict[str, Prompt]]:
+    """`prompts` (request id -> prompt), in order, in batches of at most `most` prompts
+    and about MATCH_BYTES of keys each."""
+    out: list[dict[str, Prompt]] = []
+    batch: dict[str, Prompt] = {}
+    size = 0
+    for req_id, prompt in prompts.items():
+        n = len(prompt.tokens) + len(prompt.extra_key)
+        if batch and (len(batch) >= most or size + n > MATCH_BYTES):
+            out.append(batch)
+            batch, size = {}, 0
+        batch[req_id] = prompt
+        size += n
+    if batch:
+        out.append(batch)
+    return out
 
 
 class Lookups:
@@ -104,7 +132,7 @@ class Lookups:
         with self._pump.lock:
             hit = self._hits.get(req_id)
             if hit is None and req_id not in self._inflight and req_id not in self._queued:
-                self._queued[req_id] = tokens()
+                self._queued[req_id] = Prompt.of(tokens())
         return hit
 
     def send(self) -> None:
@@ -112,13 +140,17 @@ class Lookups:
         released in one Release), written now."""
         self._steps += 1
         with self._pump.lock:
-            batch, self._queued = self._queued, {}
-            self._inflight.update(batch)
-            if batch:
+            asked, self._queued = self._queued, {}
+            self._inflight.update(asked)
+            for batch in batches(asked, self._prompts_per_match()):
                 self._pump.spawn(self._lookup(batch))
-            elif not self._releases:
+            if not asked and not self._releases:
                 return
         self._pump.tick()
+
+    def _prompts_per_match(self) -> int:
+        registration = self._client.registration if self._client is not None else None
+        return (registration.max_prompts_per_match if registration is not None else 0) or OLDER_DAEMON_PROMPTS
 
     def take_counts(self) -> Counter:
         """The counts since the last call (see the module's docstring), then zero."""

@@ -106,7 +106,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             write_policy=ns.config.cache.write_policy.value, warm=done.warm,
             dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance,
             storage=self.daemon.storage.kind if self.daemon.storage is not None else "",
-            device_uuid=ns.device_uuid(done.session))
+            max_prompts_per_match=self.daemon.config.max_prompts_per_match, device_uuid=ns.device_uuid(done.session))
 
     @rpc
     async def Close(self, request, context):
