@@ -11,7 +11,7 @@ import asyncio
 import grpc
 import pytest
 from radixkv_server.metrics import Metrics
-from radixkv_server.service.engine_namespace import host_layout
+from radixkv_server.service.namespace_config import host_layout
 from radixkv_server.service.errors import ServiceError
 from radixkv_server.service.inspection import namespace_stats
 

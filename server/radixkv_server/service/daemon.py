@@ -99,15 +99,7 @@ class Daemon:
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
             replacing = ns is not None and self._check_free(ns, reg)
-            if ns is None and len(self.namespaces) >= self.config.max_namespaces:
-                raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
-            if len(self.sessions) - replacing >= self.config.max_sessions:
-                raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions")
-            ns_config = None
-            if ns is None:
-                ns_config = registration.namespace_config(
-                    self.config, reg, reg.write_policy or self.config.write_policy, self.storage is not None)
-                self.check_host_room(ns_config.name, ns_config.host_pages * ns_config.layout.page_bytes)
+            ns_config = self.admit(reg, ns, replacing)
             device = await registration.open_device(reg)  # before the live session goes: errors change nothing
             try:
                 if replacing and ns.session is not None:
@@ -143,11 +135,23 @@ class Daemon:
                 f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
         return True
 
-    def check_host_room(self, name: str, nbytes: int) -> None:
-        """RESOURCE_EXHAUSTED when a new namespace `name`'s host pool of `nbytes` would
-        take all host pools past the daemon's host memory budget (host_budget.py)."""
-        held = {n: ns.host_pool.nbytes for n, ns in self.namespaces.items()}
-        host_budget.check_room(held, name, nbytes, self.host_memory_limit, self._host_memory_source)
+    def admit(self, reg: registration.Registration, ns, replacing: bool = False):
+        """The daemon's limits for a Register joining namespace `ns` (None: creating it),
+        checked before anything is taken, for both kinds of namespace: the namespace and
+        session limits (a replaced session frees its place) and, for a new namespace, the
+        host memory budget its whole host pool counts against (host_budget.py).
+        RESOURCE_EXHAUSTED past one. Returns the new namespace's config; None when joining."""
+        if ns is None and len(self.namespaces) >= self.config.max_namespaces:
+            raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
+        if len(self.sessions) - replacing >= self.config.max_sessions:
+            raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions")
+        if ns is not None:
+            return None
+        config = registration.namespace_config(self.config, reg, self.storage is not None)
+        held = {n: other.host_pool.nbytes for n, other in self.namespaces.items()}
+        host_budget.check_room(held, config.name, config.host_pages * config.host_layout.page_bytes,
+                               self.host_memory_limit, self._host_memory_source)
+        return config
 
     def add_namespace(self, ns):
         """Enter a new namespace (managed or engine-managed) in the registry; its

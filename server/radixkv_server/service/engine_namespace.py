@@ -19,8 +19,6 @@ import functools
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from radixkv.layout import KvLayout
-
 from ..core import FinishResult, InsertResult
 from ..core.pages import unpack
 from ..datapath import DeviceBuffers, HostPool
@@ -33,11 +31,6 @@ from .rank_copies import RankCopies
 from .sessions import Session
 
 SCHEDULER, ENGINE = "scheduler", "engine"
-
-
-def host_layout(layout: KvLayout, tp_size: int) -> KvLayout:
-    """The layout of one host page holding `tp_size` ranks' shards of `layout`'s page."""
-    return dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads * tp_size)
 
 
 class EngineNamespace:
@@ -63,13 +56,13 @@ class EngineNamespace:
         return bool(self.sessions)
 
     @classmethod
-    async def open(cls, config: NamespaceConfig, tp_size: int, *, metrics=None, storage=None) -> "EngineNamespace":
-        """A new engine-managed namespace; its host pool (pages of `tp_size` shards) is
-        allocated off the loop."""
+    async def open(cls, config: NamespaceConfig, *, metrics=None, storage=None) -> "EngineNamespace":
+        """A new engine-managed namespace; its host pool (pages of `config.tp_size` shards)
+        is allocated off the loop."""
         pool = await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(HostPool, host_layout(config.layout, tp_size), config.host_pages,
+            None, functools.partial(HostPool, config.host_layout, config.host_pages,
                                     device=config.pin_device, prefault=config.prefault_host))
-        return cls(config, pool, tp_size, metrics=metrics, storage=storage)
+        return cls(config, pool, config.tp_size, metrics=metrics, storage=storage)
 
     def add_session(self, session: Session, device: DeviceBuffers | None) -> None:
         """Attach a session; an ENGINE session's buffers copy its rank's shards."""
@@ -253,4 +246,4 @@ class EngineNamespace:
         return out
 
 
-__all__ = ["ENGINE", "SCHEDULER", "EngineNamespace", "host_layout"]
+__all__ = ["ENGINE", "SCHEDULER", "EngineNamespace"]

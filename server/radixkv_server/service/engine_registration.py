@@ -6,13 +6,12 @@ and its ENGINE rank sessions. Every session presents the namespace's layout and
 namespace. Called by `Daemon.register` under its registration lock.
 """
 
-import dataclasses
 import logging
 
 from ..logs import log_event
 from . import registration
-from .engine_namespace import SCHEDULER, EngineNamespace, host_layout
-from .errors import exhausted, precondition
+from .engine_namespace import SCHEDULER, EngineNamespace
+from .errors import precondition
 
 log = logging.getLogger("radixkv.daemon")
 
@@ -25,33 +24,19 @@ def check_compatible(ns, reg: registration.Registration) -> None:
                            f"tp_size {reg.tp_size}: every engine sharing a namespace uses one tensor-parallel size")
 
 
-def namespace_config(daemon, reg: registration.Registration):
-    """The new namespace's config: host pages hold `tp_size` shards (sized and salted so)."""
-    wide = dataclasses.replace(reg, layout=host_layout(reg.layout, reg.tp_size))
-    cfg = registration.namespace_config(daemon.config, wide, reg.write_policy or daemon.config.write_policy,
-                                        daemon.storage is not None)
-    return dataclasses.replace(cfg, layout=reg.layout)
-
-
 async def register(daemon, reg: registration.Registration) -> registration.Registered:
     """Attach a SCHEDULER or ENGINE session to the engine-managed namespace `reg` names,
     creating it for the first one. Errors change nothing."""
     ns = daemon.namespaces.get(reg.namespace)
     if ns is not None:
         check_compatible(ns, reg)
-    elif len(daemon.namespaces) >= daemon.config.max_namespaces:
-        raise exhausted(f"namespace limit reached ({daemon.config.max_namespaces}); raise --max-namespaces")
-    if len(daemon.sessions) >= daemon.config.max_sessions:
-        raise exhausted(f"session limit reached ({daemon.config.max_sessions}); raise --max-sessions")
-    config = namespace_config(daemon, reg) if ns is None else None
-    if config is not None:  # its host pages hold every rank's shard
-        daemon.check_host_room(config.name, config.host_pages * host_layout(reg.layout, reg.tp_size).page_bytes)
+    config = daemon.admit(reg, ns)
     device = None if reg.role == SCHEDULER else await registration.open_device(reg)
     try:
         warm = ns is not None
         if ns is None:
             ns = daemon.add_namespace(await EngineNamespace.open(
-                config, reg.tp_size, metrics=daemon.metrics, storage=daemon.storage))
+                config, metrics=daemon.metrics, storage=daemon.storage))
         session = daemon.sessions.new(ns, reg.engine)
         session.role, session.rank, session.instance = reg.role, reg.tp_rank, reg.instance
         session.device_pages = reg.num_device_pages

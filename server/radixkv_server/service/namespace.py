@@ -60,7 +60,7 @@ class Namespace:
                    metrics=None, storage=None) -> "Namespace":
         """A new namespace; its host pool is allocated (and pinned) off the loop."""
         pool = await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(HostPool, config.layout, config.host_pages, device=config.pin_device,
+            None, functools.partial(HostPool, config.host_layout, config.host_pages, device=config.pin_device,
                                     prefault=config.prefault_host))
         return cls(config, pool, device, metrics=metrics, storage=storage)
 

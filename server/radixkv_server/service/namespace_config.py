@@ -1,6 +1,7 @@
 """NamespaceConfig: everything one namespace is built from, derived once at its first
 Register from the daemon's `DaemonConfig` and the request (`registration.namespace_config`)."""
 
+import dataclasses
 from dataclasses import dataclass
 
 from radixkv.layout import KvLayout
@@ -23,3 +24,16 @@ class NamespaceConfig:
     copy_delay: float = 0.0    # fault injection for tests (DaemonConfig.fault_copy_delay)
     fail_loads: float = 0.0    # fault injection for tests (DaemonConfig.fault_fail_loads)
     model: str = ""            # whose KV it holds (Registration.model_name): another model is refused
+    tp_size: int = 1           # engine-managed: the ranks whose shards one host page holds
+
+    @property
+    def host_layout(self) -> KvLayout:
+        """The layout of one host page: `layout` (one rank's page), widened to hold every
+        rank's shard when `tp_size` > 1. The host pool, the host memory budget, Stats and
+        the gauges all size host pages by it."""
+        return host_layout(self.layout, self.tp_size)
+
+
+def host_layout(layout: KvLayout, tp_size: int) -> KvLayout:
+    """The layout of one host page holding `tp_size` ranks' shards of `layout`'s page."""
+    return layout if tp_size == 1 else dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads * tp_size)

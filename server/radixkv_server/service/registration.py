@@ -3,6 +3,7 @@ namespace's config (cache policy, host pool size), and opening the engine's devi
 
 import asyncio
 import re
+import dataclasses
 from dataclasses import dataclass
 
 import grpc
@@ -17,7 +18,7 @@ from ..datapath.device import buffer_geometry
 from ..datapath.cuda_devices import ordinal_for_uuid, visible_uuids
 from .errors import ServiceError, exhausted, invalid, precondition
 from .namespace import Namespace
-from .namespace_config import NamespaceConfig
+from .namespace_config import NamespaceConfig, host_layout
 from .sessions import Session
 
 MAX_PAGES = 2**31 - 1  # page ids travel as packed int32 (Insert, LoadBack, Evict answers)
@@ -147,16 +148,22 @@ def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
                            f"not {policy}")
 
 
-def namespace_config(config: DaemonConfig, reg: Registration, policy: str, storage_on: bool) -> NamespaceConfig:
-    """The config of the namespace `reg` creates. INVALID_ARGUMENT for a bad policy,
-    RESOURCE_EXHAUSTED for a host pool past the per-namespace limit."""
+def namespace_config(config: DaemonConfig, reg: Registration, storage_on: bool) -> NamespaceConfig:
+    """The config of the namespace `reg` creates (its write policy the request's, else the
+    daemon's). An engine-managed namespace's host pages hold every rank's shard
+    (`tp_size`): its pool is sized, and its storage keys salted, by that whole page.
+    INVALID_ARGUMENT for a bad policy, RESOURCE_EXHAUSTED for a host pool past the
+    per-namespace limit."""
+    tp_size = reg.tp_size if reg.engine_managed else 1
+    host = dataclasses.replace(reg, layout=host_layout(reg.layout, tp_size))
     return NamespaceConfig(
-        name=reg.namespace, layout=reg.layout, cache=cache_config(config, reg, policy, storage_on),
-        host_pages=host_pages(config, reg), pin_device=pin_device(reg), prefault_host=config.host_pool_prefault,
+        name=reg.namespace, layout=reg.layout,
+        cache=cache_config(config, host, reg.write_policy or config.write_policy, storage_on),
+        host_pages=host_pages(config, host), pin_device=pin_device(reg), prefault_host=config.host_pool_prefault,
         copy_workers=config.copy_workers, storage_workers=config.storage_workers,
         storage_queue_pages=config.storage_queue_pages, storage_lookup_timeout=config.storage_lookup_timeout,
         copy_delay=config.fault_copy_delay,
-        fail_loads=config.fault_fail_loads, model=reg.model_name)
+        fail_loads=config.fault_fail_loads, model=reg.model_name, tp_size=tp_size)
 
 
 def pin_device(reg: Registration) -> int | None:
