@@ -25,7 +25,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc as pbg
 from radixkv_server.core.page_keys import namespace_salt, page_keys
 from radixkv_server.core.pages import pack
-from radixkv_server.service.registration import layout_fingerprint
+from radixkv_server.core.page_keys import layout_fingerprint
 from radixkv_server.storage.record import HEADER_BYTES
 
 from .daemon import DaemonProcess, channel, register

@@ -16,8 +16,12 @@ person parameters); `u32(n)` is n as 4 little-endian bytes; `||` concatenates.
     h_i    = H(prefix || h_{i-1} || T_i)      (the key of page i, i = 1, 2, ...)
              T_i: the page_size * 4 bytes of page i's tokens (little-endian int32)
 
-The layout fingerprint must cover everything that changes a page's bytes (dtype, layers,
-heads, head_dim, page_size, tensor-parallel rank); the model name alone does not.
+The layout fingerprint (`layout_fingerprint`) covers everything that changes a page's
+bytes (dtype, layers, heads, head_dim, page_size, tensor-parallel shards); the model name
+alone does not. Every part of a key is made here; a storage backend only names a key's
+record from `hex(key)`: Redis, Redis Cluster and Mooncake as `prefix + hex(key)` (the URL's
+`prefix=`, "radixkv:" by default: daemons share records only under one prefix), the file
+backend as `<dir>/<hex[0:2]>/<hex[2:4]>/<hex>` plus its suffix.
 """
 
 import hashlib
@@ -53,6 +57,21 @@ def namespace_salt(model: str, layout_fingerprint: str) -> bytes:
         raise ValueError("namespace_salt: model name must not be empty")
     data = _NAMESPACE_TAG + _field(model.encode()) + _field(layout_fingerprint.encode())
     return _hash(data).digest()
+
+
+def layout_fingerprint(layout, tp_size: int = 1, rank: int | None = None) -> str:
+    """The fingerprint `f` of `layout` (a `radixkv.layout.KvLayout`): everything about it
+    that changes a page's bytes, as
+    `{kv_format}:{num_layers}x{num_kv_heads}x{head_dim}:{dtype}:p{page_size}{shards}`. An
+    engine-managed namespace's host page holds `tp_size` rank shards one after another:
+    as many heads as one unsharded page, in another order, so the shard count is part of
+    it; a managed-device namespace of one tensor-parallel `rank` holds that rank's shard
+    alone, so the rank is too (ranks of one model computing the same prompt must never
+    read each other's pages). Both written only past 1 rank, so unsharded keys stay as
+    they were."""
+    shards = "" if tp_size <= 1 else f":tp{tp_size}" if rank is None else f":tp{tp_size}r{rank}"
+    return (f"{layout.kv_format}:{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}:"
+            f"{layout.dtype}:p{layout.page_size}{shards}")
 
 
 def page_keys(

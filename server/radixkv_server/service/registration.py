@@ -12,7 +12,7 @@ from radixkv.layout import KvLayout
 
 from ..config import DaemonConfig
 from ..core import CacheConfig
-from ..core.page_keys import namespace_salt
+from ..core.page_keys import layout_fingerprint, namespace_salt
 from ..datapath import BACKENDS, BufferSpec, DeviceOpenError, SegmentNotYours, open_device_buffers
 from ..datapath.device import buffer_geometry
 from ..datapath.cuda_devices import ordinal_for_uuid, visible_uuids
@@ -60,19 +60,6 @@ class Registered:
     session: Session
     warm: bool
     dropped_device_tokens: int
-
-
-def layout_fingerprint(layout: KvLayout, tp_size: int = 1, rank: int | None = None) -> str:
-    """Everything about a layout that changes a page's bytes (part of storage keys). An
-    engine-managed namespace's host page holds `tp_size` rank shards one after another:
-    as many heads as one unsharded page, in another order, so the shard count is part of
-    it; a managed-device namespace of one tensor-parallel `rank` holds that rank's shard
-    alone, so the rank is too (ranks of one model computing the same prompt must never
-    read each other's pages). Both written only past 1 rank, so unsharded keys stay as
-    they were."""
-    shards = "" if tp_size <= 1 else f":tp{tp_size}" if rank is None else f":tp{tp_size}r{rank}"
-    return (f"{layout.kv_format}:{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}:"
-            f"{layout.dtype}:p{layout.page_size}{shards}")
 
 
 def storage_salt(reg: Registration) -> bytes:
