@@ -13,6 +13,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 from . import __version__
 from .core.evictable import STRATEGIES
 from .core.policy import StoragePolicy, WritePolicy
+from .events.config import EventsConfig
 from .units import parse_size
 
 DEFAULT_SOCKET = "unix:///run/radixkv/radixkv.sock"
@@ -158,6 +159,7 @@ class DaemonConfig:
         if self.max_message_size < MIN_MESSAGE_SIZE:
             raise ValueError(f"--max-message-size must be at least {MIN_MESSAGE_SIZE >> 20}MiB (a Register or a "
                              f"batched Match would not fit), got {self.max_message_size}")
+        EventsConfig.from_daemon(self)  # the kv_events_* settings, checked even when events are off
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         for f in dataclasses.fields(self):

@@ -243,12 +243,9 @@ def _check_port(address: str) -> None:
 def _open_events(config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> EventHub | None:
     """The KV-event hub, when ZMQ events or WatchEvents are on (None otherwise: the core's
     residency seam then costs nothing)."""
-    try:
-        events_config = EventsConfig.from_daemon(config)  # checked even when off: a flag given is meant
-    except ValueError as e:
-        raise BadSetting(f"kv events: {e}") from None
     if not (config.kv_events_endpoint or config.kv_events_watch):
         return None
+    events_config = EventsConfig.from_daemon(config)  # checked when the DaemonConfig was made
     try:
         hub = EventHub(events_config, call_later=loop.call_later)
     except ValueError as e:

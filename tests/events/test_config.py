@@ -37,3 +37,16 @@ def test_an_unusable_endpoint_is_a_clear_error():
 
     with pytest.raises(ValueError, match="cannot open tcp://\\*:notaport"):
         EventHub(EventsConfig(endpoint="tcp://*:notaport"))
+
+
+def test_the_defaults_are_the_daemons_and_a_bad_setting_is_refused_with_the_others():
+    """EventsConfig's defaults are DaemonConfig's kv_events_* defaults, and a bad
+    kv_events_* setting fails `load_config` like any flag, before the daemon opens its
+    storage (it was refused only inside `serve`, after a Mooncake join of seconds)."""
+    from radixkv_server.config import DaemonConfig, load_config
+
+    assert EventsConfig.from_daemon(DaemonConfig()) == EventsConfig()
+    with pytest.raises(ValueError, match="--kv-events-topic 'kv' must contain {namespace}"):
+        load_config(["--kv-events-topic", "kv"], environ={})
+    with pytest.raises(ValueError, match="--kv-events-hwm must be >= 1"):
+        load_config([], environ={"RADIXKV_KV_EVENTS_HWM": "0"})

@@ -1,6 +1,9 @@
 """Settings of the event publisher. The daemon's `DaemonConfig` (server/radixkv_server/
 config.py) carries the `kv_events_*` fields listed in docs/events.md, from which the
-flags and `RADIXKV_KV_EVENTS_*` variables derive; `from_daemon` builds this from it."""
+flags and `RADIXKV_KV_EVENTS_*` variables derive; `from_daemon` builds this from it, and
+`DaemonConfig` does so when it is made, so a bad setting is refused with the others
+(exit code 2) before the daemon opens anything. The defaults here are DaemonConfig's
+(tests/events/test_config.py holds them equal), for the hub's tests and tools."""
 
 from dataclasses import dataclass
 
