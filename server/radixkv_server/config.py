@@ -10,13 +10,15 @@ import os
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from radixkv.channel import DEFAULT_TARGET
+
 from . import __version__
 from .core.evictable import STRATEGIES
 from .core.policy import StoragePolicy, WritePolicy
 from .events.config import EventsConfig
 from .units import parse_size
 
-DEFAULT_SOCKET = "unix:///run/radixkv/radixkv.sock"
+DEFAULT_SOCKET = DEFAULT_TARGET  # the clients' default address: daemon and clients on defaults meet
 MIN_MESSAGE_SIZE = 1 << 20  # bytes: below it even a health check or a Register may not fit
 
 
