@@ -288,7 +288,7 @@ TABLE = [
     Row("LoadBack", "tree-owned page", unary("LoadBack", lambda c: pb.LoadBackRequest(
         session=A(c), node=c["host_node"], device_pages=pack([8, 9, 10, 3]))), C.INVALID_ARGUMENT, r"device page 3 is already held"),
     Row("LoadBack", "page bytes not a multiple of 4", unary("LoadBack", lambda c: pb.LoadBackRequest(
-        session=A(c), node=c["host_node"], device_pages=b"\0" * 7)), C.INVALID_ARGUMENT, r"page list is 7 bytes"),
+        session=A(c), node=c["host_node"], device_pages=b"\0" * 7)), C.INVALID_ARGUMENT, r"page list bytes \(7\) are not a multiple of 4"),
     # Documented, not an error: only whole nodes that fit are loaded; the rest come back unused.
     Row("LoadBack", "too few pages (nothing fits: transfer 0, all unused)", unary("LoadBack", lambda c: pb.LoadBackRequest(
         session=A(c), node=c["host_node"], device_pages=pack([8, 9, 10]))), C.OK, ""),

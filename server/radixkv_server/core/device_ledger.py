@@ -7,7 +7,7 @@ counts behind the invariant  held + returned == taken.
 """
 
 from .errors import InvalidRequest, PageOwnershipError
-from .pages import count, unpack
+from .pages import count, require_packed, unpack
 
 
 class DeviceLedger:
@@ -26,8 +26,7 @@ class DeviceLedger:
         `allowed` lists held pages the caller may pass back (an insert repeating the
         pages it matched). Checks only; changes nothing.
         """
-        if len(pages) % 4:
-            raise InvalidRequest(f"{what}: page list is {len(pages)} bytes, not a multiple of 4")
+        require_packed(pages, f"{what}: page list")
         n = self.num_pages
         held = self._held
         seen = set()

@@ -28,7 +28,7 @@ from .host_space import HostSpace
 from .insertion import check_insert
 from .invariants import check_invariants
 from .node import Node
-from .pages import count
+from .pages import count, require_packed
 from .results import FinishResult, LoadBackResult
 from .state import CacheState
 from .transfers import Transfer, TransferKind
@@ -175,8 +175,7 @@ class EngineTier:
         state = self.state
         self._check_rank(rank)
         node = state.tree.get(node_id)
-        if len(device_pages) % 4:
-            raise InvalidRequest(f"LoadBack: device page bytes ({len(device_pages)}) are not packed int32")
+        require_packed(device_pages, "LoadBack: device page")
         if start_page < 0:
             raise InvalidRequest(f"LoadBack: start_page {start_page} is negative")
         sources, host = self._sources(node, start_page, count(device_pages))

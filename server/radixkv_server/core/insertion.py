@@ -3,6 +3,7 @@
 from .errors import InvalidRequest, NotReady
 from .eviction import DeviceEviction
 from .node import Node
+from .pages import require_packed
 from .results import InsertResult
 from .state import CacheState
 
@@ -11,16 +12,14 @@ Segment = tuple[Node, int]  # a node and how many of its pages the prompt covers
 
 def check_tokens(tokens: bytes, what: str) -> None:
     """Raise InvalidRequest unless `tokens` is packed int32."""
-    if len(tokens) % 4:
-        raise InvalidRequest(f"{what}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
+    require_packed(tokens, f"{what}: token")
 
 
 def check_insert(tokens: bytes, device_pages: bytes, page_size: int) -> int:
     """Raise InvalidRequest unless an Insert's tokens are whole pages, one packed device
     page each; returns the number of tokens."""
     check_tokens(tokens, "Insert")
-    if len(device_pages) % 4:
-        raise InvalidRequest(f"Insert: device page bytes ({len(device_pages)}) are not a multiple of 4 (packed int32)")
+    require_packed(device_pages, "Insert: device page")
     n = len(tokens) // 4
     if n == 0:
         raise InvalidRequest("Insert: no tokens given")

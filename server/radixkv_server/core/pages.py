@@ -8,10 +8,20 @@ match concatenates slices instead of building lists of ints.
 import sys
 from array import array
 
+from .errors import InvalidRequest
+
 INT32 = 4
 
 if sys.byteorder != "little":  # array('i') is native-endian; the wire is little-endian.
     raise ImportError("radixkv assumes a little-endian host")
+
+
+def require_packed(buf: bytes, what: str) -> None:
+    """Raise InvalidRequest unless `buf` is packed int32 (whole 4-byte values), saying
+    "<what> bytes (n) are not a multiple of 4 (packed int32)". Every check of a caller's
+    tokens or page list, wire or core, is this one."""
+    if len(buf) % INT32:
+        raise InvalidRequest(f"{what} bytes ({len(buf)}) are not a multiple of 4 (packed int32)")
 
 
 def pack(values) -> bytes:

@@ -1,6 +1,7 @@
 """Conversions between protobuf messages and the service's own types (`calls`), with the
-checks only the wire needs (packed int32 lengths, limits, enum names): each failure is
-a ServiceError naming the bad field. Layouts go out through the client's one converter,
+checks only the wire needs (packed int32 lengths through `core.pages.require_packed`,
+limits, enum names): each failure is refused (INVALID_ARGUMENT, RESOURCE_EXHAUSTED for
+a limit) naming the bad field. Layouts go out through the client's one converter,
 `radixkv.messages.layout_pb` (the daemon may import the client, never the reverse).
 """
 
@@ -8,6 +9,7 @@ from radixkv.layout import KvLayout
 from radixkv.v1 import radixkv_pb2 as pb
 
 from ..core import FinishResult
+from ..core.pages import require_packed
 from ..datapath import BufferSpec
 from .calls import (
     EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchPolicy, PrefetchRequest,
@@ -88,8 +90,7 @@ def prompts(request: pb.MatchRequest, limit: int, key_limit: int) -> list[Prompt
     out = []
     for p in given:
         tokens = p.tokens  # each read of a bytes field is a copy: read it once
-        if len(tokens) % 4:
-            raise invalid(f"prompt {len(out)}: token bytes ({len(tokens)}) are not a multiple of 4 (packed int32)")
+        require_packed(tokens, f"prompt {len(out)}: token")
         out.append(Prompt(tokens, extra_key(p.extra_key, key_limit, f"prompt {len(out)}: ")))
     return out
 
@@ -138,8 +139,7 @@ def evict_response(answer: EvictAnswer, out: pb.EvictResponse) -> pb.EvictRespon
 def prefetch_request(request: pb.PrefetchRequest, key_limit: int) -> PrefetchRequest:
     """INVALID_ARGUMENT for tokens that are not packed int32, an extra_key past
     `key_limit` bytes, an unknown policy, or policy "timeout" without a timeout."""
-    if len(request.tokens) % 4:
-        raise invalid(f"token bytes ({len(request.tokens)}) are not a multiple of 4 (packed int32)")
+    require_packed(request.tokens, "token")
     try:
         policy = PrefetchPolicy(request.policy or PrefetchPolicy.BEST_EFFORT.value)
     except ValueError:

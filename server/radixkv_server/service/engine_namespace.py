@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from ..core import FinishResult, InsertResult
-from ..core.pages import unpack
+from ..core.pages import require_packed, unpack
 from ..datapath import DeviceBuffers, HostPool
 from .calls import EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchRequest, \
     PrefetchStep, Prompt
@@ -186,8 +186,7 @@ class EngineNamespace:
 
     @staticmethod
     def _check_pages(session: Session, pages: bytes, what: str) -> None:
-        if len(pages) % 4:
-            raise invalid(f"{what}: device page bytes ({len(pages)}) are not packed int32")
+        require_packed(pages, f"{what}: device page")
         if pages:
             p = unpack(pages)
             if min(p) < 0 or max(p) >= session.device_pages:
