@@ -3,9 +3,11 @@
 SIGHUP reloads the token file and the TLS certificates (logged; the daemon serves on).
 
 Shutdown order (SIGTERM/SIGINT): health NOT_SERVING -> refuse new sessions -> finish
-copies in flight -> end WatchEvents streams, server.stop(grace) -> close sessions (finish
-load-backs, release leases) -> close device handles and unpin host pools -> publish the
-last KV events (namespaces cleared) and stop the event publisher -> remove socket files.
+copies in flight -> end WatchEvents streams, server.stop(grace) -> remove socket files
+-> close sessions (finish load-backs, release leases), store what only the host tier
+holds -> close device handles and unpin host pools -> publish the last KV events
+(namespaces cleared) and stop the event publisher -> close storage -> stop metrics. A
+start that fails part-way closes what it opened in the same order.
 """
 
 import asyncio
@@ -34,6 +36,7 @@ from .metrics import Metrics
 from .service.auth import AuthError, ReloadableTls, TokenAuth
 from .service import host_budget
 from .service.daemon import Daemon
+from .service.health import HealthServicer
 from .service.rpc_limit import RESERVE, RpcLimit, is_other_than_a_check
 from .storage import StorageUnavailable, open_storage
 from .storage_check import check_storage
@@ -44,46 +47,6 @@ from .service.wire import guarded
 log = logging.getLogger("radixkv.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RadixKV"].full_name
-
-
-class _HealthServicer(health.aio.HealthServicer):
-    """grpc's health servicer, with List, and Watch streams that end once shutdown has
-    begun, after telling the watcher NOT_SERVING. Otherwise a single watcher (grpc client-side
-    health checking, a proxy) would hold server.stop() for the whole grace period."""
-
-    def __init__(self):
-        super().__init__()
-        self._shutting_down = asyncio.Event()
-
-    async def enter_graceful_shutdown(self) -> None:
-        await super().enter_graceful_shutdown()
-        self._shutting_down.set()
-
-    async def List(self, request, context):
-        """Every service's status (grpc's aio servicer leaves List to a base method that
-        raises NotImplementedError, logged with a traceback)."""
-        return health_pb2.HealthListResponse(statuses={
-            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
-
-    async def Watch(self, request, context):
-        sent = []
-
-        class Writer:  # the base Watch only writes to its context
-            @staticmethod
-            async def write(reply):
-                sent.append(reply.status)
-                await context.write(reply)
-
-        watch = asyncio.ensure_future(super().Watch(request, Writer()))
-        stop = asyncio.ensure_future(self._shutting_down.wait())
-        try:
-            await asyncio.wait({watch, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            stop.cancel()
-            await asyncio.gather(watch, stop, return_exceptions=True)
-        if not sent or sent[-1] != health_pb2.HealthCheckResponse.NOT_SERVING:
-            await context.write(health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING))
 
 
 class StartupError(Exception):
@@ -276,7 +239,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
                 stopped_early: Callable[[], bool] = lambda: False) -> int:
     """Run until `stop` is set or SIGTERM/SIGINT arrives (or arrived before, as
     `stopped_early` says: then the daemon stops as soon as it started); returns the exit
-    code."""
+    code. Whatever was opened is closed, in the shutdown order (the module's docstring),
+    also when the start fails part-way (a port in use after storage joined its cluster)."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -287,17 +251,30 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
     loop.add_signal_handler(signal.SIGHUP, _reload, reloadable)
 
     _check_host_pool(config)
+    async with contextlib.AsyncExitStack() as running:
+        daemon, health_servicer = await _start(config, loop, running, reloadable)
+        await stop.wait()
+        log_event(log, "daemon.stopping", sessions=len(daemon.sessions))
+        await health_servicer.enter_graceful_shutdown()
+        daemon.stop_accepting()
+        await daemon.drain()
+        log_event(log, "daemon.drained")
+    log_event(log, "daemon.stopped")
+    return 0
+
+
+async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running: contextlib.AsyncExitStack,
+                 reloadable: list) -> tuple[Daemon, "HealthServicer"]:
+    """Open everything and serve: storage, tokens and TLS, KV events, the Daemon, the gRPC
+    server on every address, metrics, then health SERVING. Each part's closing goes on
+    `running` as soon as it is open, so that unwinding it stops what runs in the shutdown
+    order: gRPC (grace), socket files, the daemon's sessions and namespaces, KV events,
+    storage, metrics. Raises StartupError (BadSetting) saying what could not start."""
     metrics = Metrics()
-    storage = None
-    if config.storage:
-        try:
-            storage = open_storage(config.storage)
-        except ValueError as e:
-            raise BadSetting(f"--storage {without_passwords(config.storage)!r}: {e}") from None
-        except StorageUnavailable as e:
-            raise StartupError(f"--storage {without_passwords(config.storage)!r}: {e}") from None
-        log_event(log, "storage.opened", store=storage.name, policy=config.storage_policy)
-        metrics.add_storage()
+    running.callback(metrics.close)
+    storage = _open_storage(config, metrics)
+    if storage is not None:
+        running.callback(storage.close)
     try:
         tokens = Tokens(config.auth_token, config.auth_token_file)
         reloadable_tls = ReloadableTls.open(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -306,8 +283,57 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
     reloadable.extend(x for x in (tokens if config.auth_token_file else None, reloadable_tls) if x is not None)
     tls = reloadable_tls.credentials() if reloadable_tls is not None else None
     events = _open_events(config, loop)
+    if events is not None:
+        running.callback(_close_events, events)
     daemon = Daemon(config, metrics, storage, events)
+    running.push_async_callback(daemon.close)
     metrics.watch(daemon, loop)
+    server, health_servicer = _grpc_server(config, daemon, tokens, metrics)
+
+    addresses = _resolve_listen(config)  # once: a fallback is logged once
+    bound = []
+    running.callback(lambda: _remove_sockets(path for path, _ in bound if path))  # gRPC leaves their files
+    for address in addresses:
+        bound.append(_bind(server, address, tls))
+    await server.start()
+    running.push_async_callback(_stop_grpc, server, config.shutdown_grace)
+    daemon.start()
+    for path, _ in bound:
+        if path:
+            os.chmod(path, 0o660)
+    try:
+        metrics.serve(config.metrics_host, config.metrics_port)
+    except OSError as e:
+        raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _freeze_startup_objects()
+    log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(shown for _, shown in bound))
+    if storage is not None:
+        check_storage(storage, daemon, loop)
+    return daemon, health_servicer
+
+
+def _open_storage(config: DaemonConfig, metrics: Metrics):
+    """The storage backend `--storage` names, or None without one."""
+    if not config.storage:
+        return None
+    try:
+        storage = open_storage(config.storage)
+    except ValueError as e:
+        raise BadSetting(f"--storage {without_passwords(config.storage)!r}: {e}") from None
+    except StorageUnavailable as e:
+        raise StartupError(f"--storage {without_passwords(config.storage)!r}: {e}") from None
+    log_event(log, "storage.opened", store=storage.name, policy=config.storage_policy)
+    metrics.add_storage()
+    return storage
+
+
+def _grpc_server(config: DaemonConfig, daemon: Daemon, tokens: Tokens,
+                 metrics: Metrics) -> tuple[grpc.aio.Server, "HealthServicer"]:
+    """The gRPC server with its interceptors (tokens, RPC limits) and its services: the
+    cache, health, reflection, each behind the parse guard (bytes that do not parse are
+    refused INVALID_ARGUMENT before any handler runs: service/wire.py)."""
     refused = lambda method: metrics.rpc_requests.labels(method, "RESOURCE_EXHAUSTED").inc()  # noqa: E731
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", config.max_message_size),
@@ -320,63 +346,20 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
            RpcLimit(RESERVE // 2, refused, counts=is_other_than_a_check, what="health watches and reflection calls",
                     flag="")],
     )
-    # Every service is added through the guard: bytes that do not parse are refused
-    # INVALID_ARGUMENT before any handler runs (service/wire.py).
     services = guarded(server, lambda method: metrics.rpc_requests.labels(method, "INVALID_ARGUMENT").inc())
     pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon, tokens), services)
-    health_servicer = _HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, services)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # enable_server_reflection, aio
         reflection.aio.ReflectionServicer((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), services)
+    return server, health_servicer
 
-    addresses = _resolve_listen(config)  # once: a fallback is logged once
-    bound = []
-    try:
-        for address in addresses:
-            bound.append(_bind(server, address, tls))
-    except StartupError:
-        _remove_sockets(path for path, _ in bound if path)  # gRPC made their files as it bound them
-        raise
-    sockets = [path for path, _ in bound if path]
-    await server.start()
-    daemon.start()
-    for path in sockets:
-        os.chmod(path, 0o660)
-    try:
-        metrics.serve(config.metrics_host, config.metrics_port)
-    except OSError as e:
-        await server.stop(None)
-        if events is not None:
-            events.close()
-        _remove_sockets(sockets)  # gRPC leaves the files of sockets it stopped serving
-        raise StartupError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}") from None
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    _freeze_startup_objects()
-    log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(shown for _, shown in bound))
-    if storage is not None:
-        check_storage(storage, daemon, loop)
 
-    await stop.wait()
-    log_event(log, "daemon.stopping", sessions=len(daemon.sessions))
-    await health_servicer.enter_graceful_shutdown()
-    daemon.stop_accepting()
-    await daemon.drain()
-    log_event(log, "daemon.drained")
-    await server.stop(config.shutdown_grace)
+async def _stop_grpc(server: grpc.aio.Server, grace: float) -> None:
+    await server.stop(grace)
     log_event(log, "grpc.stopped")
-    await daemon.close()
-    if events is not None:
-        events.close()
-        log_event(log, "kv_events.stopped", **events.stats())
-    if storage is not None:
-        storage.close()
-    metrics.close()
-    for path in sockets:
-        try:
-            os.unlink(path)
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                raise
-    log_event(log, "daemon.stopped")
-    return 0
+
+
+def _close_events(events: EventHub) -> None:
+    events.close()
+    log_event(log, "kv_events.stopped", **events.stats())
