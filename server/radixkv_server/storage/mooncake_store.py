@@ -57,6 +57,7 @@ from .mooncake_sentinel import Sentinel
 from .record import HEADER_BYTES, header
 
 log = logging.getLogger("radixkv.storage")
+CLOSE_GRACE_S = 2.0  # the least close() waits for store calls still running, and for leaving
 
 
 class MooncakeStorage(StorageBackend):
@@ -304,7 +305,7 @@ class MooncakeStorage(StorageBackend):
         store and this backend's buffers for the rest of the process (logged): freeing
         them under a running call is how a process crashes."""
         self._calls.close()
-        grace = max(2.0, self.timeout)
+        grace = max(CLOSE_GRACE_S, self.timeout)
         settled = self._calls.settle(grace)
         store = self._member.leave()
         if not settled:
