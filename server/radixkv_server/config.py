@@ -14,7 +14,7 @@ from radixkv.channel import DEFAULT_TARGET
 
 from . import __version__
 from .core.evictable import STRATEGIES
-from .core.policy import StoragePolicy, WritePolicy
+from .core.cache_config import StoragePolicy, WritePolicy
 from .events.config import EventsConfig
 from .units import parse_size
 

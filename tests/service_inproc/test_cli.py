@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from radixkv_server.config import DaemonConfig, build_parser, load_config
-from radixkv_server.core.policy import CacheConfig, StoragePolicy, WritePolicy
+from radixkv_server.core.cache_config import CacheConfig, StoragePolicy, WritePolicy
 
 
 def choices(flag: str) -> list[str]:

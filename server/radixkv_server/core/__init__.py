@@ -11,7 +11,7 @@ from .errors import (
     CacheError, InvalidRequest, LockError, NotOwner, NotReady, PageOwnershipError, UnknownNode,
     UnknownTransfer,
 )
-from .policy import CacheConfig, WritePolicy
+from .cache_config import CacheConfig, WritePolicy
 from .residency import ResidencyListener
 from .results import (
     CacheCounters, CopyOutcome, EvictResult, FinishResult, InsertResult, LoadBackResult,

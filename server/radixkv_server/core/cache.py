@@ -13,13 +13,13 @@ from .copier import Copier
 from .device_ledger import DeviceLedger
 from .engine_tier import EngineCopier, EngineTier
 from .errors import InvalidRequest, LockError, NotReady, UnknownTransfer
-from .eviction import DeviceEviction
+from .device_eviction import DeviceEviction
 from .host_space import HostSpace
 from .insertion import Insertions, check_tokens
 from .invariants import check_invariants, state_digest
 from .loadback import LoadBacks
 from .node import Node
-from .policy import CacheConfig
+from .cache_config import CacheConfig
 from .prefetch import Prefetches
 from .residency import ResidencyListener
 from .results import CopyOutcome, EvictResult, FetchOutcome, FinishResult, InsertResult, LoadBackResult, MatchResult

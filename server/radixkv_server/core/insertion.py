@@ -1,7 +1,7 @@
 """Insert: the engine hands finished KV pages to the cache."""
 
 from .errors import InvalidRequest, NotReady
-from .eviction import DeviceEviction
+from .device_eviction import DeviceEviction
 from .node import Node
 from .pages import require_packed
 from .results import InsertResult

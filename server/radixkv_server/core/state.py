@@ -15,7 +15,7 @@ from .host_allocator import HostAllocator
 from .ids import fresh_ids
 from .node import Node
 from .pages import count
-from .policy import CacheConfig
+from .cache_config import CacheConfig
 from .residency import Change, ResidencyListener, Tier
 from .results import CacheCounters
 from .transfers import Transfer, TransferKind

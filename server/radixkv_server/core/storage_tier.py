@@ -11,7 +11,7 @@ from collections import deque
 from .copier import Copier
 from .node import Node
 from .page_keys import ROOT, page_keys
-from .policy import StoragePolicy
+from .cache_config import StoragePolicy
 from .state import CacheState
 from .transfers import TransferKind
 
