@@ -79,19 +79,7 @@ def test_raw_streams_end_failed_precondition_when_replaced_and_ok_after_a_close(
     new = Client(daemon, timeout=10)
     done = threading.Event()
     try:
-        layout = pb.KvLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads,
-                             head_dim=LAYOUT.head_dim, dtype=LAYOUT.dtype, page_size=LAYOUT.page_size)
-        reply = stub.Register(pb.RegisterRequest(
-            namespace=NAMESPACE, backend="shm", num_device_pages=NUM_PAGES, layout=layout, host_pool_pages=16,
-            buffers=[pb.DeviceBuffer(handle=s.handle, offset=s.offset, size=s.size) for s in buffers[0].specs()]),
-            timeout=10)
-        session = reply.session
-        unknown = pb.AckRequest(session=session, transfer=12345)
-        acks = stub.Acks(held_open([pb.AckRequest(session=session), unknown], done), timeout=10)
-        assert next(acks).code == grpc.StatusCode.NOT_FOUND.value[0]  # the Acks stream is bound now
-        match = pb.MatchRequest(session=session, prompts=[pb.Prompt(tokens=b"\0" * 64)])
-        calls = stub.Session(held_open([pb.SessionRequest(id=1, match=match)], done), timeout=10)
-        assert next(calls).id == 1  # and so is the Session stream
+        session, acks, calls = open_streams(stub, buffers[0], done)
         if how == "replaced":
             register(new, buffers[1], replace=True)
         else:
@@ -107,6 +95,44 @@ def test_raw_streams_end_failed_precondition_when_replaced_and_ok_after_a_close(
     finally:
         done.set()
         new.close()
+
+
+def test_raw_streams_end_unavailable_when_the_daemon_shuts_down(daemon_factory, buffers):
+    """As the proto says: an engine can tell a shutdown (register with its successor)
+    from a Close (the Acks stream ended OK, as after a Close, before)."""
+    d = daemon_factory()
+    channel = grpc.insecure_channel(d.target)
+    done = threading.Event()
+    try:
+        _, acks, calls = open_streams(pb_grpc.RadixKVStub(channel), buffers[0], done)
+        assert d.stop() == 0
+        for call in (acks, calls):
+            with pytest.raises(grpc.RpcError) as ended:
+                list(call)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+            assert "the daemon is shutting down" in ended.value.details()
+    finally:
+        done.set()
+        channel.close()
+
+
+def open_streams(stub, buffers, done: threading.Event):
+    """(session, Acks call, Session call): a session registered through the raw stub, both
+    its streams bound (each answered once) and held open until `done`."""
+    layout = pb.KvLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads,
+                         head_dim=LAYOUT.head_dim, dtype=LAYOUT.dtype, page_size=LAYOUT.page_size)
+    reply = stub.Register(pb.RegisterRequest(
+        namespace=NAMESPACE, backend="shm", num_device_pages=NUM_PAGES, layout=layout, host_pool_pages=16,
+        buffers=[pb.DeviceBuffer(handle=s.handle, offset=s.offset, size=s.size) for s in buffers.specs()]),
+        timeout=10)
+    session = reply.session
+    unknown = pb.AckRequest(session=session, transfer=12345)
+    acks = stub.Acks(held_open([pb.AckRequest(session=session), unknown], done), timeout=10)
+    assert next(acks).code == grpc.StatusCode.NOT_FOUND.value[0]  # the Acks stream is bound now
+    match = pb.MatchRequest(session=session, prompts=[pb.Prompt(tokens=b"\0" * 64)])
+    calls = stub.Session(held_open([pb.SessionRequest(id=1, match=match)], done), timeout=10)
+    assert next(calls).id == 1  # and so is the Session stream
+    return session, acks, calls
 
 
 def held_open(requests, done: threading.Event):

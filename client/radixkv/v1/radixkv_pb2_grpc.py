@@ -165,7 +165,8 @@ class RadixKVServicer:
         load-back left unacknowledged that long is finished by the daemon (as a close would)
         and a later ack of it answers NOT_FOUND. A session the daemon closes while the
         stream is open ends it: FAILED_PRECONDITION "session ... was closed: <why>" when a
-        Register with replace_existing took its namespace, OK after a Close call.
+        Register with replace_existing took its namespace, OK after a Close call; daemon
+        shutdown ends it with UNAVAILABLE (answers to acks already read are sent first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,7 +34,7 @@ from ..core.errors import CacheError
 from ..logs import log_event
 from . import convert
 from .daemon import Daemon
-from .errors import ServiceError, SessionEnd, internal, status_of
+from .errors import ServiceError, SessionEnd, internal, status_of, unavailable
 from .tenants import EVERYTHING, Grant
 
 log = logging.getLogger("radixkv.acks")
@@ -72,16 +72,17 @@ class AckStream:
         stopping = asyncio.create_task(self._told_to_end())
         reason = "ack stream ended"
         read = None
+        ended_by_daemon = False  # its session closed, or the daemon shutting down
         try:
             while True:
                 if not await self._room(stopping):
-                    reason = self._ending_reason()
+                    reason, ended_by_daemon = self._ending_reason(), True
                     break
                 read = asyncio.create_task(self.context.read())
                 done, _ = await asyncio.wait({read, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if read not in done:
                     read.cancel()
-                    reason = self._ending_reason()
+                    reason, ended_by_daemon = self._ending_reason(), True
                     break
                 request = read.result()
                 if request is grpc.aio.EOF:
@@ -93,6 +94,8 @@ class AckStream:
             await writer
             if self._closed.status is not None:
                 raise self._closed.status
+            if ended_by_daemon and not self._closed:  # as the Session stream ends then
+                raise unavailable("the daemon is shutting down: the ack stream ends")
         except asyncio.CancelledError:
             reason = "ack stream cancelled (engine gone?)"
             raise
