@@ -115,6 +115,7 @@ class Daemon:
                 raise
             session = self.sessions.new(ns, reg.engine)
             ns.session = session
+            ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
         log_event(log, "session.registered", namespace=ns.name, session=session.id[:8],
                   engine=reg.engine, backend=reg.backend, device_pages=reg.num_device_pages,
                   host_pages=ns.host_pool.num_pages, warm=warm, dropped_tokens=dropped)

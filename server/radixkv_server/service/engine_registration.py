@@ -41,6 +41,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
         session.role, session.rank, session.instance = reg.role, reg.tp_rank, reg.instance
         session.device_pages = reg.num_device_pages
         ns.add_session(session, device)
+        ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
     except BaseException:
         if device is not None:
             device.close()

@@ -45,6 +45,7 @@ class Namespace:
         self.name, self.layout, self.config, self.host_pool = config.name, config.layout, config, host_pool
         self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
         self.session: Session | None = None  # the attached engine's session; set by the Daemon
+        self.page_geometry: tuple[int, int] | None = None  # registration.page_geometry, of the first engine
         self._abandoned: set[asyncio.Task] = set()  # Evicts whose callers gave up (see `evict`)
         self._dropped_at_detach = 0  # tokens the last session's end dropped, for the next Register
         self._room_waited: set[int] = set()  # copies an Evict waited for host room on (see `_evict`)

@@ -115,6 +115,18 @@ def validate_engine_managed(reg: Registration) -> None:
                       "leases only; each rank registers an ENGINE session with its buffers)")
 
 
+def page_geometry(reg: Registration) -> tuple[int, int] | None:
+    """How the engine splits a device page over its buffers: (buffers, bytes of each
+    buffer's part). A host page holds those parts one after another, so an engine that
+    splits its pages otherwise (another attention backend: one buffer per layer instead
+    of K and V apart) reads another byte order from the same host page. None for a
+    session without buffers (a SCHEDULER). Call after `validate`."""
+    if not reg.buffers:
+        return None
+    part, _ = buffer_geometry(reg.layout, reg.buffers)
+    return len(reg.buffers), part
+
+
 def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
     """FAILED_PRECONDITION when an existing namespace holds KV the engine cannot use."""
     if getattr(ns, "engine_managed", False) != reg.engine_managed:
@@ -133,6 +145,11 @@ def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
     if policy != ns.config.cache.write_policy.value:
         raise precondition(f"namespace {ns.name} uses write policy {ns.config.cache.write_policy.value}, "
                            f"not {policy}")
+    geometry = page_geometry(reg)
+    if None not in (geometry, ns.page_geometry) and geometry != ns.page_geometry:
+        raise precondition(f"namespace {ns.name}'s host pages hold device pages split over {ns.page_geometry[0]} "
+                           f"buffers of {ns.page_geometry[1]} bytes; these buffers split them {geometry[0]} x "
+                           f"{geometry[1]}, another byte order: use a new namespace name for this engine")
 
 
 def namespace_config(config: DaemonConfig, reg: Registration, storage_on: bool) -> NamespaceConfig:
