@@ -93,7 +93,8 @@ class Registration:
     `daemon_instance` changes when the daemon restarts;
     `storage` is the daemon's storage tier by URL scheme ("file", "redis", "redis+cluster",
     "mooncake"; "" without one); `max_prompts_per_match`, the most prompts one Match may
-    carry (0: a daemon too old to say)."""
+    carry (0: a daemon too old to say); `lease_timeout_s` and `ack_timeout_s`, the
+    daemon's timeouts (0: off, or a daemon too old to say)."""
 
     session: str
     daemon_instance: str
@@ -104,11 +105,14 @@ class Registration:
     storage: str = ""
     device_uuid: str = ""  # cuda: the GPU the daemon opened the buffers on
     max_prompts_per_match: int = 0
+    lease_timeout_s: float = 0.0
+    ack_timeout_s: float = 0.0
 
     @classmethod
     def from_pb(cls, m: pb.RegisterResponse) -> "Registration":
         return cls(m.session, m.daemon_instance, m.host_pool_pages, m.write_policy, m.warm,
-                   m.dropped_device_tokens, m.storage, m.device_uuid, m.max_prompts_per_match)
+                   m.dropped_device_tokens, m.storage, m.device_uuid, m.max_prompts_per_match,
+                   m.lease_timeout_ms / 1000, m.ack_timeout_ms / 1000)
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,7 @@ class RawSession:
         self.buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
         self.kv = KvPattern(LAYOUT, [self.buffers.buffer(i) for i in range(LAYOUT.num_buffers)], NUM_PAGES)
         self.register_request = self.request(write_policy=write_policy, **register)
-        reply = stub.Register(self.register_request)
+        self.reply = reply = stub.Register(self.register_request)
         self.id = reply.session
         self.instance = reply.daemon_instance
         self.acks = RawAcks(stub, pb.AckRequest(session=self.id), read=read_acks)

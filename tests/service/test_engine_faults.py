@@ -132,6 +132,8 @@ def test_stuck_engine_leases_and_acks_expire(daemon_factory):
     channel, stub = stub_for(d.target)
     stuck = RawSession(stub, "stuck/tp0")
     try:
+        # Register says both, so an engine with longer requests knows to renew its leases.
+        assert (stuck.reply.lease_timeout_ms, stuck.reply.ack_timeout_ms) == (5000, 5000)
         m, lb, ins = hold_leases_and_a_load_back(stub, stuck)
 
         def expired():

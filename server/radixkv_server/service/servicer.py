@@ -106,7 +106,9 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             write_policy=ns.config.cache.write_policy.value, warm=done.warm,
             dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance,
             storage=self.daemon.storage.kind if self.daemon.storage is not None else "",
-            max_prompts_per_match=self.daemon.config.max_prompts_per_match, device_uuid=ns.device_uuid(done.session))
+            max_prompts_per_match=self.daemon.config.max_prompts_per_match,
+            lease_timeout_ms=round(self.daemon.config.lease_timeout * 1000),
+            ack_timeout_ms=round(self.daemon.config.ack_timeout * 1000), device_uuid=ns.device_uuid(done.session))
 
     @rpc
     async def Close(self, request, context):
