@@ -142,17 +142,26 @@ class LoadBacks:
         if error is not None:
             self._fail(t, f"copy failed: {error}")
 
-    def _fail(self, t: Transfer, reason: str) -> None:
-        """The bytes of `t` will not arrive: take its device pages out of the tree now
-        (parked until the ACK returns them), and fail every load that builds on it."""
-        if t.error is not None:
+    def _fail(self, first: Transfer, reason: str) -> None:
+        """The bytes of `first` will not arrive: fail every load that builds on it, then
+        take each one's device pages out of the tree (parked until its ACK returns them),
+        dependents before what they build on (no recursion: chains may be long)."""
+        if first.error is not None:
             return
-        t.error = reason
-        for d in list(t.dependents):
-            self._fail(self.state.transfers[d], f"depends on failed transfer {t.id}")
-        parked = [self.state.clear_device(n) for n in reversed(t.nodes)]
-        t.parked = b"".join(reversed(parked))
-        self.state.counters.failed_load_tokens += sum(self.state.tokens(n) for n in t.nodes)
+        first.error = reason
+        failed, todo = [], [first]
+        while todo:
+            t = todo.pop()
+            failed.append(t)
+            for d in list(t.dependents):
+                dependent = self.state.transfers[d]
+                if dependent.error is None:
+                    dependent.error = f"depends on failed transfer {t.id}"
+                    todo.append(dependent)
+        for t in reversed(failed):
+            parked = [self.state.clear_device(n) for n in reversed(t.nodes)]
+            t.parked = b"".join(reversed(parked))
+            self.state.counters.failed_load_tokens += sum(self.state.tokens(n) for n in t.nodes)
 
     def pending(self, owner: object) -> list[int]:
         """Load-backs of `owner` not yet acknowledged."""

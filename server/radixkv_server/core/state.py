@@ -357,23 +357,35 @@ class CacheState:
                 todo.extend(node.children.values())
         return doomed
 
-    def _drop_device_below(self, node: Node) -> int:
+    def _drop_device_below(self, top: Node) -> int:
+        """Children before their parent (no recursion: a path may be thousands of nodes
+        deep, one per turn of a conversation or chunk of a prefill): each node leaves the
+        device tier, and one without a host copy leaves with what is still below it."""
         dropped = 0
-        for child in list(node.children.values()):
-            dropped += self._drop_device_below(child)
-        s = node.full
-        if s.device_pages is not None:
-            self.clear_device(node)
-        if s.host_pages is None:
-            dropped += self._drop_subtree(node)
+        for node in reversed(_preorder(top)):
+            s = node.full
+            if s.device_pages is not None:
+                self.clear_device(node)
+            if s.host_pages is None:
+                dropped += self._drop_subtree(node)
         return dropped
 
-    def _drop_subtree(self, node: Node) -> int:
-        dropped = self.tokens(node)
-        for child in list(node.children.values()):
-            dropped += self._drop_subtree(child)
-        self.remove_node(node)
+    def _drop_subtree(self, top: Node) -> int:
+        below = _preorder(top)
+        dropped = sum(self.tokens(n) for n in below)
+        for node in reversed(below):  # leaves first
+            self.remove_node(node)
         return dropped
+
+
+def _preorder(top: Node) -> list[Node]:
+    """`top` and every node below it, each before its children."""
+    out, todo = [], [top]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        todo.extend(node.children.values())
+    return out
 
 
 __all__ = ["CacheState"]

@@ -31,12 +31,17 @@ class StorageTier:
     # -- keys --------------------------------------------------------------------------
 
     def chain(self, node: Node) -> bytes:
-        """Storage key of the node's last page (the root's: the chain's start)."""
-        if node.parent is None:
-            return ROOT
-        if node.chain is None:
-            node.chain = self.keys(node)[-1]
-        return node.chain
+        """Storage key of the node's last page (the root's: the chain's start), computed
+        down from the nearest ancestor that knows its own (no recursion: a path may be
+        thousands of nodes deep, none of them stored yet)."""
+        unknown = []
+        while node.parent is not None and node.chain is None:
+            unknown.append(node)
+            node = node.parent
+        start = ROOT if node.parent is None else node.chain
+        for n in reversed(unknown):
+            start = n.chain = self._keys(n.key, n.extra_key, start)[-1]
+        return start
 
     def keys(self, node: Node) -> list[bytes]:
         """Storage keys of the node's pages."""
@@ -76,8 +81,9 @@ class StorageTier:
         transfer id (0: no nodes, nothing started)."""
         if not nodes:
             return 0
+        keys = [k for n in nodes for k in self.keys(n)]  # before the transfer: nothing half-recorded
         t = self.state.new_transfer(TransferKind.STORE, nodes)
-        t.keys = [k for n in nodes for k in self.keys(n)]
+        t.keys = keys
         for n in nodes:
             self.state.begin_store(n, t.id, evicting_host)
         self.copier.store(t.id, t.host_pages, t.keys)
