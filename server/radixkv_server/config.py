@@ -140,6 +140,11 @@ class DaemonConfig:
                      "max_prompts_per_match", "max_extra_key_bytes", "max_concurrent_rpcs", "max_acks_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompts_per_match > 2**32 - 1:  # Register says it as a uint32
+            raise ValueError(f"--max-prompts-per-match must be at most {2**32 - 1}, got {self.max_prompts_per_match}")
+        for name in ("lease_timeout", "ack_timeout"):  # Register says them in uint64 milliseconds
+            if getattr(self, name) > 1e15:
+                raise ValueError(f"{flag(name)} must be at most 1e15 seconds (0: off), got {getattr(self, name)}")
         for name in ("shutdown_grace", "shutdown_store_timeout", "storage_lookup_timeout", "lease_timeout",
                      "ack_timeout", "fault_copy_delay", "invariant_check_interval"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):

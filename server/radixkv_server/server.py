@@ -251,7 +251,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
     loop.add_signal_handler(signal.SIGHUP, _reload, reloadable)
 
     _check_host_pool(config)
-    async with contextlib.AsyncExitStack() as running:
+    async with contextlib.AsyncExitStack() as stack:
+        running = _Teardown(stack)
         daemon, health_servicer = await _start(config, loop, running, reloadable)
         await stop.wait()
         log_event(log, "daemon.stopping", sessions=len(daemon.sessions))
@@ -259,11 +260,33 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
         daemon.stop_accepting()
         await daemon.drain()
         log_event(log, "daemon.drained")
-    log_event(log, "daemon.stopped")
-    return 0
+    log_event(log, "daemon.stopped", **({"failed_steps": ",".join(running.failed)} if running.failed else {}))
+    return 1 if running.failed else 0
 
 
-async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running: contextlib.AsyncExitStack,
+class _Teardown:
+    """The steps that close what `_start` opened, run in reverse order when `serve` ends
+    (on an AsyncExitStack). A step that raises is logged (`shutdown.step_failed`) and
+    the later steps still run; a start that failed keeps its own error as the one raised,
+    and a normal stop exits 1 when a step failed."""
+
+    def __init__(self, stack: contextlib.AsyncExitStack):
+        self._stack = stack
+        self.failed: list[str] = []
+
+    def add(self, name: str, close: Callable, *args) -> None:
+        async def step() -> None:
+            try:
+                done = close(*args)
+                if asyncio.iscoroutine(done):
+                    await done
+            except Exception as e:  # the other steps still run
+                self.failed.append(name)
+                log_event(log, "shutdown.step_failed", logging.ERROR, step=name, error=f"{type(e).__name__}: {e}")
+        self._stack.push_async_callback(step)
+
+
+async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running: "_Teardown",
                  reloadable: list) -> tuple[Daemon, "HealthServicer"]:
     """Open everything and serve: storage, tokens and TLS, KV events, the Daemon, the gRPC
     server on every address, metrics, then health SERVING. Each part's closing goes on
@@ -271,10 +294,10 @@ async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running:
     order: gRPC (grace), socket files, the daemon's sessions and namespaces, KV events,
     storage, metrics. Raises StartupError (BadSetting) saying what could not start."""
     metrics = Metrics()
-    running.callback(metrics.close)
+    running.add("metrics", metrics.close)
     storage = _open_storage(config, metrics)
     if storage is not None:
-        running.callback(storage.close)
+        running.add("storage", storage.close)
     try:
         tokens = Tokens(config.auth_token, config.auth_token_file)
         reloadable_tls = ReloadableTls.open(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -284,19 +307,19 @@ async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running:
     tls = reloadable_tls.credentials() if reloadable_tls is not None else None
     events = _open_events(config, loop)
     if events is not None:
-        running.callback(_close_events, events)
+        running.add("kv_events", _close_events, events)
     daemon = Daemon(config, metrics, storage, events)
-    running.push_async_callback(daemon.close)
+    running.add("daemon", daemon.close)
     metrics.watch(daemon, loop)
     server, health_servicer = _grpc_server(config, daemon, tokens, metrics)
 
     addresses = _resolve_listen(config)  # once: a fallback is logged once
     bound = []
-    running.callback(lambda: _remove_sockets(path for path, _ in bound if path))  # gRPC leaves their files
+    running.add("sockets", lambda: _remove_sockets(path for path, _ in bound if path))  # gRPC leaves their files
     for address in addresses:
         bound.append(_bind(server, address, tls))
     await server.start()
-    running.push_async_callback(_stop_grpc, server, config.shutdown_grace)
+    running.add("grpc", _stop_grpc, server, config.shutdown_grace)
     daemon.start()
     for path, _ in bound:
         if path:

@@ -19,15 +19,25 @@ from radixkv_server.server import StartupError, serve
 from tests.support.daemon import free_port
 
 
-def test_a_start_failing_at_a_port_in_use_closes_what_it_opened(tmp_path):
+def config_with_a_port_in_use(tmp_path, taken: socket.socket, events_port: int):
+    return load_config(["--listen", f"unix://{tmp_path}/radixkv.sock", "--listen",
+                        f"127.0.0.1:{taken.getsockname()[1]}", "--storage", f"file://{tmp_path}/pages",
+                        "--host-pool-size", "16MiB", "--kv-events-endpoint", f"tcp://127.0.0.1:{events_port}"],
+                       environ={})
+
+
+def listening() -> socket.socket:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
+    return taken
+
+
+def test_a_start_failing_at_a_port_in_use_closes_what_it_opened(tmp_path):
+    taken = listening()
     events_port = free_port()
     sock = tmp_path / "radixkv.sock"
-    config = load_config(["--listen", f"unix://{sock}", "--listen", f"127.0.0.1:{taken.getsockname()[1]}",
-                          "--storage", f"file://{tmp_path}/pages", "--host-pool-size", "16MiB",
-                          "--kv-events-endpoint", f"tcp://127.0.0.1:{events_port}"], environ={})
+    config = config_with_a_port_in_use(tmp_path, taken, events_port)
     try:
         with pytest.raises(StartupError, match="cannot listen on 127.0.0.1"):
             asyncio.run(serve(config))
@@ -42,3 +52,24 @@ def test_a_start_failing_at_a_port_in_use_closes_what_it_opened(tmp_path):
     finally:
         publisher.close(linger=0)
         context.term()
+
+
+def test_a_closing_step_that_fails_leaves_the_start_error_and_the_other_steps(tmp_path, monkeypatch, caplog):
+    """The storage's close raising while a failed start unwinds: the start's own error is
+    what `serve` raises (exit 2 or 1 as it says), the failure is logged, and the steps
+    after it still run (it replaced the start's error with a traceback, and stopped the
+    unwinding there)."""
+    from radixkv_server.storage.file import FileStorage
+
+    def broken_close(self):
+        raise OSError("the disk went away")
+    monkeypatch.setattr(FileStorage, "close", broken_close)
+    taken = listening()
+    try:
+        with pytest.raises(StartupError, match="cannot listen on 127.0.0.1"):
+            asyncio.run(serve(config_with_a_port_in_use(tmp_path, taken, free_port())))
+    finally:
+        taken.close()
+    [failed] = [r.fields for r in caplog.records if r.getMessage() == "shutdown.step_failed"]
+    assert failed["step"] == "storage" and "the disk went away" in failed["error"]
+    assert [t.name for t in threading.enumerate() if t.name.startswith("radixkv")] == [], "the later steps ran"

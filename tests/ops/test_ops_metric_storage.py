@@ -17,7 +17,7 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 from radixkv_server.core.page_keys import namespace_salt
 from radixkv_server.core.page_keys import page_keys as storage_page_keys
-from radixkv_server.service.registration import layout_fingerprint
+from radixkv_server.core.page_keys import layout_fingerprint
 from radixkv_server.storage import FileStorage
 from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb

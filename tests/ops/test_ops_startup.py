@@ -33,12 +33,14 @@ def socket_dir():
      "radixkv-server: --kv-events-replay-endpoint needs --kv-events-endpoint"),
     (("--kv-events-replay-size", "0"), {}, 2, "radixkv-server: --kv-events-replay-size must be >= 1, got 0"),
     (("--shutdown-grace", "nan"), {}, 2, "--shutdown-grace must be a number of seconds >= 0, got nan"),
+    # Register says it as a uint32: past it, every Register failed INTERNAL and left its session live
+    (("--max-prompts-per-match", str(2**32)), {}, 2, "--max-prompts-per-match must be at most 4294967295"),
     ((), {"RADIXKV_KV_EVENTS_WATCH": "ture"}, 2, "RADIXKV_KV_EVENTS_WATCH: expected true or false"),
     (("--host-pool-size", "0"), {}, 2, "--host-pool-size must be > 0"),
     (("--max-message-size", "100"), {}, 2, "--max-message-size must be at least 1MiB"),
     (("--listen", "unix:///tmp/rkv-twice.sock", "--listen", "unix:///tmp/rkv-twice.sock"), {}, 2,
      "an address is given twice"),
-], ids=["storage-directory", "storage-scheme", "port", "bare-path", "events-off", "replay-size", "nan", "boolean",
+], ids=["storage-directory", "storage-scheme", "port", "bare-path", "events-off", "replay-size", "nan", "prompts-uint32", "boolean",
         "no-host-pool", "tiny-messages",
         "listen-twice"])
 def test_a_configuration_that_cannot_work_is_refused_in_one_line(socket_dir, flags, env, code, says):

@@ -5,7 +5,7 @@ Mooncake Store and Redis Cluster: test_storage_fleet_e2e.py)."""
 import os
 
 from radixkv_server.core.page_keys import namespace_salt, page_keys
-from radixkv_server.service.registration import layout_fingerprint
+from radixkv_server.core.page_keys import layout_fingerprint
 from radixkv_server.storage import FileStorage
 from tests.support.daemon import wait_for
 

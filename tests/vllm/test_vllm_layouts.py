@@ -169,7 +169,7 @@ def test_engines_on_different_devices_never_share_storage_keys():
     bytes in the wrong order)."""
     from radixkv.vllm.config import on_device
     from radixkv_server.core.page_keys import namespace_salt
-    from radixkv_server.service.registration import layout_fingerprint
+    from radixkv_server.core.page_keys import layout_fingerprint
 
     cpu, gpu = (describe_views({"layer.0": view(torch.zeros(LAYER_BYTES, dtype=torch.uint8))},
                                TOKENS, lambda name, v: (b"h", 0), num_blocks=BLOCKS).layout

@@ -100,15 +100,21 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     async def Register(self, request, context):
         reg = convert.registration(request, self.daemon.config.page_size)
         done = await self.daemon.register(dataclasses.replace(reg, segment_uid=self.grant(context).segment_uid))
-        ns = done.session.namespace
+        try:
+            return self._registered(done)
+        except BaseException:  # the engine never learns the session: it must not stay live
+            self.daemon.close_in_background(done.session, "its Register was not answered")
+            raise
+
+    def _registered(self, done) -> pb.RegisterResponse:
+        ns, config = done.session.namespace, self.daemon.config
         return pb.RegisterResponse(
             session=done.session.id, host_pool_pages=ns.host_pool.num_pages,
             write_policy=ns.config.cache.write_policy.value, warm=done.warm,
             dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance,
             storage=self.daemon.storage.kind if self.daemon.storage is not None else "",
-            max_prompts_per_match=self.daemon.config.max_prompts_per_match,
-            lease_timeout_ms=round(self.daemon.config.lease_timeout * 1000),
-            ack_timeout_ms=round(self.daemon.config.ack_timeout * 1000), device_uuid=ns.device_uuid(done.session))
+            max_prompts_per_match=config.max_prompts_per_match, lease_timeout_ms=round(config.lease_timeout * 1000),
+            ack_timeout_ms=round(config.ack_timeout * 1000), device_uuid=ns.device_uuid(done.session))
 
     @rpc
     async def Close(self, request, context):
