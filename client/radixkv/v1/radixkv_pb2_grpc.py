@@ -125,6 +125,7 @@ class RadixKVServicer:
         old engine held on the device only (write_back, or write_through_selective below
         its threshold, unless evicted before) leaves the cache. It is answered once the old
         session's copies in flight have ended (they may still write the old engine's pages).
+        Open the Acks stream right after it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,14 +139,18 @@ class RadixKVServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Match(self, request, context):
-        """Longest cached prefix of each prompt (one call per scheduler step).
+        """Longest cached prefix of each prompt (one call per scheduler step). Without a lease,
+        the device pages are valid only until the engine's next Evict.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Insert(self, request, context):
-        """Hand finished KV pages to the cache.
+        """Hand finished KV pages to the cache: all but redundant_pages are the cache's from
+        then on, and a request that goes on reading them needs `lease`. Evict may return any
+        cached page no lease covers. All or nothing: a refused Insert (a release_lease not
+        held included: NOT_FOUND) inserts nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,8 +165,12 @@ class RadixKVServicer:
 
     def Acks(self, request_iterator, context):
         """Acknowledge load-backs. Each ack is answered once the copy has completed and the
-        transfer is finished; the answer says whether the bytes arrived. One stream per
-        session; when it ends, the session is closed. With the daemon's ack_timeout set, a
+        transfer is finished; the answer says whether the bytes arrived. Ack each transfer
+        once: its one answer is the outcome for every request waiting on it (a second ack is
+        NOT_FOUND and says nothing about the bytes). Read answers while writing acks. One
+        stream per session, opened right after Register and held for the session's life: when
+        it ends, however it ends (OK included), the session is closed and its device tier
+        dropped. With the daemon's ack_timeout set, a
         load-back left unacknowledged that long is finished by the daemon (as a close would)
         and a later ack of it answers NOT_FOUND. A session the daemon closes while the
         stream is open ends it: FAILED_PRECONDITION "session ... was closed: <why>" when a
@@ -175,7 +184,8 @@ class RadixKVServicer:
     def Release(self, request, context):
         """Release leases taken by Match or Insert. With the daemon's lease_timeout set, a lease
         held longer is released by the daemon; releasing it then answers NOT_FOUND, and
-        releasing another session's lease PERMISSION_DENIED.
+        releasing another session's lease PERMISSION_DENIED. All or nothing: one such lease
+        fails the call and releases none; the message names each: resend without them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,11 +193,12 @@ class RadixKVServicer:
 
     def Evict(self, request, context):
         """Free device pages: unlocked leaves in the daemon's --eviction-policy order (LRU by
-        default), written back to host first where needed. Returns the pages, now the
-        engine's again: whole nodes, so more than num_pages when the last leaf is longer
-        than what was left to free; fewer when locked, pinned or backing-up nodes hold the
-        rest, or a write-back found no host room within storage_lookup_timeout (the node
-        stays for the next Evict).
+        default), written back to host first where needed. Any cached page no lease covers
+        may be returned, pages a running request still reads included. Returns the pages,
+        now the engine's again: whole nodes, so more than num_pages when the last leaf is
+        longer than what was left to free; fewer when locked, pinned or backing-up nodes
+        hold the rest, or a write-back found no host room within storage_lookup_timeout
+        (the node stays for the next Evict).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -259,9 +270,11 @@ class RadixKVServicer:
         """Engines: one session's Match, LoadBack, Insert, Evict and Release (and Echo) as
         messages on one long-lived stream, cheaper per call than the unary RPCs (which stay).
         Each request is answered once, in order, with the id it carried: the unary call's
-        response, or `error` (that call's status; the stream goes on). The stream belongs to
-        the session its first session-bound request names (a request may leave `session`
-        empty to mean the stream's; another session is PERMISSION_DENIED); one per session.
+        response, or `error` (that call's status; the stream goes on). Calls run one at a
+        time: a slow one (Evict waiting for write-backs, Insert for a load, Match with
+        include_storage) delays every call behind it. The stream belongs to the session its
+        first session-bound request names (a request may leave `session` empty to mean the
+        stream's; another session is PERMISSION_DENIED); one per session.
         When it ends, the session is closed, as with Acks. Bytes that do not parse end it
         with INVALID_ARGUMENT; daemon shutdown ends it with UNAVAILABLE; its session closed
         by the daemon ends it as on Acks (FAILED_PRECONDITION when replaced, OK after a Close).
