@@ -16,10 +16,10 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from radixkv.channel import DEFAULT_TARGET as DEFAULT_SOCKET
 from radixkv.channel import resolve_target
 
 from . import __version__
-from .config import DEFAULT_SOCKET
 
 READINESS = "radixkv.v1.RadixKV"
 

@@ -137,3 +137,16 @@ def test_the_health_command_takes_a_bare_socket_path_and_names_an_unknown_servic
     assert unknown.returncode == 1 and "bogus: UNKNOWN SERVICE" in unknown.stdout, unknown.stdout
     from radixkv_server import __version__
     assert health("--version").stdout.strip() == f"radixkv-health {__version__}"
+
+
+def test_the_health_command_loads_no_heavy_module():
+    """A probe runs every few seconds: `radixkv-health` loads gRPC and its own module, not
+    torch, numpy or zmq (a settings check the daemon's config gained made it load the
+    KV-event package: its start went from 0.16 to 0.25 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, radixkv_server.healthcheck; "
+            "print(sorted(m for m in ('torch', 'numpy', 'zmq', 'radixkv_server.config') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr

@@ -31,7 +31,7 @@ from radixkv.layout import KvLayout
 from radixkv.types import as_packed
 
 from .config import ConnectorConfig
-from .outages import OutageLog, registering_again_failed
+from .outages import OutageLog, RegisteringAgain
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
@@ -117,6 +117,7 @@ class DaemonAdapter:
         self._saves_resume_at = 0.0  # time.monotonic(): saves skipped until then (daemon not answering)
         self._registering: threading.Thread | None = None  # one attempt at registering again
         self._registering_lock = threading.Lock()  # not `_lock`: a call may hold it for timeout_s
+        self._registering_log = RegisteringAgain(log, "worker")  # used by the one attempt under way
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -330,7 +331,9 @@ class DaemonAdapter:
             with self._lock:
                 self._client.reconnect(timeout=0)
         except RadixKVError as e:
-            registering_again_failed(log, "worker", e)
+            self._registering_log.failed(e)
+        else:
+            self._registering_log.worked()
 
 
 __all__ = ["DaemonAdapter", "Hit", "MISS", "hit_of", "register_options", "registration_refused"]

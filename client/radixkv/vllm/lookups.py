@@ -41,18 +41,19 @@ from radixkv.types import Prompt
 
 from .config import ConnectorConfig
 from .daemon import MISS, Hit, hit_of, register_options, registration_refused
-from .outages import OutageLog, registering_again_failed
+from .outages import OutageLog, RegisteringAgain
 from .pump import LoopPump
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
 
 # A step's lookups go out in Matches of at most the daemon's --max-prompts-per-match
 # prompts (Register says it; OLDER_DAEMON_PROMPTS, its default, from a daemon too old to
-# say) and about MATCH_BYTES of token and extra-key bytes (a longer prompt goes alone):
-# vLLM asks for every waiting request in a step, and one Match past either limit was
-# refused whole, every lookup of the step a miss.
+# say) and about MATCH_BYTES of token and extra-key bytes (a longer prompt goes alone;
+# half the smallest --max-message-size a daemon takes): vLLM asks for every waiting
+# request in a step, and one Match past either limit was refused whole, every lookup of
+# the step a miss.
 OLDER_DAEMON_PROMPTS = 4096
-MATCH_BYTES = 4 << 20
+MATCH_BYTES = 512 << 10
 
 
 def batches(prompts: dict[str, Prompt], most: int) -> list[dict[str, Prompt]]:
@@ -90,6 +91,7 @@ class Lookups:
         self._steps = 0  # build_connector_meta calls so far
         self._read_at = -1  # the step whose answers were last read
         self._registering: asyncio.Task | None = None  # registering a lost session again
+        self._registering_log = RegisteringAgain(log, "scheduler")
         self._failing = OutageLog(log, "lookups fail and are treated as misses until the daemon answers",
                                   "lookups answered again")
 
@@ -260,14 +262,15 @@ class Lookups:
         if self._registering is None or self._registering.done():
             self._registering = self._pump.spawn(self._reconnect(client))
 
-    @staticmethod
-    async def _reconnect(client: AsyncClient) -> None:
+    async def _reconnect(self, client: AsyncClient) -> None:
         try:
             lost = await client.reconnect(timeout=0)  # one attempt, if the backoff lets it
-            if lost is not None:
-                log.warning("radixkv: scheduler: %s", lost)
         except RadixKVError as e:
-            registering_again_failed(log, "scheduler", e)
+            self._registering_log.failed(e)
+            return
+        self._registering_log.worked()
+        if lost is not None:
+            log.warning("radixkv: scheduler: %s", lost)
 
     async def _release_soon(self) -> None:
         """One Release of every lease released before this task ran."""

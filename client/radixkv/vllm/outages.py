@@ -34,17 +34,28 @@ class OutageLog:
             self.failures = 0
 
 
-def registering_again_failed(log: logging.Logger, who: str, error: RadixKVError) -> None:
-    """Log one failed attempt of `who` (a worker, the scheduler) at registering its lost
+class RegisteringAgain:
+    """How `who` (a worker, the scheduler) logs its attempts at registering a lost
     session again, the same way for every session: a daemon that is away or slow
     (Unavailable, DeadlineExceeded) at debug, as the next attempt follows; a refusal
-    (another model or layout holds the namespace now, a token revoked, a limit) as a
-    warning, since it does not pass by itself and every lookup or load is a miss until
-    an operator acts."""
-    if isinstance(error, (Unavailable, DeadlineExceeded)):
-        log.debug("radixkv: %s: the session is not back yet: %s", who, error)
-    else:
-        log.warning("radixkv: %s: registering the session again was refused: %s", who, error)
+    (another model or layout holds the namespace now, a token revoked, a limit) as one
+    warning per run of refusals (it does not pass by itself: every lookup or load is a
+    miss until an operator acts; the attempts go on every few seconds, at debug), and
+    an info line once registered. Not thread-safe: each session calls it from one place."""
+
+    def __init__(self, log: logging.Logger, who: str):
+        self._log = log
+        self._refused = OutageLog(log, f"{who}: registering the session again was refused", f"{who}: registered again")
+        self._who = who
+
+    def failed(self, error: RadixKVError) -> None:
+        if isinstance(error, (Unavailable, DeadlineExceeded)):
+            self._log.debug("radixkv: %s: the session is not back yet: %s", self._who, error)
+        else:
+            self._refused.failed(error)
+
+    def worked(self) -> None:
+        self._refused.worked()
 
 
-__all__ = ["OutageLog", "registering_again_failed"]
+__all__ = ["OutageLog", "RegisteringAgain"]
