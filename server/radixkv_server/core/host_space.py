@@ -10,7 +10,6 @@ storage tier is on and lacks them).
 from .node import Node
 from .state import CacheState
 from .storage_tier import StorageTier
-from .transfers import TransferKind
 
 
 class HostSpace:
@@ -37,8 +36,7 @@ class HostSpace:
     def stores_freeing_room(self) -> tuple[int, ...]:
         """The stores in flight whose host copies leave the host when they end (stored
         or not): room that is coming."""
-        return tuple(t.id for t in self.state.transfers.values()
-                     if t.kind is TransferKind.STORE and any(n.full.evicting_host for n in t.nodes))
+        return tuple(self.state.room_stores)
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` host pages if possible; returns how many were freed.

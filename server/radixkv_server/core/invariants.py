@@ -172,6 +172,10 @@ def _check_sets(state, err: Report) -> None:
 
 
 def _check_transfers(state, seen: _Seen, err: Report) -> None:
+    room = [tid for tid, t in state.transfers.items()
+            if t.kind is TransferKind.STORE and any(n.full.evicting_host for n in t.nodes)]
+    if list(state.room_stores) != room:
+        err(f"stores freeing host room {list(state.room_stores)}, recomputed {room}")
     for tid, t in state.transfers.items():
         if t.kind is TransferKind.LOAD:
             _check_load(state.tree, tid, t, seen, err)

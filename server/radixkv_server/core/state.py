@@ -40,6 +40,9 @@ class CacheState:
         # Sets that reorder on access (recency strategies); the others re-key lazily on pop.
         self._reordered = (self.device_leaves, self.duplicates, self.host_leaves) if order.recency else ()
         self.transfers: dict[int, Transfer] = {}
+        # Stores in flight whose host copies leave the host when they end (room coming),
+        # in start order: kept by StorageTier, so asking costs nothing per Evict leaf.
+        self.room_stores: dict[int, None] = {}
         self.counters = CacheCounters()
         self.evictable_pages = 0  # device pages in unlocked nodes
         self.protected_pages = 0  # device pages in locked nodes

@@ -84,6 +84,8 @@ class StorageTier:
         keys = [k for n in nodes for k in self.keys(n)]  # before the transfer: nothing half-recorded
         t = self.state.new_transfer(TransferKind.STORE, nodes)
         t.keys = keys
+        if evicting_host:
+            self.state.room_stores[t.id] = None
         for n in nodes:
             self.state.begin_store(n, t.id, evicting_host)
         self.copier.store(t.id, t.host_pages, t.keys)
@@ -119,6 +121,7 @@ class StorageTier:
         the host pool full."""
         state = self.state
         counters = state.counters
+        state.room_stores.pop(tid, None)
         for node in state.transfers.pop(tid).nodes:
             tokens = state.tokens(node)
             if error is None:
