@@ -139,14 +139,19 @@ class Session:
     # -- timeouts ---------------------------------------------------------------------------
 
     def overdue_leases(self, now: float, timeout: float) -> list[int]:
-        out = []
-        for lease, taken in list(self.lease_times.items()):
+        """Leases held `timeout` or longer, oldest first. Reads `lease_times` from its
+        oldest entry to the first lease not yet due (no copy of the whole table: an expiry
+        pass over a million leases took 0.1 s on the loop), forgetting released ones."""
+        out, released = [], []
+        for lease, taken in self.lease_times.items():
             if lease not in self.leases:
-                del self.lease_times[lease]
+                released.append(lease)
             elif now - taken < timeout:
                 break
             else:
                 out.append(lease)
+        for lease in released:
+            del self.lease_times[lease]
         return out
 
     def overdue_loads(self, now: float, timeout: float) -> list[int]:
