@@ -22,6 +22,7 @@ from .idle_checks import IdleChecks
 from .namespace import Namespace
 from .sessions import Session, SessionRegistry
 from .shutdown_store import store_host_copies
+from .watch import BatchMessages
 
 log = logging.getLogger("radixkv.daemon")
 
@@ -51,6 +52,7 @@ class Daemon:
         self.storage = storage  # StorageBackend shared by every namespace, or None
         self.events = events    # events.EventHub (KV events for routers), or None: off
         self.instance = uuid.uuid4().hex[:12]
+        self.watch_messages = BatchMessages(self.instance)  # WatchEvents' messages, made once per batch
         self.started = time.monotonic()
         self.namespaces: dict[str, Namespace] = {}
         self.sessions = SessionRegistry()
