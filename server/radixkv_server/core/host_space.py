@@ -55,19 +55,13 @@ class HostSpace:
     def _reclaim_duplicates(self, num_pages: int) -> int:
         state = self.state
         freed = 0
-        busy: list[Node] = []
         while freed < num_pages:
-            node = state.duplicates.pop()
+            node = state.duplicates.pop()  # none host-locked: a copy reading it keeps it out
             if node is None:
                 break
-            if node.full.host_lock:
-                busy.append(node)
-                continue
             freed += state.pages(node)
             state.clear_host(node)
             state.counters.reclaimed_duplicate_tokens += state.tokens(node)
-        for node in busy:
-            state.refresh(node)
         return freed
 
     def _evict_leaves(self, num_pages: int) -> int:

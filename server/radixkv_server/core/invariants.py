@@ -149,7 +149,7 @@ def _check_sets(state, err: Report) -> None:
     settled, device_leaves, host_leaves = set(), set(), set()
     for node in state.tree.iter_nodes():
         s = node.full
-        if s.device_pages is not None and s.host_valid and not s.pins:
+        if s.device_pages is not None and s.host_valid and not s.pins and s.host_lock == 0:
             settled.add(node.id)
         if (s.device_pages is not None and node.device_children == 0 and s.lock_ref == 0
                 and s.backup is None and not s.pins):
