@@ -241,7 +241,7 @@ class AckStream:
             self._queue.put(_CLOSE)  # the stream is over; stop the request generator
             self._resolve(*self._ledger.unanswered())
         if by_daemon and self._on_broken is not None:
-            self._on_broken(end_reason(error))
+            self._on_broken(end_reason(error), error.code() if isinstance(error, grpc.RpcError) else None)
 
     def _resolve(self, *outcomes: LoadOutcome) -> None:
         """Record answers and wake waiters."""

@@ -36,7 +36,7 @@ class AsyncAckStream:
     bookkeeping is the same `AckLedger`)."""
 
     def __init__(self, stub, session: str, *, outcome_cache: int = DEFAULT_OUTCOME_CACHE,
-                 close_timeout: float = 30.0, on_broken: Callable[[str], None] | None = None):
+                 close_timeout: float = 30.0, on_broken: Callable | None = None):
         self._stub = stub
         self._session = session
         self._close_timeout = close_timeout
@@ -116,7 +116,7 @@ class AsyncAckStream:
         self._queue.put_nowait(_CLOSE)
         self._resolve(*self._ledger.unanswered())
         if by_daemon and self._on_broken is not None:
-            self._on_broken(end_reason(error))
+            self._on_broken(end_reason(error), error.code() if isinstance(error, grpc.RpcError) else None)
 
     def _resolve(self, *outcomes: LoadOutcome) -> None:
         for outcome in outcomes:

@@ -90,14 +90,14 @@ class ClientBase:
         """The session id. Raises FailedPrecondition before `register` or after `close`."""
         return self._session.id
 
-    def _open_acks(self, session: str, on_broken: Callable[[str], None]):
+    def _open_acks(self, session: str, on_broken: Callable):
         """A new session's ack stream, opened (it names the session to the daemon)."""
         acks = self._ack_stream_class(self._stub, session, outcome_cache=self._outcome_cache,
                                       on_broken=on_broken)
         acks.open()
         return acks
 
-    def _open_calls(self, session: str, on_broken: Callable[[str], None]):
+    def _open_calls(self, session: str, on_broken: Callable):
         """A new session's Session stream (with `stream=True`)."""
         return self._call_stream_class(self._stub, session, on_broken=on_broken)
 

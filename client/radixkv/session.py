@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import grpc
 from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
@@ -38,6 +39,7 @@ from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, Pref
                     Registration, Violation)
 
 SERVICE = "radixkv.v1.RadixKV"
+RECHECK_PAUSE_S = 0.05  # before a register checks the Session stream again (`_check_stream`)
 PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
 RETRY_WHILE_REGISTERING_S = 0.05  # `reconnect` looks again this soon while another call registers
 
@@ -47,15 +49,15 @@ class Session:
     per operation (see the module docstring; `Client` documents each operation).
 
     `open_acks(session_id, on_broken)` is the shell's: an opened ack stream (`issue`,
-    `abandon`, `wait`, `close`) calling `on_broken(reason)` when the daemon ends it;
+    `abandon`, `wait`, `close`) calling `on_broken(reason, code)` when the daemon ends it;
     `open_calls` (None: unary calls only) opens a session stream (`call`, `abandon`,
     `close`) alike. `on_broken` may come from another thread: recovery state changes
     hold `_lock`. Plans run one at a time per client."""
 
     def __init__(self, target: str, *, timeout: float | None, reconnect: Backoff | None,
                  on_session_lost: Callable[[SessionLost], None] | None,
-                 open_acks: Callable[[str, Callable[[str], None]], Any],
-                 open_calls: Callable[[str, Callable[[str], None]], Any] | None = None):
+                 open_acks: Callable[[str, Callable], Any],
+                 open_calls: Callable[[str, Callable], Any] | None = None):
         self.target = target
         self.timeout = timeout
         self.registration: Registration | None = None
@@ -63,6 +65,7 @@ class Session:
         self.close_answered = False  # the daemon answered this client's Close
         self._register_request: pb.RegisterRequest | None = None
         self._buffers = None  # as given to register: exported afresh for each re-registration
+        self._replaced = False  # another engine's Register took the namespace (see `_stream_broken`)
         self._acks = None
         self._open_acks = open_acks
         self._calls = None
@@ -121,15 +124,32 @@ class Session:
         self._buffers = buffers
         self._attach(reg)
         if self._calls is not None:
+            yield from self._check_stream(reg)
+        return reg
+
+    def _check_stream(self, reg: Registration) -> Plan[None]:
+        """`check_served` on the new session's stream: Unimplemented (a daemon without the
+        Session stream) closes the session and is raised. A stream ended INTERNAL before
+        it was answered is checked once more on a fresh stream: gRPC reports its own
+        INTERNAL ("Internal error from Core") when the Echo's write races the daemon's
+        refusal of the stream, hiding the refusal's status (1 register in 7 under load).
+        Any other end is the recovery's, as after any registration."""
+        for last in (False, True):
             try:
-                yield from check_served(reg.session, self.timeout)
+                return (yield from check_served(reg.session, self.timeout))
             except Unimplemented:  # closed: unregistered again, the client stays usable (and closable)
                 self.drop("the daemon has no Session stream")
                 self.closed, self.registration, self._acks, self._calls = False, None, None, None
                 raise
             except RadixKVError:
-                pass  # any other end of the stream is the recovery's, as after any registration
-        return reg
+                if last or getattr(self._calls, "end_code", None) != grpc.StatusCode.INTERNAL:
+                    return
+                with self._lock:  # that stream's end marked the session lost: it says nothing yet
+                    if self._recovery is not None:
+                        self._recovery.recovered()
+                self._calls.abandon("checked again on a new stream")
+                yield Sleep(RECHECK_PAUSE_S)
+                self._calls = self._open_calls(reg.session, functools.partial(self._stream_broken, reg.session))
 
     def reconnect(self, timeout: float) -> Plan[SessionLost | None]:
         deadline = time.monotonic() + timeout
@@ -268,14 +288,18 @@ class Session:
     def _registration_again(self) -> pb.RegisterRequest:
         """The Register to send again. Buffers that can be exported afresh (`fresh()`, as
         `CudaKvBuffers.export` gives) are: each CUDA IPC export is one reference torch
-        counts, and a handle sent twice would be released twice."""
+        counts, and a handle sent twice would be released twice. A replaced engine asks
+        without `replace_existing` (refused while the other engine's session lives)."""
         fresh = getattr(self._buffers, "fresh", None)
-        if fresh is None:
+        if fresh is None and not (self._replaced and self._register_request.replace_existing):
             return self._register_request
         req = pb.RegisterRequest()
         req.CopyFrom(self._register_request)
-        del req.buffers[:]
-        req.buffers.extend(msg.buffer_pb(b) for b in fresh())
+        if fresh is not None:
+            del req.buffers[:]
+            req.buffers.extend(msg.buffer_pb(b) for b in fresh())
+        if self._replaced:
+            req.replace_existing = False
         return req
 
     def _attach(self, reg: Registration) -> None:
@@ -306,13 +330,17 @@ class Session:
         with self._lock:
             self._recovery.lose(f"{why}: its outcome is unknown, so the session was ended", time.monotonic())
 
-    def _stream_broken(self, session: str, reason: str) -> None:
+    def _stream_broken(self, session: str, reason: str, code: grpc.StatusCode | None = None) -> None:
         """The daemon ended a stream of `session`, and that session (any thread); a
-        replaced session's stream, reported late, says nothing of the current one."""
+        replaced session's stream, reported late, says nothing of the current one. Ended
+        FAILED_PRECONDITION, another engine's Register took the namespace: this engine
+        registers again without `replace_existing` (taking it back would make the other
+        lose it in turn, and the two trade the namespace for as long as both run)."""
         if self._recovery is not None and not self.closed:
             with self._lock:
                 if self.registration is not None and self.registration.session == session:
                     self._recovery.lose(reason, time.monotonic())
+                    self._replaced = self._replaced or code == grpc.StatusCode.FAILED_PRECONDITION
 
     def _check_session(self, err: RadixKVError, timeout: float = PROBE_TIMEOUT, quiet: bool = True) -> Plan[None]:
         """After `err`, ask the daemon whether the session lives; mark it lost if not.
@@ -380,6 +408,7 @@ class Session:
         cls, message = lost_message(reg, new, reason)
         with self._lock:
             rec.recovered()
+            self._replaced = False  # registered again: as first registered from now on
         self._attach(new)
         lost = cls(message, new, reg.daemon_instance, new.daemon_instance)
         if self._on_session_lost is not None:

@@ -13,7 +13,7 @@ thread) and `AsyncCallStream` (asyncio; callers read their own answers) do the I
 Any number of calls may be in flight (pipelined); the daemon answers them in order.
 Once the stream ended (daemon gone or shutting down, session closed, client closed)
 every unanswered call and every later one fails with Unavailable saying why, and
-`on_broken(reason)` tells the session, whose recovery probes it and registers again (a
+`on_broken(reason, code)` tells the session, whose recovery probes it and registers again (a
 new registration opens a new stream). The daemon closes the session when its stream
 ends, as it does when its ack stream ends. A call not answered within its timeout
 raises DeadlineExceeded: on `CallStream` its late answer is dropped and the stream goes
@@ -60,6 +60,7 @@ class CallLedger:
     def __init__(self):
         self._ids = itertools.count(1)
         self.ended: str | None = None
+        self.code: grpc.StatusCode | None = None  # the stream's status, when it ended with one known
         self.unsupported = False  # the daemon has no Session stream (UNIMPLEMENTED)
 
     def request(self, method: str, request) -> tuple[int, pb.SessionRequest]:
@@ -85,7 +86,7 @@ class CallLedger:
         the daemon has no Session stream at all, which says nothing of the session)."""
         if self.ended is not None:
             return False
-        self.ended = reason
+        self.ended, self.code = reason, code
         self.unsupported = code == grpc.StatusCode.UNIMPLEMENTED
         return not self.unsupported
 
@@ -170,6 +171,11 @@ class CallStream:
             self._reader.join(self._close_timeout)
         self._fail_pending()
 
+    @property
+    def end_code(self) -> grpc.StatusCode | None:
+        """The status the stream ended with, when known (None while it runs)."""
+        return self._ledger.code
+
     def abandon(self, reason: str) -> None:
         """The session is gone: fail every unanswered call and drop the stream now."""
         with self._lock:
@@ -189,12 +195,13 @@ class CallStream:
         except Exception as e:  # a reader that dies must still fail the callers
             error = e
         reason = stream_end_reason(error)
+        code = error.code() if isinstance(error, grpc.RpcError) else None
         with self._lock:
-            by_daemon = self._ledger.end(reason, error.code() if isinstance(error, grpc.RpcError) else None)
+            by_daemon = self._ledger.end(reason, code)
         self._queue.put(_CLOSE)  # stop the request iterator
         self._fail_pending()
         if by_daemon and self._on_broken is not None:
-            self._on_broken(reason)
+            self._on_broken(reason, code)
 
     def _fail_pending(self) -> None:
         with self._lock:
@@ -287,6 +294,11 @@ class AsyncCallStream:
             self._call.cancel()
         self._fail_pending()
 
+    @property
+    def end_code(self) -> grpc.StatusCode | None:
+        """The status the stream ended with, when known (None while it runs)."""
+        return self._ledger.code
+
     def abandon(self, reason: str) -> None:
         """The session is gone: fail every unanswered call and drop the stream now."""
         self._ledger.end(reason)
@@ -362,7 +374,7 @@ class AsyncCallStream:
         self._call.cancel()
         self._fail_pending()
         if by_daemon and self._on_broken is not None:
-            self._on_broken(reason)
+            self._on_broken(reason, code)
 
     def _fail_pending(self) -> None:
         """The stream ended: fail every call still owed an answer; no deadline is due."""

@@ -60,6 +60,41 @@ def test_a_replaced_engine_is_told_at_once_and_its_streams_end(daemon, buffers, 
         new.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_two_engines_registering_with_replace_existing_do_not_trade_the_namespace(daemon, buffers, stream):
+    """Engines register with replace_existing (to take their own namespace back after a
+    restart). A replaced one registered again with it too, took the namespace back, the
+    other then did the same: the two traded it for as long as both ran, each losing its
+    device tier every time. A replaced engine now registers again without it: refused
+    while the other's session lives, which keeps its namespace (found by a review from
+    an engine's seat)."""
+    old = Client(daemon, timeout=10, stream=stream)
+    new = Client(daemon, timeout=10)
+    try:
+        register(old, buffers[0], replace=True)
+        register(new, buffers[1], replace=True)  # a restarted engine while the old one still runs
+        wait_for(lambda: old.session_lost, 10, "the replaced engine to see its session end")
+        refusals = []
+
+        def refused_twice() -> bool:  # each call is an attempt once its backoff allows one
+            try:
+                old.match([b"\0" * 64])
+            except errors.FailedPrecondition as e:
+                refusals.append(e)
+            except errors.Unavailable:
+                pass  # not due yet
+            return len(refusals) >= 2
+        wait_for(refused_twice, 20, "two refused attempts of the replaced engine")
+        assert all("attached to a live session" in str(e) for e in refusals), refusals
+        [info] = new.stats(NAMESPACE).namespaces[0].sessions
+        assert info.session == new.registration.session
+        new.match([b"\0" * 64])  # its session was never taken back
+        assert not new.session_lost
+    finally:
+        old.close()
+        new.close()
+
+
 def test_a_session_closed_by_another_client_is_told_to_its_engine_at_once(daemon, buffers, stub):
     engine = Client(daemon, timeout=10)
     try:
