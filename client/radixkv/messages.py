@@ -95,6 +95,25 @@ def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_de
         instance=instance)
 
 
+def register_again(request: pb.RegisterRequest, buffers, replaced: bool) -> pb.RegisterRequest:
+    """The Register a lost session sends again: `request` as first sent, with buffers that
+    can be exported afresh (`fresh()`, as `CudaKvBuffers.export` gives) exported again
+    (each CUDA IPC export is one reference torch counts: a handle sent twice would be
+    released twice), and without `replace_existing` for a `replaced` engine (another
+    engine's Register took the namespace: refused again while that session lives)."""
+    fresh = getattr(buffers, "fresh", None)
+    if fresh is None and not (replaced and request.replace_existing):
+        return request
+    again = pb.RegisterRequest()
+    again.CopyFrom(request)
+    if fresh is not None:
+        del again.buffers[:]
+        again.buffers.extend(buffer_pb(b) for b in fresh())
+    if replaced:
+        again.replace_existing = False
+    return again
+
+
 DEVICE_TIERS = {"managed": pb.MANAGED, "engine_managed": pb.ENGINE_MANAGED}
 ROLES = {"engine": pb.ENGINE, "scheduler": pb.SCHEDULER}
 

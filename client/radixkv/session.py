@@ -6,16 +6,14 @@ result it returns. The blocking `Client` and the asyncio `AsyncClient` are shell
 run plans (`PlanRun`): they perform each yielded step on their own channel, send the
 answer back in, or throw the failed call's `RadixKVError` into the plan.
 
-Session recovery lives here too: after a call fails with Unavailable or Unauthenticated
-the session is probed; a lost session (or a stream the daemon ended) is registered again
-with the last `register`'s arguments, paced by `radixkv.reconnect.Recovery`, and the call
-that succeeds raises `SessionLost` (`DaemonRestarted` for a new daemon). The lost session
-is closed first (answered once its copies are over): once `SessionLost` is raised the
-daemon no longer touches the engine's pages for it. A call that moves pages or leases
-left without an answer may still be carried out: it ends the session the same way
-(`_give_up`; docs/reliability.md). The ack stream (`radixkv.acks`)
-and session stream (`radixkv.streaming`) are opened per registration through the shell's
-`open_acks` / `open_calls`, and abandoned once the lost session's Close was answered.
+Session recovery lives here too (pacing: `radixkv.reconnect`): a call failing with
+Unavailable or Unauthenticated probes the session; a lost one (or one whose stream the
+daemon ended) is closed (answered once its copies are over), registered again with the
+last `register`'s arguments, and the call that succeeds raises `SessionLost`
+(`DaemonRestarted` for a new daemon). A call that moves pages or leases left without an
+answer ends the session the same way (`_give_up`; docs/reliability.md). The ack and
+session streams (`radixkv.acks`, `radixkv.streaming`) are opened per registration
+through the shell's `open_acks` / `open_calls`.
 """
 
 import functools
@@ -34,12 +32,11 @@ from .errors import (DeadlineExceeded, FailedPrecondition, RadixKVError, Session
 from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
 from .reconnect import Backoff, Recovery, lost_message
-from .streaming import STREAM_METHODS, check_served
+from .streaming import RECHECK_PAUSE_S, STREAM_METHODS, check_served
 from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, PrefetchProgress,
                     Registration, Violation)
 
 SERVICE = "radixkv.v1.RadixKV"
-RECHECK_PAUSE_S = 0.05  # before a register checks the Session stream again (`_check_stream`)
 PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
 RETRY_WHILE_REGISTERING_S = 0.05  # `reconnect` looks again this soon while another call registers
 
@@ -285,23 +282,6 @@ class Session:
                     yield from self._recover()
             raise
 
-    def _registration_again(self) -> pb.RegisterRequest:
-        """The Register to send again. Buffers that can be exported afresh (`fresh()`, as
-        `CudaKvBuffers.export` gives) are: each CUDA IPC export is one reference torch
-        counts, and a handle sent twice would be released twice. A replaced engine asks
-        without `replace_existing` (refused while the other engine's session lives)."""
-        fresh = getattr(self._buffers, "fresh", None)
-        if fresh is None and not (self._replaced and self._register_request.replace_existing):
-            return self._register_request
-        req = pb.RegisterRequest()
-        req.CopyFrom(self._register_request)
-        if fresh is not None:
-            del req.buffers[:]
-            req.buffers.extend(msg.buffer_pb(b) for b in fresh())
-        if self._replaced:
-            req.replace_existing = False
-        return req
-
     def _attach(self, reg: Registration) -> None:
         msg.forget_stale_events(self._register_request)
         self.registration = reg
@@ -390,7 +370,8 @@ class Session:
                     stream.abandon(f"the session was lost ({reason})")
             if end is not None:
                 step = max(0.05, min(step, end - time.monotonic()))
-            new = Registration.from_pb((yield Rpc("Register", self._registration_again(), step)))
+            again = msg.register_again(self._register_request, self._buffers, self._replaced)
+            new = Registration.from_pb((yield Rpc("Register", again, step)))
         except Unavailable as err:
             with self._lock:
                 rec.failed(time.monotonic())

@@ -43,6 +43,7 @@ STREAM_METHODS = {"Match": "match", "LoadBack": "load_back", "Insert": "insert",
                   "Release": "release", "Echo": "echo"}
 _CLOSE = object()
 STATUS_WAIT_S = 1.0  # how long an ended stream's status may take to come (AsyncCallStream)
+RECHECK_PAUSE_S = 0.05  # before a register checks the Session stream again on a fresh one
 
 
 def stream_end_reason(error: BaseException | None) -> str:
