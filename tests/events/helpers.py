@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from radixkv_server.core.tree import RadixTree
+from radixkv_server.events.hub import token_path
 
 PAGE = 4
 
@@ -44,13 +45,9 @@ def chain(tree: RadixTree, *runs, extra_key: bytes = b""):
     return out
 
 
-def path_of(node) -> list:
-    """A residency record's path: (id, key) from `node` up to the root, deepest first."""
-    out = []
-    while node.parent is not None:
-        out.append((node.id, node.key))
-        node = node.parent
-    return out
+def path_of(node) -> tuple:
+    """A residency record's path: cells (id, key, parent's cell) from `node` up to the root."""
+    return token_path(node)
 
 
 class StuckJob:

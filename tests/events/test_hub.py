@@ -70,6 +70,36 @@ def test_split_nodes_keep_their_hashes_and_removal_names_the_same_blocks(hub):
     assert removed_top.block_hashes == full[:1]
 
 
+def test_events_deep_in_a_path_name_the_whole_prompt_before_and_after_a_split_above(hub):
+    # A conversation 2000 turns deep: each event names its blocks by the whole prompt
+    # (records share their ancestors' path cells), and splitting an ancestor that events
+    # already named changes neither the blocks below it nor what the split parts name.
+    sub = hub.subscribe(from_seq=0)
+    tree = RadixTree(PAGE)
+    listen = hub.attach("ns", PAGE)
+    runs = [range(i * 8, i * 8 + 8) for i in range(2000)]
+    path = chain(tree, *runs)
+    prompt = [t for run in runs for t in run]
+    full = block_hashes(prompt, PAGE)
+    listen("device", "stored", path[-1])
+    listen("device", "stored", path[1000])
+    hub.flush()
+    top = tree.split(path[1000], 1)
+    fork = tree.add_child(top, packed(range(-8, -4)))
+    deeper = tree.add_child(path[-1], packed(range(-4, 0)))
+    for node in (path[1000], top, fork, deeper, path[-1]):
+        listen("device", "stored", node)
+    hub.flush()
+    _, _, first, second = drain(sub, 4)
+    assert [e.block_hashes for e in first.batch.events] == [full[-2:], full[2000:2002]]
+    lower, upper, forked, below, last = second.batch.events
+    assert (lower.block_hashes, upper.block_hashes) == ([full[2001]], [full[2000]])
+    assert lower.parent_block_hash == full[2000] and upper.parent_block_hash == full[1999]
+    assert forked.block_hashes == block_hashes(prompt[:8004] + list(range(-8, -4)), PAGE)[2001:]
+    assert below.block_hashes == block_hashes(prompt + list(range(-4, 0)), PAGE)[-1:]
+    assert last.block_hashes == full[-2:] and last.parent_block_hash == full[-3]
+
+
 def test_extra_key_roots_chain_separately(hub):
     sub = hub.subscribe(from_seq=0)
     tree = RadixTree(PAGE)

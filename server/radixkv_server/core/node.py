@@ -60,7 +60,7 @@ class Node:
 
     __slots__ = (
         "id", "parent", "key", "children", "extra_key", "full",
-        "hit_count", "last_access", "device_children", "chain",
+        "hit_count", "last_access", "device_children", "chain", "event_path",
     )
 
     def __init__(self, node_id: int, parent: "Node | None", key: bytes, extra_key: bytes):
@@ -74,6 +74,7 @@ class Node:
         self.last_access = 0
         self.device_children = 0  # children whose FULL component is on device
         self.chain: bytes | None = None  # storage key of the last page, computed on demand
+        self.event_path: tuple | None = None  # the KV-event layer's record of the path (events/hub.py)
 
     def path(self) -> list["Node"]:
         """Nodes from this one up to (excluding) the root, deepest first."""

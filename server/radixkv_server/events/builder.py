@@ -1,9 +1,9 @@
 """Residency records -> vLLM KV events, on the publisher thread (never on the event loop).
 
 A record is what the loop captured when a node's residency changed: the tier, stored or
-removed, the node's `extra_key` and its path to the root as `(node_id, key)` pairs,
-deepest first. Keys are immutable `bytes`, so a record stays valid whatever the tree does
-afterwards. One vLLM block is one radixkv page: a node of k pages gives one event with k
+removed, the node's `extra_key` and its path to the root as immutable cells
+`(node_id, key, parent's cell)` (the root's: None; `hub.token_path`). Keys are immutable
+`bytes`, so a record stays valid whatever the tree does afterwards. One vLLM block is one radixkv page: a node of k pages gives one event with k
 block hashes (`radixkv.routing.blockhash`). A LoRA or salted prompt's key in vLLM's form
 (`radixkv.routing.extra_keys`) is published as vLLM publishes it: `lora_name`, and per
 block the untagged extra keys, the salt in the prompt's first block only.
@@ -26,7 +26,7 @@ TIER_MEDIUM = {"device": MEDIUM_GPU, "host": MEDIUM_CPU, "storage": MEDIUM_STORA
 # reported only when the store lost its contents), so it is not tracked.
 _TIER_BIT = {MEDIUM_GPU: 1, MEDIUM_CPU: 2, MEDIUM_STORAGE: 0}
 STORED, REMOVED, CLEARED = 0, 1, 2
-CLEAR_RECORD = (CLEARED, None, b"", ())
+CLEAR_RECORD = (CLEARED, None, b"", None)
 FULL_ATTENTION = "full_attention"  # radixkv caches FULL attention KV (group 0) only
 _RECENT_NODES = 1024
 
@@ -77,8 +77,8 @@ class EventBuilder:
         return hit
 
     def _event(self, kind: int, medium: str, extra_key: bytes, path) -> Event:
-        start = self._start_digest(path, extra_key)
-        node_id, key = path[0]
+        node_id, key, up = path
+        start = self._start_digest(up, extra_key)
         last, hashes = self._blocks(node_id, key, start, extra_key)
         bit = _TIER_BIT[medium]
         if kind == REMOVED:
@@ -115,14 +115,15 @@ class EventBuilder:
             tokens = self._tokens[memo] = as_token_array(key).tolist()
         return tokens
 
-    def _start_digest(self, path, extra_key: bytes) -> bytes | None:
-        """Digest of the page before path[0] (None at the root), caching ancestors'."""
-        i = 1
-        while i < len(path) and path[i][0] not in self._digests:
-            i += 1
-        prev = self._digests[path[i][0]] if i < len(path) else None
-        for j in range(i - 1, 0, -1):
-            node_id, key = path[j]
+    def _start_digest(self, cell, extra_key: bytes) -> bytes | None:
+        """Digest of the last page of `cell`'s node (None for the root's cell), caching
+        the digests of ancestors it had to compute."""
+        todo = []
+        while cell is not None and cell[0] not in self._digests:
+            todo.append(cell)
+            cell = cell[2]
+        prev = None if cell is None else self._digests[cell[0]]
+        for node_id, key, _ in reversed(todo):
             prev = block_digests(key, self.block_size, parent=prev, extra_key=extra_key, seed=self.seed)[-1]
             self._digests[node_id] = prev
         return prev

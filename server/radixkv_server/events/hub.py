@@ -11,7 +11,8 @@ Wiring (a few lines in the service layer):
 
 The core calls `listener.residency_changed(tier, change, node)` (tier "device", "host" or
 "storage", change "stored" or "removed"). The listener copies nothing: it records the
-node's path as `(id, key)` pairs (keys are immutable bytes) and returns in a few us.
+node's token path as immutable `(id, key, parent's)` cells (`token_path`, kept on the
+node: keys are immutable bytes) and returns in a few us, however deep the node.
 Records are flushed as one batch per namespace (one `call_later(0, flush)` per loop turn,
 or the caller's explicit `flush()`); hashing, encoding and sending happen on the
 publisher thread. `resident(tree)` yields `(tier, node)` for every (tier, node) pair the
@@ -48,13 +49,31 @@ def _record(tier: str, change: str, node) -> tuple:
     if medium is None or kind is None:
         raise ValueError(f"residency change must be (device|host|storage, stored|removed), "
                          f"got ({tier!r}, {change!r})")
-    path = []
-    while node.parent is not None:
-        path.append((node.id, node.key))
-        node = node.parent
-    if not path:
+    if node.parent is None:
         raise ValueError("a root node has no pages and no residency")
-    return (kind, medium, node.extra_key, path)
+    return (kind, medium, node.extra_key, token_path(node))
+
+
+def token_path(node) -> tuple:
+    """The node's token path from the root as immutable cells `(id, key, parent's cell)`
+    (the root's cell: None), kept on the node (`Node.event_path`) so that a record costs
+    O(1) however deep the node: only nodes whose cell is missing or whose key changed (a
+    split gives the lower part a shorter key, and a new parent) get a new one. A cell of
+    an ancestor made before a split still names the same tokens (the split node keeps its
+    id and its last page), so cells made under it stay right; removed nodes' ids are never
+    reused."""
+    stale = []
+    while node.parent is not None:
+        cell = node.event_path
+        if cell is not None and cell[1] is node.key:
+            break
+        stale.append(node)
+        node = node.parent
+    else:
+        cell = None
+    for node in reversed(stale):
+        cell = node.event_path = (node.id, node.key, cell)
+    return cell
 
 
 def resident(tree) -> Iterator[tuple[str, object]]:
