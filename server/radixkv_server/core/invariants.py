@@ -47,6 +47,9 @@ def check_invariants(state) -> list[str]:
         _check_device(state.tree, node, seen, err)
         _check_host(state.tree, node, seen, err)
         _check_locks_and_copies(state.transfers, node, err)
+    pinned = sum(1 for node in state.tree.nodes.values() if node.full.pins)
+    if state.pinned_nodes != pinned:
+        err(f"pinned nodes counted {state.pinned_nodes}, actual {pinned}")
     _check_sets(state, err)
     _check_transfers(state, seen, err)
     _check_device_pool(state, seen, err)

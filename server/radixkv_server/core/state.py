@@ -46,6 +46,7 @@ class CacheState:
         self.counters = CacheCounters()
         self.evictable_pages = 0  # device pages in unlocked nodes
         self.protected_pages = 0  # device pages in locked nodes
+        self.pinned_nodes = 0     # nodes with a pin (Stats: no walk of the tree)
         self.host_reserved = 0    # host pages reserved by fetches in flight
         self.listener = listener
         self._clock = 0
@@ -255,6 +256,7 @@ class CacheState:
     def pin(self, node: Node, tid: int) -> None:
         """Load-back `tid` reads the node's host copy: pinned and host-locked."""
         s = node.full
+        self.pinned_nodes += not s.pins
         s.pins.add(tid)
         s.host_lock += 1
         self.refresh(node)
@@ -265,6 +267,7 @@ class CacheState:
         if tid in s.pins:
             s.pins.discard(tid)
             s.host_lock -= 1
+            self.pinned_nodes -= not s.pins
         self.refresh(node)
 
     def lock_path(self, node: Node) -> None:
@@ -300,6 +303,7 @@ class CacheState:
         """Split `node` after `pages` pages; returns the new upper node. Transfers that
         copy `node` now copy both halves."""
         top = self.tree.split(node, pages)
+        self.pinned_nodes += bool(top.full.pins)  # the upper part keeps the pins of the whole
         tids = set(node.full.pins)
         tids.update(t for t in (node.full.backup, node.full.store) if t is not None)
         for tid in tids:

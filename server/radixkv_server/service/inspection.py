@@ -19,7 +19,7 @@ def namespace_stats(ns: Namespace) -> pb.NamespaceStats:
         device_pages_evictable=cache.evictable_pages, device_pages_protected=cache.protected_pages,
         host_pages_used=cache.host.num_used, host_pages_capacity=cache.host.capacity,
         host_page_bytes=ns.host_pool.layout.page_bytes, transfers_in_flight=len(cache.transfers),
-        pinned_nodes=sum(1 for n in cache.tree.iter_nodes() if n.full.pins),
+        pinned_nodes=cache.pinned_nodes,
         tracked_duplicates=len(cache.duplicates), counters=ns.counters())
 
 
