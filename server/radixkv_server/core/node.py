@@ -5,7 +5,14 @@ radixkv caches FULL attention KV only for now. Residency, locks and pins live in
 state can be added later as further components without reshaping the tree.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
+
+# Shared empty values: most nodes have no pin and leaves no child, and an empty set or dict
+# per node would cost ~200 and ~64 bytes and one more object for every full garbage
+# collection to scan. Only `CacheState.pin`/`unpin` and `RadixTree` replace them.
+NO_PINS: frozenset[int] = frozenset()
+NO_CHILDREN = MappingProxyType({})
 
 
 @dataclass(slots=True, eq=False)
@@ -23,7 +30,7 @@ class ComponentState:
     - `host_lock`: in-flight copies reading or writing `host_pages`; >0 means the host
       copy may not be freed.
     - `pins`: ids of load-back transfers reading this node's host pages (a set: several
-      may overlap). A pinned node is not a settled duplicate.
+      may overlap; the shared empty `NO_PINS` when none). A pinned node is not a settled duplicate.
     - `store`: id of the host->storage transfer reading `host_pages`; `stored`: the
       storage tier holds this node's pages; `evicting_host`: the host copy leaves once
       `store` completes (host eviction with storage write-back).
@@ -38,7 +45,7 @@ class ComponentState:
     evicting: bool = False
     lock_ref: int = 0
     host_lock: int = 0
-    pins: set[int] = field(default_factory=set)
+    pins: set[int] | frozenset[int] = NO_PINS
     store: int | None = None
     stored: bool = False
     evicting_host: bool = False
@@ -56,7 +63,8 @@ class ComponentState:
 
 class Node:
     """One run of whole pages. `key` is the packed tokens; `children` maps the first
-    page's bytes of each child to the child. A root has an empty key and no pages."""
+    page's bytes of each child to the child (the shared, read-only `NO_CHILDREN` for a
+    node without one: only `RadixTree` changes children). A root has an empty key and no pages."""
 
     __slots__ = (
         "id", "parent", "key", "children", "extra_key", "full",
@@ -67,7 +75,7 @@ class Node:
         self.id = node_id
         self.parent = parent
         self.key = key
-        self.children: dict[bytes, Node] = {}
+        self.children: dict[bytes, Node] | MappingProxyType = NO_CHILDREN
         self.extra_key = extra_key
         self.full = ComponentState()
         self.hit_count = 0

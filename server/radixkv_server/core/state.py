@@ -13,7 +13,7 @@ from .device_ledger import DeviceLedger
 from .evictable import EvictableSet, strategy
 from .host_allocator import HostAllocator
 from .ids import fresh_ids
-from .node import Node
+from .node import NO_PINS, Node
 from .pages import count
 from .cache_config import CacheConfig
 from .residency import Change, ResidencyListener, Tier
@@ -256,8 +256,11 @@ class CacheState:
     def pin(self, node: Node, tid: int) -> None:
         """Load-back `tid` reads the node's host copy: pinned and host-locked."""
         s = node.full
-        self.pinned_nodes += not s.pins
-        s.pins.add(tid)
+        if s.pins:
+            s.pins.add(tid)
+        else:
+            s.pins = {tid}
+            self.pinned_nodes += 1
         s.host_lock += 1
         self.refresh(node)
 
@@ -267,7 +270,9 @@ class CacheState:
         if tid in s.pins:
             s.pins.discard(tid)
             s.host_lock -= 1
-            self.pinned_nodes -= not s.pins
+            if not s.pins:
+                s.pins = NO_PINS
+                self.pinned_nodes -= 1
         self.refresh(node)
 
     def lock_path(self, node: Node) -> None:

@@ -8,7 +8,7 @@ the cache's; `split` copies a node's state to its new upper half and nothing mor
 
 from .errors import UnknownNode
 from .ids import fresh_ids
-from .node import Node
+from .node import NO_CHILDREN, NO_PINS, Node
 
 
 class RadixTree:
@@ -77,6 +77,8 @@ class RadixTree:
 
     def add_child(self, parent: Node, key: bytes) -> Node:
         node = Node(next(self._ids), parent, key, parent.extra_key)
+        if not parent.children:
+            parent.children = {}
         parent.children[key[:self.stride]] = node
         self.nodes[node.id] = node
         return node
@@ -91,7 +93,7 @@ class RadixTree:
         parent.children[node.key[:self.stride]] = top
         node.key = node.key[cut:]
         node.parent = top
-        top.children[node.key[:self.stride]] = node
+        top.children = {node.key[:self.stride]: node}
         self.nodes[top.id] = top
 
         s, t = node.full, top.full
@@ -105,7 +107,7 @@ class RadixTree:
         t.evicting = s.evicting
         t.lock_ref = s.lock_ref
         t.host_lock = s.host_lock
-        t.pins = set(s.pins)
+        t.pins = set(s.pins) if s.pins else NO_PINS
         t.store = s.store
         t.stored = s.stored
         t.evicting_host = s.evicting_host
@@ -119,6 +121,8 @@ class RadixTree:
         call (the operation removing it may still hold that root)."""
         parent = node.parent
         del parent.children[node.key[:self.stride]]
+        if not parent.children:
+            parent.children = NO_CHILDREN
         del self.nodes[node.id]
         if parent.parent is None and not parent.children and parent.extra_key:
             self._emptied.append(parent)
