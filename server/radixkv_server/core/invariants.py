@@ -279,7 +279,7 @@ def state_digest(state) -> str:
     for tid in sorted(state.transfers):
         t = state.transfers[tid]
         h.update(repr((tid, t.kind.value, [n.id for n in t.nodes], [n.id for n in t.shared],
-                       t.copied, t.error, t.parked, t.depends_on, t.dependents)).encode())
+                       t.copied, t.error, t.parked, t.depends_on, list(t.dependents))).encode())
     h.update(repr((sorted(state.host.free_pages()), sorted(state.device.held_pages()),
                    state.device.num_taken, state.device.num_returned, state.evictable_pages,
                    state.host_reserved, state.protected_pages, sorted(state.duplicates.ids()),

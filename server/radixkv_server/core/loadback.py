@@ -87,7 +87,7 @@ class LoadBacks:
         t = state.new_transfer(TransferKind.LOAD, loaded, tid, anchor=loaded[-1], shared=shared,
                                depends_on=depends_on, owner=owner)
         for d in depends_on:
-            state.transfers[d].dependents.append(tid)
+            state.transfers[d].dependents[tid] = None
         state.lock_path(t.anchor)
         state.counters.loaded_tokens += sum(state.tokens(n) for n in loaded)
         self.copier.load(tid, t.host_pages, t.device_pages)
@@ -109,7 +109,7 @@ class LoadBacks:
         del state.transfers[transfer]
         for d in t.depends_on:
             if d in state.transfers:
-                state.transfers[d].dependents.remove(transfer)
+                del state.transfers[d].dependents[transfer]
         for n in t.anchor.path():
             state.unpin(n, transfer)
         state.unlock_path(t.anchor)

@@ -47,7 +47,7 @@ class Transfer:
     anchor: Node | None = None
     shared: list[Node] = field(default_factory=list)
     depends_on: tuple[int, ...] = ()
-    dependents: list[int] = field(default_factory=list)
+    dependents: dict[int, None] = field(default_factory=dict)  # an ordered set: acks in any order cost O(1)
     copied: bool = False
     error: str | None = None
     parked: bytes = b""
