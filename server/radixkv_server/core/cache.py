@@ -9,6 +9,7 @@ subclass before changing anything.
 
 from dataclasses import dataclass
 
+from . import device_drop
 from .copier import Copier
 from .device_ledger import DeviceLedger
 from .engine_tier import EngineCopier, EngineTier
@@ -265,18 +266,7 @@ class HierarchicalCache:
         pages; a fetch fills host pages reserved apart from the tree, inserted when it
         ends only where their prefix still is. Both take as long as the store does: an
         engine's Close need not wait for them."""
-        doomed = None
-        waits = []
-        for tid, t in self.state.transfers.items():
-            if t.kind is TransferKind.FETCH:
-                continue
-            if t.kind is TransferKind.STORE:
-                if doomed is None:
-                    doomed = self.state.dropped_with_device_tier()
-                if not any(node in doomed for node in t.nodes):
-                    continue
-            waits.append(tid)
-        return waits
+        return device_drop.waits_for(self.state)
 
     def drop_device(self, num_device_pages: int) -> int:
         """Forget every device page (the engine that owned them is gone) and start a new
@@ -289,7 +279,7 @@ class HierarchicalCache:
             raise InvalidRequest(f"num_device_pages must be >= 0, got {num_device_pages}")
         if waits := self.device_drop_waits_for():
             raise NotReady("copies are still in flight", tuple(sorted(waits)))
-        dropped = self.state.drop_device_tier()
+        dropped = device_drop.drop(self.state)
         self.state.device = DeviceLedger(num_device_pages)
         return dropped
 
