@@ -111,9 +111,12 @@ class StorageMover:
 
     def _page_views(self, host_pages: bytes) -> list[memoryview]:
         """Writable views of these host pages: what the backend reads into or writes from."""
-        if self._pages is None:
-            self._pages = self._host.tensor.numpy()
-        return [memoryview(self._pages[p]) for p in unpack(host_pages)]
+        pages = self._pages
+        if pages is None:
+            if self._closed:  # a lookup outliving close (a frozen store): the pool is gone
+                raise StorageUnavailable("storage is closed")
+            pages = self._pages = self._host.tensor.numpy()
+        return [memoryview(pages[p]) for p in unpack(host_pages)]
 
     # -- the core's Copier half ---------------------------------------------------------
 
@@ -362,3 +365,4 @@ class StorageMover:
             if self._stop_hearing_lost is not None:
                 self._stop_hearing_lost()
             self._detach()
+            self._pages = None  # the view held the whole pool: freed with the pool, not at a later GC

@@ -104,13 +104,18 @@ class _GuardedGeneric(grpc.GenericRpcHandler):
     def __init__(self, inner: grpc.GenericRpcHandler, server: GuardedServer):
         self._inner = inner
         self._server = server
-        self._cache: dict[str, grpc.RpcMethodHandler | None] = {}
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}
 
     def service(self, details):
+        """The guarded handler of `details.method`; None for a method this service lacks
+        (not cached: any caller may name endless unknown methods)."""
         method = details.method
-        if method not in self._cache:
-            self._cache[method] = self._server.guard(method, self._inner.service(details))
-        return self._cache[method]
+        handler = self._cache.get(method)
+        if handler is None:
+            handler = self._server.guard(method, self._inner.service(details))
+            if handler is not None:
+                self._cache[method] = handler
+        return handler
 
 
 def handler_kind(handler: grpc.RpcMethodHandler) -> str:
