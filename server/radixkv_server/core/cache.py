@@ -283,6 +283,10 @@ class HierarchicalCache:
         self.state.device = DeviceLedger(num_device_pages)
         return dropped
 
+    def release(self) -> None:
+        """The namespace is closed for good: see `CacheState.release`."""
+        self.state.release()
+
     # -- inspection ------------------------------------------------------------------
 
     def node(self, node_id: int) -> Node:

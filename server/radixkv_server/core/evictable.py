@@ -110,6 +110,13 @@ class EvictableSet:
         """Entries held, live or stale (stays within twice the members, plus a constant)."""
         return len(self._recent) + len(self._heap)
 
+    def clear(self) -> None:
+        """Forget every member."""
+        self._recent.clear()
+        self._in_heap.clear()
+        self._heap.clear()
+        self._cursor = 0
+
     def add(self, node: Node) -> None:
         if node in self:
             return

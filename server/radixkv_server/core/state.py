@@ -52,6 +52,14 @@ class CacheState:
         self._clock = 0
         self._transfer_ids = fresh_ids()
 
+    def release(self) -> None:
+        """The namespace is closed for good (its copies over): forget every node, so its
+        tree is freed now rather than at a later full garbage collection (`RadixTree.unlink_all`).
+        Nothing is checked or changed afterwards."""
+        self.tree.unlink_all()
+        for nodes in (self.device_leaves, self.duplicates, self.host_leaves):
+            nodes.clear()
+
     # -- small helpers -----------------------------------------------------------------
 
     def tick(self) -> int:

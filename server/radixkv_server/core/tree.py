@@ -116,6 +116,18 @@ class RadixTree:
         top.last_access = node.last_access
         return top
 
+    def unlink_all(self) -> None:
+        """Forget every node, each unlinked from the others: the tree is empty after. A
+        parent and its children refer to each other, so a tree merely dropped is freed only
+        by a full garbage collection, which may come much later; unlinked, each node goes
+        as its last holder lets go."""
+        for node in self.nodes.values():
+            node.parent = None
+            node.children = NO_CHILDREN
+        self.nodes.clear()
+        self.roots.clear()
+        self._emptied.clear()
+
     def remove(self, node: Node) -> None:
         """Unlink a childless node. A root it leaves empty stays until the next `root`
         call (the operation removing it may still hold that root)."""

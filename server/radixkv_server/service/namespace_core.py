@@ -193,13 +193,14 @@ class NamespaceCore:
 
     async def close(self) -> None:
         """Drain copies, stop the copy threads and storage I/O, close the host pool
-        (unpinning it); routers told to forget what it held. Idempotent."""
+        (unpinning it); routers told to forget what it held; the tree let go of. Idempotent."""
         await self.copies.drain()
         self.copies.close()
         self.host_pool.close()
         listener, self.cache.residency_listener = self.cache.residency_listener, None
         if listener is not None:
             listener.clear()
+        self.cache.release()  # the tree freed now, not at some later full garbage collection
 
 
 __all__ = ["FinishNow", "NamespaceCore"]
