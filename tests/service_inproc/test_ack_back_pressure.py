@@ -9,12 +9,14 @@ cannot see which ack the daemon's handler has read: gRPC buffers bytes in betwee
 """
 
 import asyncio
+import time
 
 import grpc
+from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv_server.service.acks import AckStream
 
-from tests.service_inproc.inproc import Engine, run, running_daemon
+from tests.service_inproc.inproc import NUM_PAGES, Engine, prompt, run, running_daemon
 
 LIMIT = 8
 SENT = 20
@@ -78,5 +80,41 @@ def test_the_daemon_stops_reading_at_the_limit_and_resumes_when_answers_are_read
             assert [r.transfer for r in side.written] == [100 + t for t in range(1, SENT + 1)]
             assert {r.code for r in side.written} == {grpc.StatusCode.NOT_FOUND.value[0]}
             side.inbox.put_nowait(grpc.aio.EOF)  # the engine half-closes: the session ends
+            await asyncio.wait_for(handler, 10)
+    run(scenario())
+
+
+def test_expiries_pushed_to_an_engine_that_stopped_reading_stay_bounded():
+    # --ack-timeout exists for the stuck engine: one that still calls LoadBack but no longer
+    # reads its ack stream. Each expiry pushed it an answer that waited in the daemon for
+    # as long as the session lived; now at most LIMIT wait, and an expired transfer's ack
+    # still gets its answer.
+    async def scenario():
+        async with running_daemon(max_acks_in_flight=LIMIT, ack_timeout=60) as daemon:
+            e = await Engine.register(daemon, "t/stuck-reader")
+            side = EngineSide()
+            stream = AckStream(daemon, side)
+            handler = asyncio.create_task(stream.run())
+            side.inbox.put_nowait(pb.AckRequest(session=e.session.id, transfer=0))
+            await e.insert(prompt(0, 4), [0, 1, 2, 3])
+            expired = []
+            for _ in range(3 * LIMIT):
+                await e.evict(NUM_PAGES)  # what the last load brought back, to the host again
+                m = await e.match(prompt(0, 4))
+                load = await e.ns.load_back(e.session, m.result.host_node, pack([4, 5, 6, 7]))
+                tid = load.result.transfer
+                await until(lambda: e.ns.cache.transfers[tid].copied, "the load's copy")
+                daemon.expiry.expire(time.monotonic() + 120)
+                await until(lambda: tid not in e.ns.cache.transfers, "the daemon finishing it at its ack timeout")
+                expired.append(tid)
+            assert stream.replies.qsize() <= LIMIT, f"{stream.replies.qsize()} pushes wait for a stuck engine"
+            side.reading.set()  # the engine reads again, and acks the last load
+            side.inbox.put_nowait(pb.AckRequest(session=e.session.id, transfer=expired[-1]))
+            await until(lambda: any(not r.unsolicited for r in side.written), "the late ack's answer")
+            pushed = [r.transfer for r in side.written if r.unsolicited]
+            assert pushed == expired[:len(pushed)] and len(pushed) <= LIMIT + 1  # + the one being written
+            [late] = [r for r in side.written if not r.unsolicited]
+            assert (late.transfer, late.expired, late.code) == (expired[-1], True, grpc.StatusCode.NOT_FOUND.value[0])
+            side.inbox.put_nowait(grpc.aio.EOF)
             await asyncio.wait_for(handler, 10)
     run(scenario())

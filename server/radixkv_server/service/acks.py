@@ -21,7 +21,9 @@ and gRPC flow control holds the engine back.
 
 A load-back the daemon finished itself (ack_timeout, see expiry.py) is told on the
 stream at once, unasked (`expired`, `unsolicited`); its late ack gets the same answer,
-with the failed copy's pages (the engine's again) in both.
+with the failed copy's pages (the engine's again) in both. At most `max_acks_in_flight`
+such pushes wait to be written: an engine that stopped reading learns of later expiries
+from its acks' answers (a stuck engine's expiries queued a push each, without bound).
 """
 
 import asyncio
@@ -50,6 +52,7 @@ class AckStream:
         self.acks: set[asyncio.Task] = set()
         self.slots = asyncio.Semaphore(daemon.config.max_acks_in_flight)
         self.ended = False
+        self.unasked = 0  # pushes queued and not yet written (see `expired`)
         self._closed = SessionEnd()
 
     def session_closed(self, reason: str, failed: bool = True) -> None:
@@ -175,13 +178,16 @@ class AckStream:
 
     def expired(self, transfer: int, outcome) -> None:
         """Tell the engine now that the daemon finished its `transfer` (expired; `outcome`:
-        an expiry.ExpiredTransfer)."""
-        if not self.ended:
+        an expiry.ExpiredTransfer), unless `max_acks_in_flight` such pushes wait unwritten
+        already (the transfer's ack gets the same answer)."""
+        if not self.ended and self.unasked < self.daemon.config.max_acks_in_flight:
+            self.unasked += 1
             self.replies.put_nowait(_Unasked(expired_response(transfer, outcome, unsolicited=True)))
 
     async def _write(self) -> None:
         while (reply := await self.replies.get()) is not None:
             unasked = isinstance(reply, _Unasked)  # answers no ack: holds no slot
+            self.unasked -= unasked
             try:
                 await self.context.write(reply.reply if unasked else reply)
             except Exception as e:  # the engine is gone (the stream ends with it)
