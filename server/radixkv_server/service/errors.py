@@ -85,14 +85,20 @@ def unavailable(message: str) -> ServiceError:
 
 class SessionEnd:
     """A stream's word that the daemon closed its session (`Daemon._end_session`), said
-    once: `event` is set, and `status` is what the stream ends with (None: OK)."""
+    once: `event` is set, and `status` is what the stream ends with (None: OK), a new
+    error each time: one kept here would hold, through its traceback, the frame of the
+    stream that raised it, and so the stream itself (freed only by the cyclic collector)."""
 
     def __init__(self):
         self.event = asyncio.Event()
-        self.status: ServiceError | None = None
+        self._failure: str | None = None
 
     def __bool__(self) -> bool:
         return self.event.is_set()
+
+    @property
+    def status(self) -> "ServiceError | None":
+        return None if self._failure is None else precondition(self._failure)
 
     def say(self, session_id: str, reason: str, failed: bool) -> bool:
         """Record the close: FAILED_PRECONDITION saying `reason` when `failed`, else OK.
@@ -100,6 +106,6 @@ class SessionEnd:
         if self.event.is_set():
             return False
         if failed:
-            self.status = precondition(f"session {session_id} was closed: {reason}")
+            self._failure = f"session {session_id} was closed: {reason}"
         self.event.set()
         return True

@@ -73,6 +73,17 @@ class SessionStream:
         if self._reading and self._task is not None:
             self._task.cancel()
 
+    def _raise_ending(self) -> None:
+        """Raise the status the daemon ends the stream with, unless OK. No frame keeps the
+        error as a local: its traceback holds the frames, and so the stream (a cycle only
+        the cyclic collector would free, with the call's context)."""
+        status = self._ending()[1]
+        if status is not None:
+            try:
+                raise status from None
+            finally:
+                del status
+
     def _ending(self) -> tuple[str, ServiceError | None]:
         """Why the daemon ends the stream, for the log, and the status it ends with
         (None: OK)."""
@@ -96,18 +107,17 @@ class SessionStream:
                 if request is grpc.aio.EOF:
                     return
                 await self.context.write(await self.answer(request))
-            reason, status = self._ending()
-            if status is not None:
-                raise status
+            reason = self._ending()[0]
+            self._raise_ending()
         except asyncio.CancelledError:
             if not self._stopping:
                 reason = "session stream cancelled (engine gone?)"
                 raise
             asyncio.current_task().uncancel()  # our own cancel, of a read: end with a status
-            reason, status = self._ending()
-            if status is not None:
-                raise status from None
+            reason = self._ending()[0]
+            self._raise_ending()
         finally:
+            self._task = None
             watcher.cancel()
             if self.session is not None:
                 if self.session.session_stream is self:
