@@ -15,6 +15,7 @@ from radixkv_server.core import CacheConfig, HierarchicalCache
 from radixkv_server.core.engine_tier import EngineTier
 from radixkv_server.core.pages import pack
 from radixkv_server.events import EventHub, EventsConfig, resident
+from radixkv_server.events import hub as events_hub
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "core"))
 from engine_machine import RankCopier  # noqa: E402  (tests/core's tensor-parallel ranks)
@@ -148,6 +149,47 @@ def test_dropped_batches_resync_to_the_cache_state(policy, storage):
             assert known.num_announced, "no resync had stored pages to re-announce"
     finally:
         hub.close()
+
+
+def test_a_resync_told_a_slice_per_turn_while_the_cache_changes_ends_where_the_cache_is(monkeypatch):
+    """A resync tells the tree a slice per loop turn (RESYNC_SLICE pairs; 1 here, so that
+    it takes many turns), with the engines' calls and their live events in between: nodes
+    inserted, split, evicted and removed while it goes. The rebuilt index ends equal to
+    the cache on device and host. The resync follows a batch that failed to build."""
+    monkeypatch.setattr(events_hub, "RESYNC_SLICE", 1)
+    turns = 0
+    for seed in range(6):
+        m = type("M", (CoreMachine,), {"policy": "write_through", "storage": "off"})()
+        hub = EventHub(EventsConfig(subscriber_buffer=100_000))
+        try:
+            listener = hub.attach(NS, PAGE, snapshot=lambda: resident(m.cache.tree))
+            m.cache.residency_listener = listener
+            follower = Follower(hub)
+            rnd = random.Random(seed)
+            for _ in range(1000):  # a tree of several (tier, node) pairs to tell
+                walk(m, rnd, 1)
+                if len(list(resident(m.cache.tree))) >= 8:
+                    break
+            follower.catch_up()
+            good_build = listener.builder.build
+            listener.builder.build = lambda records: 1 / 0  # the next batch is lost
+            while not listener.pending:
+                walk(m, rnd, 1)
+            hub.flush()
+            wait_for(lambda: hub.stats()["build_errors"] == 1 and hub.drained, what="the batch dropped")
+            listener.builder.build = good_build
+            hub.flush()  # the resync's first slice
+            while listener.resyncing:
+                walk(m, rnd, 1)  # the loop's other work between two slices
+                hub.flush()
+                turns += 1
+            walk(m, rnd, 5)
+            follower.catch_up()
+            blocks, want = follower.blocks(), cache_blocks(m)
+            assert (blocks["GPU"], blocks["CPU"]) == (want["GPU"], want["CPU"]), seed
+        finally:
+            hub.close()
+    assert turns >= 20, f"the resyncs took {turns} turns in all: slices were not exercised"
 
 
 def test_a_snapshot_made_slice_by_slice_while_the_tree_changes_ends_where_the_cache_is():

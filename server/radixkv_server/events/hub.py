@@ -41,6 +41,7 @@ from .publisher import Publisher
 log = logging.getLogger("radixkv.events")
 _CHANGES = {"stored": STORED, "removed": REMOVED}
 RESYNC_RETRY_S = 0.05  # how soon a dropped namespace's resync is tried again
+RESYNC_SLICE = 1024  # (tier, node) pairs a resync records per loop turn (~1 ms)
 
 
 def _record(tier: str, change: str, node) -> tuple:
@@ -86,9 +87,10 @@ def resident(tree) -> Iterator[tuple[str, object]]:
 
     It may be consumed across loop turns while the tree changes (a WatchEvents snapshot
     takes it a slice at a time): it walks a copy of the node list taken at its first
-    step, skips nodes removed since, and tells each node's tiers as they are when it gets
-    there. A node split since then also yields its new upper part, which no live event
-    announces (a split changes no residency) and the copy does not hold."""
+    step, skips nodes removed since (and every node once the namespace closed: its tree
+    is unlinked), and tells each node's tiers as they are when it gets there. A node
+    split since then also yields its new upper part, which no live event announces (a
+    split changes no residency) and the copy does not hold."""
     nodes = list(tree.nodes.values())
     newest = tree.newest_id()
     tops: set[int] = set()  # upper parts of splits since the copy, yielded once
@@ -98,7 +100,7 @@ def resident(tree) -> Iterator[tuple[str, object]]:
         if tree.nodes.get(node.id) is node:  # not removed since the copy
             yield from _tiers(node)
         up = node.parent  # (a removed node keeps it: the part split off it may still be there)
-        while up.id > newest and up.parent is not None and up.id not in tops:
+        while up is not None and up.id > newest and up.parent is not None and up.id not in tops:
             tops.add(up.id)
             if tree.nodes.get(up.id) is up:
                 yield from _tiers(up)
@@ -119,7 +121,7 @@ class NamespaceEvents:
     """The residency listener of one namespace (one attachment: one tree)."""
 
     __slots__ = ("namespace", "topic", "builder", "snapshot", "pending", "resync", "_hub", "closed",
-                 "num_invalid")
+                 "num_invalid", "_resyncing")
 
     def __init__(self, hub: "EventHub", namespace: str, page_size: int,
                  snapshot: Callable[[], Iterable[tuple[str, object]]] | None):
@@ -129,7 +131,8 @@ class NamespaceEvents:
         self.builder = EventBuilder(page_size, hub.config.hash_seed)  # the thread's only
         self.snapshot = snapshot
         self.pending: list[tuple] = []
-        self.resync = False
+        self.resync = False  # a batch was lost: a resync is due (see `take`)
+        self._resyncing: Iterator[tuple[str, object]] | None = None  # the snapshot a resync is telling
         self.closed = False
         self.num_invalid = 0  # seam calls with an unknown tier or change (a core bug)
 
@@ -165,19 +168,30 @@ class NamespaceEvents:
         self.pending.append(record)
 
     def take(self) -> list[tuple]:
-        """The records of the next batch: a resync's (AllBlocksCleared, then a snapshot
-        of every resident node when a snapshot function was given) when one is due."""
-        if not self.resync:
-            records, self.pending = self.pending, []
-            return records
-        self.pending = []
-        return [CLEAR_RECORD] + self.snapshot_records()
+        """The records of the next batch. A resync, once due, starts with AllBlocksCleared
+        (what was noted before is superseded) and then tells every (tier, node) of the
+        snapshot function as "stored", RESYNC_SLICE pairs per batch, a batch per loop turn
+        (`resyncing` until told whole): no turn pays for the whole tree. What happens
+        meanwhile is noted and told in between, in the order it happened (`resident` tells
+        each node as it is when it gets there): the last batch leaves routers with the
+        state as it is."""
+        records, self.pending = self.pending, []
+        if self.resync:
+            records = [CLEAR_RECORD]
+            self._resyncing = self._snapshot_pairs()
+        if self.closed:
+            self._resyncing = None  # cleared: nothing may follow its AllBlocksCleared
+        elif self._resyncing is not None:
+            chunk = list(itertools.islice(self._resyncing, RESYNC_SLICE))
+            if len(chunk) < RESYNC_SLICE:
+                self._resyncing = None
+            records += self.records_of(chunk)
+        return records
 
-    def snapshot_records(self) -> list[tuple]:
-        """A "stored" record for every (tier, node) the snapshot function yields (none
-        without one, or once closed): what a resync announces after its AllBlocksCleared.
-        Walks the tree: call it on the loop."""
-        return self.records_of(self._snapshot_pairs())
+    @property
+    def resyncing(self) -> bool:
+        """A resync is being told, a slice per loop turn (see `take`)."""
+        return self._resyncing is not None
 
     def records_of(self, pairs: Iterable[tuple[str, object]]) -> list[tuple]:
         """"stored" records of these (tier, node) pairs' token paths as they are now. On the loop."""
@@ -201,7 +215,7 @@ class NamespaceEvents:
         builder = EventBuilder(self.builder.block_size, self.builder.seed)
         yield builder.build([CLEAR_RECORD])
         pairs = self._snapshot_pairs()
-        while chunk := list(itertools.islice(pairs, size)):
+        while not self.closed and (chunk := list(itertools.islice(pairs, size))):  # a dropped namespace: no more
             yield builder.build(self.records_of(chunk))
 
     def _snapshot_pairs(self) -> Iterator[tuple[str, object]]:
@@ -256,8 +270,9 @@ class EventHub:
         nothing until a resync is queued, which waits for the queue to be half empty."""
         self._flush_due = False
         self._resync_failed_builds()
-        dirty, self._dirty = self._dirty, []
+        dirty, self._dirty = list(dict.fromkeys(self._dirty)), []
         queued = 0
+        next_turn = False  # a resync goes on: its next slice on the loop's next turn
         for ns in dirty:
             if ns.resync and not self._publisher.has_room(self.config.queue_size // 2):
                 self._dirty.append(ns)
@@ -268,12 +283,15 @@ class EventHub:
             if self._publisher.submit((ns.builder, ns.namespace, ns.topic, self._clock(), records)):
                 ns.resync = False
                 queued += 1
+                if ns.resyncing:
+                    self._dirty.append(ns)
+                    next_turn = True
             else:
-                ns.resync = True
+                ns.resync = True  # (told again from its start)
                 self._dirty.append(ns)
         if self._dirty and self._call_later is not None and not self._flush_due:
             self._flush_due = True
-            self._call_later(RESYNC_RETRY_S, self.flush)
+            self._call_later(0 if next_turn else RESYNC_RETRY_S, self.flush)
         return queued
 
     def _forget(self, ns: NamespaceEvents) -> None:
