@@ -71,7 +71,8 @@ class HierarchicalCache:
     host_leaves = _state_attribute("host_leaves", "Evictable host-only leaves.")
     evictable_pages = _state_attribute("evictable_pages", "Device pages in unlocked nodes.")
     protected_pages = _state_attribute("protected_pages", "Device pages in locked nodes.")
-    pinned_nodes = _state_attribute("pinned_nodes", "Nodes whose host copy a load-back reads.")
+    pinned_nodes = _state_attribute("pinned_nodes", "Nodes whose host copy a copy in flight pins "
+                                    "(load-backs; engine-managed saves and loads).")
     host_reserved = _state_attribute("host_reserved", "Host pages reserved by fetches in flight.")
 
     @property

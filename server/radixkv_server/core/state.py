@@ -55,7 +55,7 @@ class CacheState:
     def release(self) -> None:
         """The namespace is closed for good (its copies over): forget every node, so its
         tree is freed now rather than at a later full garbage collection (`RadixTree.unlink_all`).
-        Nothing is checked or changed afterwards."""
+        The counts are not kept up after: nothing may use the state again."""
         self.tree.unlink_all()
         for nodes in (self.device_leaves, self.duplicates, self.host_leaves):
             nodes.clear()

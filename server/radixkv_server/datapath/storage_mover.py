@@ -113,8 +113,8 @@ class StorageMover:
         """Writable views of these host pages: what the backend reads into or writes from."""
         pages = self._pages
         if pages is None:
-            if self._closed:  # a lookup outliving close (a frozen store): the pool is gone
-                raise StorageUnavailable("storage is closed")
+            if self._closed:  # a store or fetch still queued at close: the pool is gone
+                raise StorageUnavailable(self._backend.name, "reading or writing host pages", detail="closed")
             pages = self._pages = self._host.tensor.numpy()
         return [memoryview(pages[p]) for p in unpack(host_pages)]
 
