@@ -151,6 +151,16 @@ def test_dropped_batches_resync_to_the_cache_state(policy, storage):
         hub.close()
 
 
+def machine_with_events(policy: str):
+    """A core machine (`policy`, storage off) telling a fresh hub's listener, which has
+    the daemon's snapshot function: (machine, hub, listener). Close the hub."""
+    m = type("M", (CoreMachine,), {"policy": policy, "storage": "off"})()
+    hub = EventHub(EventsConfig(subscriber_buffer=100_000))
+    listener = hub.attach(NS, PAGE, snapshot=lambda: resident(m.cache.tree))
+    m.cache.residency_listener = listener
+    return m, hub, listener
+
+
 def test_a_resync_told_a_slice_per_turn_while_the_cache_changes_ends_where_the_cache_is(monkeypatch):
     """A resync tells the tree a slice per loop turn (RESYNC_SLICE pairs; 1 here, so that
     it takes many turns), with the engines' calls and their live events in between: nodes
@@ -159,11 +169,8 @@ def test_a_resync_told_a_slice_per_turn_while_the_cache_changes_ends_where_the_c
     monkeypatch.setattr(events_hub, "RESYNC_SLICE", 1)
     turns = 0
     for seed in range(6):
-        m = type("M", (CoreMachine,), {"policy": "write_through", "storage": "off"})()
-        hub = EventHub(EventsConfig(subscriber_buffer=100_000))
+        m, hub, listener = machine_with_events("write_through")
         try:
-            listener = hub.attach(NS, PAGE, snapshot=lambda: resident(m.cache.tree))
-            m.cache.residency_listener = listener
             follower = Follower(hub)
             rnd = random.Random(seed)
             for _ in range(1000):  # a tree of several (tier, node) pairs to tell
@@ -200,11 +207,8 @@ def test_a_snapshot_made_slice_by_slice_while_the_tree_changes_ends_where_the_ca
     on device and host. Over many seeds, so that splits of listed nodes happen."""
     splits = 0
     for seed in range(40):
-        m = type("M", (CoreMachine,), {"policy": "write_back", "storage": "off"})()
-        hub = EventHub(EventsConfig(subscriber_buffer=100_000))
+        m, hub, listener = machine_with_events("write_back")
         try:
-            listener = hub.attach(NS, PAGE, snapshot=lambda: resident(m.cache.tree))
-            m.cache.residency_listener = listener
             rnd = random.Random(seed)
             walk(m, rnd, 200)
             hub.flush()
