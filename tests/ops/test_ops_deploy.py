@@ -87,6 +87,16 @@ def test_kubernetes_manifests_validate_against_the_api_schemas():
             kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
 
 
+def test_the_prometheusrule_carries_the_alert_rules_promtool_checks():
+    # A `kubectl apply` of deploy/kubernetes/ gave scraping but no alert, RadixKVDown
+    # included; the PrometheusRule is generated from the rule file promtool tests.
+    (rule,) = by_kind("PrometheusRule")
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "radixkv-alerts.yml").read_text())
+    assert rule["spec"]["groups"] == rules["groups"], "stale: run `python scripts/gen_prometheusrule.py`"
+    (monitor,) = by_kind("ServiceMonitor")
+    assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]
+
+
 def test_sidecar_matches_the_daemons_flags():
     pod = pod_spec()
     spec, labels = pod["spec"], pod["metadata"]["labels"]
