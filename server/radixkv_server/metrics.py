@@ -139,6 +139,7 @@ def snapshot(daemon) -> dict:
             "page_bytes": ns.host_pool.layout.page_bytes,  # a host page (every TP rank's shard)
             "host_used": cache.host.num_used,
             "host_capacity": cache.host.capacity,
+            "host_pinned": ns.host_pool.pinned,
             "device_pages": cache.device.num_pages,
             "device_held": cache.device.num_held,
             "device_protected": cache.protected_pages,
@@ -214,6 +215,8 @@ class _StateCollector(Collector):
                                       labels=["namespace"]),
             "hu": GaugeMetricFamily("radixkv_host_pool_used_bytes", "Host pool bytes in use", labels=["namespace"]),
             "hc": GaugeMetricFamily("radixkv_host_pool_capacity_bytes", "Host pool size", labels=["namespace"]),
+            "hp": GaugeMetricFamily("radixkv_host_pool_pinned", "1 while the host pool is pinned (page-locked); 0 "
+                                    "with CUDA means pinning was refused (memlock limit)", labels=["namespace"]),
             "dh": GaugeMetricFamily("radixkv_device_pages_held", "Engine device pages held by the cache",
                                     labels=["namespace", "state"]),
             "dp": GaugeMetricFamily("radixkv_device_pages", "Engine device pages registered", labels=["namespace"]),
@@ -265,6 +268,7 @@ class _StateCollector(Collector):
             f["dr"].add_metric([name], c["reclaimed_duplicate_tokens"])
             f["hu"].add_metric([name], s["host_used"] * s["page_bytes"])
             f["hc"].add_metric([name], s["host_capacity"] * s["page_bytes"])
+            f["hp"].add_metric([name], int(s["host_pinned"]))
             f["dh"].add_metric([name, "protected"], s["device_protected"])
             f["dh"].add_metric([name, "evictable"], s["device_evictable"])
             f["dh"].add_metric([name, "failed_load"], s["device_held"] - s["device_evictable"] - s["device_protected"])

@@ -101,6 +101,7 @@ def test_device_and_host_counters_of_a_known_workload(daemon):
             # State after the workload: c on host only (4 pages), nothing on device.
             counter("radixkv_host_pool_used_bytes"): 4 * PAGE_BYTES,
             counter("radixkv_host_pool_capacity_bytes"): 4 * PAGE_BYTES,
+            counter("radixkv_host_pool_pinned"): 0,  # no CUDA here: pinning is for CUDA copies
             counter("radixkv_device_pages"): 64,
             ("radixkv_device_pages_held", (("state", "evictable"),)): 0,
             ("radixkv_device_pages_held", (("state", "protected"),)): 0,
