@@ -3,8 +3,9 @@
 A record is what the loop captured when a node's residency changed: the tier, stored or
 removed, the node's `extra_key` and its path to the root as immutable cells
 `(node_id, key, parent's cell)` (the root's: None; `hub.token_path`). Keys are immutable
-`bytes`, so a record stays valid whatever the tree does afterwards. One vLLM block is one radixkv page: a node of k pages gives one event with k
-block hashes (`radixkv.routing.blockhash`). A LoRA or salted prompt's key in vLLM's form
+`bytes`, so a record stays valid whatever the tree does afterwards. One vLLM block is one
+radixkv page: a node of k pages gives one event with k block hashes
+(`radixkv.routing.blockhash`). A LoRA or salted prompt's key in vLLM's form
 (`radixkv.routing.extra_keys`) is published as vLLM publishes it: `lora_name`, and per
 block the untagged extra keys, the salt in the prompt's first block only.
 

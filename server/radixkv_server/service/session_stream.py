@@ -73,23 +73,21 @@ class SessionStream:
         if self._reading and self._task is not None:
             self._task.cancel()
 
+    def _ending_reason(self) -> str:
+        """Why the daemon ends the stream, for the log."""
+        return "its session was closed" if self._closed else "daemon shutting down"
+
     def _raise_ending(self) -> None:
         """Raise the status the daemon ends the stream with, unless OK. No frame keeps the
         error as a local: its traceback holds the frames, and so the stream (a cycle only
         the cyclic collector would free, with the call's context)."""
-        status = self._ending()[1]
+        status = self._closed.status if self._closed else unavailable(
+            "the daemon is shutting down: the session stream ends")
         if status is not None:
             try:
                 raise status from None
             finally:
                 del status
-
-    def _ending(self) -> tuple[str, ServiceError | None]:
-        """Why the daemon ends the stream, for the log, and the status it ends with
-        (None: OK)."""
-        if self._closed:
-            return "its session was closed", self._closed.status
-        return "daemon shutting down", unavailable("the daemon is shutting down: the session stream ends")
 
     async def run(self) -> None:
         """Answer requests until the engine half-closes (or the daemon stops, or closes
@@ -107,14 +105,14 @@ class SessionStream:
                 if request is grpc.aio.EOF:
                     return
                 await self.context.write(await self.answer(request))
-            reason = self._ending()[0]
+            reason = self._ending_reason()
             self._raise_ending()
         except asyncio.CancelledError:
             if not self._stopping:
                 reason = "session stream cancelled (engine gone?)"
                 raise
             asyncio.current_task().uncancel()  # our own cancel, of a read: end with a status
-            reason = self._ending()[0]
+            reason = self._ending_reason()
             self._raise_ending()
         finally:
             self._task = None
