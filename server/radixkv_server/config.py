@@ -91,6 +91,9 @@ class DaemonConfig:
                                 "(a stuck engine); 0: never")
     ack_timeout: float = _opt(0.0, "seconds a load-back may stay unacknowledged before the daemon "
                               "finishes it as a session close would; 0: never")
+    idle_session_timeout: float = _opt(300.0, "seconds a session that never opened an Acks or Session stream "
+                                       "may go without a call before the daemon closes it (its engine died "
+                                       "before opening one; a by-hand session left behind); 0: never")
     invariant_check_interval: float = _opt(0.0, "seconds between invariant checks of every namespace, each "
                                            "run once no engine call came for a second; violations are "
                                            "logged and counted (radixkv_invariant_violations_total); 0: off")
@@ -142,11 +145,11 @@ class DaemonConfig:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.max_prompts_per_match > 2**32 - 1:  # Register says it as a uint32
             raise ValueError(f"--max-prompts-per-match must be at most {2**32 - 1}, got {self.max_prompts_per_match}")
-        for name in ("lease_timeout", "ack_timeout"):  # Register says them in uint64 milliseconds
+        for name in ("lease_timeout", "ack_timeout", "idle_session_timeout"):  # Register says them in uint64 ms
             if getattr(self, name) > 1e15:
                 raise ValueError(f"{flag(name)} must be at most 1e15 seconds (0: off), got {getattr(self, name)}")
         for name in ("shutdown_grace", "shutdown_store_timeout", "storage_lookup_timeout", "lease_timeout",
-                     "ack_timeout", "fault_copy_delay", "invariant_check_interval"):
+                     "ack_timeout", "idle_session_timeout", "fault_copy_delay", "invariant_check_interval"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{flag(name)} must be a number of seconds >= 0, got {getattr(self, name)}")
         if not 0 <= self.fault_fail_loads <= 1:

@@ -49,7 +49,8 @@ class Metrics:
         self.invariant_violations = Counter("radixkv_invariant_violations", "Invariant violations found",
                                             ["namespace"], registry=r)
         self.expirations = Counter("radixkv_expirations", "Leases, load-backs and engine-managed saves the "
-                                   "daemon released or finished after lease_timeout / ack_timeout (a slow or stuck engine)",
+                                   "daemon released or finished after lease_timeout / ack_timeout (a slow or stuck engine), "
+                                   "and sessions it closed after idle_session_timeout (kind session)",
                                    ["namespace", "kind"], registry=r)
         self.storage_duration = Histogram(
             "radixkv_storage_operation_duration_seconds", "Storage tier calls (batched), by operation",
@@ -85,7 +86,7 @@ class Metrics:
         """Export the namespace's counters from 0 at once, not from their first increment
         (a dashboard's rate and an `absent()` alert need the series)."""
         self.invariant_violations.labels(name)
-        for kind in ("lease", "load_back", "save"):
+        for kind in ("lease", "load_back", "save", "session"):
             self.expirations.labels(name, kind)
 
     def forget_namespace(self, name: str) -> None:

@@ -73,10 +73,11 @@ class RawAcks:
 
 
 class RawSession:
-    """A session registered with raw messages, its shm buffers, pattern KV and ack stream."""
+    """A session registered with raw messages, its shm buffers, pattern KV and ack stream
+    (none with `open_acks=False`: an engine that died before opening it)."""
 
     def __init__(self, stub, namespace: str, write_policy: str = "write_back", read_acks: bool = True,
-                 **register):
+                 open_acks: bool = True, **register):
         self.stub = stub
         self.namespace = namespace
         self.buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
@@ -85,7 +86,7 @@ class RawSession:
         self.reply = reply = stub.Register(self.register_request)
         self.id = reply.session
         self.instance = reply.daemon_instance
-        self.acks = RawAcks(stub, pb.AckRequest(session=self.id), read=read_acks)
+        self.acks = RawAcks(stub, pb.AckRequest(session=self.id), read=read_acks) if open_acks else None
 
     def request(self, namespace: str | None = None, write_policy: str = "write_back", host_pool_pages: int = 64,
                 **kw) -> pb.RegisterRequest:
@@ -114,7 +115,8 @@ class RawSession:
             self.stub.Close(pb.CloseRequest(session=self.id))
         except grpc.RpcError:
             pass
-        self.acks.close()
+        if self.acks is not None:
+            self.acks.close()
         self.buffers.close()
 
 

@@ -1,6 +1,14 @@
-"""Timeouts for a slow or stuck engine: leases held past `lease_timeout`, and load-backs
-(and an engine-managed namespace's asynchronous saves) left unacknowledged past
-`ack_timeout` (0 = off).
+"""Timeouts for a slow, stuck or vanished engine: leases held past `lease_timeout`,
+load-backs (and an engine-managed namespace's asynchronous saves) left unacknowledged
+past `ack_timeout`, and sessions that never opened a stream and made no call for
+`idle_session_timeout` (each 0 = off).
+
+A stream's end closes its session, so a dead engine's session goes with its stream; an
+engine that died between Register's answer and opening its stream left a session that
+nothing would close, holding its namespace (and the engine's device buffers) and a
+place under `--max-sessions`. Such a session is closed as a Close would close it, with
+the reason its later calls are told (`session.expired`, WARNING; Stats counter
+`sessions_expired`; metric kind "session").
 
 Each is released or finished exactly as closing its session would release or finish
 it, logged (`lease.expired`, `load_back.expired`, `save.expired`), counted (Stats
@@ -33,11 +41,12 @@ class Expiry:
         self.daemon = daemon
         self.lease_timeout = daemon.config.lease_timeout
         self.ack_timeout = daemon.config.ack_timeout
+        self.idle_session_timeout = daemon.config.idle_session_timeout
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Check a few times per timeout (at least once a second) while either is on."""
-        timeouts = [t for t in (self.lease_timeout, self.ack_timeout) if t > 0]
+        """Check a few times per timeout (at least once a second) while any is on."""
+        timeouts = [t for t in (self.lease_timeout, self.ack_timeout, self.idle_session_timeout) if t > 0]
         if timeouts and self._task is None:
             period = min(1.0, max(0.02, min(timeouts) / 4))
             self._task = asyncio.get_running_loop().create_task(self._run(period))
@@ -58,11 +67,20 @@ class Expiry:
                 log.exception("expiring leases and load-backs failed")
 
     def expire(self, now: float) -> None:
-        """Release the overdue leases and finish the overdue load-backs of every session."""
+        """Release the overdue leases and finish the overdue load-backs of every session;
+        close the sessions idle with no stream."""
         for session in self.daemon.sessions.all():
             if session.closing:
                 continue  # its close releases everything anyway
             ns = session.namespace
+            if self.idle_session_timeout and session.idle_without_stream(now) > self.idle_session_timeout:
+                self._count(session, "session")
+                reason = (f"expired: no Acks or Session stream opened and no call for "
+                          f"{self.idle_session_timeout:g}s (--idle-session-timeout)")
+                log_event(log, "session.expired", logging.WARNING, namespace=ns.name, session=session.id[:8],
+                          engine=session.engine, reason=reason)
+                self.daemon.close_in_background(session, reason)
+                continue
             if self.lease_timeout:
                 for lease in session.overdue_leases(now, self.lease_timeout):
                     ns.release(session, [lease])
@@ -98,12 +116,15 @@ class Expiry:
 
     def _expired(self, session, kind: str, ident: int, why: str, key: str = "") -> None:
         session.remember_expired(key or kind, ident, why)
+        self._count(session, kind)
+        log_event(log, f"{kind}.expired", logging.WARNING, namespace=session.namespace.name,
+                  session=session.id[:8], id=ident, engine=session.engine)
+
+    def _count(self, session, kind: str) -> None:
         session.namespace.expirations[kind] += 1
         metrics = self.daemon.metrics
         if metrics is not None:
             metrics.expirations.labels(session.namespace.name, kind).inc()
-        log_event(log, f"{kind}.expired", logging.WARNING, namespace=session.namespace.name,
-                  session=session.id[:8], id=ident, engine=session.engine)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ class NamespaceCore:
                  metrics=None, storage=None, ranks: RankCopies | None = None):
         self.config = config
         self.host_pool = host_pool
-        self.expirations = {"lease": 0, "load_back": 0, "save": 0}  # released by the daemon's timeouts
+        self.expirations = {"lease": 0, "load_back": 0, "save": 0, "session": 0}  # by the daemon's timeouts (expiry.py)
         self.copies = Copies(config, host_pool, metrics, storage, ranks=ranks)
         self.cache = HierarchicalCache(config.cache, self.copies, num_device_pages=num_device_pages,
                                        host_pages=host_pool.num_pages)
@@ -183,6 +183,7 @@ class NamespaceCore:
         out["leases_expired"] = self.expirations["lease"]
         out["load_backs_expired"] = self.expirations["load_back"]
         out["saves_expired"] = self.expirations["save"]
+        out["sessions_expired"] = self.expirations["session"]
         return out
 
     def report_to(self, events) -> None:

@@ -114,7 +114,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             dropped_device_tokens=done.dropped_device_tokens, daemon_instance=self.daemon.instance,
             storage=self.daemon.storage.kind if self.daemon.storage is not None else "",
             max_prompts_per_match=config.max_prompts_per_match, lease_timeout_ms=round(config.lease_timeout * 1000),
-            ack_timeout_ms=round(config.ack_timeout * 1000), device_uuid=ns.device_uuid(done.session))
+            ack_timeout_ms=round(config.ack_timeout * 1000),
+            idle_session_timeout_ms=round(config.idle_session_timeout * 1000), device_uuid=ns.device_uuid(done.session))
 
     @rpc
     async def Close(self, request, context):

@@ -32,6 +32,7 @@ class Session:
     lease_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
     leases: dict[int, int] = field(default_factory=dict)  # lease id -> locked node id
     created: float = field(default_factory=time.monotonic)
+    last_call: float = field(default_factory=time.monotonic)  # when a call last named it (`SessionRegistry.get`)
     has_ack_stream: bool = False
     closer: asyncio.Task | None = None  # the daemon's task ending it, once it began closing
     # For the timeouts, oldest first (insertion order is time order): when each lease was
@@ -54,6 +55,13 @@ class Session:
     # Whether another live session of the registry holds a lease (for the status of a
     # call naming it): lease ids are unique across a registry's sessions.
     held_elsewhere: Callable[[int], bool] = field(default=lambda lease: False, repr=False)
+
+    def idle_without_stream(self, now: float) -> float:
+        """Seconds since a call last named this session, while it has no stream open;
+        0 while it has one (a stream's end closes its session anyway)."""
+        if self.ack_stream is not None or self.session_stream is not None:
+            return 0.0
+        return now - self.last_call
 
     @property
     def closing(self) -> bool:
@@ -256,6 +264,7 @@ class SessionRegistry:
             raise unauthenticated(f"unknown session {session_id!r}; register again (the daemon may have restarted)")
         if session.closing:
             raise unauthenticated(f"session {session_id} is closing")
+        session.last_call = time.monotonic()
         return session
 
     def find(self, session_id: str) -> Session | None:
