@@ -85,7 +85,7 @@ COPY --from=builder /opt/radixkv-app /opt/radixkv-app
 ENV PATH=/opt/radixkv-app/bin:/opt/radixkv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     RADIXKV_LISTEN=unix:///run/radixkv/radixkv.sock \
-    RADIXKV_METRICS_HOST=0.0.0.0 \
+    RADIXKV_METRICS_HOST=:: \
     RADIXKV_METRICS_PORT=9464 \
     RADIXKV_LOG_FORMAT=json
 USER 10001:10001

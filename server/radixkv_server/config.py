@@ -45,7 +45,7 @@ class DaemonConfig:
         (DEFAULT_SOCKET,), "gRPC address: unix:///path.sock or host:port (repeatable; "
         "TCP binds where told, use 127.0.0.1 for loopback only)", repeat=True)
     metrics_port: int = _opt(9464, "Prometheus /metrics HTTP port (0: off)")
-    metrics_host: str = _opt("127.0.0.1", "address the metrics port binds")
+    metrics_host: str = _opt("127.0.0.1", "address the metrics port binds (:: for every IPv6 and IPv4 address)")
     host_pool_size: int = _opt(4 * 1024**3, "host (L2) pool per namespace, bytes (e.g. 4GiB)", size=True)
     max_host_pool_size: int = _opt(0, "largest host pool a Register may ask for (0: host_pool_size)", size=True)
     host_pool_prefault: bool = _opt(False, "fault a namespace's whole host pool in at its Register (~85 ms per "

@@ -9,6 +9,7 @@ namespace, tier, reason, method, code; never tokens, pages or sessions.
 """
 
 import asyncio
+import errno
 import logging
 import time
 
@@ -101,9 +102,22 @@ class Metrics:
         self.registry.register(_StateCollector(daemon, loop))
 
     def serve(self, host: str, port: int) -> None:
-        if port:
+        """Serve /metrics on host:port (port 0: off). "::" listens on every address, IPv6
+        and IPv4 (Linux's dual stack); where the kernel has no IPv6 at all it falls back
+        to 0.0.0.0 and says so, so that one image default serves both kinds of cluster."""
+        if not port:
+            return
+        try:
             self._server, _ = start_http_server(port, host, registry=self.registry)
-            log_event(log, "metrics.listening", address=f"http://{host}:{port}/metrics")
+        except OSError as e:
+            if host != "::" or e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                raise
+            log_event(log, "metrics.no_ipv6", logging.WARNING, error=str(e),
+                      note="this kernel has no IPv6: /metrics listens on 0.0.0.0 (IPv4) instead of ::")
+            host = "0.0.0.0"
+            self._server, _ = start_http_server(port, host, registry=self.registry)
+        shown = f"[{host}]" if ":" in host else host
+        log_event(log, "metrics.listening", address=f"http://{shown}:{port}/metrics")
 
     def close(self) -> None:
         if self._server is not None:

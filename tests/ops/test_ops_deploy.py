@@ -105,7 +105,7 @@ def test_sidecar_matches_the_daemons_flags():
     config = daemon_config_of(side)
     (metrics_port,) = [p for p in side["ports"] if p["name"] == "metrics"]
     assert metrics_port["containerPort"] == config.metrics_port
-    assert config.metrics_host == "0.0.0.0", "Prometheus scrapes the pod IP"
+    assert config.metrics_host == "::", "Prometheus scrapes the pod IP, IPv4 or IPv6"
     assert config.listen == (f"unix://{SOCKET_DIR}/radixkv.sock",), "gRPC stays on the unix socket"
     # Socket and /dev/shm shared by both containers, from in-memory emptyDirs.
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -323,7 +323,7 @@ def test_dockerfile_structure():
     env = dict(re.findall(r"(RADIXKV_[A-Z_]+)=(\S+)", env_text))
     config = load_config([], environ=env)
     assert config.listen == (f"unix://{SOCKET_DIR}/radixkv.sock",)
-    assert config.metrics_port == int(expose.split("/")[0]) and config.metrics_host == "0.0.0.0"
+    assert config.metrics_port == int(expose.split("/")[0]) and config.metrics_host == "::"
     # What the builder copies is what .dockerignore lets into the context.
     ignore = (REPO / ".dockerignore").read_text()
     for op, args in ins:

@@ -272,3 +272,16 @@ def test_the_shipped_alert_rules_load_pass_their_tests_and_name_exported_metrics
     exported = exported_names(daemon.scrape())
     used = set(re.findall(r"\bradixkv_[A-Za-z0-9_:]+", rules.read_text()))
     assert not used - exported, f"alert rules name metrics the daemon does not export: {sorted(used - exported)}"
+
+
+def test_metrics_on_every_address_answer_over_ipv4_and_ipv6(daemon_factory):
+    """`--metrics-host ::` (the image's and the Kubernetes example's): one listener that
+    Prometheus reaches over IPv4 and IPv6 alike (0.0.0.0 left an IPv6-only pod IP
+    unscraped)."""
+    d = daemon_factory("--metrics-host", "::")
+    over_v4 = d.scrape()
+    with urllib.request.urlopen(f"http://[::1]:{d.metrics_port}/metrics", timeout=SCRAPE_TIMEOUT_S) as r:
+        over_v6 = r.read().decode()
+    for text in (over_v4, over_v6):
+        assert "radixkv_namespaces" in exported_names(text), text[:300]
+    assert f"address=http://[::]:{d.metrics_port}/metrics" in d.log()
