@@ -15,6 +15,7 @@ The engine owns the memory: it keeps the buffers alive while the daemon may copy
 """
 
 import base64
+import errno
 import json
 import mmap
 import os
@@ -69,15 +70,19 @@ class ShmKvBuffers:
 
     @classmethod
     def create(cls, layout: KvLayout, num_pages: int, name: str | None = None) -> "ShmKvBuffers":
-        """Create a zero-filled segment for `num_pages` pages of every buffer. `name`
-        defaults to a fresh "radixkv_<pid>_<random>". Raises ValueError on a bad size,
-        FileExistsError if the name is taken."""
+        """Create a zero-filled segment for `num_pages` pages of every buffer, its memory
+        committed here (charged to this process, the engine: left sparse, the daemon's
+        mapping would leave it uncommitted and each first copy into a page would fault).
+        `name` defaults to a fresh "radixkv_<pid>_<random>". Raises ValueError on a bad
+        size, FileExistsError if the name is taken, OSError (ENOSPC) when /dev/shm has
+        no room for it."""
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
         size = layout.num_buffers * _round_up(layout.buffer_bytes(num_pages), ALIGN)
         name = name or f"radixkv_{os.getpid()}_{secrets.token_hex(4)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         try:  # map it ourselves: SharedMemory.close() fails while tensors view its buffer
+            _commit(shm.name, size)
             m = _map(shm.name, size)
         except BaseException:
             shm.unlink()
@@ -329,6 +334,22 @@ def decode_cuda_handle(handle: bytes) -> tuple:
             value = base64.b64decode(value)
         out.append(value)
     return tuple(out)
+
+
+def _commit(name: str, size: int) -> None:
+    """Allocate every page of /dev/shm/<name> now (tmpfs fills them with zeros)."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        free = os.statvfs(SHM_DIR)
+        raise OSError(errno.ENOSPC, f"{SHM_DIR} has no room for a {size}-byte KV segment ({free.f_bavail * free.f_frsize} "
+                      f"bytes free of {free.f_blocks * free.f_frsize}); a container's default is 64 MiB: give it more "
+                      "(docker run --shm-size, a memory-backed emptyDir at /dev/shm)") from None
+    finally:
+        os.close(fd)
 
 
 def _map(name: str, need: int) -> mmap.mmap:

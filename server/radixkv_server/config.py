@@ -48,8 +48,8 @@ class DaemonConfig:
     metrics_host: str = _opt("127.0.0.1", "address the metrics port binds (:: for every IPv6 and IPv4 address)")
     host_pool_size: int = _opt(4 * 1024**3, "host (L2) pool per namespace, bytes (e.g. 4GiB)", size=True)
     max_host_pool_size: int = _opt(0, "largest host pool a Register may ask for (0: host_pool_size)", size=True)
-    host_pool_prefault: bool = _opt(False, "fault a namespace's whole host pool in at its Register (~85 ms per "
-                                    "256 MiB here), so no copy pays the kernel's first touch of a host page; "
+    host_pool_prefault: bool = _opt(False, "fault a namespace's whole host pool in at its Register (about a "
+                                    "tenth to a fifth of a second per 256 MiB), so no copy pays the kernel's first touch of a host page; "
                                     "commits the pool's memory at once (pinned pools always are)")
     page_size: int = _opt(16, "tokens per page when a Register's layout leaves it 0")
     write_policy: str = _opt("write_through", "default write policy",
@@ -70,8 +70,9 @@ class DaemonConfig:
                                          "free room (once per copy); past it the call answers without storage and lookups skip storage "
                                          "until that one answers (0: no limit)")
     malloc_trim_threshold: int = _opt(256 * 1024**2, "freed heap glibc's malloc keeps for reuse instead of "
-                                      "returning it to the kernel, so the reply buffers of each storage fetch do "
-                                      "not fault in fresh memory (0: glibc's default)", size=True)
+                                      "returning it to the kernel, per malloc arena (each I/O thread may have its "
+                                      "own), so the reply buffers of each storage fetch do not fault in fresh "
+                                      "memory (0: glibc's default)", size=True)
     max_sessions: int = _opt(64, "most sessions at once")
     max_namespaces: int = _opt(64, "most namespaces at once")
     max_host_memory: int = _opt(0, "most bytes all namespaces' host pools may take together; a Register "

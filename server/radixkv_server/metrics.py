@@ -128,7 +128,8 @@ class Metrics:
 
 def snapshot(daemon) -> dict:
     """The state the collector exports, read in one go (call on the event loop)."""
-    out = {"sessions": len(daemon.sessions), "namespaces": {}, "storage": None}
+    out = {"sessions": len(daemon.sessions), "namespaces": {}, "storage": None,
+           "host_budget": daemon.host_memory_limit}
     events = getattr(daemon, "events", None)
     out["events"] = events.stats() if events is not None else None
     if daemon.storage is not None:
@@ -204,6 +205,10 @@ class _StateCollector(Collector):
                                 value=round(time.monotonic() - read_at, 3))
         yield GaugeMetricFamily("radixkv_sessions", "Engine sessions attached", value=snap["sessions"])
         yield GaugeMetricFamily("radixkv_namespaces", "Namespaces held", value=len(snap["namespaces"]))
+        yield GaugeMetricFamily("radixkv_host_memory_budget_bytes", "Bytes all namespaces' host pools may take "
+                                "together (--max-host-memory, else the cgroup's limit less 1 GiB or 80% of the "
+                                "machine); compare with the sum of radixkv_host_pool_capacity_bytes",
+                                value=snap["host_budget"])
         families = {
             "hits": CounterMetricFamily("radixkv_hit_tokens", "Prompt tokens matched in the cache, by tier",
                                         labels=["namespace", "tier"]),

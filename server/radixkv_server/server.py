@@ -182,10 +182,12 @@ def _probe_tcp(address: str) -> None:
 
 
 def _check_host_pool(config: DaemonConfig) -> None:
-    """Say at start when a namespace's default host pool is past the daemon's host
-    memory budget: every Register that does not ask for fewer pages (host_pool_pages)
-    will be refused. (Not refused: engines that size their pools still work.)"""
+    """Say the daemon's host memory budget at start, and where it comes from; warn when
+    a namespace's default host pool is past it: every Register that does not ask for
+    fewer pages (host_pool_pages) will be refused. (Not refused: engines that size their
+    pools still work.)"""
     limit, source = host_budget.host_memory_limit(config.max_host_memory)
+    log_event(log, "host_memory.budget", budget=limit, source=source.split(";")[0])
     if config.host_pool_size > limit:
         log_event(log, "host_pool.over_budget", logging.WARNING, host_pool_size=config.host_pool_size,
                   budget=limit, source=source,

@@ -70,10 +70,14 @@ def test_variables_that_name_no_setting_are_said_at_start():
 def test_a_default_host_pool_past_the_memory_budget_is_said_at_start():
     """Registers that take the default pool will be refused (those that size their pool
     are served): said at start, not first at the engines' Registers."""
-    d = DaemonProcess("--host-pool-size", "1GiB", "--max-host-memory", "512MiB").start()
+    d = DaemonProcess("--host-pool-size", "1GiB", "--max-host-memory", "512MiB", metrics=True).start()
     try:
         [line] = [line for line in d.log().splitlines() if "host_pool.over_budget" in line]
         assert "budget=536870912" in line and "--max-host-memory" in line
+        # The budget in force is said whatever its source, and exported.
+        [line] = [line for line in d.log().splitlines() if "host_memory.budget" in line]
+        assert "budget=536870912" in line and "source=--max-host-memory" in line
+        assert "radixkv_host_memory_budget_bytes 5.36870912e+08" in d.scrape()
     finally:
         d.stop()
         d.cleanup()

@@ -98,3 +98,15 @@ def test_the_url_option_and_its_limits(tmp_path):
         open_storage(f"file://{tmp_path}?max_size=1MiB")
     with pytest.raises(ValueError, match="max_size"):
         open_storage(f"file://{tmp_path}?max_size=lots")
+
+
+def test_a_bound_past_the_file_systems_size_is_warned_about_at_open(tmp_path, caplog):
+    """The disk would fill before the bound and stores fail until pages are removed by
+    hand (seen on a 24 MiB tmpfs with max_size=64MiB: no word until the first ENOSPC)."""
+    fs = os.statvfs(tmp_path)
+    size = fs.f_blocks * fs.f_frsize
+    with caplog.at_level("WARNING", logger="radixkv.storage"):
+        open_storage(f"file://{tmp_path}/a?max_size={size // 2}").close()
+        assert "past the size of its file system" not in caplog.text
+        open_storage(f"file://{tmp_path}/b?max_size={size + (1 << 30)}").close()
+    assert f"past the size of its file system ({size} bytes)" in caplog.text

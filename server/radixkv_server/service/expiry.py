@@ -45,11 +45,14 @@ class Expiry:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Check a few times per timeout (at least once a second) while any is on."""
-        timeouts = [t for t in (self.lease_timeout, self.ack_timeout, self.idle_session_timeout) if t > 0]
-        if timeouts and self._task is None:
-            period = min(1.0, max(0.02, min(timeouts) / 4))
-            self._task = asyncio.get_running_loop().create_task(self._run(period))
+        """Check while any timeout is on: a few times per lease or ack timeout (at least
+        once a second), ten times per idle-session timeout (an idle daemon on the
+        defaults wakes every 30 s, not every second)."""
+        periods = [min(1.0, t / 4) for t in (self.lease_timeout, self.ack_timeout) if t > 0]
+        if self.idle_session_timeout > 0:
+            periods.append(self.idle_session_timeout / 10)
+        if periods and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(max(0.02, min(periods))))
 
     async def stop(self) -> None:
         """Idempotent."""

@@ -15,8 +15,9 @@ from .errors import exhausted
 MACHINE_SHARE = 0.8  # of the machine's memory, outside a memory-limited cgroup
 DAEMON_OWN = 1 << 30  # kept from a cgroup's limit for the daemon itself (Python, gRPC, buffers)
 
-_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",                    # cgroup v2
-                  "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v1
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
+_LIMIT_FILES = ("memory.max", "memory.limit_in_bytes")  # cgroup v2, v1
 
 
 def machine_memory() -> int:
@@ -24,19 +25,52 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cgroup_limit() -> int | None:
-    """This process's cgroup memory limit in bytes, or None when it has none (or it is
-    above the machine's memory, as cgroup v1 says "none")."""
+def cgroup_limit(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> int | None:
+    """The tightest memory limit on this process: its own memory cgroup's and every
+    ancestor's (a systemd unit's `MemoryMax=` sits below the mount's root, a slice's
+    limit above the unit), in bytes; None when none is set (or each is above the
+    machine's memory, as cgroup v1 says "none"). Read from the cgroup `proc_cgroup`
+    names, under `root`, walking up to `root` itself: in a container the mount's root is
+    the container's own cgroup, whatever path /proc names."""
     machine = machine_memory()
-    for path in _CGROUP_LIMITS:
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < machine:
-            return int(text)
-    return None
+    limits = []
+    for directory in _memory_cgroup_dirs(proc_cgroup, root):
+        for name in _LIMIT_FILES:
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < machine:
+                limits.append(int(text))
+    return min(limits, default=None)
+
+
+def _memory_cgroup_dirs(proc_cgroup: str, root: str) -> list[str]:
+    """The directories of this process's memory cgroup and its ancestors, deepest first:
+    cgroup v1's memory hierarchy where it is mounted, else the v2 hierarchy (at `root`,
+    or `root`/unified on a hybrid system)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    v1 = v2 = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if "memory" in controllers.split(","):
+            v1 = path
+        elif controllers == "":
+            v2 = path
+    mount = os.path.join(root, "memory")
+    if v1 is not None and os.path.isdir(mount):
+        base, path = mount, v1
+    else:
+        unified = os.path.join(root, "unified")
+        base = unified if os.path.isfile(os.path.join(unified, "cgroup.controllers")) else root
+        path = v2 or "/"
+    parts = [p for p in path.split("/") if p and p != ".."]
+    return [os.path.join(base, *parts[:n]) for n in range(len(parts), -1, -1)]
 
 
 def host_memory_limit(max_host_memory: int) -> tuple[int, str]:

@@ -67,6 +67,8 @@ class FileStorage(StorageBackend):
             raise StorageUnavailable(self.name, "open", exc) from exc
         if not os.path.isdir(self.directory):
             raise StorageUnavailable(self.name, "open", detail=f"{self.directory} is not a directory")
+        if self.budget is not None:
+            self.budget.check_room()
         # Temporary names: unique per process without a random draw per page; O_EXCL
         # still refuses a clash (another host sharing the directory).
         self._tmp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"

@@ -19,7 +19,8 @@ writer that crashed mid-page).
 
 A page counts as the disk space its file takes (its blocks, not its length: the record's
 20-byte header takes a page of a power-of-two size one block past it), temporary files
-too; the fan-out directories are not counted.
+too; the fan-out directories are not counted (256 x 256 of them at most, made as pages
+land and never removed: up to ~260 MiB on ext4's 4 KiB directory blocks).
 
 Between looks a shard may pass its share by a tenth (plus the page that crosses the
 mark), and by another tenth for each other daemon writing into a shared directory.
@@ -55,6 +56,18 @@ class DiskBudget:
         self._written = [self.share] * SHARDS  # bytes written since the last look: look at first write
         self._locks = [threading.Lock() for _ in range(SHARDS)]
         self._warned = False
+
+    def check_room(self) -> None:
+        """Warn when the file system holding the directory is smaller than the bound:
+        the disk then fills before the bound is reached, and stores fail (ENOSPC) until
+        pages are removed by hand. Once, at open; a bound above the space free today is
+        the operator's plan and is not warned about."""
+        fs = os.statvfs(self.directory)
+        size = fs.f_blocks * fs.f_frsize
+        if self.max_bytes > size:
+            log.warning("storage %s: max_size %d is past the size of its file system (%d bytes): the disk fills "
+                        "before it and stores then fail; give it a max_size below %d (the fan-out directories "
+                        "take up to ~260 MiB more)", self.directory, self.max_bytes, size, size)
 
     def wrote(self, path: str, nbytes: int) -> int:
         """A page file of `nbytes` was written at `path` (under the directory's shard
