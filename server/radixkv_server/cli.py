@@ -1,5 +1,6 @@
 """`radixkv-server` / `python -m radixkv_server`: parse the config, log it, serve."""
 
+import faulthandler
 import logging
 import signal
 import sys
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixkv-server: {e}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
+    # SIGUSR1 writes every thread's Python stack to stderr (the log), from the signal
+    # handler, so it works while the event loop is stuck, holding the GIL or not: the
+    # RadixKVLoopStuck runbook's first step, with nothing to install in the image.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     # Copy threads supply the parallelism; torch's intra-op threads on top of them
     # oversubscribe the cores and make scattered page copies collapse.
     torch.set_num_threads(1)

@@ -133,12 +133,12 @@ def snapshot(daemon) -> dict:
     events = getattr(daemon, "events", None)
     out["events"] = events.stats() if events is not None else None
     if daemon.storage is not None:
-        movers = [ns.copies.storage for ns in daemon.namespaces.values() if ns.copies.storage is not None]
+        health = daemon.storage.health
         out["storage"] = {
             "stats": daemon.storage.stats.snapshot(),
             "contents_lost": daemon.storage.generation,
-            "up": daemon.storage_answered is not False and all(m.healthy for m in movers),
-            "failing": {d: any(d in m.failing for m in movers) for d in ("read", "write")},
+            "up": daemon.storage_answered is not False and health.reads_answer,
+            "failing": {d: d in health.failing for d in ("read", "write")},
         }
     for ns in daemon.namespaces.values():
         cache = ns.cache
@@ -165,6 +165,7 @@ def snapshot(daemon) -> dict:
             "nodes": len(cache.tree.nodes) - len(cache.tree.roots),
             "duplicates": len(cache.duplicates),
             "held": daemon.sessions.holdings(ns),
+            "storage_queued": ns.copies.storage.pending_pages if ns.copies.storage is not None else 0,
         }
     return out
 
@@ -262,6 +263,9 @@ class _StateCollector(Collector):
                                       labels=["namespace"]),
             "pf": CounterMetricFamily("radixkv_prefetched_tokens", "Tokens fetched from storage into host",
                                       labels=["namespace"]),
+            "sq": GaugeMetricFamily("radixkv_storage_queued_pages", "Pages queued for storage writes; past "
+                                    "--storage-queue-pages new stores are refused (storage.queue_full)",
+                                    labels=["namespace"]),
         }
         f = families
         for name, s in snap["namespaces"].items():
@@ -307,10 +311,12 @@ class _StateCollector(Collector):
             f["st"].add_metric([name], c["stored_tokens"])
             f["sf"].add_metric([name], c["store_failed_tokens"])
             f["pf"].add_metric([name], c["prefetched_tokens"])
+            f["sq"].add_metric([name], s["storage_queued"])
         yield from families.values()
         if snap["storage"] is not None:
             st = snap["storage"]["stats"]
-            up = GaugeMetricFamily("radixkv_storage_up", "1 while the storage tier answers, else 0")
+            up = GaugeMetricFamily("radixkv_storage_up", "1 while the storage tier answers reads "
+                                   "(lookups, fetches), else 0; for writes see radixkv_storage_failing")
             up.add_metric([], 1 if snap["storage"]["up"] else 0)
             failing = GaugeMetricFamily("radixkv_storage_failing", "1 while storage calls of this direction "
                                         "fail (a full store fails writes and serves reads), else 0",

@@ -4,17 +4,20 @@ nothing per RPC at the default level."""
 import json
 import os
 import re
+import signal
 
 import grpc
 import pytest
 from radixkv.v1 import radixkv_pb2 as pb
 
+from tests.support.daemon import wait_for
+
 from rawengine import RawEngine
 
 # key=value, where a value is bare (no space, quote or '=') or a JSON string.
 TEXT_PAIR = re.compile(r'([a-z_][a-z0-9_.]*)=("(?:[^"\\]|\\.)*"|[^\s"=]+)')
-LIFECYCLE = ["config", "metrics.listening", "daemon.ready", "session.registered", "namespace.detached",
-             "session.closed", "daemon.stopping", "daemon.drained", "grpc.stopped", "daemon.stopped"]
+LIFECYCLE = ["config", "host_memory.budget", "metrics.listening", "daemon.ready", "session.registered",
+             "namespace.detached", "session.closed", "daemon.stopping", "daemon.drained", "grpc.stopped", "daemon.stopped"]
 
 
 def assert_lifecycle(names: list[str]) -> None:
@@ -84,3 +87,15 @@ def test_debug_level_logs_refused_calls(daemon_factory):
         engine.release_memory()
     refused = [json.loads(line) for line in daemon.log().splitlines() if '"rpc.refused"' in line]
     assert refused and refused[0]["method"] == "Inspect" and refused[0]["code"] == "INVALID_ARGUMENT"
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_daemon_serves_on(daemon_factory):
+    """The stuck-loop runbook's first step, with nothing to install: SIGUSR1 killed the
+    daemon with no log line (the kernel's default), and py-spy is not in the image."""
+    d = daemon_factory()
+    os.kill(d.proc.pid, signal.SIGUSR1)
+    dump = wait_for(lambda: "Current thread" in d.log() and d.log(), 10, "the stack dump in the log")
+    assert "Thread 0x" in dump and "radixkv_server" in dump, dump[-3000:]
+    e = RawEngine(d.target, "ops/usr1")  # serving on
+    e.close()
+    e.release_memory()

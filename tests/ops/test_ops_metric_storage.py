@@ -149,6 +149,7 @@ def test_a_store_is_in_flight_while_redis_is_stopped(daemon_factory, private_red
             assert in_flight(d, ns, "write_back") == 0 and in_flight(d, ns, "fetch") == 0
             assert value(d, ns, "radixkv_stored_tokens_total") == P
             assert storage_series(d)[calls("put")] == 1                 # the second is not done
+            assert value(d, ns, "radixkv_storage_queued_pages") == 4    # its 4 pages wait in the queue
         finally:
             os.kill(private_redis.proc.pid, signal.SIGCONT)
         wait_value(d, ns, "radixkv_stored_tokens_total", 2 * P)
@@ -258,3 +259,39 @@ def test_a_store_that_succeeds_ends_the_pause_of_lookups(daemon_factory, private
         e.close()
     finally:
         e.release_memory()
+
+
+def test_one_namespace_storing_again_ends_the_outage_another_began(daemon_factory, private_redis):
+    """The store is one, whatever namespace's call finds it failing or answering again.
+    Kept per namespace, a namespace whose stores failed and that then went quiet held
+    radixkv_storage_failing{write} at 1 (and its alert firing) after Redis took writes
+    again and another namespace stored through it. A store that refuses writes and
+    serves reads (Redis at maxmemory, noeviction) reads radixkv_storage_up 1."""
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
+    a = RawEngine(d.target, "ops/outage-a", host_pool_pages=16)
+    b = RawEngine(d.target, "ops/outage-b", host_pool_pages=16)
+    redis = private_redis.client()
+    try:
+        redis.config_set("maxmemory", "1mb")  # below what it uses: every write refused
+        assert a.insert(fresh_tokens(P)) == 0
+        a.evict(a.pool.num_pages)
+        wait_value(d, "ops/outage-a", "radixkv_store_failed_tokens_total", P)
+        got = storage_series(d)
+        assert got[("radixkv_storage_failing", (("direction", "write"),))] == 1
+        assert got[("radixkv_storage_up", ())] == 1  # reads still answer
+        assert match_with_storage(b, fresh_tokens(P)).storage_tokens == 0
+
+        redis.config_set("maxmemory", "0")
+        store_to_host_and_storage(b, d, "ops/outage-b", fresh_tokens(P), 0)  # a is quiet
+        got = storage_series(d)
+        assert got[("radixkv_storage_failing", (("direction", "write"),))] == 0
+        assert got[("radixkv_storage_up", ())] == 1
+        log = d.log()
+        assert "event=storage.unavailable namespace=ops/outage-a direction=write" in log
+        assert "event=storage.recovered namespace=ops/outage-b direction=write" in log
+        a.close()
+        b.close()
+    finally:
+        redis.close()
+        a.release_memory()
+        b.release_memory()

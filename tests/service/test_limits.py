@@ -50,6 +50,10 @@ def test_host_pools_stay_within_the_daemons_host_memory(daemon_factory):
         assert message.startswith(f"a host pool of {64 * page} bytes for namespace mem/b would take the host "
                                   f"pools to {128 * page} bytes, past {100 * page} (--max-host-memory); "
                                   f"pools held: mem/a: {64 * page}.")
+        for _ in range(3):  # an engine retrying: said once (per minute), not once per try
+            status(lambda: stub.Register(a.request(namespace="mem/b", host_pool_pages=64)))
+        [said] = [line for line in d.log().splitlines() if "event=register.refused" in line]
+        assert "level=warning" in said and "namespace=mem/b code=RESOURCE_EXHAUSTED" in said, said
         sessions.append(RawSession(stub, "mem/b", host_pool_pages=36))  # what is left fits
         a.close()
         sessions.append(RawSession(stub, "mem/a", host_pool_pages=64))  # re-attached: no new memory

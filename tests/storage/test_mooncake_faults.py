@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from radixkv_server.storage import StorageTimeout, StorageUnavailable, open_storage
+from radixkv_server.storage import StorageFull, StorageTimeout, StorageUnavailable, open_storage
 from radixkv_server.storage.mooncake_store import CLOSE_GRACE_S, MooncakeStorage, _close_store
 from tests.storage.fleet import Lender, MooncakeMaster, lender_keys, poll
 
@@ -86,7 +86,7 @@ def test_full_store_refuses_puts_and_keeps_what_it_holds_exact(master, lenders):
         except StorageUnavailable as exc:
             full = exc
             break
-    assert full is not None and "store full" in str(full)
+    assert isinstance(full, StorageFull) and "store full" in str(full)  # a refusal, not an outage
     mismatches = 0
     out = np.zeros((1, PAGE), dtype=np.uint8)
     for key, row in stored.items():  # evicted in the background or exact, never other bytes

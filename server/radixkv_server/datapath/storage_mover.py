@@ -11,13 +11,15 @@ can register it.
 
 Writes are asynchronous and bounded: past `max_pending_pages` pages queued, a new store
 fails at once ("queue full") instead of growing memory; the core then treats the node
-as not stored. Errors become strings reported on the loop. The log says each condition
-once, not once per store: the first error of an outage and the recovery after it
-(`storage.unavailable`, `storage.recovered`), the first store refused for a full queue
-and the first accepted after it (`storage.queue_full`, `storage.queue_drained`). Reads
-and writes are told apart (`direction`): a store that serves reads but refuses writes
-(a full disk, Redis at `maxmemory` with `noeviction`, a full Mooncake store) is one
-failing direction, not an outage and a recovery with every read and write.
+as not stored. Errors become strings reported on the loop, to the store's health, which
+every namespace's mover shares (`storage/health.py`: the first error of an outage and
+the recovery after it, `storage.unavailable` and `storage.recovered`, whichever
+namespace's calls saw them; a full store's refusals counted, no outage). The first store
+refused for a full queue and the first accepted after it are said too
+(`storage.queue_full`, `storage.queue_drained`). Reads and writes are told apart
+(`direction`): a store that serves reads but refuses writes (a full disk, Redis at
+`maxmemory` with `noeviction`) is one failing direction, not an outage and a recovery
+with every read and write.
 
 Lookups (`find_run`, `probe`) answer engine calls, so they are waited for at most
 `lookup_timeout` seconds, whatever the backend's own timeouts add up to (a frozen Redis
@@ -42,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..core.pages import count, unpack
 from ..logs import log_event
-from ..storage import ReadAhead, StorageBackend, StorageTimeout, StorageUnavailable
+from ..storage import ReadAhead, StorageBackend, StorageFull, StorageTimeout, StorageUnavailable
 
 log = logging.getLogger("radixkv.storage")
 
@@ -78,7 +80,7 @@ class StorageMover:
         self._stop_hearing_lost = backend.on_lost(lambda: self._to_loop(on_lost)) if on_lost else None
         self.namespace = namespace
         self.pending_pages = 0
-        self.failing: dict[str, str] = {}  # "read" / "write" -> the error that began its outage
+        self.health = backend.health  # the store's, shared by every namespace's mover
         self.refused_stores = 0  # since the queue last filled up (0: it is not full)
         self._fetch_timeout_said = False  # since reads last succeeded
         self._read_backoff = 0.0  # seconds lookups pause after the next failure (0: no outage)
@@ -275,7 +277,7 @@ class StorageMover:
         return [self._timed("exists", self._backend.exists_prefix, keys) if keys else 0 for keys in key_lists]
 
     def _store(self, transfer: int, host_pages: bytes, keys: list[bytes]) -> None:
-        error = None
+        error, full = None, False
         try:
             self._timed("put", self._backend.put, list(zip(keys, self._page_views(host_pages))))
         except Exception as e:  # StorageUnavailable, or a bug: reported, never raised here
@@ -284,7 +286,8 @@ class StorageMover:
             # checksum, so a reader finds it damaged (a miss), never wrong bytes; holding
             # the pages instead held Evicts and shutdown as long as a frozen node did.
             error = str(e) if isinstance(e, StorageUnavailable) else f"{type(e).__name__}: {e}"
-        self._to_loop(self._stored, transfer, count(host_pages), error)
+            full = isinstance(e, StorageFull)
+        self._to_loop(self._stored, transfer, count(host_pages), error, full)
 
     def _fetch(self, transfer: int, ahead: ReadAhead, host_pages: bytes) -> None:
         read, error = 0, None
@@ -309,13 +312,13 @@ class StorageMover:
 
     # -- on the loop -------------------------------------------------------------------
 
-    def _stored(self, transfer: int, queued_pages: int, error: str | None) -> None:
+    def _stored(self, transfer: int, queued_pages: int, error: str | None, full: bool = False) -> None:
         self.pending_pages -= queued_pages
-        if queued_pages:  # a store refused before it was queued says nothing of the store
-            back = error is None and "write" in self.failing
-            self._health(error, "write")
-            if back:  # the store answers again after an outage: the next lookup tries it, past any pause
-                self._reads_paused_until = 0.0
+        if full:  # the store answered: no outage
+            self.health.full(error, self.namespace)
+        elif queued_pages:  # a store refused before it was queued says nothing of the store
+            if self._health(error, "write"):  # the store answers again after an outage:
+                self._reads_paused_until = 0.0  # the next lookup tries it, past any pause
         self._on_stored(transfer, error)
 
     def _fetched(self, transfer: int, read: int, error: str | None) -> None:
@@ -333,26 +336,15 @@ class StorageMover:
         log_event(log, "storage.fetch_timeout", level, namespace=self.namespace, transfer=transfer, error=error,
                   note="pages stay reserved until the store answers")
 
-    @property
-    def healthy(self) -> bool:
-        """Neither reads nor writes are failing."""
-        return not self.failing
-
-    def _health(self, error: str | None, direction: str) -> None:
-        """Log the first failure of `direction` ("read" or "write") and its first success
-        after."""
-        if error and direction not in self.failing:
-            self.failing[direction] = error
-            note = ("stores fail: pages stay on host only; each new store tries again" if direction == "write"
-                    else "lookups and prefetches find nothing in storage; one tries again after a pause "
-                         f"that doubles from {READ_BACKOFF_S[0]:g}s to {READ_BACKOFF_S[1]:g}s")
-            log_event(log, "storage.unavailable", logging.WARNING, namespace=self.namespace, direction=direction,
-                      error=error, note=note)
-        if error is None and direction == "read":
+    def _health(self, error: str | None, direction: str) -> bool:
+        """Tell the store's health (shared by every namespace) how a call of `direction`
+        ("read" or "write") went; True when a success ended an outage."""
+        if error:
+            self.health.failed(direction, error, self.namespace)
+            return False
+        if direction == "read":
             self._fetch_timeout_said = False
-        if error is None and direction in self.failing:
-            del self.failing[direction]
-            log_event(log, "storage.recovered", namespace=self.namespace, direction=direction)
+        return self.health.answered(direction, self.namespace)
 
     def close(self) -> None:
         """Stop the threads; call once stores and fetches are drained. Idempotent, and

@@ -171,8 +171,8 @@ class AckStream:
             code, message = internal("Acks", e)
             self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=code.value[0], message=message))
             return
-        if result.error is not None:
-            log_event(log, "load.failed", logging.WARNING, session=self.session.id[:8],
+        if result.error is not None:  # its copy's `copy.failed` line said why, at WARNING
+            log_event(log, "load.failed", logging.DEBUG, session=self.session.id[:8],
                       transfer=transfer, reason=result.error)
         self.replies.put_nowait(convert.ack_response(transfer, result))
 

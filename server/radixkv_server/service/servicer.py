@@ -34,6 +34,7 @@ log = logging.getLogger("radixkv.rpc")
 
 CLOSED_BY_CALL = "closed by a Close call"  # the engine's own, or an operator's: the daemon cannot tell
 STREAMS = frozenset({"Acks", "Session", "WatchEvents"})  # live as long as an engine or watcher
+REFUSAL_SAID_EVERY_S = 60.0  # a refused Register, per namespace and status, at WARNING
 
 
 def rpc(method):
@@ -53,7 +54,10 @@ def rpc(method):
             return await method(self, request, context)
         except (CacheError, ServiceError) as e:
             code, message = status_of(e)
-            log_event(log, "rpc.refused", logging.DEBUG, method=name, code=code.name, message=message)
+            if name == "Register":  # an engine left without its cache: the operator's business
+                self.refused_register(request.namespace, code, message)
+            else:
+                log_event(log, "rpc.refused", logging.DEBUG, method=name, code=code.name, message=message)
             await end_call(context, code, message, name)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -86,6 +90,21 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     def __init__(self, daemon: Daemon, tokens: Tokens | None = None):
         self.daemon = daemon
         self.tokens = tokens if tokens is not None else Tokens()
+        self._register_refusals: dict[tuple, float] = {}  # (namespace, code) -> when last said
+
+    def refused_register(self, namespace: str, code: grpc.StatusCode, message: str) -> None:
+        """A refused Register leaves an engine without its cache (a host memory budget
+        reached, a namespace another engine holds): said at WARNING, at most once a
+        minute per namespace and status (an engine retrying with backoff asks again
+        every few seconds); the others at DEBUG, as other refused calls are."""
+        now, key = time.monotonic(), (namespace, code)
+        if len(self._register_refusals) > 4096:  # names callers made up: forget them all
+            self._register_refusals.clear()
+        said = now - self._register_refusals.get(key, -REFUSAL_SAID_EVERY_S) >= REFUSAL_SAID_EVERY_S
+        if said:
+            self._register_refusals[key] = now
+        log_event(log, "register.refused", logging.WARNING if said else logging.DEBUG, namespace=namespace,
+                  code=code.name, message=message)
 
     def grant(self, context) -> Grant:
         """What the caller's token grants (every namespace when no token grants less)."""

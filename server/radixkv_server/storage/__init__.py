@@ -11,7 +11,7 @@ and puts it straight into the host pool (`place`, `get_into`). A store fault rai
 """
 
 from .base import MAX_KEY_BYTES, Read, ReadAhead, StorageBackend, StorageStats
-from .errors import StorageTimeout, StorageUnavailable
+from .errors import StorageFull, StorageTimeout, StorageUnavailable
 from .open import open_storage
 from .file import FileStorage
 from ..core.page_keys import KEY_BYTES, namespace_salt, page_keys
@@ -19,7 +19,7 @@ from .record import CorruptPage, decode, encode
 
 __all__ = [
     "KEY_BYTES", "MAX_KEY_BYTES", "CorruptPage", "FileStorage", "Read", "ReadAhead", "RedisStorage",
-    "StorageBackend", "StorageStats", "StorageTimeout", "StorageUnavailable", "decode", "encode",
+    "StorageBackend", "StorageFull", "StorageStats", "StorageTimeout", "StorageUnavailable", "decode", "encode",
     "namespace_salt", "open_storage", "page_keys",
 ]
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from ..logs import log_event
 from .errors import StorageUnavailable
+from .health import StorageHealth
 from .record import CorruptPage, NotForThisReader, decode, decode_into, encode, verify
 
 MAX_KEY_BYTES = 64
@@ -101,6 +102,7 @@ class StorageBackend(ABC):
         self._closed = False
         self.generation = 0
         self._lost_listeners: list[Callable[[], None]] = []
+        self.health = StorageHealth(name)  # as every namespace's calls found it (on the loop)
 
     def on_lost(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call `listener()` (from any thread) whenever the store may have lost what it

@@ -14,6 +14,11 @@ class StorageUnavailable(Exception):
         super().__init__(f"storage {store} unavailable during {operation}: {reason}")
 
 
+class StorageFull(StorageUnavailable):
+    """The store answered but had no room for some pages (a Mooncake pool at capacity,
+    evicting in the background): a write refused, not an outage."""
+
+
 class StorageTimeout(StorageUnavailable):
     """A call the store did not answer within the backend's timeout. The store's own call
     may still be running: `settled` (a concurrent.futures.Future) completes when it
@@ -24,4 +29,4 @@ class StorageTimeout(StorageUnavailable):
         self.settled = settled
 
 
-__all__ = ["StorageTimeout", "StorageUnavailable"]
+__all__ = ["StorageFull", "StorageTimeout", "StorageUnavailable"]

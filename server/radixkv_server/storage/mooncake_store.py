@@ -47,7 +47,7 @@ import logging
 import threading
 
 from .base import Read, StorageBackend
-from .errors import StorageTimeout, StorageUnavailable
+from .errors import StorageFull, StorageTimeout, StorageUnavailable
 from . import mooncake_staged as staged
 from .mooncake_calls import Call, Caller, Staging, address, both
 from .mooncake_codes import MIN_SEGMENT, NO_SPACE, DeadOwners, answered
@@ -233,7 +233,7 @@ class MooncakeStorage(StorageBackend):
         failed = [c for c in codes if c != 0]
         if failed:
             full = all(c == NO_SPACE for c in failed)
-            raise StorageUnavailable(self.name, "put", detail=(
+            raise (StorageFull if full else StorageUnavailable)(self.name, "put", detail=(
                 f"store full: {len(failed)} of {len(items)} pages not stored (code {NO_SPACE}); "
                 "the store evicts in the background" if full else
                 f"{len(failed)} of {len(items)} pages not stored (codes {sorted(set(failed))})"))
