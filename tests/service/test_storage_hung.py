@@ -179,3 +179,39 @@ def test_lookups_do_not_wait_behind_stores_that_a_store_is_slow_to_take(private_
         s.close()
     channel_w.close()
     channel_r.close()
+
+
+def test_while_storage_writes_fail_an_evict_never_waits_on_a_store_for_room(private_redis, daemon_factory):
+    """An Evict short of host room waits for the stores that would free it, up to
+    --storage-lookup-timeout. While the storage tier fails writes those stores most likely
+    fail too, after the store client's retries: every Evict paid them (8 ms -> 195 ms with
+    Redis down, the engine's steps 6x slower). Now it does not wait; the pages that
+    needed room are dropped, as when no room is coming."""
+    flags = ("--storage", private_redis.url + "?socket_timeout=60", "--storage-policy", "write_through",
+             "--storage-lookup-timeout", "60")
+    d = daemon_factory(*flags)
+    channel, stub = stub_for(d.target)
+    s = RawSession(stub, "room/m", write_policy="write_back", host_pool_pages=8)
+    admin = redis.Redis(unix_socket_path=private_redis.socket)
+    counters = lambda: stub.Stats(pb.StatsRequest(namespace="room/m")).namespaces[0].counters  # noqa: E731
+    try:
+        admin.config_set("maxmemory", "1mb")  # below what it uses: writes refused
+        s.insert(tokens(0, 4), [0, 1, 2, 3])
+        stub.Evict(pb.EvictRequest(session=s.id, num_pages=4), timeout=10)  # to host; its store fails
+        wait_for(lambda: counters()["store_failed_tokens"] >= 4 * PS, DEADLINE_S, "a failed store")
+        admin.config_set("maxmemory", "0")
+        admin.execute_command("CLIENT", "PAUSE", "30000", "WRITE")  # the next stores hang
+        for i in (1, 2):  # the host fills with pages whose stores hang
+            s.insert(tokens(1000 * i, 4), [0, 1, 2, 3])
+            stub.Evict(pb.EvictRequest(session=s.id, num_pages=4), timeout=10)
+        s.insert(tokens(3000, 4), [0, 1, 2, 3])
+        start = time.monotonic()
+        freed = stub.Evict(pb.EvictRequest(session=s.id, num_pages=4), timeout=20).freed_pages
+        assert time.monotonic() - start < CALL_BOUND_S  # it waited up to 60 s for room before
+        assert len(freed) == 16  # 4 device pages back to the engine, their KV dropped
+        assert counters()["dropped_write_back_tokens"] >= 4 * PS
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+        s.close()
+        channel.close()

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from ..core import FinishResult
 from ..core.pages import count
+from ..core.transfers import TransferKind
 from ..datapath import DeviceBuffers, HostPool
 from ..logs import log_event
 from .calls import EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchRequest, \
@@ -174,7 +175,7 @@ class Namespace:
                     # that wait (a stuck store) is not waited for again, and what waited
                     # for room is dropped, as when no room is coming (engines are not held).
                     self._room_waited &= self.cache.transfers.keys()
-                    fresh = [t for t in result.backing_up if t not in self._room_waited]
+                    fresh = [t for t in result.backing_up if t not in self._room_waited and self._room_may_come(t)]
                     keep_for_room = bool(fresh) and not waited and await self._wait_for_room(fresh)
                     waited = True
                     continue
@@ -187,6 +188,14 @@ class Namespace:
                 break  # write-backs kept their nodes (touched meanwhile)
             need -= progress
         return EvictAnswer(b"".join(freed), written_back)
+
+    def _room_may_come(self, transfer: int) -> bool:
+        """Whether an Evict should wait for `transfer` to free host room: not for a store
+        while the storage tier fails writes (it most likely fails too, after the store
+        client's retries: every Evict paid them, 25x its time while Redis was down)."""
+        storage = self.copies.storage
+        return not (storage is not None and "write" in storage.health.failing
+                    and self.cache.transfers[transfer].kind is TransferKind.STORE)
 
     async def _wait_for_room(self, transfers: list[int]) -> bool:
         """Wait for the backups and room-freeing stores an Evict came short on, no longer

@@ -392,11 +392,9 @@ def _checked_items(items) -> list[tuple[bytes, bytes]]:
 def redact_url(url: str) -> str:
     """The URL without credentials and query (which may carry a password)."""
     parts = urlsplit(url)
-    host = parts.hostname or ""
     try:
         port = parts.port
     except ValueError:  # a malformed port: show none rather than fail while reporting
         port = None
-    if port is not None:
-        host = f"{host}:{port}"
+    host = (parts.hostname or "") + (f":{port}" if port is not None else "")
     return f"{parts.scheme}://{host}{parts.path}"
