@@ -264,7 +264,7 @@ def test_the_shipped_alert_rules_load_pass_their_tests_and_name_exported_metrics
     alerts = {r["alert"] for g in yaml.safe_load(rules.read_text())["groups"] for r in g["rules"]}
     cases = [c for t in yaml.safe_load(rules.with_name("radixkv-alerts-test.yml").read_text())["tests"]
              for c in t["alert_rule_test"]]
-    assert len(alerts) == 10
+    assert len(alerts) == 11
     assert {c["alertname"] for c in cases if c["exp_alerts"]} == alerts, "an alert never seen firing"
     assert {c["alertname"] for c in cases if not c["exp_alerts"]} == alerts, "an alert never seen silent"
     daemon = daemon_factory("--storage", str(tmp_path), "--kv-events-watch", "true")
