@@ -93,8 +93,9 @@ class Registration:
     `daemon_instance` changes when the daemon restarts;
     `storage` is the daemon's storage tier by URL scheme ("file", "redis", "redis+cluster",
     "mooncake"; "" without one); `max_prompts_per_match`, the most prompts one Match may
-    carry (0: a daemon too old to say); `lease_timeout_s` and `ack_timeout_s`, the
-    daemon's timeouts (0: off, or a daemon too old to say)."""
+    carry (0: a daemon too old to say); `lease_timeout_s`, `ack_timeout_s` and
+    `idle_session_timeout_s` (a session that never opened a stream), the daemon's
+    timeouts (0: off, or a daemon too old to say)."""
 
     session: str
     daemon_instance: str
@@ -107,12 +108,13 @@ class Registration:
     max_prompts_per_match: int = 0
     lease_timeout_s: float = 0.0
     ack_timeout_s: float = 0.0
+    idle_session_timeout_s: float = 0.0
 
     @classmethod
     def from_pb(cls, m: pb.RegisterResponse) -> "Registration":
         return cls(m.session, m.daemon_instance, m.host_pool_pages, m.write_policy, m.warm,
                    m.dropped_device_tokens, m.storage, m.device_uuid, m.max_prompts_per_match,
-                   m.lease_timeout_ms / 1000, m.ack_timeout_ms / 1000)
+                   m.lease_timeout_ms / 1000, m.ack_timeout_ms / 1000, m.idle_session_timeout_ms / 1000)
 
 
 @dataclass(frozen=True, slots=True)

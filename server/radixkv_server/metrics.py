@@ -139,6 +139,7 @@ def snapshot(daemon) -> dict:
             "contents_lost": daemon.storage.generation,
             "up": daemon.storage_answered is not False and health.reads_answer,
             "failing": {d: d in health.failing for d in ("read", "write")},
+            "full_refusals": health.full_refusals,
         }
     for ns in daemon.namespaces.values():
         cache = ns.cache
@@ -338,7 +339,10 @@ class _StateCollector(Collector):
             lost = CounterMetricFamily("radixkv_storage_contents_lost", "Times the store was seen to have "
                                        "lost what it held (a Redis server restarted: a new run_id)")
             lost.add_metric([], snap["storage"]["contents_lost"])
-            yield from (up, failing, pages, nbytes, lost)
+            full = CounterMetricFamily("radixkv_storage_full_refusals", "Store calls a full store refused "
+                                       "(a Mooncake pool at capacity): no outage, their pages stay on host")
+            full.add_metric([], snap["storage"]["full_refusals"])
+            yield from (up, failing, pages, nbytes, lost, full)
         if snap["events"] is not None:
             yield from _event_families(snap["events"])
 

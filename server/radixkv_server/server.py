@@ -187,7 +187,7 @@ def _check_host_pool(config: DaemonConfig) -> None:
     fewer pages (host_pool_pages) will be refused. (Not refused: engines that size their
     pools still work.)"""
     limit, source = host_budget.host_memory_limit(config.max_host_memory)
-    log_event(log, "host_memory.budget", budget=limit, source=source.split(";")[0])
+    log_event(log, "host_memory.budget", budget=limit, source=source)
     if config.host_pool_size > limit:
         log_event(log, "host_pool.over_budget", logging.WARNING, host_pool_size=config.host_pool_size,
                   budget=limit, source=source,

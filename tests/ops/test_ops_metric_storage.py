@@ -295,3 +295,24 @@ def test_one_namespace_storing_again_ends_the_outage_another_began(daemon_factor
         redis.close()
         a.release_memory()
         b.release_memory()
+
+
+def test_another_namespaces_lookup_ends_the_read_outage_one_began(daemon_factory, private_redis):
+    """Reads too: a namespace whose lookup failed while Redis was down, quiet since, held
+    radixkv_storage_up at 0 while another namespace's lookups were answered."""
+    d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through")
+    a = RawEngine(d.target, "ops/read-a", host_pool_pages=16)
+    b = RawEngine(d.target, "ops/read-b", host_pool_pages=16)
+    try:
+        private_redis.stop()
+        assert match_with_storage(a, fresh_tokens(P)).storage_tokens == 0  # fails: a read outage
+        assert storage_series(d)[("radixkv_storage_up", ())] == 0
+        private_redis.start()
+        assert match_with_storage(b, fresh_tokens(P)).storage_tokens == 0  # a miss, answered
+        assert storage_series(d)[("radixkv_storage_up", ())] == 1
+        assert "event=storage.recovered namespace=ops/read-b direction=read" in d.log()
+        a.close()
+        b.close()
+    finally:
+        a.release_memory()
+        b.release_memory()

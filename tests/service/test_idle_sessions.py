@@ -12,12 +12,13 @@ import time
 
 import grpc
 
+from radixkv.types import Registration
 from radixkv.v1 import radixkv_pb2 as pb
 from tests.support.daemon import wait_for
 
 from faultkit import RawSession, status, stub_for, tokens, violations
 
-TIMEOUT = "1.5"
+TIMEOUT = "3"
 
 
 def live_sessions(stub) -> int:
@@ -30,7 +31,8 @@ def test_a_session_with_no_stream_is_closed_after_the_timeout_and_one_with_a_str
     streamed = RawSession(stub, "idle/streamed")  # opened first: idle the longest
     orphan = RawSession(stub, "idle/orphan", open_acks=False)
     try:
-        assert orphan.reply.idle_session_timeout_ms == 1500  # Register tells the engine
+        assert orphan.reply.idle_session_timeout_ms == 3000  # Register tells the engine
+        assert Registration.from_pb(orphan.reply).idle_session_timeout_s == 3.0
         p = tokens(0, 4)
         orphan.insert(p, [0, 1, 2, 3])
         assert orphan.match(p, lease=True).lease
@@ -66,13 +68,13 @@ def test_a_session_with_no_stream_is_closed_after_the_timeout_and_one_with_a_str
 def test_calls_keep_a_streamless_session_alive(daemon_factory):
     """Back-to-back calls for three timeouts: every one is answered (a gap longer than
     the timeout between two of them would take a stall of the whole machine)."""
-    d = daemon_factory("--idle-session-timeout", "1")
+    d = daemon_factory("--idle-session-timeout", "2")
     channel, stub = stub_for(d.target)
     s = RawSession(stub, "idle/busy", open_acks=False)
     try:
         p = tokens(0, 4)
         s.insert(p, [0, 1, 2, 3])
-        end = time.monotonic() + 3.0
+        end = time.monotonic() + 6.0
         calls = 0
         while time.monotonic() < end:
             assert s.match(p).device_tokens == 16

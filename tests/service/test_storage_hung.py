@@ -181,12 +181,13 @@ def test_lookups_do_not_wait_behind_stores_that_a_store_is_slow_to_take(private_
     channel_r.close()
 
 
-def test_while_storage_writes_fail_an_evict_never_waits_on_a_store_for_room(private_redis, daemon_factory):
+def test_while_storage_writes_fail_an_evict_waits_only_briefly_on_stores_for_room(private_redis, daemon_factory):
     """An Evict short of host room waits for the stores that would free it, up to
     --storage-lookup-timeout. While the storage tier fails writes those stores most likely
     fail too, after the store client's retries: every Evict paid them (8 ms -> 195 ms with
-    Redis down, the engine's steps 6x slower). Now it does not wait; the pages that
-    needed room are dropped, as when no room is coming."""
+    Redis down, the engine's steps 6x slower). Now it waits 50 ms for them; the pages
+    that needed room are dropped, as when no room is coming. (Here the stores hang, so
+    the wait the Evict made shows in its time.)"""
     flags = ("--storage", private_redis.url + "?socket_timeout=60", "--storage-policy", "write_through",
              "--storage-lookup-timeout", "60")
     d = daemon_factory(*flags)
@@ -208,7 +209,7 @@ def test_while_storage_writes_fail_an_evict_never_waits_on_a_store_for_room(priv
         start = time.monotonic()
         freed = stub.Evict(pb.EvictRequest(session=s.id, num_pages=4), timeout=20).freed_pages
         assert time.monotonic() - start < CALL_BOUND_S  # it waited up to 60 s for room before
-        assert len(freed) == 16  # 4 device pages back to the engine, their KV dropped
+        assert len(freed) == 4 * 4  # 4 device pages (int32 each) back to the engine, their KV dropped
         assert counters()["dropped_write_back_tokens"] >= 4 * PS
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")

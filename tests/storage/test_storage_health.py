@@ -52,3 +52,12 @@ def test_a_full_store_is_no_outage_and_is_said_once_a_minute(caplog):
         h.full("store full", "b")
         first, second = said(caplog, "storage.store_full")
         assert second["refused_stores"] == 500  # those since the last line, this one too
+
+
+def test_a_read_outage_a_lookup_began_ends_with_any_namespaces_lookup_one_a_fetch_began_with_a_fetch():
+    h = StorageHealth("redis://x")
+    h.failed("read", "refused", "a", by="lookup")  # a's lookup failed; a goes quiet
+    assert h.answered("read", "b", by="lookup") and h.reads_answer  # b's lookup answered
+    h.failed("read", "segment owner gone", "a")  # a fetch failed
+    assert not h.answered("read", "b", by="lookup") and not h.reads_answer
+    assert h.answered("read", "b") and h.reads_answer  # a fetch answered

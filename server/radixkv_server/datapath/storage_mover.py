@@ -206,15 +206,17 @@ class StorageMover:
     def _lookup_failed(self, error: str) -> None:
         self._read_backoff = min(max(2 * self._read_backoff, READ_BACKOFF_S[0]), READ_BACKOFF_S[1])
         self._reads_paused_until = self._loop.time() + self._read_backoff
-        self._health(error, "read")
+        self._health(error, "read", by="lookup")
 
     def _lookup_answered(self) -> None:
-        """A lookup got its answer: a pause of lookups ends, and the outage a failed
-        lookup began (one a fetch began ends with a fetch: where lookups and reads of
-        pages disagree, a dead Mooncake segment owner, the log would flap)."""
+        """A lookup got its answer: this namespace's pause of lookups ends, and a read
+        outage a failed lookup began, whichever namespace's (one a fetch began ends with
+        a fetch: where lookups and reads of pages disagree, a dead Mooncake segment
+        owner, the log would flap)."""
         if self._read_backoff:
             self._read_backoff = self._reads_paused_until = 0.0
-            self._health(None, "read")
+        if "read" in self.health.failing:
+            self._health(None, "read", by="lookup")
 
     async def _answer(self, job, discard=None):
         """The lookup `job`'s answer, waited for at most lookup_timeout. Past it, raises
@@ -249,14 +251,14 @@ class StorageMover:
             self._late(answer, None)
             self._health(f"{self._backend.name}: no answer within {self._lookup_timeout:g}s "
                          "(--storage-lookup-timeout; its caller gave up before); lookups skip storage "
-                         "until it answers", "read")
+                         "until it answers", "read", by="lookup")
 
     def _late_answer(self, late: asyncio.Future, discard) -> None:
         self.late_lookups -= 1
         if late.cancelled():
             return
         error = late.exception()
-        self._health(None if error is None else str(error), "read")
+        self._health(None if error is None else str(error), "read", by="lookup")
         if discard is not None:
             discard(late)
 
@@ -314,11 +316,13 @@ class StorageMover:
 
     def _stored(self, transfer: int, queued_pages: int, error: str | None, full: bool = False) -> None:
         self.pending_pages -= queued_pages
-        if full:  # the store answered: no outage
+        if full:  # the store answered, without room: no outage (it ends one)
             self.health.full(error, self.namespace)
+            self._health(None, "write")
         elif queued_pages:  # a store refused before it was queued says nothing of the store
-            if self._health(error, "write"):  # the store answers again after an outage:
-                self._reads_paused_until = 0.0  # the next lookup tries it, past any pause
+            self._health(error, "write")
+            if error is None:  # the store answers: the next lookup tries it, past any pause
+                self._reads_paused_until = 0.0
         self._on_stored(transfer, error)
 
     def _fetched(self, transfer: int, read: int, error: str | None) -> None:
@@ -336,15 +340,15 @@ class StorageMover:
         log_event(log, "storage.fetch_timeout", level, namespace=self.namespace, transfer=transfer, error=error,
                   note="pages stay reserved until the store answers")
 
-    def _health(self, error: str | None, direction: str) -> bool:
+    def _health(self, error: str | None, direction: str, by: str = "") -> None:
         """Tell the store's health (shared by every namespace) how a call of `direction`
-        ("read" or "write") went; True when a success ended an outage."""
+        ("read" or "write") went; `by` "lookup" for lookups (see `StorageHealth`)."""
         if error:
-            self.health.failed(direction, error, self.namespace)
-            return False
+            self.health.failed(direction, error, self.namespace, by)
+            return
         if direction == "read":
             self._fetch_timeout_said = False
-        return self.health.answered(direction, self.namespace)
+        self.health.answered(direction, self.namespace, by)
 
     def close(self) -> None:
         """Stop the threads; call once stores and fetches are drained. Idempotent, and

@@ -251,7 +251,10 @@ class Daemon:
         log_event(log, "session.closed", namespace=ns.name, session=session.id[:8], reason=reason)
 
     def close_in_background(self, session: Session, reason: str) -> None:
-        self.run_in_background(self.close_session(session, reason))
+        """`close_session` without waiting; the session counts as closing at once (a
+        stream opened meanwhile is refused, not bound to a session about to close)."""
+        if session.closer is None:
+            session.closer = self.run_in_background(self._end_session(session, reason))
 
     # -- operators ---------------------------------------------------------------------
 

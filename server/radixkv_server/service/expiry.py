@@ -67,7 +67,7 @@ class Expiry:
             try:
                 self.expire(time.monotonic())
             except Exception:  # a bug; the daemon must keep serving
-                log.exception("expiring leases and load-backs failed")
+                log.exception("expiring leases, load-backs and idle sessions failed")
 
     def expire(self, now: float) -> None:
         """Release the overdue leases and finish the overdue load-backs of every session;

@@ -30,6 +30,7 @@ from .sessions import Session
 log = logging.getLogger("radixkv.namespace")
 
 ROOM_WAIT_S = 2.0  # an Evict's wait for host room when --storage-lookup-timeout is 0 (no limit)
+FAILING_ROOM_WAIT_S = 0.05  # its wait for stores while storage writes fail
 
 
 class Namespace:
@@ -175,7 +176,7 @@ class Namespace:
                     # that wait (a stuck store) is not waited for again, and what waited
                     # for room is dropped, as when no room is coming (engines are not held).
                     self._room_waited &= self.cache.transfers.keys()
-                    fresh = [t for t in result.backing_up if t not in self._room_waited and self._room_may_come(t)]
+                    fresh = [t for t in result.backing_up if t not in self._room_waited]
                     keep_for_room = bool(fresh) and not waited and await self._wait_for_room(fresh)
                     waited = True
                     continue
@@ -189,20 +190,26 @@ class Namespace:
             need -= progress
         return EvictAnswer(b"".join(freed), written_back)
 
-    def _room_may_come(self, transfer: int) -> bool:
-        """Whether an Evict should wait for `transfer` to free host room: not for a store
-        while the storage tier fails writes (it most likely fails too, after the store
-        client's retries: every Evict paid them, 25x its time while Redis was down)."""
+    def _room_wait_limit(self, transfers: list[int]) -> float:
+        """How long an Evict waits for `transfers` to free host room: as an engine call
+        waits for storage (`storage_lookup_timeout`; ROOM_WAIT_S when that is 0), but
+        FAILING_ROOM_WAIT_S for stores while the storage tier fails writes: they most
+        likely fail too, and their room comes then, but a store client's retries against
+        a store that is down took ~200 ms, which every Evict paid (engines 6x slower
+        while Redis was down). A store refused at once (a full store) still frees its
+        room within that."""
+        limit = self.config.storage_lookup_timeout or ROOM_WAIT_S
         storage = self.copies.storage
-        return not (storage is not None and "write" in storage.health.failing
-                    and self.cache.transfers[transfer].kind is TransferKind.STORE)
+        if storage is not None and "write" in storage.health.failing and any(
+                self.cache.transfers[t].kind is TransferKind.STORE for t in transfers):
+            return min(limit, FAILING_ROOM_WAIT_S)
+        return limit
 
     async def _wait_for_room(self, transfers: list[int]) -> bool:
         """Wait for the backups and room-freeing stores an Evict came short on, no longer
-        than `storage_lookup_timeout` (an engine call waits that long for storage;
-        ROOM_WAIT_S when that is 0). Whether they all ended."""
+        than `_room_wait_limit`. Whether they all ended."""
         self._room_waited.update(transfers)
-        limit = self.config.storage_lookup_timeout or ROOM_WAIT_S
+        limit = self._room_wait_limit(transfers)
         wait = asyncio.ensure_future(self.copies.wait(transfers))
         try:
             await asyncio.wait_for(asyncio.shield(wait), limit)

@@ -75,7 +75,9 @@ def rpc(method):
             code, message = internal(name, e)
             await end_call(context, code, message, name)
         finally:
-            self.daemon.last_call = time.monotonic()
+            self.daemon.last_call = now = time.monotonic()
+            if counted and (session := self.daemon.sessions.peek(getattr(request, "session", ""))) is not None:
+                session.last_call = now  # a call longer than --idle-session-timeout keeps it too
             metrics = self.daemon.metrics
             if metrics is not None and counted:
                 metrics.rpc_done(name, code.name, time.perf_counter() - start)

@@ -32,7 +32,7 @@ class Session:
     lease_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
     leases: dict[int, int] = field(default_factory=dict)  # lease id -> locked node id
     created: float = field(default_factory=time.monotonic)
-    last_call: float = field(default_factory=time.monotonic)  # when a call last named it (`SessionRegistry.get`)
+    last_call: float = field(default_factory=time.monotonic)  # when a call naming it last began or ended
     has_ack_stream: bool = False
     closer: asyncio.Task | None = None  # the daemon's task ending it, once it began closing
     # For the timeouts, oldest first (insertion order is time order): when each lease was

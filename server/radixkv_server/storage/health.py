@@ -5,7 +5,9 @@ namespace made it (`storage.unavailable`, naming that namespace), and ends with 
 first call of that direction that succeeds, whichever namespace made it
 (`storage.recovered`). Kept per namespace, a namespace whose store failed and that then
 went quiet held `radixkv_storage_up` at 0, and its alert firing, long after the store
-was mended.
+was mended. One exception: a read outage a fetch began ends only with a fetch, not with
+a lookup (where the two disagree, a dead Mooncake segment owner whose pages the master
+still lists, the signal would flap with every lookup).
 
 A full store (`StorageFull`: a Mooncake pool at capacity, which evicts in the
 background) still answers: its refusals are no outage, a busy fleet is in that state
@@ -32,6 +34,7 @@ class StorageHealth:
     def __init__(self, store: str, clock=time.monotonic):
         self.store = store
         self.failing: dict[str, str] = {}  # direction -> the error that began its outage
+        self._begun_by: dict[str, str] = {}  # direction -> "lookup" or "" (any other call)
         self.full_refusals = 0              # store calls a full store refused, since start
         self._clock = clock
         self._full_said_at: float | None = None
@@ -42,18 +45,21 @@ class StorageHealth:
         """Lookups and fetches are not failing (what `radixkv_storage_up` says)."""
         return "read" not in self.failing
 
-    def failed(self, direction: str, error: str, namespace: str) -> None:
-        """A call of `direction` failed: begins an outage unless one is on."""
+    def failed(self, direction: str, error: str, namespace: str, by: str = "") -> None:
+        """A call of `direction` failed (`by` "lookup": a lookup): begins an outage
+        unless one is on."""
         if direction in self.failing:
             return
-        self.failing[direction] = error
+        self.failing[direction], self._begun_by[direction] = error, by
         log_event(log, "storage.unavailable", logging.WARNING, namespace=namespace, direction=direction,
                   error=error, note=WRITE_NOTE if direction == "write" else READ_NOTE)
 
-    def answered(self, direction: str, namespace: str) -> bool:
-        """A call of `direction` succeeded; True when that ended an outage."""
-        if self.failing.pop(direction, None) is None:
+    def answered(self, direction: str, namespace: str, by: str = "") -> bool:
+        """A call of `direction` succeeded (`by` "lookup": a lookup, which does not end
+        an outage another kind of call began); True when that ended an outage."""
+        if direction not in self.failing or (by == "lookup" and self._begun_by[direction] != "lookup"):
             return False
+        del self.failing[direction], self._begun_by[direction]
         log_event(log, "storage.recovered", namespace=namespace, direction=direction)
         return True
 
