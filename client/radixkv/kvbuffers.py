@@ -345,9 +345,10 @@ def _commit(name: str, size: int) -> None:
         if e.errno != errno.ENOSPC:
             raise
         free = os.statvfs(SHM_DIR)
-        raise OSError(errno.ENOSPC, f"{SHM_DIR} has no room for a {size}-byte KV segment ({free.f_bavail * free.f_frsize} "
-                      f"bytes free of {free.f_blocks * free.f_frsize}); a container's default is 64 MiB: give it more "
-                      "(docker run --shm-size, a memory-backed emptyDir at /dev/shm)") from None
+        raise OSError(errno.ENOSPC, f"{SHM_DIR} has no room for a {size}-byte KV segment "
+                      f"({free.f_bavail * free.f_frsize} bytes free of {free.f_blocks * free.f_frsize}); a "
+                      "container's default is 64 MiB: give it more (docker run --shm-size, a memory-backed "
+                      "emptyDir at /dev/shm)") from None
     finally:
         os.close(fd)
 

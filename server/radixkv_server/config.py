@@ -49,8 +49,9 @@ class DaemonConfig:
     host_pool_size: int = _opt(4 * 1024**3, "host (L2) pool per namespace, bytes (e.g. 4GiB)", size=True)
     max_host_pool_size: int = _opt(0, "largest host pool a Register may ask for (0: host_pool_size)", size=True)
     host_pool_prefault: bool = _opt(False, "fault a namespace's whole host pool in at its Register (about a "
-                                    "tenth to a fifth of a second per 256 MiB), so no copy pays the kernel's first touch of a host page; "
-                                    "commits the pool's memory at once (pinned pools always are)")
+                                    "tenth to a fifth of a second per 256 MiB), so no copy pays the kernel's "
+                                    "first touch of a host page; commits the pool's memory at once (pinned pools "
+                                    "always are)")
     page_size: int = _opt(16, "tokens per page when a Register's layout leaves it 0")
     write_policy: str = _opt("write_through", "default write policy",
                              choices=_values(WritePolicy))

@@ -50,8 +50,8 @@ class Metrics:
         self.invariant_violations = Counter("radixkv_invariant_violations", "Invariant violations found",
                                             ["namespace"], registry=r)
         self.expirations = Counter("radixkv_expirations", "Leases, load-backs and engine-managed saves the "
-                                   "daemon released or finished after lease_timeout / ack_timeout (a slow or stuck engine), "
-                                   "and sessions it closed after idle_session_timeout (kind session)",
+                                   "daemon released or finished after lease_timeout / ack_timeout (a slow or "
+                                   "stuck engine), and sessions it closed after idle_session_timeout (kind session)",
                                    ["namespace", "kind"], registry=r)
         self.storage_duration = Histogram(
             "radixkv_storage_operation_duration_seconds", "Storage tier calls (batched), by operation",

@@ -17,7 +17,8 @@ from rawengine import RawEngine
 # key=value, where a value is bare (no space, quote or '=') or a JSON string.
 TEXT_PAIR = re.compile(r'([a-z_][a-z0-9_.]*)=("(?:[^"\\]|\\.)*"|[^\s"=]+)')
 LIFECYCLE = ["config", "host_memory.budget", "metrics.listening", "daemon.ready", "session.registered",
-             "namespace.detached", "session.closed", "daemon.stopping", "daemon.drained", "grpc.stopped", "daemon.stopped"]
+             "namespace.detached", "session.closed", "daemon.stopping", "daemon.drained", "grpc.stopped",
+             "daemon.stopped"]
 
 
 def assert_lifecycle(names: list[str]) -> None:
