@@ -181,17 +181,19 @@ def _probe_tcp(address: str) -> None:
             raise StartupError(f"cannot listen on {address}: {e.strerror or e}") from None
 
 
-def _check_host_pool(config: DaemonConfig) -> None:
-    """Say the daemon's host memory budget at start, and where it comes from; warn when
-    a namespace's default host pool is past it: every Register that does not ask for
-    fewer pages (host_pool_pages) will be refused. (Not refused: engines that size their
-    pools still work.)"""
+def _check_host_pool(config: DaemonConfig) -> tuple[int, str]:
+    """The daemon's host memory budget and where it comes from, worked out once for the
+    daemon's life (the Daemon admits against it). Says it at start; warns when a
+    namespace's default host pool is past it: every Register that does not ask for fewer
+    pages (host_pool_pages) will be refused. (Not refused: engines that size their pools
+    still work.)"""
     limit, source = host_budget.host_memory_limit(config.max_host_memory)
     log_event(log, "host_memory.budget", budget=limit, source=source)
     if config.host_pool_size > limit:
         log_event(log, "host_pool.over_budget", logging.WARNING, host_pool_size=config.host_pool_size,
                   budget=limit, source=source,
                   note="Registers that do not ask for fewer host_pool_pages will be refused; lower --host-pool-size")
+    return limit, source
 
 
 def _check_port(address: str) -> None:
@@ -252,10 +254,10 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None,
     reloadable: list = []  # what SIGHUP reads again, once opened below
     loop.add_signal_handler(signal.SIGHUP, _reload, reloadable)
 
-    _check_host_pool(config)
+    host_memory = _check_host_pool(config)
     async with contextlib.AsyncExitStack() as stack:
         running = _Teardown(stack)
-        daemon, health_servicer = await _start(config, loop, running, reloadable)
+        daemon, health_servicer = await _start(config, loop, running, reloadable, host_memory)
         await stop.wait()
         log_event(log, "daemon.stopping", sessions=len(daemon.sessions))
         await health_servicer.enter_graceful_shutdown()
@@ -289,7 +291,7 @@ class _Teardown:
 
 
 async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running: "_Teardown",
-                 reloadable: list) -> tuple[Daemon, "HealthServicer"]:
+                 reloadable: list, host_memory: tuple[int, str]) -> tuple[Daemon, "HealthServicer"]:
     """Open everything and serve: storage, tokens and TLS, KV events, the Daemon, the gRPC
     server on every address, metrics, then health SERVING. Each part's closing goes on
     `running` as soon as it is open, so that unwinding it stops what runs in the shutdown
@@ -310,7 +312,7 @@ async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running:
     events = _open_events(config, loop)
     if events is not None:
         running.add("kv_events", _close_events, events)
-    daemon = Daemon(config, metrics, storage, events)
+    daemon = Daemon(config, metrics, storage, events, host_memory)
     running.add("daemon", daemon.close)
     metrics.watch(daemon, loop)
     server, health_servicer = _grpc_server(config, daemon, tokens, metrics)

@@ -101,8 +101,8 @@ def test_the_url_option_and_its_limits(tmp_path):
 
 
 def test_a_bound_past_the_file_systems_size_is_warned_about_at_open(tmp_path, caplog):
-    """The disk would fill before the bound and stores fail until pages are removed by
-    hand (seen on a 24 MiB tmpfs with max_size=64MiB: no word until the first ENOSPC)."""
+    """The disk would fill before the bound (seen on a 24 MiB tmpfs with max_size=64MiB:
+    no word until the first ENOSPC; now the full disk makes room, test_file_disk_full)."""
     fs = os.statvfs(tmp_path)
     size = fs.f_blocks * fs.f_frsize
     with caplog.at_level("WARNING", logger="radixkv.storage"):

@@ -46,7 +46,10 @@ class Dropped:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig, metrics=None, storage=None, events=None):
+    def __init__(self, config: DaemonConfig, metrics=None, storage=None, events=None,
+                 host_memory: tuple[int, str] | None = None):
+        """`host_memory`: the host memory budget and its source, as the start worked it
+        out and logged it (host_budget.host_memory_limit); None reads it here."""
         self.config = config
         self.metrics = metrics
         self.storage = storage  # StorageBackend shared by every namespace, or None
@@ -64,7 +67,8 @@ class Daemon:
         self.expiry = Expiry(self)
         self.idle_checks = IdleChecks(self)
         self.last_call = time.monotonic()  # when an engine call was last answered (idle_checks)
-        self.host_memory_limit, self._host_memory_source = host_budget.host_memory_limit(config.max_host_memory)
+        self.host_memory_limit, self._host_memory_source = \
+            host_memory or host_budget.host_memory_limit(config.max_host_memory)
 
     def start(self) -> None:
         """Start background duties (expiring what a stuck engine holds, invariant checks

@@ -13,8 +13,10 @@ which nothing reads; an operator may delete old ones
 (`find <dir> -name '.*.tmp' -mmin +60 -delete`).
 
 With `max_bytes` the directory is kept near that size, the pages used least recently
-removed first (file_budget.py); without, it grows until the disk is full, and stores
-then fail (reads go on).
+removed first (file_budget.py); without, it grows until the disk is full. A page the
+full disk refuses (ENOSPC, EDQUOT) makes room: the oldest pages of its shard go (a
+tenth of it) and it is written again; only when its shard holds no page (what fills the
+disk is not ours) does the store fail (reads go on).
 
 The top directory is created when the backend opens and never again: if it disappears
 later (an unmounted volume, an operator's `rm -r`), every call raises StorageUnavailable
@@ -32,16 +34,20 @@ import logging
 import os
 import secrets
 import stat
+import threading
+import time
 
 from .base import Read, StorageBackend
 from .errors import StorageUnavailable
-from .file_budget import DiskBudget
+from .file_budget import DiskBudget, relieve_full_disk
 from .record import HEADER_BYTES, header
 
 SUFFIX = ".page"
 # Errors of one page file, not of the directory or the disk: that page is a miss.
 _PAGE_ERRORS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP})
 _LOGGED_PATHS = 1024  # unreadable page files remembered (the probe skips them) and logged once each, at most
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+DISK_FULL_LOG_EVERY_S = 60.0
 
 log = logging.getLogger("radixkv.storage")
 
@@ -74,6 +80,9 @@ class FileStorage(StorageBackend):
         self._tmp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._tmp_count = itertools.count()
         self._unreadable_paths: set[str] = set()
+        self._full_lock = threading.Lock()  # one storage thread makes room on a full disk at a time
+        self._full_said = -DISK_FULL_LOG_EVERY_S  # when the last disk-full line was logged
+        self._full_removed = 0  # pages removed for a full disk since that line
 
     def path_for(self, key: bytes) -> str:
         """The file that holds (or would hold) the page stored under `key`."""
@@ -169,11 +178,33 @@ class FileStorage(StorageBackend):
             present = os.path.exists(path)
             if not present:
                 parts = blob if isinstance(blob, tuple) else (blob,)
-                self._write(path, parts)
+                try:
+                    self._write(path, parts)
+                except OSError as exc:
+                    if exc.errno not in _DISK_FULL or not self._make_room(path):
+                        raise
+                    self._write(path, parts)  # a full disk again raises: the store fails
                 if self.budget is not None:
                     self._count(evicted=self.budget.wrote(path, sum(memoryview(p).nbytes for p in parts)))
             stored.append(not present)
         return stored
+
+    def _make_room(self, path: str) -> bool:
+        """The disk is full (ENOSPC, or the user's quota): remove the pages used least
+        recently in `path`'s shard (`relieve_full_disk`), as a bound would have; whether
+        any went. Said at most once a minute (`storage.disk_full`), with the pages removed
+        since; counted as evicted pages."""
+        with self._full_lock:
+            removed = relieve_full_disk(self.directory, path, SUFFIX)
+            self._full_removed += removed
+            now = time.monotonic()
+            if now - self._full_said >= DISK_FULL_LOG_EVERY_S:
+                self._full_said, said, self._full_removed = now, self._full_removed, 0
+                log.warning("storage %s: the disk is full: removed %d pages used least recently to make room%s "
+                            "(give it a max_size below the disk's free space to keep room)", self.name, said,
+                            "" if removed else "; none are left where the next page goes, so the store fails")
+        self._count(evicted=removed)
+        return removed > 0
 
     def _discard(self, keys: list[bytes]) -> None:
         for key in keys:

@@ -59,15 +59,16 @@ class DiskBudget:
 
     def check_room(self) -> None:
         """Warn when the file system holding the directory is smaller than the bound:
-        the disk then fills before the bound is reached, and stores fail (ENOSPC) until
-        pages are removed by hand. Once, at open; a bound above the space free today is
-        the operator's plan and is not warned about."""
+        the disk then fills before the bound is reached, and each page it refuses then
+        removes the oldest of its shard (`relieve_full_disk`), as full as the disk gets.
+        Once, at open; a bound above the space free today is the operator's plan and is
+        not warned about."""
         fs = os.statvfs(self.directory)
         size = fs.f_blocks * fs.f_frsize
         if self.max_bytes > size:
             log.warning("storage %s: max_size %d is past the size of its file system (%d bytes): the disk fills "
-                        "before it and stores then fail; give it a max_size below %d (the fan-out directories "
-                        "take up to ~260 MiB more)", self.directory, self.max_bytes, size, size)
+                        "before it (then each page it refuses removes old ones); give it a max_size below %d "
+                        "(the fan-out directories take up to ~260 MiB more)", self.directory, self.max_bytes, size, size)
 
     def wrote(self, path: str, nbytes: int) -> int:
         """A page file of `nbytes` was written at `path` (under the directory's shard
@@ -92,55 +93,76 @@ class DiskBudget:
                 return 0
 
     def _trim(self, shard: int) -> int:
-        pages, total = self._scan(f"{self.directory}/{shard:02x}")
+        pages, total = scan_shard(f"{self.directory}/{shard:02x}", self._suffix)
         if total <= self.share:
             return 0
-        pages.sort()  # oldest first
-        goal = self.share * KEEP
-        removed = 0
-        for _, size, path in pages:
-            if total <= goal:
-                break
-            try:
-                os.unlink(path)
-            except FileNotFoundError:  # another daemon removed it first
-                pass
-            total -= size
-            removed += 1
+        removed = remove_oldest(pages, total, self.share * KEEP)
         log.debug("storage %s: shard %02x over its %d bytes: removed %d pages", self.directory, shard,
                   self.share, removed)
         return removed
 
-    def _scan(self, shard_dir: str) -> tuple[list[tuple[float, int, str]], int]:
-        """(age, size, path) of every page in the shard, and their total size; removes
-        stale temporary files on the way."""
-        pages, total = [], 0
-        now = time.time()
+
+def relieve_full_disk(directory: str, path: str, suffix: str) -> int:
+    """The disk under `directory` is full (a page for `path` could not be written): remove
+    the pages used least recently in `path`'s shard until it holds 90% of what it held,
+    at least one page. Pages are spread evenly over the shards by their hash, so one
+    shard's oldest stand for the directory's; a tenth of one 256th of the directory is
+    room for many pages. Returns the pages removed (0: the shard holds none, so what
+    fills the disk is not this directory's; nothing to give back)."""
+    shard_dir = path[:len(directory) + 3]
+    pages, total = scan_shard(shard_dir, suffix)
+    if not pages:
+        return 0
+    return remove_oldest(pages, total, total * KEEP)
+
+
+def remove_oldest(pages: list[tuple[float, int, str]], total: int, goal: float) -> int:
+    """Remove pages, the oldest first, until `total` (their bytes and others') is at most
+    `goal`, at least one; returns how many."""
+    pages.sort()  # oldest first
+    removed = 0
+    for _, size, path in pages:
+        if removed and total <= goal:
+            break
         try:
-            subdirs = [e.path for e in os.scandir(shard_dir) if e.is_dir(follow_symlinks=False)]
+            os.unlink(path)
+        except FileNotFoundError:  # another daemon removed it first
+            pass
+        total -= size
+        removed += 1
+    return removed
+
+
+def scan_shard(shard_dir: str, suffix: str) -> tuple[list[tuple[float, int, str]], int]:
+    """(age, size, path) of every page in the shard, and their total size; removes
+    stale temporary files on the way."""
+    pages, total = [], 0
+    now = time.time()
+    try:
+        subdirs = [e.path for e in os.scandir(shard_dir) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return pages, total
+    for sub in subdirs:
+        try:
+            entries = list(os.scandir(sub))
         except FileNotFoundError:
-            return pages, total
-        for sub in subdirs:
+            continue
+        for entry in entries:
             try:
-                entries = list(os.scandir(sub))
+                st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            for entry in entries:
+            # The disk it takes, not its length (see the module's text); some FUSE
+            # filesystems report no blocks: then at least its length.
+            used = max(st.st_blocks * 512, st.st_size)
+            if entry.name.endswith(suffix):
+                pages.append((max(st.st_atime, st.st_mtime), used, entry.path))
+                total += used
+            elif entry.name.endswith(".tmp") and now - st.st_mtime > TMP_MAX_AGE_S:
                 try:
-                    st = entry.stat(follow_symlinks=False)
+                    os.unlink(entry.path)
                 except FileNotFoundError:
-                    continue
-                # The disk it takes, not its length (see the module's text); some FUSE
-                # filesystems report no blocks: then at least its length.
-                used = max(st.st_blocks * 512, st.st_size)
-                if entry.name.endswith(self._suffix):
-                    pages.append((max(st.st_atime, st.st_mtime), used, entry.path))
-                    total += used
-                elif entry.name.endswith(".tmp") and now - st.st_mtime > TMP_MAX_AGE_S:
-                    try:
-                        os.unlink(entry.path)
-                    except FileNotFoundError:
-                        pass
-                elif entry.name.endswith(".tmp"):
-                    total += used  # a page being written (or a young one a crash left)
-        return pages, total
+                    pass
+            elif entry.name.endswith(".tmp"):
+                total += used  # a page being written (or a young one a crash left)
+    return pages, total
