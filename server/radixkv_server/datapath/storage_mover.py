@@ -101,7 +101,8 @@ class StorageMover:
             try:
                 self._backend.attach_memory(*memory)
             except StorageUnavailable as e:  # moving bytes still works, through copies
-                log.warning("%s", e)
+                log_event(log, "storage.attach_failed", logging.WARNING, store=self._backend.name, error=e,
+                          note="pages move through copies")
 
     def _detach(self) -> None:
         """The pool is about to be freed: the backend forgets it (`_attach`'s undo)."""
@@ -109,7 +110,7 @@ class StorageMover:
             try:
                 self._backend.detach_memory(*memory)
             except Exception as e:  # best effort: the pool goes either way
-                log.warning("storage %s: forgetting the host pool failed: %s", self._backend.name, e)
+                log_event(log, "storage.detach_failed", logging.WARNING, store=self._backend.name, error=e)
 
     def _page_views(self, host_pages: bytes) -> list[memoryview]:
         """Writable views of these host pages: what the backend reads into or writes from."""

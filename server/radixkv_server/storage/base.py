@@ -159,7 +159,8 @@ class StorageBackend(ABC):
                 except NotForThisReader:
                     misses += 1
                 except CorruptPage as exc:
-                    log.warning("storage %s: dropping damaged page %s: %s", self.name, key.hex(), exc)
+                    log_event(log, "storage.page_damaged", logging.WARNING, store=self.name, key=key.hex(), error=exc,
+                              note="dropped: a miss, stored again by the next store of that page")
                     damaged.append(key)
             out.append(payload)
         self._count(gets=len(keys), misses=misses, corrupt=len(damaged), get_bytes=nbytes)
@@ -327,7 +328,8 @@ class StorageBackend(ABC):
         except NotForThisReader:
             return Read.MISS
         except CorruptPage as exc:
-            log.warning("storage %s: dropping damaged page %s: %s", self.name, key.hex(), exc)
+            log_event(log, "storage.page_damaged", logging.WARNING, store=self.name, key=key.hex(), error=exc,
+                      note="dropped: a miss, stored again by the next store of that page")
             return Read.DAMAGED
 
     @abstractmethod
@@ -362,7 +364,7 @@ class StorageBackend(ABC):
         try:
             self._call("discard", self._discard, keys)
         except StorageUnavailable as exc:  # the get() result stands; the next get retries
-            log.warning("%s", exc)
+            log_event(log, "storage.discard_failed", logging.WARNING, store=self.name, error=exc)
 
     def _count(self, **deltas) -> None:
         with self._stats_lock:

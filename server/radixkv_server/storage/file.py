@@ -37,6 +37,7 @@ import stat
 import threading
 import time
 
+from ..logs import log_event
 from .base import Read, StorageBackend
 from .errors import StorageUnavailable
 from .file_budget import DiskBudget, relieve_full_disk
@@ -162,8 +163,9 @@ class FileStorage(StorageBackend):
             raise why
         if path not in self._unreadable_paths and len(self._unreadable_paths) < _LOGGED_PATHS:
             self._unreadable_paths.add(path)
-            log.warning("storage %s: page file %s cannot be read (%s): a miss there, and every page after "
-                        "it in a prefix; remove it to let it be written again", self.name, path, why)
+            log_event(log, "storage.page_unreadable", logging.WARNING, store=self.name, path=path, error=why,
+                      note="a miss there, and for every page after it in a prefix; remove it to let it be written "
+                      "again")
         return None
 
     def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
@@ -200,9 +202,10 @@ class FileStorage(StorageBackend):
             now = time.monotonic()
             if now - self._full_said >= DISK_FULL_LOG_EVERY_S:
                 self._full_said, said, self._full_removed = now, self._full_removed, 0
-                log.warning("storage %s: the disk is full: removed %d pages used least recently to make room%s "
-                            "(give it a max_size below the disk's free space to keep room)", self.name, said,
-                            "" if removed else "; none are left where the next page goes, so the store fails")
+                log_event(log, "storage.disk_full", logging.WARNING, store=self.name, removed_pages=said,
+                          note=("pages used least recently removed to make room" if removed else
+                                "no page of ours where the next one goes: the store fails") +
+                          "; give the directory a max_size below the disk's free space to keep room")
         self._count(evicted=removed)
         return removed > 0
 

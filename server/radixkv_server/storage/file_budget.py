@@ -34,6 +34,8 @@ import os
 import threading
 import time
 
+from ..logs import log_event
+
 log = logging.getLogger("radixkv.storage")
 
 SHARDS = 256  # the first fan-out level: two hex digits
@@ -66,9 +68,10 @@ class DiskBudget:
         fs = os.statvfs(self.directory)
         size = fs.f_blocks * fs.f_frsize
         if self.max_bytes > size:
-            log.warning("storage %s: max_size %d is past the size of its file system (%d bytes): the disk fills "
-                        "before it (then each page it refuses removes old ones); give it a max_size below %d "
-                        "(the fan-out directories take up to ~260 MiB more)", self.directory, self.max_bytes, size, size)
+            log_event(log, "storage.max_size_past_disk", logging.WARNING, directory=self.directory, max_size=self.max_bytes,
+                      disk_size=size, note="the disk fills before max_size (then each page it refuses removes old "
+                      "ones); give it a max_size below the disk's size (the fan-out directories take up to "
+                      "~260 MiB more)")
 
     def wrote(self, path: str, nbytes: int) -> int:
         """A page file of `nbytes` was written at `path` (under the directory's shard
@@ -77,9 +80,10 @@ class DiskBudget:
         shard = int(path[len(self.directory) + 1:len(self.directory) + 3], 16)
         if nbytes * 4 > self.share and not self._warned:
             self._warned = True
-            log.warning("storage %s: max_size %d gives each of its %d shards %d bytes, under 4 pages of %d: "
-                        "pages are removed soon after they are written; give it at least %d",
-                        self.directory, self.max_bytes, SHARDS, self.share, nbytes, SHARDS * 64 * nbytes)
+            log_event(log, "storage.max_size_small", logging.WARNING, directory=self.directory, max_size=self.max_bytes,
+                      shard_bytes=self.share, page_bytes=nbytes, suggested=SHARDS * 64 * nbytes,
+                      note=f"each of the {SHARDS} shards holds under 4 pages: pages are removed soon after they "
+                      "are written; give it at least the suggested size")
         with self._locks[shard]:
             self._written[shard] += nbytes
             if self._written[shard] < self.share * LOOK_EVERY:
@@ -88,8 +92,8 @@ class DiskBudget:
             try:
                 return self._trim(shard)
             except OSError as e:  # the page itself was stored: say why the bound slips, go on
-                log.warning("storage %s: could not trim shard %02x to its %d bytes: %s", self.directory,
-                            shard, self.share, e)
+                log_event(log, "storage.trim_failed", logging.WARNING, directory=self.directory, shard=f"{shard:02x}",
+                          shard_bytes=self.share, error=e)
                 return 0
 
     def _trim(self, shard: int) -> int:

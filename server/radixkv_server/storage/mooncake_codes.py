@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 
+from ..logs import log_event
 from .errors import StorageUnavailable
 
 log = logging.getLogger("radixkv.storage")
@@ -61,6 +62,7 @@ class DeadOwners:
             elif hits:
                 self._outage = False
         if first:
-            log.warning("storage %s: pages whose segment owner stopped answering read as misses "
-                        "(code %d) until the master drops that owner", self.store, TRANSFER_FAIL)
+            log_event(log, "storage.segment_owner_lost", logging.WARNING, store=self.store, code=TRANSFER_FAIL,
+                      note="pages whose segment owner stopped answering read as misses until the master drops "
+                      "that owner (its client_ttl)")
 

@@ -53,7 +53,7 @@ class Membership:
         if registered and store is not None:
             code = store.unregister_buffer(address)
             if code != 0:
-                log.warning("storage %s: unregistering %d bytes answered %d", self.name, nbytes, code)
+                log_event(log, "storage.unregister_failed", logging.WARNING, store=self.name, bytes=nbytes, code=code)
 
     def attached(self, start: int, nbytes: int) -> bool:
         return any(a <= start and start + nbytes <= a + n for a, n in self._ranges)
@@ -66,7 +66,8 @@ class Membership:
             return False
         code = store.register_buffer(buf.ctypes.data, buf.nbytes)
         if code != 0:
-            log.warning("storage %s: registering a %d-byte staging buffer answered %d", self.name, buf.nbytes, code)
+            log_event(log, "storage.register_failed", logging.WARNING, store=self.name, bytes=buf.nbytes, code=code,
+                      buffer="staging")
             return False
         with self._lock:
             self._registered.add(buf.ctypes.data)
@@ -87,7 +88,7 @@ class Membership:
         for a in addresses:
             code = store.unregister_buffer(a)
             if code != 0:
-                log.warning("storage %s: unregistering the buffer at %#x answered %d", self.name, a, code)
+                log_event(log, "storage.unregister_failed", logging.WARNING, store=self.name, address=f"{a:#x}", code=code)
 
     def client(self):
         """The joined store, or StorageUnavailable while joining is in progress or failed."""
@@ -136,7 +137,7 @@ class Membership:
             store.close()
             return
         self._register(store)
-        log.info("storage %s: joined, lending %d bytes", self.name, self.setup_args[2])
+        log_event(log, "storage.joined", store=self.name, lent_bytes=self.setup_args[2])
 
     def _failed(self, why: str) -> None:
         """A join failed: the next call (RETRY_INTERVAL_S later) tries again. Logged when
@@ -157,7 +158,7 @@ class Membership:
         for a, n in todo:
             code = store.register_buffer(a, n)
             if code != 0:
-                log.warning("storage %s: registering %d bytes answered %d", self.name, n, code)
+                log_event(log, "storage.register_failed", logging.WARNING, store=self.name, bytes=n, code=code)
                 with self._lock:
                     self._registered.discard(a)
 

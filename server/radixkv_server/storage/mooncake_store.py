@@ -46,6 +46,7 @@ import ctypes
 import logging
 import threading
 
+from ..logs import log_event
 from .base import Read, StorageBackend
 from .errors import StorageFull, StorageTimeout, StorageUnavailable
 from . import mooncake_staged as staged
@@ -309,16 +310,18 @@ class MooncakeStorage(StorageBackend):
         settled = self._calls.settle(grace)
         store = self._member.leave()
         if not settled:
-            log.warning("storage %s: store calls still running after %gs at close; the store stays open and "
-                        "its buffers are kept until the process exits", self.name, grace)
+            log_event(log, "storage.close_busy", logging.WARNING, store=self.name, waited_s=grace,
+                      note="store calls still running: the store stays open and its buffers are kept until the "
+                      "process exits")
             _keep_forever(store, self._calls, self._staging)
             return
         if store is None:
             return
         silent = probe_master(self.master, self.timeout)
         if silent is not None:  # close() would hold the GIL until the master answers
-            log.warning("storage %s: leaving the store skipped: %s; its buffers are kept until the process "
-                        "exits (the master drops this client after client_ttl)", self.name, silent)
+            log_event(log, "storage.leave_skipped", logging.WARNING, store=self.name, error=silent,
+                      note="its buffers are kept until the process exits (the master drops this client after "
+                      "client_ttl)")
             _keep_forever(store, self._calls, self._staging)
             return
         closing = threading.Thread(target=_close_store, args=(store, self._member, self.sentinel, self.name),
@@ -326,8 +329,9 @@ class MooncakeStorage(StorageBackend):
         closing.start()
         closing.join(grace)
         if closing.is_alive():
-            log.warning("storage %s: leaving the store is still in progress after %gs; its buffers are kept "
-                        "until the process exits (the master drops this client after client_ttl)", self.name, grace)
+            log_event(log, "storage.leave_slow", logging.WARNING, store=self.name, waited_s=grace,
+                      note="leaving the store is still in progress: its buffers are kept until the process "
+                      "exits (the master drops this client after client_ttl)")
             _keep_forever(store, self._calls, self._staging)
 
     # -- helpers ----------------------------------------------------------------------
@@ -352,7 +356,7 @@ def _close_store(store, member: Membership, sentinel: Sentinel, name: str) -> No
         member.unregister_all(store)
         store.close()
     except Exception as exc:  # closing is best effort
-        log.warning("storage %s: close: %s", name, exc)
+        log_event(log, "storage.close_failed", logging.WARNING, store=name, error=exc)
 
 
 def _keep_forever(*objects) -> None:

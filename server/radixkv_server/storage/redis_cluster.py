@@ -38,6 +38,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError, SlotNotCoveredError
 from redis.retry import Retry
 
+from ..logs import log_event
 from .base import StorageBackend
 from .errors import StorageUnavailable
 from .redis_cluster_batch import NODE_FAILURES, ClusterBatch, DeadlineExceeded
@@ -164,10 +165,11 @@ class RedisClusterStorage(StorageBackend):
             self._down = (self._down | failed) - back
         for name in sorted(failed):
             error = batch.failed[name]
-            log.warning("storage %s: node %s failed (%s: %s); its pages read as misses and are not "
-                        "stored until it answers", self.name, name, type(error).__name__, error)
+            log_event(log, "storage.node_failed", logging.WARNING, store=self.name, node=name,
+                      error=f"{type(error).__name__}: {error}",
+                      note="its pages read as misses and are not stored until it answers")
         for name in sorted(back):
-            log.info("storage %s: node %s answers again", self.name, name)
+            log_event(log, "storage.node_back", store=self.name, node=name)
 
     def _refresh(self) -> None:
         """Re-read the slot map, unless a call did less than REFRESH_INTERVAL_S ago. A
@@ -180,8 +182,8 @@ class RedisClusterStorage(StorageBackend):
         try:
             self._client.nodes_manager.initialize()
         except (RedisError, RedisClusterException, OSError) as e:
-            log.warning("storage %s: re-reading the cluster's slot map failed: %s: %s",
-                        self.name, type(e).__name__, e)
+            log_event(log, "storage.slot_map_failed", logging.WARNING, store=self.name, error=f"{type(e).__name__}: {e}",
+                      note="the current slot map is kept")
 
     def _connected(self) -> RedisCluster:
         if self._client is None:
