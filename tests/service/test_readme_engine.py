@@ -57,3 +57,36 @@ def test_after_a_failed_load_the_snippet_recomputes_and_loses_no_page(daemon_fac
     assert warm["prefix"] == [] and len(warm["new_pages"]) == 4  # recomputed on fresh pages
     assert warm["r"].cached_tokens == 4 * 16  # the host copies stay; the engine's pages join them
     assert sorted(warm["free"]) == list(range(64))  # every page back once: none lost, none twice
+
+
+def test_when_another_requests_load_of_the_prefix_fails_the_snippet_recomputes(daemon_factory):
+    """Two requests of one step find the prefix on host and the other one's LoadBack runs
+    first: the snippet's LoadBack answers transfer 0 and waits on the other's load
+    (depends_on), which fails. The snippet recomputes, and every page comes back once
+    (it indexed `outcomes[0]`, which `wait` never returns: a KeyError in the scheduler)."""
+    d = daemon_factory("--fault-fail-loads", "1", "--fault-copy-delay", "0.3")
+    code = readme_snippet(d.target)
+    exec(code, engine_globals())  # noqa: S102 - a cold engine leaves the prefix on host
+    g = engine_globals()
+    allocate, other = g["my_free_pages"], {}
+
+    def my_free_pages(n: int) -> list[int]:
+        if not other:  # the snippet matched; the other request of its step loads first
+            kv = g["kv"]
+            [m] = kv.match([g["prompt_tokens"]], lease=True)
+            other["lb"] = kv.load_back(m.host_node, allocate(m.host_tokens // 16))
+            other["lease"] = m.lease
+        return allocate(n)
+
+    g["my_free_pages"] = my_free_pages
+    exec(code.replace("kv.close(); buffers.close()", ""), g)  # noqa: S102
+    assert g["lb"].transfer == 0 and list(g["lb"].depends_on) == [other["lb"].transfer]
+    assert g["prefix"] == [] and len(g["new_pages"]) == 4  # recomputed on fresh pages
+    outcome = g["kv"].wait([other["lb"].transfer])[other["lb"].transfer]
+    assert not outcome.ok
+    g["my_free"](outcome.failed_pages)  # the other request frees its own load's pages
+    g["kv"].release([other["lease"]])
+    g["my_free"](g["kv"].evict(256).freed_pages)
+    assert sorted(g["free"]) == list(range(64))  # none lost, none twice
+    g["kv"].close()
+    g["buffers"].close()
