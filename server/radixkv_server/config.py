@@ -70,6 +70,8 @@ class DaemonConfig:
                                          "storage to say what it holds, and an Evict for the backups or stores that "
                                          "free room (once per copy); past it the call answers without storage and lookups skip storage "
                                          "until that one answers (0: no limit)")
+    storage_check_interval: float = _opt(10.0, "seconds between checks of a storage tier that did not answer "
+                                         "at start, until one succeeds (radixkv_storage_up reads 0 meanwhile)")
     malloc_trim_threshold: int = _opt(256 * 1024**2, "freed heap glibc's malloc keeps for reuse instead of "
                                       "returning it to the kernel, per malloc arena (each I/O thread may have its "
                                       "own), so the reply buffers of each storage fetch do not fault in fresh "
@@ -154,6 +156,9 @@ class DaemonConfig:
                      "ack_timeout", "idle_session_timeout", "fault_copy_delay", "invariant_check_interval"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{flag(name)} must be a number of seconds >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.storage_check_interval) and 0.1 <= self.storage_check_interval <= 3600):
+            raise ValueError(f"--storage-check-interval must be a number of seconds in 0.1-3600, "
+                             f"got {self.storage_check_interval}")
         if not 0 <= self.fault_fail_loads <= 1:
             raise ValueError(f"--fault-fail-loads must be in [0, 1], got {self.fault_fail_loads}")
         if bool(self.tls_cert) != bool(self.tls_key):

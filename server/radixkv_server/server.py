@@ -337,7 +337,7 @@ async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running:
     _freeze_startup_objects()
     log_event(log, "daemon.ready", instance=daemon.instance, listen=",".join(shown for _, shown in bound))
     if storage is not None:
-        check_storage(storage, daemon, loop)
+        check_storage(storage, daemon, loop, config.storage_check_interval)
     return daemon, health_servicer
 
 

@@ -2,7 +2,7 @@
 (a wrong address, a server not up yet, a password refused) is logged at once, not at the
 first store, which may be the shutdown's; a first check that succeeds logs
 `storage.checked`. Until a check succeeds it is checked again every
-RETRY_S seconds, and `radixkv_storage_up` reads 0 (the daemon serves meanwhile: lookups
+`--storage-check-interval` seconds (10), and `radixkv_storage_up` reads 0 (the daemon serves meanwhile: lookups
 find nothing in storage, stores fail and are retried as they come).
 """
 
@@ -16,14 +16,12 @@ from .logs import log_event
 
 log = logging.getLogger("radixkv.storage")
 
-RETRY_S = 10.0
 
-
-def check_storage(storage, daemon, loop: asyncio.AbstractEventLoop) -> None:
+def check_storage(storage, daemon, loop: asyncio.AbstractEventLoop, interval: float) -> None:
     """Start checking `storage` (StorageBackend.check) in a daemon thread: a check lasts
     as long as the store's own timeouts allow, a hung store's forever, and the daemon
     never waits for it. Sets `daemon.storage_answered` on the loop: False after a failed
-    check, True once one succeeded."""
+    check, True once one succeeded; checks again every `interval` seconds until then."""
 
     def report(answered: bool, error: str = "", first: bool = False) -> None:
         daemon.storage_answered = answered
@@ -33,7 +31,7 @@ def check_storage(storage, daemon, loop: asyncio.AbstractEventLoop) -> None:
         else:
             log_event(log, "storage.unavailable", logging.WARNING, store=storage.name, direction="check",
                       error=error, note=f"checked at start: lookups find nothing in storage and stores fail "
-                      f"until it answers; checked again every {RETRY_S:g}s")
+                      f"until it answers; checked again every {interval:g}s (--storage-check-interval)")
 
     def run() -> None:
         failed = False
@@ -44,7 +42,7 @@ def check_storage(storage, daemon, loop: asyncio.AbstractEventLoop) -> None:
                 if not failed and not _tell(loop, report, False, str(e)):
                     return
                 failed = True
-                time.sleep(RETRY_S)
+                time.sleep(interval)
                 if not daemon.accepting:  # shutting down
                     return
                 continue

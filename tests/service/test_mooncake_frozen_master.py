@@ -13,7 +13,8 @@ from tests.support.daemon import DaemonProcess, health_status, wait_for
 from tests.support.engine import PS, EngineDouble, prompt
 
 ANSWER_BOUND_S = 10.0  # a health check or Match on a busy 2-core machine (well under); a frozen daemon took ~60 s
-FROZEN_S = 25.0       # the storage check tries to join every 10 s: at least two tries meanwhile
+CHECK_S = 1.0         # --storage-check-interval: the storage check tries to join every second
+FROZEN_S = 3.0        # at least two tries meanwhile
 DEADLINE_S = 30.0
 
 
@@ -31,7 +32,7 @@ def slowest_health(d: DaemonProcess, seconds: float) -> float:
 def test_a_frozen_master_never_freezes_the_daemon_and_storage_comes_up_once_it_answers():
     m = MooncakeMaster(client_ttl_s=2)  # not started: the daemon starts without its master
     d = DaemonProcess("--storage", f"mooncake://{m.address}?segment=32MiB&buffer=16MiB&timeout=1",
-                      "--storage-policy", "write_through", metrics=True)
+                      "--storage-policy", "write_through", "--storage-check-interval", str(CHECK_S), metrics=True)
     engine = None
     try:
         d.start()
@@ -44,7 +45,7 @@ def test_a_frozen_master_never_freezes_the_daemon_and_storage_comes_up_once_it_a
         assert any("did not answer within" in line and m.address in line for line in said)
         assert "radixkv_storage_up 0.0" in d.scrape()
 
-        os.kill(m.proc.pid, signal.SIGCONT)  # the storage check joins within 10 s
+        os.kill(m.proc.pid, signal.SIGCONT)  # the storage check joins within a second
         wait_for(lambda: "radixkv_storage_up 1.0" in d.scrape(), DEADLINE_S, "storage up once the master answers",
                  interval=0.5)
         engine.prefill(prompt(1))
