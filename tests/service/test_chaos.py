@@ -32,7 +32,7 @@ def test_randomized_kills_and_restarts_never_give_wrong_bytes():
 
 def test_short_soak_run():
     """`make soak` with a short duration: the same entry point, a subprocess."""
-    proc = subprocess.run([sys.executable, "-m", "tests.soak", "--seconds", "20", "--quiet", "--seed", "7"],
+    proc = subprocess.run([sys.executable, "-m", "tests.soak", "--seconds", "10", "--quiet", "--seed", "7"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()

@@ -142,23 +142,11 @@ def test_a_restarted_daemon_with_file_storage_serves_the_prefix_from_storage(eng
     assert vllm_metric(llm, "vllm:radixkv_staged_prompts_total") == 1
 
 
-def test_hits_with_the_engine_core_and_worker_in_processes_of_their_own(engines, daemon, monkeypatch):
-    """vLLM's multiprocessing layout (as `vllm serve` runs): the scheduler and the worker
-    live in different processes, and the worker's session answers the scheduler's lookups."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    p = prompt(1024, seed=6)
-    llm = engines.start(daemon.target)
-    [cold] = generate(llm, [p])
-    engines.stop(llm)
-    restarted = engines.start(daemon.target)
-    [warm] = generate(restarted, [p])
-    assert warm.cached_tokens == 1023 // BLOCK * BLOCK
-    assert warm.tokens == cold.tokens
-
-
 def test_a_second_instance_on_the_namespace_hits_what_the_first_computed(engines, daemon, monkeypatch):
-    """Two vLLM instances of one model, both running (engine processes of their own), share
-    one engine-managed namespace: the second serves the first's prompt from radixkv."""
+    """Two vLLM instances of one model, both running in vLLM's multiprocessing layout (as
+    `vllm serve` runs: the scheduler and the worker in processes of their own, the
+    worker's session answering the scheduler's lookups), share one engine-managed
+    namespace: the second serves the first's prompt from radixkv."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     p = prompt(1024, seed=8)
     first = engines.start(daemon.target)
