@@ -55,6 +55,8 @@ def tenants(daemon_factory, tmp_path):
     channel.close()
     for e in engines.values():
         e.close()
+    log = d.log()  # whatever the test made it refuse and say: never a token
+    assert all(t not in log for t in (OPERATOR, ALICE, BOB)), "a token in the daemon's log"
 
 
 def test_register_only_where_granted(tenants):
@@ -175,9 +177,3 @@ def test_watch_events_carry_only_the_tenants_namespaces(tenants):
         code, message = code_of(lambda: watch_until(stub, ALICE, pb.WatchEventsRequest(namespace=namespace),
                                                     lambda b: True))
         assert code == C.PERMISSION_DENIED and says in message, (namespace, code, message)
-
-
-def test_tenant_log_has_no_tokens(tenants):
-    log = tenants["daemon"].log()
-    assert all(t not in log for t in (OPERATOR, ALICE, BOB))
-    assert "Traceback" not in log

@@ -112,6 +112,17 @@ async def cancelled_at_first_await(coro) -> None:
     raise AssertionError("the call finished instead of being cancelled")
 
 
+async def until(condition, what: str, timeout: float = 10.0) -> None:
+    """Let the loop run until `condition()` holds (bounded)."""
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+    try:
+        await asyncio.wait_for(poll(), timeout)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
 def run(coro):
     """Run one scenario on a fresh event loop (the loop owns the daemon, as in serve())."""
     return asyncio.run(coro)

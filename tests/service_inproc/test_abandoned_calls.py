@@ -32,7 +32,7 @@ from radixkv_server.storage.open import open_storage
 
 from tests.service_inproc.engine_ranks import Rank
 from tests.service_inproc.inproc import (LAYOUT, NUM_PAGES, Engine, cancelled_at_first_await, prompt, run,
-                                         running_daemon)
+                                         running_daemon, until)
 
 
 def locked_nodes(ns) -> list[int]:
@@ -80,7 +80,7 @@ def test_an_engine_managed_insert_whose_session_closed_meanwhile_takes_no_lease(
             ns = eng.ns
             insert = asyncio.ensure_future(ns.insert(eng.session, InsertRequest(
                 prompt(0, 2), pack([0, 1]), lease=True, async_=False)))
-            await asyncio.sleep(0)  # copying now
+            await until(lambda: ns.cache.transfers, "the insert's copy in flight")
             await eng.close()
             with pytest.raises(ServiceError, match="closed while this call waited") as e:
                 await insert

@@ -32,7 +32,7 @@ from radixkv_server.core.transfers import TransferKind
 from radixkv_server.datapath.copy_engine import CopyEngine
 from radixkv_server.storage.open import open_storage
 
-from tests.service_inproc.inproc import Engine, cancelled_at_first_await, prompt, run, running_daemon
+from tests.service_inproc.inproc import Engine, cancelled_at_first_await, prompt, run, running_daemon, until
 
 
 async def loading(daemon, namespace: str) -> tuple[Engine, int]:
@@ -81,8 +81,7 @@ def test_a_replacing_register_cut_short_still_ends_the_session_it_replaces():
         async with running_daemon(fault_copy_delay=0.2) as daemon:
             old, transfer = await loading(daemon, "t/replace")
             replacing = asyncio.ensure_future(Engine.register(daemon, "t/replace", replace=True))
-            while not old.session.closing:  # until it closes the session it replaces
-                await asyncio.sleep(0)
+            await until(lambda: old.session.closing, "the Register closing the session it replaces")
             replacing.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await replacing
@@ -122,8 +121,7 @@ def test_a_drop_cut_short_while_stores_wait_still_closes_the_namespace(private_r
             admin.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
             try:
                 drop = asyncio.ensure_future(daemon.drop_namespace("t/drop", store=True))
-                while "t/drop" in daemon.namespaces:  # until the drop waits for its stores in flight
-                    await asyncio.sleep(0.01)
+                await until(lambda: "t/drop" not in daemon.namespaces, "the drop waiting for its stores in flight")
                 drop.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await drop
@@ -180,14 +178,12 @@ def test_a_close_waits_for_no_store_of_pages_that_stay(private_redis):
             admin.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
             try:
                 await e.insert(prompt(0, 4), [0, 1, 2, 3])
-                while not stores():  # the backup settled, its store sent (and held by the paused server)
-                    await asyncio.sleep(0.01)
+                await until(stores, "the backup settled, its store sent (and held by the paused server)")
                 await asyncio.wait_for(e.close(), 10)  # waited for the store before
                 assert stores(), "the store should still be in flight"
             finally:
                 admin.execute_command("CLIENT", "UNPAUSE")
-            while stores():
-                await asyncio.sleep(0.01)
+            await until(lambda: not stores(), "the store to end once the server answers")
             assert ns.counters()["stored_tokens"] == 16
             assert ns.check_invariants() == []
 

@@ -16,7 +16,7 @@ from radixkv.types import pack
 from radixkv.v1 import radixkv_pb2 as pb
 from radixkv_server.service.acks import AckStream
 
-from tests.service_inproc.inproc import NUM_PAGES, Engine, prompt, run, running_daemon
+from tests.service_inproc.inproc import NUM_PAGES, Engine, prompt, run, running_daemon, until
 
 LIMIT = 8
 SENT = 20
@@ -44,17 +44,6 @@ class EngineSide:
             await self.reading.wait()
             self.blocked_writes -= 1
         self.written.append(reply)
-
-
-async def until(condition, what: str, timeout: float = 10.0) -> None:
-    """Let the loop run until `condition()` holds (bounded)."""
-    async def poll():
-        while not condition():
-            await asyncio.sleep(0.001)
-    try:
-        await asyncio.wait_for(poll(), timeout)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 def test_the_daemon_stops_reading_at_the_limit_and_resumes_when_answers_are_read():

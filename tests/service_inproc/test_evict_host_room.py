@@ -17,7 +17,7 @@ from radixkv.types import unpack
 from radixkv_server.core.transfers import TransferKind
 from radixkv_server.storage.open import open_storage
 
-from tests.service_inproc.inproc import LAYOUT, Engine, prompt, run, running_daemon
+from tests.service_inproc.inproc import LAYOUT, Engine, prompt, run, running_daemon, until
 
 HOST = 8  # host pages: one 8-page prompt fills them
 
@@ -83,8 +83,7 @@ def test_a_store_that_does_not_end_holds_one_evict_once(private_redis):
             assert sorted(unpack(answer.freed_pages)) == [8, 9, 10, 11]
         finally:
             admin.execute_command("CLIENT", "UNPAUSE")
-        while stores():
-            await asyncio.sleep(0.01)
+        await until(lambda: not stores(), "the stores to end once the server answers")
         assert e.ns.check_invariants() == []
         await e.close()
 

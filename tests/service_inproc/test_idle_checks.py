@@ -8,7 +8,7 @@ import time
 
 from radixkv_server.service.idle_checks import IDLE_S
 
-from tests.service_inproc.inproc import Engine, prompt, run, running_daemon
+from tests.service_inproc.inproc import Engine, prompt, run, running_daemon, until
 
 
 def test_an_idle_daemon_finds_a_broken_invariant_by_itself(caplog):
@@ -29,8 +29,7 @@ def test_an_idle_daemon_finds_a_broken_invariant_by_itself(caplog):
             node = next(iter(e.ns.cache.state.tree.iter_nodes()))
             node.device_children += 1  # a bug's trace, as a wrong count would be
             with caplog.at_level(logging.ERROR, logger="radixkv.invariants"):
-                while daemon.idle_checks.runs == runs:
-                    await asyncio.sleep(0.05)
+                await until(lambda: daemon.idle_checks.runs != runs, "an idle invariant check", timeout=20)
             assert any(r.getMessage() == "invariants.violated" and "device_children" in r.fields["violation"]
                        for r in caplog.records)
             node.device_children -= 1

@@ -135,7 +135,7 @@ def test_a_scrape_while_the_loop_is_stuck_shows_the_last_state_and_its_age(monke
     synchronous call here) exports the last state read, and `radixkv_state_age_seconds`
     says how old it is (the scrape had no radixkv state series at all: panels emptied
     and alerts on them went quiet while the daemon was in trouble)."""
-    import time
+    import threading
 
     from prometheus_client import generate_latest
     from radixkv_server import metrics as metrics_module
@@ -148,8 +148,18 @@ def test_a_scrape_while_the_loop_is_stuck_shows_the_last_state_and_its_age(monke
             e = await Engine.register(daemon, "t/stuck")
             fresh = await scrape(metrics)
             assert fresh[("radixkv_sessions", ())] == 1 and fresh[("radixkv_state_age_seconds", ())] < 1.0
-            scraping = asyncio.get_running_loop().run_in_executor(None, generate_latest, metrics.registry)
-            time.sleep(2.5)  # the loop stuck (a long synchronous call): the scrape's read times out meanwhile
+            done = threading.Event()
+
+            def scrape_and_tell() -> bytes:
+                try:
+                    return generate_latest(metrics.registry)
+                finally:
+                    done.set()
+
+            scraping = asyncio.get_running_loop().run_in_executor(None, scrape_and_tell)
+            # The loop stuck (a long synchronous call) until the scrape has answered: its
+            # read of the state could only time out.
+            assert done.wait(30), "the scrape did not answer while the loop was stuck"
             stale = samples((await scraping).decode())
             assert stale[("radixkv_sessions", ())] == 1
             assert stale[("radixkv_state_age_seconds", ())] >= 1.0

@@ -13,7 +13,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 from radixkv_server.service.acks import AckStream
 from radixkv_server.service.session_stream import SessionStream
 
-from tests.service_inproc.inproc import Engine, run, running_daemon
+from tests.service_inproc.inproc import Engine, run, running_daemon, until
 
 
 class Context:
@@ -48,8 +48,7 @@ def test_a_stream_ended_by_its_sessions_close_is_freed_without_the_collector(kin
                 stream = (AckStream if kind == "acks" else SessionStream)(daemon, context)
                 call = asyncio.create_task(stream.run())
                 context.inbox.put_nowait(first_request(kind, e.session.id))
-                while stream.session is None:  # bound by its first request
-                    await asyncio.sleep(0)
+                await until(lambda: stream.session is not None, "the stream bound by its first request")
                 alive = weakref.ref(stream)
                 del stream
                 await daemon.close_session(e.session, "replaced by another engine")
