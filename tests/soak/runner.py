@@ -135,8 +135,10 @@ class Soak:
     def check_engines(self) -> None:
         for slot in self.engines:
             if slot.proc is not None and slot.proc.poll() not in (None, 0, -signal.SIGKILL):
-                slot.crashes.append(self.tail(f"{slot.name}-{slot.incarnation}.log"))
-                self.problems.append(f"engine {slot.name} exited with {slot.proc.returncode}")
+                tail = self.tail(f"{slot.name}-{slot.incarnation}.log")
+                slot.crashes.append(tail)
+                self.problems.append(f"engine {slot.name} exited with {slot.proc.returncode}; its log ends:\n"
+                                     f"{tail[-1500:]}")
                 self.spawn(slot)
 
     def tail(self, name: str, n: int = 3000) -> str:

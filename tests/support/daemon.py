@@ -34,6 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from radixkv.client import Client
 from radixkv.errors import Unavailable
 
+from tests.support import forked
+
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 READINESS = "radixkv.v1.RadixKV"  # the health service name that means "ready" ("" = alive)
@@ -113,11 +115,15 @@ class DaemonProcess:
     start_timeout  how long start() waits for readiness
     launcher       the interpreter's arguments before the daemon's flags (default
                    `-m radixkv_server`; `-c <script>` runs the daemon from a script)
+    fork           with the default launcher, fork the daemon from a process that
+                   imported torch already (forked.py: a start takes a quarter of the
+                   time); False starts a fresh interpreter, for tests of the start itself
     """
 
     def __init__(self, *flags: str, metrics: bool = False, split_logs: bool = False,
                  listen: str | None = None, probe: dict | None = None, env: dict | None = None,
-                 start_timeout: float = START_TIMEOUT_S, launcher: tuple[str, ...] = ("-m", "radixkv_server")):
+                 start_timeout: float = START_TIMEOUT_S, launcher: tuple[str, ...] = ("-m", "radixkv_server"),
+                 fork: bool = True):
         # mkdtemp under /tmp, not tmp_path: a unix socket path must stay under 108 bytes.
         self.dir = tempfile.mkdtemp(prefix="rkv-d-")
         self.socket = os.path.join(self.dir, "radixkv.sock")
@@ -131,7 +137,8 @@ class DaemonProcess:
         self.env = env
         self.start_timeout = start_timeout
         self.launcher = launcher
-        self.proc: subprocess.Popen | None = None
+        self.fork = fork and forked.ENABLED and launcher == ("-m", "radixkv_server")
+        self.proc: subprocess.Popen | forked.ForkedProcess | None = None
         self.starts = 0
         self.killed = False  # the last run was ended by kill(), on purpose
 
@@ -157,6 +164,12 @@ class DaemonProcess:
         raise AssertionError("unreachable")
 
     def _spawn(self) -> None:
+        if self.fork:
+            self.proc = forked.ForkedProcess(["--listen", self.target, *self.flags], self.dir, self.env,
+                                             self.out_path or self.log_path, self.log_path)
+            self.starts += 1
+            self.killed = False
+            return
         with contextlib.ExitStack() as files:
             err = files.enter_context(open(self.log_path, "ab"))
             out = files.enter_context(open(self.out_path, "ab")) if self.out_path else err
