@@ -79,7 +79,7 @@ bench-full: $(VENV)/.bench-installed system-deps $(MOONCAKE_STAMP) $(VLLM_STAMP)
 # campaign (tests/fuzz), each for MINUTES (default 10; ARGS go to the soak, after
 # --minutes, so ARGS="--minutes 5" still sets the soak's length). `make fuzz` runs the
 # campaign alone: every RPC and stream fed generated and mutated messages beside a valid
-# engine that verifies its bytes (a 45 s run is part of `make test`). Each prints its
+# engine that verifies its bytes (a 20 s run is part of `make test`). Each prints its
 # figures and fails unless clean; a soak that fails stops `make soak` before the fuzzing.
 MINUTES ?= 10
 soak: $(STAMP)

@@ -4,6 +4,8 @@
 socket and a free TCP metrics port, its log (stderr) and stdout kept apart, waits
 (bounded) for gRPC readiness, and at teardown stops it with SIGTERM and requires exit
 code 0 and no traceback logged. `daemon_factory(*flags)` starts differently configured ones.
+Every daemon here is a real interpreter (not forked, tests/support/forked.py): starts,
+signals, exit codes and shutdown are what these tests look at.
 """
 
 import os
@@ -11,7 +13,16 @@ import os
 import pytest
 
 from opstools import BIN
+from tests.support import forked
 from tests.support.daemon import DaemonProcess, stop_all
+
+
+@pytest.fixture(scope="module", autouse=True)
+def real_interpreters():
+    """The daemons of tests/ops start as `python -m radixkv_server` does, whole."""
+    enabled, forked.ENABLED = forked.ENABLED, False
+    yield
+    forked.ENABLED = enabled
 
 
 @pytest.fixture

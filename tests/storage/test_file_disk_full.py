@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import subprocess
+import threading
 
 import pytest
 
@@ -59,6 +60,32 @@ def test_a_full_disk_gives_up_its_oldest_pages_and_every_store_lands(small_disk,
     assert said[0].fields["removed_pages"] >= 1
     fs = os.statvfs(small_disk)
     assert fs.f_bfree * fs.f_frsize < DISK // 4  # the disk stays used: room is made as needed, not in bulk
+    backend.close()
+
+
+def test_storage_threads_writing_at_once_on_a_full_disk_all_land(small_disk):
+    """The daemon writes with several storage threads: one thread's relief may be filled
+    by another's pages before its own write (a third of the stores failed with two)."""
+    backend = FileStorage(small_disk / "pages")
+    ks = keys(2 * DISK // BLOCK)
+    failed = []
+
+    def writer(part: list[bytes]) -> None:
+        for i in range(0, len(part), 64):
+            batch = part[i:i + 64]
+            try:
+                assert backend.put([(k, payload(k)) for k in batch]) == len(batch)
+            except StorageUnavailable as e:
+                failed.append(e)
+
+    threads = [threading.Thread(target=writer, args=(ks[n::4],)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failed == []
+    newest = ks[-200:]
+    assert backend.get(newest) == [payload(k) for k in newest]
     backend.close()
 
 

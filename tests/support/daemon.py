@@ -137,7 +137,7 @@ class DaemonProcess:
         self.env = env
         self.start_timeout = start_timeout
         self.launcher = launcher
-        self.fork = fork and forked.ENABLED and launcher == ("-m", "radixkv_server")
+        self.fork = fork and forked.usable(env) and launcher == ("-m", "radixkv_server")
         self.proc: subprocess.Popen | forked.ForkedProcess | None = None
         self.starts = 0
         self.killed = False  # the last run was ended by kill(), on purpose

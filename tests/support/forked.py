@@ -4,14 +4,16 @@ and importing torch is most of a start (a daemon is ready in ~0.5 s instead of ~
 
 The child runs `python -m radixkv_server` as the interpreter would (runpy, with the
 same arguments, environment, working directory and log files); only the imports
-preloaded here are shared. Tests whose subject is the start itself (the interpreter's
-command line, signals during the first imports, a cgroup joined before exec) use a
-real interpreter: `DaemonProcess(fork=False)`, or any `launcher`. RADIXKV_TEST_FORK=0
-turns forking off for a whole run.
+preloaded here are shared; the exit runs the atexit handlers but not the interpreter's
+teardown. Tests whose subject is the process itself (tests/ops: start, signals, exit
+codes, shutdown; a cgroup joined before exec) use a real interpreter:
+`DaemonProcess(fork=False)`, or any `launcher`. RADIXKV_TEST_FORK=0 turns forking off
+for a whole run.
 
 `ForkedProcess` is the part of subprocess.Popen that DaemonProcess uses. Its exit code
 reads as Popen's does: the code the daemon exited with, or -N for signal N."""
 
+import atexit
 import multiprocessing
 import os
 import runpy
@@ -22,7 +24,17 @@ import sys
 # What the forkserver imports once: torch and what does not bring gRPC in (the daemon
 # picks gRPC's I/O before importing it, grpc_io.py).
 PRELOAD = ["torch", "numpy", "uvloop", "prometheus_client"]
-ENABLED = os.environ.get("RADIXKV_TEST_FORK", "1") != "0"
+# Off with RADIXKV_TEST_FORK=0, and where the main program is a script rather than a
+# module's __main__ (`python -m pytest`, `python -m tests.soak`): multiprocessing would
+# run a script again in every child.
+ENABLED = (os.environ.get("RADIXKV_TEST_FORK", "1") != "0"
+           and getattr(sys.modules["__main__"], "__file__", "").endswith("__main__.py"))
+
+
+def usable(env: dict | None) -> bool:
+    """Whether a daemon with environment `env` (None: this process's) can be forked: the
+    module search path is the forkserver's, fixed when it started."""
+    return ENABLED and (env is None or env.get("PYTHONPATH") == os.environ.get("PYTHONPATH"))
 
 _context = None
 
@@ -51,7 +63,10 @@ def _run_daemon(args: list[str], cwd: str, env: dict, out_path: str, err_path: s
         signal.signal(sig, signal.SIG_DFL)  # as a fresh interpreter starts
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = ["radixkv_server", *args]  # run_module puts the module's path first, as `-m` does
-    runpy.run_module("radixkv_server", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("radixkv_server", run_name="__main__", alter_sys=True)
+    finally:  # multiprocessing ends the child with os._exit: run what an interpreter's exit would
+        atexit._run_exitfuncs()
 
 
 class ForkedProcess:

@@ -65,7 +65,7 @@ class StorageStats:
     put_bytes: int = 0     # payload bytes of those pages
     put_skipped: int = 0   # pages put() left alone because their key was present
     errors: int = 0        # calls that raised StorageUnavailable
-    evicted: int = 0       # pages the backend removed to stay in its bound (file max_size)
+    evicted: int = 0       # pages the backend removed: to stay in its bound (file max_size), or on a full disk
     seconds: float = 0.0   # wall time spent talking to the store
 
     def snapshot(self) -> "StorageStats":

@@ -15,8 +15,9 @@ which nothing reads; an operator may delete old ones
 With `max_bytes` the directory is kept near that size, the pages used least recently
 removed first (file_budget.py); without, it grows until the disk is full. A page the
 full disk refuses (ENOSPC, EDQUOT) makes room: the oldest pages of its shard go (a
-tenth of it) and it is written again; only when its shard holds no page (what fills the
-disk is not ours) does the store fail (reads go on).
+tenth of it) and it is written again (again while other writers take the room, a few
+times at most); only when its shard holds none of our pages does the store fail (reads
+go on).
 
 The top directory is created when the backend opens and never again: if it disappears
 later (an unmounted volume, an operator's `rm -r`), every call raises StorageUnavailable
@@ -49,6 +50,7 @@ _PAGE_ERRORS = frozenset({errno.EACCES, errno.EPERM, errno.EISDIR, errno.ELOOP})
 _LOGGED_PATHS = 1024  # unreadable page files remembered (the probe skips them) and logged once each, at most
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 DISK_FULL_LOG_EVERY_S = 60.0
+MAKE_ROOM_TRIES = 8  # reliefs one page's write may make on a full disk
 
 log = logging.getLogger("radixkv.storage")
 
@@ -180,16 +182,24 @@ class FileStorage(StorageBackend):
             present = os.path.exists(path)
             if not present:
                 parts = blob if isinstance(blob, tuple) else (blob,)
-                try:
-                    self._write(path, parts)
-                except OSError as exc:
-                    if exc.errno not in _DISK_FULL or not self._make_room(path):
-                        raise
-                    self._write(path, parts)  # a full disk again raises: the store fails
+                self._write_making_room(path, parts)
                 if self.budget is not None:
                     self._count(evicted=self.budget.wrote(path, sum(memoryview(p).nbytes for p in parts)))
             stored.append(not present)
         return stored
+
+    def _write_making_room(self, path: str, parts: tuple) -> None:
+        """`_write`, making room on a full disk (`_make_room`) and trying again while that
+        removes pages: other storage threads (other daemons) may fill what one relief
+        freed before this write gets it. At most MAKE_ROOM_TRIES reliefs; then, or when
+        nothing of ours is left to remove, the disk's error is the store's."""
+        for tries in itertools.count(1):
+            try:
+                self._write(path, parts)
+                return
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL or tries > MAKE_ROOM_TRIES or not self._make_room(path):
+                    raise
 
     def _make_room(self, path: str) -> bool:
         """The disk is full (ENOSPC, or the user's quota): remove the pages used least
