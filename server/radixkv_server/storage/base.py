@@ -14,7 +14,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from urllib.parse import urlsplit
 
 from ..logs import log_event
 from .errors import StorageUnavailable
@@ -159,8 +158,7 @@ class StorageBackend(ABC):
                 except NotForThisReader:
                     misses += 1
                 except CorruptPage as exc:
-                    log_event(log, "storage.page_damaged", logging.WARNING, store=self.name, key=key.hex(), error=exc,
-                              note="dropped: a miss, stored again by the next store of that page")
+                    self._damaged(key, exc)
                     damaged.append(key)
             out.append(payload)
         self._count(gets=len(keys), misses=misses, corrupt=len(damaged), get_bytes=nbytes)
@@ -328,9 +326,12 @@ class StorageBackend(ABC):
         except NotForThisReader:
             return Read.MISS
         except CorruptPage as exc:
-            log_event(log, "storage.page_damaged", logging.WARNING, store=self.name, key=key.hex(), error=exc,
-                      note="dropped: a miss, stored again by the next store of that page")
+            self._damaged(key, exc)
             return Read.DAMAGED
+
+    def _damaged(self, key: bytes, why: CorruptPage) -> None:
+        log_event(log, "storage.page_damaged", logging.WARNING, store=self.name, key=key.hex(), error=why,
+                  note="dropped: a miss, stored again by the next store of that page")
 
     @abstractmethod
     def _discard(self, keys: list[bytes]) -> None:
@@ -389,14 +390,3 @@ def _checked_items(items) -> list[tuple[bytes, bytes]]:
         if not isinstance(item[1], (bytes, bytearray, memoryview)):
             raise TypeError(f"put: payload must be bytes-like, got {type(item[1]).__name__}")
     return items
-
-
-def redact_url(url: str) -> str:
-    """The URL without credentials and query (which may carry a password)."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:  # a malformed port: show none rather than fail while reporting
-        port = None
-    host = (parts.hostname or "") + (f":{port}" if port is not None else "")
-    return f"{parts.scheme}://{host}{parts.path}"

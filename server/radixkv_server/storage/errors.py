@@ -1,4 +1,7 @@
-"""What a storage call raises when the store fails (shared by every backend)."""
+"""What a storage call raises when the store fails (shared by every backend), and how a
+store's URL is shown in errors and logs (`redact_url`)."""
+
+from urllib.parse import urlsplit
 
 
 class StorageUnavailable(Exception):
@@ -30,3 +33,14 @@ class StorageTimeout(StorageUnavailable):
 
 
 __all__ = ["StorageFull", "StorageTimeout", "StorageUnavailable"]
+
+
+def redact_url(url: str) -> str:
+    """The URL without credentials and query (which may carry a password)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # a malformed port: show none rather than fail while reporting
+        port = None
+    host = (parts.hostname or "") + (f":{port}" if port is not None else "")
+    return f"{parts.scheme}://{host}{parts.path}"

@@ -68,10 +68,10 @@ class DiskBudget:
         fs = os.statvfs(self.directory)
         size = fs.f_blocks * fs.f_frsize
         if self.max_bytes > size:
-            log_event(log, "storage.max_size_past_disk", logging.WARNING, directory=self.directory, max_size=self.max_bytes,
-                      disk_size=size, note="the disk fills before max_size (then each page it refuses removes old "
-                      "ones); give it a max_size below the disk's size (the fan-out directories take up to "
-                      "~260 MiB more)")
+            log_event(log, "storage.max_size_past_disk", logging.WARNING, directory=self.directory,
+                      max_size=self.max_bytes, disk_size=size,
+                      note="the disk fills before max_size (then each page it refuses removes old ones); give it "
+                      "a max_size below the disk's size (the fan-out directories take up to ~260 MiB more)")
 
     def wrote(self, path: str, nbytes: int) -> int:
         """A page file of `nbytes` was written at `path` (under the directory's shard

@@ -88,7 +88,8 @@ class Membership:
         for a in addresses:
             code = store.unregister_buffer(a)
             if code != 0:
-                log_event(log, "storage.unregister_failed", logging.WARNING, store=self.name, address=f"{a:#x}", code=code)
+                log_event(log, "storage.unregister_failed", logging.WARNING, store=self.name, address=f"{a:#x}",
+                          code=code)
 
     def client(self):
         """The joined store, or StorageUnavailable while joining is in progress or failed."""

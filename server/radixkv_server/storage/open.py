@@ -12,7 +12,8 @@ from collections.abc import Callable
 from urllib.parse import SplitResult, parse_qs, unquote, urlencode, urlsplit
 
 from ..units import parse_size
-from .base import StorageBackend, redact_url
+from .base import StorageBackend
+from .errors import redact_url
 
 Opener = Callable[[str, SplitResult, dict[str, str]], StorageBackend]
 

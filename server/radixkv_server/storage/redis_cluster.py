@@ -182,8 +182,8 @@ class RedisClusterStorage(StorageBackend):
         try:
             self._client.nodes_manager.initialize()
         except (RedisError, RedisClusterException, OSError) as e:
-            log_event(log, "storage.slot_map_failed", logging.WARNING, store=self.name, error=f"{type(e).__name__}: {e}",
-                      note="the current slot map is kept")
+            log_event(log, "storage.slot_map_failed", logging.WARNING, store=self.name,
+                      error=f"{type(e).__name__}: {e}", note="the current slot map is kept")
 
     def _connected(self) -> RedisCluster:
         if self._client is None:

@@ -29,7 +29,8 @@ from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from .base import StorageBackend, redact_url
+from .base import StorageBackend
+from .errors import redact_url
 
 # Options redis-py reads from a URL, beyond those it parses by type above.
 _URL_OPTIONS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {
