@@ -213,8 +213,8 @@ class FileStorage(StorageBackend):
             if now - self._full_said >= DISK_FULL_LOG_EVERY_S:
                 self._full_said, said, self._full_removed = now, self._full_removed, 0
                 log_event(log, "storage.disk_full", logging.WARNING, store=self.name, removed_pages=said,
-                          note=("pages used least recently removed to make room" if removed else
-                                "no page of ours where the next one goes: the store fails") +
+                          note="pages used least recently removed to make room" + (
+                              "" if removed else "; none of ours left where this page goes: its store fails") +
                           "; give the directory a max_size below the disk's free space to keep room")
         self._count(evicted=removed)
         return removed > 0
