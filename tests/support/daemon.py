@@ -164,18 +164,15 @@ class DaemonProcess:
         raise AssertionError("unreachable")
 
     def _spawn(self) -> None:
+        args = ["--listen", self.target, *self.flags]
         if self.fork:
-            self.proc = forked.ForkedProcess(["--listen", self.target, *self.flags], self.dir, self.env,
-                                             self.out_path or self.log_path, self.log_path)
-            self.starts += 1
-            self.killed = False
-            return
-        with contextlib.ExitStack() as files:
-            err = files.enter_context(open(self.log_path, "ab"))
-            out = files.enter_context(open(self.out_path, "ab")) if self.out_path else err
-            self.proc = subprocess.Popen(
-                [sys.executable, *self.launcher, "--listen", self.target, *self.flags],
-                stdout=out, stderr=err, cwd=self.dir, env=self.env)
+            self.proc = forked.ForkedProcess(args, self.dir, self.env, self.out_path or self.log_path, self.log_path)
+        else:
+            with contextlib.ExitStack() as files:
+                err = files.enter_context(open(self.log_path, "ab"))
+                out = files.enter_context(open(self.out_path, "ab")) if self.out_path else err
+                self.proc = subprocess.Popen([sys.executable, *self.launcher, *args], stdout=out, stderr=err,
+                                             cwd=self.dir, env=self.env)
         self.starts += 1
         self.killed = False
 

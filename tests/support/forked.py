@@ -36,6 +36,7 @@ def usable(env: dict | None) -> bool:
     module search path is the forkserver's, fixed when it started."""
     return ENABLED and (env is None or env.get("PYTHONPATH") == os.environ.get("PYTHONPATH"))
 
+
 _context = None
 
 
