@@ -93,8 +93,8 @@ class Client(ClientBase):
         insert with `async_`, load_back with `lease`/`start_page`); `tp_rank`/`tp_size`
         shard each page over the ranks; `instance` names the engine (logs). Any number of
         sessions share such a namespace, all with one layout and tp_size. A managed-device
-        engine split over tensor-parallel ranks (a namespace per rank) passes its
-        `tp_rank`/`tp_size` too: they name its shard in the storage keys."""
+        engine split over tensor-parallel ranks registers every rank on one namespace
+        with its `tp_rank`/`tp_size`; rank 0's client makes the calls (docs/engines.md)."""
         return self._run(self._session.register(
             namespace, layout, buffers, num_device_pages, backend=backend, device=device,
             write_policy=write_policy, host_pool_pages=host_pool_pages,

@@ -49,12 +49,13 @@ class Engine:
 
     @classmethod
     async def register(cls, daemon: Daemon, namespace: str, *, write_policy: str = "write_back",
-                       replace: bool = False) -> "Engine":
+                       replace: bool = False, tp_rank: int = 0, tp_size: int = 1) -> "Engine":
         buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
         try:
             done = await daemon.register(Registration(
                 namespace=namespace, layout=LAYOUT, backend="shm", device=0, buffers=buffers.specs(),
-                num_device_pages=NUM_PAGES, write_policy=write_policy, replace_existing=replace))
+                num_device_pages=NUM_PAGES, write_policy=write_policy, replace_existing=replace,
+                tp_rank=tp_rank, tp_size=tp_size))
         except BaseException:
             buffers.close()
             raise
@@ -75,7 +76,7 @@ class Engine:
         self.ns.release(self.session, leases)
 
     async def evict(self, num_pages: int) -> EvictAnswer:
-        return await self.ns.evict(num_pages)
+        return await self.ns.evict(self.session, num_pages)
 
     def fill(self, pages: list[int], seed: int) -> None:
         """Write a distinct byte pattern into device pages `pages` of every buffer."""

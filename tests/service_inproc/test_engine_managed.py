@@ -137,7 +137,7 @@ def test_evict_and_scheduler_saves_are_refused_with_clear_errors():
             eng = await Rank.register(daemon, "m")
             sched = await Rank.register(daemon, "m", role="scheduler")
             with pytest.raises(ServiceError, match="engine-managed") as e:
-                await eng.ns.evict(4)
+                await eng.ns.evict(eng.session, 4)
             assert code(e) == grpc.StatusCode.FAILED_PRECONDITION
             with pytest.raises(ServiceError, match="ENGINE session") as e:
                 await sched.save(prompt(0, 1), [0])

@@ -44,6 +44,8 @@ class EngineDouble:
     their owners (`pool`), and after `register` its client (`client`) and the daemon's
     answer (`registration`). `close` ends the session and frees the buffers."""
 
+    kv_salt = b""  # mixed into the pattern's keys: ranks of one engine hold different KV
+
     def __init__(self, layout: KvLayout = LAYOUT, num_pages: int = 128, backend: str = "shm", device: int = 0):
         self.layout = layout
         self.page_size = layout.page_size
@@ -104,11 +106,11 @@ class EngineDouble:
     def prefill(self, tokens, extra_key: bytes = b"") -> InsertResult:
         """"Compute" every whole page of `tokens` (write its pattern) and insert it."""
         packed = pack(tokens)
-        keys = page_keys(packed, self.page_size, extra_key)[: len(packed) // 4 // self.page_size]
-        pages = self.allocate(len(keys))
+        n = len(packed) // 4 // self.page_size
+        pages = self.allocate(n)
         if pages is None:
-            raise RuntimeError(f"{len(keys)} device pages wanted, {self.pool.num_free} free after evicting")
-        self.kv.write(pages, keys)
+            raise RuntimeError(f"{n} device pages wanted, {self.pool.num_free} free after evicting")
+        self.write_kv(pages, packed, extra_key)
         result = self.client.insert(packed, pages, extra_key=extra_key)
         redundant = set(result.redundant_pages)
         self.pool.free(result.redundant_pages, "Insert redundant")
@@ -142,9 +144,13 @@ class EngineDouble:
             pages, n = list(lb.device_pages), lb.device_tokens
         return n, self.verify(packed[: n * 4], pages)
 
+    def write_kv(self, pages: list[int], packed: bytes, extra_key: bytes = b"") -> None:
+        """"Compute" the KV of `packed`'s whole pages into `pages`."""
+        self.kv.write(pages, page_keys(packed, self.page_size, extra_key + self.kv_salt)[: len(pages)])
+
     def verify(self, packed: bytes, pages: list[int], extra_key: bytes = b"") -> tuple[int, int]:
         """(byte, chunk) mismatches of `pages` against the pattern of `packed` tokens."""
-        return self.kv.mismatches(pages, page_keys(packed, self.page_size, extra_key)[: len(pages)])
+        return self.kv.mismatches(pages, page_keys(packed, self.page_size, extra_key + self.kv_salt)[: len(pages)])
 
     def counters(self) -> dict:
         """The first namespace's counters, from Stats."""

@@ -59,17 +59,14 @@ def namespace_salt(model: str, layout_fingerprint: str) -> bytes:
     return _hash(data).digest()
 
 
-def layout_fingerprint(layout, tp_size: int = 1, rank: int | None = None) -> str:
+def layout_fingerprint(layout, tp_size: int = 1) -> str:
     """The fingerprint `f` of `layout` (a `radixkv.layout.KvLayout`): everything about it
     that changes a page's bytes, as
-    `{kv_format}:{num_layers}x{num_kv_heads}x{head_dim}:{dtype}:p{page_size}{shards}`. An
-    engine-managed namespace's host page holds `tp_size` rank shards one after another:
+    `{kv_format}:{num_layers}x{num_kv_heads}x{head_dim}:{dtype}:p{page_size}{shards}`. A
+    tensor-parallel namespace's host page holds `tp_size` rank shards one after another:
     as many heads as one unsharded page, in another order, so the shard count is part of
-    it; a managed-device namespace of one tensor-parallel `rank` holds that rank's shard
-    alone, so the rank is too (ranks of one model computing the same prompt must never
-    read each other's pages). Both written only past 1 rank, so unsharded keys stay as
-    they were."""
-    shards = "" if tp_size <= 1 else f":tp{tp_size}" if rank is None else f":tp{tp_size}r{rank}"
+    it (written only past 1 rank, so unsharded keys stay as they were)."""
+    shards = "" if tp_size <= 1 else f":tp{tp_size}"
     return (f"{layout.kv_format}:{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}:"
             f"{layout.dtype}:p{layout.page_size}{shards}")
 

@@ -10,8 +10,9 @@ from .device import BufferSpec, CopyError, CopyJob, DeviceBuffers, DeviceOpenErr
 from .host_pool import HostPool
 from .host_shard import HostShard
 from .open import BACKENDS, open_device_buffers
+from .ranked_buffers import RankedBuffers
 
 __all__ = [
     "BACKENDS", "BufferSpec", "CopyEngine", "CopyError", "CopyJob", "DeviceBuffers",
-    "DeviceOpenError", "HostPool", "HostShard", "SegmentNotYours", "open_device_buffers",
+    "DeviceOpenError", "HostPool", "HostShard", "RankedBuffers", "SegmentNotYours", "open_device_buffers",
 ]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..config import DaemonConfig
 from ..core.errors import CacheError
 from ..logs import log_event
-from . import engine_registration, host_budget, registration
+from . import engine_registration, host_budget, rank_registration, registration
 from .errors import ServiceError, exhausted, not_found, precondition, unavailable
 from .expiry import Expiry
 from .idle_checks import IdleChecks
@@ -102,6 +102,9 @@ class Daemon:
             async with self._register_lock:
                 return await engine_registration.register(self, reg)
         await self._closes_ended(reg.namespace)  # its engine went: taken once the close ends
+        if reg.tp_size > 1:  # one namespace, a session per rank: see rank_registration
+            async with self._register_lock:
+                return await rank_registration.register(self, reg)
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
             replacing = ns is not None and self._check_free(ns, reg)
@@ -142,11 +145,12 @@ class Daemon:
                 f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
         return True
 
-    def admit(self, reg: registration.Registration, ns, replacing: bool = False):
+    def admit(self, reg: registration.Registration, ns, replacing: int = 0):
         """The daemon's limits for a Register joining namespace `ns` (None: creating it),
         checked before anything is taken, for both kinds of namespace: the namespace and
-        session limits (a replaced session frees its place) and, for a new namespace, the
-        host memory budget its whole host pool counts against (host_budget.py).
+        session limits (the `replacing` sessions it replaces free their places) and, for a
+        new namespace, the host memory budget its whole host pool counts against
+        (host_budget.py).
         RESOURCE_EXHAUSTED past one. Returns the new namespace's config; None when joining."""
         if ns is None and len(self.namespaces) >= self.config.max_namespaces:
             raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
@@ -243,11 +247,15 @@ class Daemon:
 
     async def _end_session(self, session: Session, reason: str, by_close: bool = False) -> None:
         ns = session.namespace
+        partners = ns.partners(session)  # the other ranks of a tensor-parallel engine end with it
         try:
             await ns.end_session(session)
         finally:
             if ns.session is session:
                 ns.session = None
+            for other in partners:
+                self.close_in_background(other, f"rank {session.rank} of its engine's tensor-parallel group "
+                                                f"was closed ({reason})")
             self.sessions.forget(session, reason)
             for stream in (session.ack_stream, session.session_stream):  # still open: a replaced
                 if stream is not None and self.accepting:  # engine's, or a Close from another client

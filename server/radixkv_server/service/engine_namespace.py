@@ -170,7 +170,7 @@ class EngineNamespace:
         """See `NamespaceCore.release`."""
         self.core.release(session, leases)
 
-    async def evict(self, num_pages: int) -> EvictAnswer:
+    async def evict(self, session: Session, num_pages: int) -> EvictAnswer:
         raise precondition(f"namespace {self.name} is engine-managed: the engines keep their own blocks and the "
                            "daemon holds none to evict (host room is made by the daemon itself)")
 
@@ -206,6 +206,10 @@ class EngineNamespace:
             raise invalid(f"lease {lease} covers node {held}'s path, which does not contain node {node}")
 
     # -- sessions come and go ---------------------------------------------------------------------
+
+    def partners(self, session: Session) -> list[Session]:
+        """None: each session of an engine-managed namespace ends alone."""
+        return []
 
     def device_uuid(self, session: Session) -> str:
         """Always "": Register reports no GPU for an engine-managed session."""

@@ -50,7 +50,7 @@ async def release(daemon: Daemon, session: Session, request: pb.ReleaseRequest,
 async def evict(daemon: Daemon, session: Session, request: pb.EvictRequest,
                 out: pb.EvictResponse | None = None) -> pb.EvictResponse:
     session.namespace.order_after(session, convert.engine_event(request))
-    answer = await session.namespace.evict(request.num_pages)
+    answer = await session.namespace.evict(session, request.num_pages)
     return convert.evict_response(answer, pb.EvictResponse() if out is None else out)
 
 

@@ -25,6 +25,7 @@ from .calls import EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, Mat
 from .errors import invalid
 from .namespace_config import NamespaceConfig
 from .namespace_core import NamespaceCore
+from .rank_group import RankGroup
 from .sessions import Session
 
 log = logging.getLogger("radixkv.namespace")
@@ -39,11 +40,16 @@ class Namespace:
 
     engine_managed = False
 
-    def __init__(self, config: NamespaceConfig, host_pool: HostPool, device: DeviceBuffers, *,
-                 metrics=None, storage=None):
-        """`storage`: the daemon's StorageBackend, or None. Call on the event loop."""
-        self.core = NamespaceCore(config, host_pool, num_device_pages=device.num_pages, metrics=metrics,
+    def __init__(self, config: NamespaceConfig, host_pool: HostPool, device: DeviceBuffers | None, *,
+                 num_device_pages: int = 0, metrics=None, storage=None):
+        """`device`: the engine's buffers; None for a tensor-parallel namespace
+        (`config.tp_size` > 1), whose ranks join (`join_rank`) with `num_device_pages`
+        each. `storage`: the daemon's StorageBackend, or None. Call on the event loop."""
+        num_device_pages = device.num_pages if device is not None else num_device_pages
+        self.core = NamespaceCore(config, host_pool, num_device_pages=num_device_pages, metrics=metrics,
                                   storage=storage)
+        self.num_device_pages = num_device_pages
+        self.group = RankGroup(config.name, config.tp_size, num_device_pages) if config.tp_size > 1 else None
         self.name, self.layout, self.config, self.host_pool = config.name, config.layout, config, host_pool
         self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
         self.session: Session | None = None  # the attached engine's session; set by the Daemon
@@ -51,27 +57,36 @@ class Namespace:
         self._abandoned: set[asyncio.Task] = set()  # Evicts whose callers gave up (see `evict`)
         self._dropped_at_detach = 0  # tokens the last session's end dropped, for the next Register
         self._room_waited: set[int] = set()  # copies an Evict waited for host room on (see `_evict`)
-        self.copies.attach(device)
+        if device is not None:
+            self.copies.attach(device)
 
     @property
     def attached(self) -> bool:
-        """Whether an engine's session is attached (Stats' `attached`)."""
-        return self.session is not None
+        """Whether an engine's session is attached (Stats' `attached`): of a
+        tensor-parallel namespace, any rank's."""
+        return self.session is not None or bool(self.group and self.group.sessions)
 
     @classmethod
-    async def open(cls, config: NamespaceConfig, device: DeviceBuffers, *,
+    async def open(cls, config: NamespaceConfig, device: DeviceBuffers | None, *, num_device_pages: int = 0,
                    metrics=None, storage=None) -> "Namespace":
         """A new namespace; its host pool is allocated (and pinned) off the loop."""
         pool = await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(HostPool, config.host_layout, config.host_pages, device=config.pin_device,
                                     prefault=config.prefault_host))
-        return cls(config, pool, device, metrics=metrics, storage=storage)
+        return cls(config, pool, device, num_device_pages=num_device_pages, metrics=metrics, storage=storage)
+
+    def _check_caller(self, session: Session, what: str) -> None:
+        """A tensor-parallel namespace takes tree calls from its complete group's rank 0
+        only (`RankGroup.check_driver`); any session otherwise."""
+        if self.group is not None:
+            self.group.check_driver(session, what)
 
     # -- engine operations ----------------------------------------------------------------
 
     async def match(self, session: Session, prompts: list[Prompt], lease: bool,
                     include_storage: bool = False) -> list[MatchAnswer]:
         """See `NamespaceCore.match`."""
+        self._check_caller(session, "Match")
         return await self.core.match(session, prompts, lease, include_storage)
 
     def order_after(self, session: Session, engine_event: bytes) -> None:
@@ -84,6 +99,8 @@ class Namespace:
         """Hand finished KV to the cache (waiting for copies the core names first), then
         release `release_lease` and take a lease if asked. NOT_FOUND for a lease the
         session does not hold, checked before anything changes."""
+        self._check_caller(session, "Insert")
+
         def attempt():
             if request.release_lease:
                 session.check_lease(request.release_lease)
@@ -100,6 +117,7 @@ class Namespace:
         ack for the transfer. On CUDA, answers once the copy is enqueued (with its events).
         `lease`, `start_page` and `wait` are for engine-managed namespaces only
         (INVALID_ARGUMENT)."""
+        self._check_caller(session, "LoadBack")
         if lease or start_page or wait:
             raise invalid("LoadBack: lease, start_page and wait are for engine-managed namespaces; a "
                           "managed-device load re-plans from the tree's device prefix and is acknowledged")
@@ -112,6 +130,7 @@ class Namespace:
     async def ack(self, session: Session, transfer: int) -> FinishResult:
         """Finish a load-back of this session once its copy completed. NOT_FOUND (saying
         so) for one that expired."""
+        self._check_caller(session, "Ack")
         return await self.core.ack(self.cache.finish_load_back, session, transfer)
 
     async def finish(self, transfer: int, owner=None, missing_ok: bool = False) -> FinishResult | None:
@@ -120,9 +139,10 @@ class Namespace:
 
     def release(self, session: Session, leases: list[int]) -> None:
         """See `NamespaceCore.release`."""
+        self._check_caller(session, "Release")
         self.core.release(session, leases)
 
-    async def evict(self, num_pages: int) -> EvictAnswer:
+    async def evict(self, session: Session, num_pages: int) -> EvictAnswer:
         """Free up to `num_pages` device pages, waiting for write-backs, and, once, for the
         write-through backups in flight when too few nodes could leave (a node being
         backed up stays until its host copy is whole: with asynchronous copies, a GPU's,
@@ -133,6 +153,7 @@ class Namespace:
         frees have left the tree and belong to the engine, so the next Evict waits for it
         and answers them too, on top of what it frees itself (up to `num_pages` in all,
         or more when the abandoned one freed more)."""
+        self._check_caller(session, "Evict")
         earlier = await self._abandoned_answer()
         # No await since `earlier` was taken: the task holds its pages from here on.
         task = asyncio.ensure_future(self._evict(num_pages - count(earlier.freed_pages), earlier))
@@ -222,19 +243,52 @@ class Namespace:
 
     def prefetch(self, session: Session, request: PrefetchRequest) -> AsyncIterator[PrefetchStep]:
         """See `NamespaceCore.prefetch`."""
+        self._check_caller(session, "Prefetch")
         return self.core.prefetch(session, request)
 
     # -- sessions and buffers come and go ---------------------------------------------------
 
     def device_uuid(self, session: Session) -> str:
         """The GPU the session's buffers were opened on ("" unless CUDA)."""
+        if self.group is not None:
+            return self.group.device_uuids.get(session.rank, "")
         return self.copies.device_uuid
 
     async def end_session(self, session: Session) -> None:
         """What the session held ends with it: its load-backs are finished (after their
-        copies), its leases released, the engine's device buffers closed."""
+        copies), its leases released, the engine's device buffers closed. A rank of a
+        tensor-parallel group ends the group's hold: the driver's load-backs and leases
+        end, and every rank's buffers close (its other sessions are ended by the daemon,
+        `partners`)."""
+        if self.group is not None:
+            await self._end_rank(session)
+            return
         await self.core.end_holdings(self.cache.finish_load_back, session, self.cache.pending_loads(session.id))
         await self.detach()
+
+    async def _end_rank(self, session: Session) -> None:
+        driver = self.group.driver
+        if driver is not None:
+            await self.core.end_holdings(self.cache.finish_load_back, driver, self.cache.pending_loads(driver.id))
+        if self.session is session:
+            self.session = None
+        if self.group.leave(session):
+            await self.detach()
+
+    def partners(self, session: Session) -> list[Session]:
+        """The sessions that end with `session`: the other ranks of its tensor-parallel
+        group (none otherwise)."""
+        return self.group.partners(session) if self.group is not None else []
+
+    async def join_rank(self, session: Session, device: DeviceBuffers) -> int:
+        """Rank `session.rank` of a tensor-parallel namespace joins with its buffers (its
+        place free: the registration checked). Once every rank is in, their buffers are
+        attached as one device (`attach`). Returns the tokens dropped with the previous
+        group's device residency (answered to the rank that completes the group)."""
+        if session.rank == 0:
+            self.session = session
+        ranked = self.group.join(session, device)
+        return 0 if ranked is None else await self.attach(ranked)
 
     async def attach(self, device: DeviceBuffers) -> int:
         """Swap in a restarted engine's device buffers: wait for copies (not stores of
@@ -273,6 +327,8 @@ class Namespace:
         """Drain copies, stop the copy threads, close the device buffers (IPC handles),
         stop storage I/O and close the host pool (unpinning it); KV-event subscribers
         told to forget the namespace. Idempotent."""
+        if self.group is not None:
+            self.group.close()
         await self.core.close()
 
     # -- operators --------------------------------------------------------------------------
@@ -287,8 +343,14 @@ class Namespace:
 
     def check_invariants(self) -> list[str]:
         """The core's violations, and any lease of the attached session naming a node
-        that is not locked."""
+        that is not locked; of a tensor-parallel namespace, also a complete group whose
+        buffers are not attached, and a driver that is not its rank 0."""
         out = self.cache.check_invariants()
         if self.session is not None:
             out += self.core.lease_violations(self.session)
+        if self.group is not None:
+            if self.group.complete and self.copies.device is None:  # (attached while incomplete: a close)
+                out.append(f"every one of {self.group.tp_size} ranks is in, yet their buffers are not attached")
+            if self.session is not self.group.driver:
+                out.append("the namespace's session is not its group's rank 0")
         return out

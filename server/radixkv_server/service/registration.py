@@ -63,9 +63,9 @@ class Registered:
 
 
 def storage_salt(reg: Registration) -> bytes:
-    """The salt of the storage keys of the namespace `reg` creates or attaches to."""
-    rank = None if reg.engine_managed else reg.tp_rank
-    return namespace_salt(reg.model_name, layout_fingerprint(reg.layout, reg.tp_size, rank))
+    """The salt of the storage keys of the namespace `reg` creates or attaches to: its
+    host pages hold every rank's shard, so the rank count is part of it."""
+    return namespace_salt(reg.model_name, layout_fingerprint(reg.layout, reg.tp_size))
 
 
 def check_namespace_name(name: str) -> None:
@@ -89,7 +89,7 @@ def validate(reg: Registration) -> None:
             return
     elif reg.role != "engine":
         raise invalid("role is for engine-managed namespaces (device_tier ENGINE_MANAGED); a managed-device "
-                      "namespace has one ENGINE session (of one tensor-parallel rank: tp_rank, tp_size)")
+                      "namespace has one ENGINE session per tensor-parallel rank (tp_rank, tp_size)")
     if reg.num_device_pages < 1:
         raise invalid("num_device_pages must be >= 1")
     if reg.num_device_pages > MAX_PAGES:
@@ -139,9 +139,10 @@ def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
     if ns.config.model != reg.model_name:
         raise precondition(f"namespace {ns.name} holds KV of model {ns.config.model!r}, not {reg.model_name!r}: "
                            "another model's KV must not be served; use a new namespace name for this one")
-    if not reg.engine_managed and ns.config.cache.storage_salt != storage_salt(reg):
-        raise precondition(f"namespace {ns.name} holds another tensor-parallel shard than tp_rank {reg.tp_rank} "
-                           f"of tp_size {reg.tp_size}; each rank uses a namespace of its own")
+    if not reg.engine_managed and ns.config.tp_size != reg.tp_size:
+        raise precondition(f"namespace {ns.name} is shared by tp_size {ns.config.tp_size} tensor-parallel ranks, "
+                           f"this session says tp_size {reg.tp_size}: every rank of an engine registers on one "
+                           "namespace with the engine's tp_size")
     if policy != ns.config.cache.write_policy.value:
         raise precondition(f"namespace {ns.name} uses write policy {ns.config.cache.write_policy.value}, "
                            f"not {policy}")
@@ -154,11 +155,11 @@ def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
 
 def namespace_config(config: DaemonConfig, reg: Registration, storage_on: bool) -> NamespaceConfig:
     """The config of the namespace `reg` creates (its write policy the request's, else the
-    daemon's). An engine-managed namespace's host pages hold every rank's shard
+    daemon's). A tensor-parallel namespace's host pages hold every rank's shard
     (`tp_size`): its pool is sized, and its storage keys salted, by that whole page.
     INVALID_ARGUMENT for a bad policy, RESOURCE_EXHAUSTED for a host pool past the
     per-namespace limit."""
-    tp_size = reg.tp_size if reg.engine_managed else 1
+    tp_size = reg.tp_size
     host = dataclasses.replace(reg, layout=host_layout(reg.layout, tp_size))
     return NamespaceConfig(
         name=reg.namespace, layout=reg.layout,

@@ -1,0 +1,76 @@
+"""Registering a rank of a tensor-parallel managed-device namespace (`tp_size` > 1).
+
+Every rank of the engine registers on the one namespace with its own buffers and the
+same layout, `tp_size`, page count and page split; the first one creates it (host
+pages of every rank's shard). The group gathers until every rank is in
+(`rank_group.RankGroup`). A rank's place taken by a live session is refused unless the
+Register says `replace_existing`: then the whole group holding it is closed first (a
+restarted engine restarts every rank). Called by `Daemon.register` under its
+registration lock, once no session of the namespace is closing.
+"""
+
+import asyncio
+import logging
+
+from ..logs import log_event
+from . import registration
+from .errors import precondition, unavailable
+from .namespace import Namespace
+from .sessions import Session
+
+log = logging.getLogger("radixkv.daemon")
+
+
+def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[Session]:
+    """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns`; the group's
+    sessions to close first when the rank's place is taken and `replace_existing` asks."""
+    registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
+    if reg.num_device_pages != ns.num_device_pages:
+        raise precondition(f"namespace {ns.name}'s ranks hold {ns.num_device_pages} device pages each, this rank "
+                           f"{reg.num_device_pages}: the ranks of an engine share one page table")
+    holder = ns.group.sessions.get(reg.tp_rank)
+    if holder is None:
+        return []
+    if holder.closing:
+        raise unavailable(f"namespace {reg.namespace}'s rank {reg.tp_rank} session is closing (its engine went); "
+                          "register again")
+    if not reg.replace_existing:
+        raise precondition(
+            f"rank {reg.tp_rank} of namespace {reg.namespace} is attached to a live session (engine "
+            f"{holder.engine or 'unnamed'}); after an engine restart pass replace_existing (it replaces every "
+            "rank of that engine)")
+    return list(ns.group.sessions.values())
+
+
+async def register(daemon, reg: registration.Registration) -> registration.Registered:
+    """Join rank `reg.tp_rank` to the namespace `reg` names, creating it for the first
+    rank. Errors change nothing."""
+    ns = daemon.namespaces.get(reg.namespace)
+    replaced = sessions_to_replace(ns, reg) if ns is not None else []
+    config = daemon.admit(reg, ns, len(replaced))
+    device = await registration.open_device(reg)  # before the live sessions go: errors change nothing
+    try:
+        for old in replaced:
+            await daemon.close_session(old, "replaced by a new registration")
+        warm = ns is not None
+        if ns is None:
+            ns = daemon.add_namespace(await Namespace.open(
+                config, None, num_device_pages=reg.num_device_pages, metrics=daemon.metrics,
+                storage=daemon.storage))
+    except BaseException:
+        device.close()
+        raise
+    session = daemon.sessions.new(ns, reg.engine)
+    session.rank, session.device_pages = reg.tp_rank, reg.num_device_pages
+    ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
+    # Shielded: a caller gone mid-attach leaves a whole group (its session idles out), never
+    # buffers that neither the group nor the copies hold.
+    dropped = await asyncio.shield(ns.join_rank(session, device))  # owns the buffers from here
+    log_event(log, "session.registered", namespace=ns.name, session=session.id[:8], engine=reg.engine,
+              backend=reg.backend, device_pages=reg.num_device_pages, host_pages=ns.host_pool.num_pages,
+              tp_rank=reg.tp_rank, tp_size=reg.tp_size, waiting_for=ns.group.missing(), warm=warm,
+              dropped_tokens=dropped)
+    return registration.Registered(session, warm, dropped)
+
+
+__all__ = ["register", "sessions_to_replace"]

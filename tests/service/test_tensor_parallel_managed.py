@@ -1,0 +1,97 @@
+"""A tensor-parallel engine on one managed-device namespace (SGLang's way: one page table
+for every rank), against a real daemon.
+
+Each rank registers its own buffers on the one namespace; rank 0's session makes the
+calls; every copy covers every rank, so what comes back to a rank's pages is that
+rank's own KV. A rank that leaves ends its engine's sessions, and the host tier stays
+for the engine's next start.
+"""
+
+import pytest
+
+from radixkv import errors
+from radixkv.client import Client
+from tests.support.daemon import wait_for
+from tests.support.engine import PS, EngineDouble, prompt
+from tests.support.ranked_engine import RankedEngine
+
+DEADLINE_S = 20.0
+
+
+def test_every_rank_gets_its_own_kv_back_from_the_host_tier(daemon_factory):
+    d = daemon_factory()
+    engine = RankedEngine(tp_size=2)
+    try:
+        engine.register(d.target, "llama", ranks=[0])
+        with pytest.raises(errors.FailedPrecondition, match="waits for rank 1 of 2 to register"):
+            engine.driver.client.match([prompt(1)])
+        engine.register(d.target, "llama", ranks=[1])
+        with pytest.raises(errors.FailedPrecondition, match="rank 0's session makes its calls"):
+            engine.ranks[1].client.match([prompt(1)])
+
+        engine.driver.prefill_to_host([prompt(1), prompt(2)])
+        engine.driver.evict(engine.driver.pool.num_pages)  # device copies gone; host copies stay
+        for rank in engine.ranks:  # nothing of the old bytes is left on any rank
+            for b in range(rank.layout.num_buffers):
+                rank.page_view(b).fill_(0)
+        for i in (1, 2):
+            tokens, mismatches = engine.driver.load(prompt(i))
+            assert tokens == 8 * PS
+            assert mismatches == (0, 0), "a rank holds bytes that are not its own KV of the prompt"
+        assert engine.driver.pool.errors == 0
+        assert engine.driver.client.check_invariants() == []
+    finally:
+        engine.close()
+
+
+def test_a_rank_that_leaves_ends_its_engine_and_the_next_start_is_warm(daemon_factory):
+    d = daemon_factory()
+    first = RankedEngine.connect(d.target, "llama")
+    second = RankedEngine(tp_size=2)
+    try:
+        first.driver.prefill_to_host([prompt(3)])
+        first.ranks[1].client.close()  # rank 1's process went
+        wait_for(lambda: not _alive(d.target, first.driver), DEADLINE_S, "rank 0's session to end with rank 1's")
+
+        second.register(d.target, "llama")
+        assert second.ranks[1].registration.warm
+        assert second.ranks[1].registration.dropped_device_tokens == 0  # the host held every page of it
+        [m] = second.driver.client.match([prompt(3)])
+        assert (m.device_tokens, m.host_tokens) == (0, 8 * PS)
+        assert second.driver.load(prompt(3)) == (8 * PS, (0, 0))
+    finally:
+        first.close()
+        second.close()
+
+
+def test_ranks_that_do_not_fit_the_engine_are_refused(daemon_factory):
+    d = daemon_factory()
+    engine = RankedEngine.connect(d.target, "llama", ranks=[0])
+    try:
+        with pytest.raises(errors.FailedPrecondition, match="share one page table"):
+            EngineDouble.connect(d.target, "llama", num_pages=64, tp_rank=1, tp_size=2)
+        with pytest.raises(errors.FailedPrecondition, match="shared by tp_size 2 tensor-parallel ranks"):
+            EngineDouble.connect(d.target, "llama", tp_rank=1, tp_size=4)
+        with pytest.raises(errors.FailedPrecondition, match="shared by tp_size 2 tensor-parallel ranks"):
+            EngineDouble.connect(d.target, "llama")
+        with pytest.raises(errors.FailedPrecondition, match="rank 0 of namespace llama is attached to a live"):
+            EngineDouble.connect(d.target, "llama", tp_rank=0, tp_size=2)
+        restarted = RankedEngine.connect(d.target, "llama", replace_existing=True)  # the old rank 0 goes
+        try:
+            assert not _alive(d.target, engine.driver)
+            restarted.driver.prefill(prompt(4))
+            assert restarted.driver.load(prompt(4)) == (8 * PS, (0, 0))
+        finally:
+            restarted.close()
+    finally:
+        engine.close()
+
+
+def _alive(target: str, rank: EngineDouble) -> bool:
+    """Whether the daemon still lists the rank's session (asked as an operator: a call on
+    a closed session would register it again)."""
+    operator = Client(target)
+    try:
+        return rank.registration.session in {s.session for ns in operator.stats().namespaces for s in ns.sessions}
+    finally:
+        operator.close()
