@@ -71,3 +71,32 @@ def test_ranks_must_hold_one_page_table():
         for d, e in zip(devices, engines):
             d.close()
             e.close()
+
+
+def test_the_cuda_gather_and_scatter_reach_each_ranks_slice_of_the_host_pages():
+    """The CUDA backend's zero-copy path over a rank's HostShard (its view of the pool,
+    then one gather and one scatter per layer), run here on CPU tensors: what each
+    rank stores lands in its own slice of the pages, and each rank loads its own back."""
+    from radixkv_server.datapath.cuda import host_pages_view, load_pages, store_pages
+    cols = LAYOUT.chunk_bytes // 2  # float16 pages move as int16 columns
+    pool = HostPool(host_layout(LAYOUT, TP), PAGES, pin="never")
+    try:
+        views = [[torch.stack([torch.frombuffer(bytearray(chunk(r, b, p)), dtype=torch.int16)
+                               for p in range(PAGES)]) for b in range(LAYOUT.num_buffers)] for r in range(TP)]
+        h3s = [host_pages_view(pool.tensor.view(-1), HostShard(pool, LAYOUT, r, TP), LAYOUT.num_buffers, cols,
+                               torch.int16) for r in range(TP)]
+        scratch = torch.empty((2, LAYOUT.buffers_per_layer, cols), dtype=torch.int16)
+        host, dev = torch.tensor([5, 1, 6]), torch.tensor([1, 2, 3])
+        for r in range(TP):
+            store_pages(LAYOUT, h3s[r], views[r], host, dev, scratch)
+        for r in range(TP):
+            shard = HostShard(pool, LAYOUT, r, TP)
+            for h, d in zip(host.tolist(), dev.tolist()):
+                assert shard.read_page(h) == b"".join(chunk(r, b, d) for b in range(LAYOUT.num_buffers))
+        for r in range(TP):
+            load_pages(LAYOUT, h3s[r], views[r], host, torch.tensor([7, 0, 4]), scratch, lambda layer: None)
+            for b in range(LAYOUT.num_buffers):
+                for d_new, d_old in ((7, 1), (0, 2), (4, 3)):
+                    assert views[r][b][d_new].numpy().tobytes() == chunk(r, b, d_old), f"rank {r} buffer {b}"
+    finally:
+        pool.close()

@@ -87,6 +87,22 @@ def test_ranks_that_do_not_fit_the_engine_are_refused(daemon_factory):
         engine.close()
 
 
+def test_a_rank_of_another_engine_instance_does_not_join(daemon_factory):
+    d = daemon_factory()
+    a = RankedEngine.connect(d.target, "llama", ranks=[0], instance="engine-a")
+    b = RankedEngine(tp_size=2)
+    try:
+        with pytest.raises(errors.FailedPrecondition, match="belong to engine instance 'engine-a'"):
+            b.register(d.target, "llama", ranks=[1], instance="engine-b")  # would copy into a's page table
+        b.register(d.target, "llama", instance="engine-b", replace_existing=True)  # a restarted as b
+        assert not _alive(d.target, a.driver)
+        b.driver.prefill(prompt(5))
+        assert b.driver.load(prompt(5)) == (8 * PS, (0, 0))
+    finally:
+        a.close()
+        b.close()
+
+
 def _alive(target: str, rank: EngineDouble) -> bool:
     """Whether the daemon still lists the rank's session (asked as an operator: a call on
     a closed session would register it again)."""

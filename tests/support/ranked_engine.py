@@ -6,6 +6,8 @@ serves every rank, as in SGLang: rank 0 (`RankZero`) allocates, makes the tree c
 and, where it writes or checks KV, does so on every rank's buffers.
 """
 
+import torch
+
 from radixkv.client import Client
 
 from .engine import LAYOUT, RPC_TIMEOUT_S, EngineDouble
@@ -21,6 +23,8 @@ class RankZero(EngineDouble):
     def write_kv(self, pages, packed, extra_key=b"") -> None:
         for rank in (self, *self.others):
             EngineDouble.write_kv(rank, pages, packed, extra_key)
+        if self.buffers.backend == "cuda":  # written before the Insert: no engine event is sent
+            torch.cuda.synchronize()
 
     def verify(self, packed, pages, extra_key=b"") -> tuple[int, int]:
         """Mismatches summed over every rank's buffers."""
@@ -32,12 +36,12 @@ class RankedEngine:
     """`ranks[r]` is rank r; `driver` (rank 0) makes the calls. `register` registers the
     ranks named (all by default), in that order."""
 
-    def __init__(self, tp_size: int = 2, num_pages: int = 128, layout=LAYOUT):
+    def __init__(self, tp_size: int = 2, num_pages: int = 128, layout=LAYOUT, backend: str = "shm", device: int = 0):
         self.tp_size = tp_size
-        self.driver = RankZero(layout, num_pages)
+        self.driver = RankZero(layout, num_pages, backend, device)
         self.ranks: list[EngineDouble] = [self.driver]
         for r in range(1, tp_size):
-            rank = EngineDouble(layout, num_pages)
+            rank = EngineDouble(layout, num_pages, backend, device)
             rank.kv_salt = b"rank%d" % r
             self.ranks.append(rank)
         self.driver.others = self.ranks[1:]

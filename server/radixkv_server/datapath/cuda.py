@@ -233,24 +233,26 @@ class CudaDeviceBuffers(DeviceBuffers):
         return idx.to(self._dev, non_blocking=True)  # pinned: does not wait for the stream
 
     def _host_view(self, host_pool):
-        """The host pool as a CUDA tensor [pages, buffers, cols] at the device address the
-        driver gives for it (zero-copy), or None (copy chunk by chunk)."""
+        """The host pool (or a rank's `HostShard` of one) as a CUDA tensor [pages,
+        buffers, cols] at the device address the driver gives for the pool (zero-copy;
+        a shard's is strided), or None (copy chunk by chunk)."""
         torch = _torch()
-        key = host_pool.tensor.data_ptr()
+        pool = getattr(host_pool, "pool", host_pool)  # a HostShard's whole pool
+        key = (pool.tensor.data_ptr(), getattr(host_pool, "rank", None))
         if key in self._host_views:
             return self._host_views[key]
         view = None
-        if host_pool.pinned:
-            can, driver_ptr = cuda_host.mapped_pointer(key, self.device)
-            ptr = cuda_host.choose_device_pointer(key, can, driver_ptr)
+        if pool.pinned:
+            can, driver_ptr = cuda_host.mapped_pointer(key[0], self.device)
+            ptr = cuda_host.choose_device_pointer(key[0], can, driver_ptr)
             if ptr is None:
                 log.warning("no device address for the pinned host pool (host pointer usable: %s); copying "
                             "chunk by chunk", can)
             else:
                 try:
-                    st = torch._C._construct_storage_from_data_pointer(ptr, self._dev, host_pool.nbytes)
-                    flat = torch.empty(0, dtype=torch.uint8, device=self._dev).set_(st, 0, (host_pool.nbytes,))
-                    view = flat.view(self._dtype).view(host_pool.num_pages, self.layout.num_buffers, self._cols)
+                    st = torch._C._construct_storage_from_data_pointer(ptr, self._dev, pool.nbytes)
+                    flat = torch.empty(0, dtype=torch.uint8, device=self._dev).set_(st, 0, (pool.nbytes,))
+                    view = host_pages_view(flat, host_pool, self.layout.num_buffers, self._cols, self._dtype)
                 except (AttributeError, RuntimeError) as e:
                     log.warning("no device view of the host pool (%s); copying chunk by chunk", e)
         else:
@@ -290,6 +292,17 @@ class CudaDeviceBuffers(DeviceBuffers):
 
     def __repr__(self) -> str:
         return f"CudaDeviceBuffers(device=cuda:{self.device}, pages={self.num_pages})"
+
+
+def host_pages_view(flat, host_pool, num_buffers: int, cols: int, dtype):
+    """`flat` (uint8, every byte of the pool `host_pool` is or belongs to) as [pages,
+    buffers, cols] of `dtype`: the pool's pages, or a `HostShard`'s slice of each (its
+    rank's part of a page of `tp_size` shards, so the page stride spans every shard).
+    Device-agnostic (the CPU tests run it on the pool's own tensor)."""
+    rank = getattr(host_pool, "rank", None)
+    if rank is None:
+        return flat.view(dtype).view(host_pool.num_pages, num_buffers, cols)
+    return flat.view(dtype).view(host_pool.num_pages, host_pool.tp_size, num_buffers, cols)[:, rank]
 
 
 def load_pages(layout: KvLayout, h3, views, hidx, didx, scratch, layer_done: Callable[[int], None]) -> None:
@@ -343,5 +356,5 @@ def _synchronize(event, device: int) -> None:
         raise CopyError(f"CUDA copy failed: {e}") from e
 
 
-__all__ = ["CudaDeviceBuffers", "EVENT_RING", "SCRATCH_BYTES", "cuda_available", "enqueue_or_drain", "load_pages", "pin_host",
-           "store_pages", "unpin_host"]
+__all__ = ["CudaDeviceBuffers", "EVENT_RING", "SCRATCH_BYTES", "cuda_available", "enqueue_or_drain", "host_pages_view",
+           "load_pages", "pin_host", "store_pages", "unpin_host"]

@@ -16,7 +16,7 @@ class HostShard:
     """Rank `rank` of `tp_size` in `pool`, whose pages are `tp_size` x `layout.page_bytes`.
     Raises ValueError when the pool's pages are not that size or the rank is out of range."""
 
-    pinned = False  # CUDA backends take their chunk-wise path: the shard is strided
+    pinned = False  # not a pinned pool itself: the CUDA backend maps `pool` and views the shard in it
 
     def __init__(self, pool: HostPool, layout: KvLayout, rank: int, tp_size: int):
         if not 0 <= rank < tp_size:

@@ -54,9 +54,10 @@ class RankedBuffers(DeviceBuffers):
         for index, (rank, shard) in enumerate(zip(self.ranks, self._shards_of(host_pool))):
             try:
                 jobs.append(submit(rank, shard, extra))
-            except CopyError as e:
+            except Exception as e:  # CopyError, or the backend's own (a CUDA call): nothing may stay running
                 _wait_all(jobs)
-                raise CopyError(f"rank {index}: {e}") from None
+                raise CopyError(f"rank {index}: {e if isinstance(e, CopyError) else f'{type(e).__name__}: {e}'}") \
+                    from None
         if not any(job.pending for job in jobs):
             return CopyJob()
         return CopyJob(wait=lambda: _raise_first(_wait_all(jobs)))
@@ -80,8 +81,8 @@ def _wait_all(jobs: list[CopyJob]) -> list[tuple[int, CopyError]]:
     for index, job in enumerate(jobs):
         try:
             job.wait()
-        except CopyError as e:
-            failed.append((index, e))
+        except Exception as e:
+            failed.append((index, e if isinstance(e, CopyError) else CopyError(f"{type(e).__name__}: {e}")))
     return failed
 
 

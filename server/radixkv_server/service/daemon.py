@@ -247,15 +247,14 @@ class Daemon:
 
     async def _end_session(self, session: Session, reason: str, by_close: bool = False) -> None:
         ns = session.namespace
-        partners = ns.partners(session)  # the other ranks of a tensor-parallel engine end with it
+        for other in ns.partners(session):  # the other ranks of a tensor-parallel engine end with it,
+            self.close_in_background(other, f"rank {session.rank} of its engine's tensor-parallel group "
+                                            f"was closed ({reason})")  # closing from now: no call is taken
         try:
             await ns.end_session(session)
         finally:
             if ns.session is session:
                 ns.session = None
-            for other in partners:
-                self.close_in_background(other, f"rank {session.rank} of its engine's tensor-parallel group "
-                                                f"was closed ({reason})")
             self.sessions.forget(session, reason)
             for stream in (session.ack_stream, session.session_stream):  # still open: a replaced
                 if stream is not None and self.accepting:  # engine's, or a Close from another client

@@ -92,7 +92,10 @@ class Namespace:
     def order_after(self, session: Session, engine_event: bytes) -> None:
         """The engine's event from an Insert, Evict or LoadBack: copies to and from its
         buffers started from now on (by that call or later) run after it on the GPU.
-        Call before the operation."""
+        Call before the operation. Another rank's than the driver's orders nothing: the
+        operation is refused next (`_check_caller`)."""
+        if self.group is not None and session is not self.group.driver:
+            return
         self.copies.order_after(engine_event)
 
     async def insert(self, session: Session, request: InsertRequest) -> InsertAnswer:
@@ -267,12 +270,20 @@ class Namespace:
         await self.detach()
 
     async def _end_rank(self, session: Session) -> None:
-        driver = self.group.driver
-        if driver is not None:
-            await self.core.end_holdings(self.cache.finish_load_back, driver, self.cache.pending_loads(driver.id))
-        if self.session is session:
-            self.session = None
-        if self.group.leave(session):
+        """The group's sessions all began closing at once (`Daemon._end_session`), so no
+        call of the driver starts a load from here; one already past its checks may, so
+        its loads are finished until none is left."""
+        try:
+            driver = self.group.driver
+            while driver is not None and (pending := self.cache.pending_loads(driver.id)):
+                await self.core.end_holdings(self.cache.finish_load_back, driver, pending)
+            if driver is not None:
+                await self.core.end_holdings(self.cache.finish_load_back, driver, [])
+        finally:
+            if self.session is session:
+                self.session = None
+            was_complete = self.group.leave(session)
+        if was_complete:
             await self.detach()
 
     def partners(self, session: Session) -> list[Session]:
@@ -288,7 +299,13 @@ class Namespace:
         if session.rank == 0:
             self.session = session
         ranked = self.group.join(session, device)
-        return 0 if ranked is None else await self.attach(ranked)
+        if ranked is None:
+            return 0
+        try:
+            return await self.attach(ranked)
+        except BaseException:
+            ranked.close()  # every rank's buffers: the group ends (the registration closes it)
+            raise
 
     async def attach(self, device: DeviceBuffers) -> int:
         """Swap in a restarted engine's device buffers: wait for copies (not stores of

@@ -9,7 +9,7 @@ device (`datapath.RankedBuffers`), so every transfer is done on every rank or on
 Rank 0's session drives: Match, Insert, LoadBack, Evict, Release, Prefetch and acks
 come from it (the engine shares the answers among its ranks, as it shares requests).
 The other ranks' sessions lend their buffers and keep their session alive. A group is
-one engine: when any of its sessions ends, the daemon ends the others.
+one engine (one `instance`): when any of its sessions ends, the daemon ends the others.
 
 The event loop owns it. Pure bookkeeping: the namespace attaches and closes buffers.
 """
@@ -53,6 +53,7 @@ class RankGroup:
         self._waiting[session.rank] = device
         if not self.complete:
             return None
+        assert len(self._waiting) == self.tp_size, "the registration lets no rank join a group that is closing"
         ranked = RankedBuffers([self._waiting[r] for r in range(self.tp_size)], device.layout)
         self._waiting.clear()
         return ranked
@@ -63,6 +64,7 @@ class RankGroup:
         was_complete = self.complete
         if self.sessions.get(session.rank) is session:
             del self.sessions[session.rank]
+            del self.device_uuids[session.rank]
             device = self._waiting.pop(session.rank, None)
             if device is not None:
                 device.close()
@@ -75,9 +77,10 @@ class RankGroup:
         return [s for s in self.sessions.values() if s is not session]
 
     def check_driver(self, session: Session, what: str) -> None:
-        """FAILED_PRECONDITION for a call from another rank than the driver, and (naming
-        the missing ranks) while the group is not complete. Not UNAVAILABLE: clients
+        """FAILED_PRECONDITION for a call of a closing session, from another rank than the
+        driver, and (naming the missing ranks) while the group is not complete. Not UNAVAILABLE: clients
         take that for a lost daemon and register again."""
+        session.check_open()  # the group's sessions all begin closing when one does
         if session.rank != DRIVER:
             raise precondition(
                 f"{what}: namespace {self.name} is shared by {self.tp_size} tensor-parallel ranks and rank "

@@ -22,24 +22,33 @@ log = logging.getLogger("radixkv.daemon")
 
 
 def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[Session]:
-    """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns`; the group's
-    sessions to close first when the rank's place is taken and `replace_existing` asks."""
+    """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns` (UNAVAILABLE
+    while its group is closing); the group's sessions to close first, when the rank's
+    place is taken or the group is another engine's (`instance`) and `replace_existing`
+    asks."""
     registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
     if reg.num_device_pages != ns.num_device_pages:
         raise precondition(f"namespace {ns.name}'s ranks hold {ns.num_device_pages} device pages each, this rank "
                            f"{reg.num_device_pages}: the ranks of an engine share one page table")
-    holder = ns.group.sessions.get(reg.tp_rank)
-    if holder is None:
-        return []
-    if holder.closing:
-        raise unavailable(f"namespace {reg.namespace}'s rank {reg.tp_rank} session is closing (its engine went); "
+    members = list(ns.group.sessions.values())
+    if any(s.closing for s in members):
+        raise unavailable(f"namespace {reg.namespace}'s ranks are closing (a rank of its engine went); "
                           "register again")
+    holder = ns.group.sessions.get(reg.tp_rank)
+    other = next((s for s in members if s.instance != reg.instance), None)
+    if holder is None and other is None:
+        return []
     if not reg.replace_existing:
+        if holder is not None:
+            raise precondition(
+                f"rank {reg.tp_rank} of namespace {reg.namespace} is attached to a live session (engine "
+                f"{holder.engine or 'unnamed'}); after an engine restart pass replace_existing (it replaces "
+                "every rank of that engine)")
         raise precondition(
-            f"rank {reg.tp_rank} of namespace {reg.namespace} is attached to a live session (engine "
-            f"{holder.engine or 'unnamed'}); after an engine restart pass replace_existing (it replaces every "
-            "rank of that engine)")
-    return list(ns.group.sessions.values())
+            f"namespace {reg.namespace}'s ranks belong to engine instance {other.instance!r}, this rank to "
+            f"{reg.instance!r}: the ranks of one engine register with one instance; after an engine restart "
+            "pass replace_existing")
+    return members
 
 
 async def register(daemon, reg: registration.Registration) -> registration.Registered:
@@ -61,11 +70,15 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
         device.close()
         raise
     session = daemon.sessions.new(ns, reg.engine)
-    session.rank, session.device_pages = reg.tp_rank, reg.num_device_pages
+    session.rank, session.device_pages, session.instance = reg.tp_rank, reg.num_device_pages, reg.instance
     ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
-    # Shielded: a caller gone mid-attach leaves a whole group (its session idles out), never
-    # buffers that neither the group nor the copies hold.
-    dropped = await asyncio.shield(ns.join_rank(session, device))  # owns the buffers from here
+    joining = asyncio.ensure_future(ns.join_rank(session, device))  # owns the buffers from here
+    try:
+        dropped = await asyncio.shield(joining)
+    except BaseException:  # the join failed, or its caller left and never learns the session:
+        # closed once the join ended (with the group: a group is one engine's ranks)
+        joining.add_done_callback(lambda _: daemon.close_in_background(session, "its Register did not complete"))
+        raise
     log_event(log, "session.registered", namespace=ns.name, session=session.id[:8], engine=reg.engine,
               backend=reg.backend, device_pages=reg.num_device_pages, host_pages=ns.host_pool.num_pages,
               tp_rank=reg.tp_rank, tp_size=reg.tp_size, waiting_for=ns.group.missing(), warm=warm,
