@@ -125,6 +125,19 @@ def test_sim_runs_clean_under_each_write_policy(daemon, policy):
         assert c.check_invariants() == []
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_the_sim_as_a_tensor_parallel_engine_reads_each_ranks_own_kv(daemon, policy):
+    out = open(os.devnull, "w")
+    report = run(SimConfig(target=daemon, namespace=f"tp-{policy}", write_policy=policy, tp=3, device_pages=96,
+                           host_pages=240, page_size=4, layers=2, heads=2, head_dim=16, seed=11, requests=200,
+                           clients=6, max_context=160, progress_every=10**6), out=out)
+    assert report.ok, report.summary()
+    assert report.byte_mismatches == 0 and report.violations == [] and report.accounting_errors == 0
+    assert report.load_backs > 0 and report.host_tokens > 0  # every rank's pages went to host and back
+    with Client(daemon) as c:
+        assert c.check_invariants() == []
+
+
 def test_two_sim_processes_on_different_namespaces(daemon):
     def sim(ns: str, seed: int) -> subprocess.Popen:
         return subprocess.Popen(

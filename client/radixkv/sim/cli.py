@@ -10,6 +10,7 @@ stall), 2 when the daemon refused or could not be reached.
 
 import argparse
 import os
+import uuid
 import sys
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ class SimConfig:
     progress_every: int = 100
     torch_threads: int = 1   # the KV work is tiny: more threads only add overhead (0: leave torch's)
     token: str = ""          # for a daemon started with --auth-token(-file)
+    tp: int = 1              # tensor-parallel ranks: each registers its own buffers, rank 0 makes the calls
 
 
 def _positive(text: str) -> int:
@@ -108,6 +110,9 @@ def parse_args(argv=None) -> SimConfig:
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for the daemon")
     p.add_argument("--progress-every", type=_non_negative, default=d.progress_every,
                    help="print progress every N requests (0: every step)")
+    p.add_argument("--tp", type=_positive, default=d.tp,
+                   help="tensor-parallel ranks sharing one page table (SGLang's way): each registers its own "
+                        "buffers on the namespace, every page is written and verified on every rank")
     p.add_argument("--torch-threads", type=_non_negative, default=d.torch_threads,
                    help="torch intra-op threads for this process (0: torch's default)")
     a = p.parse_args(argv)
@@ -150,20 +155,22 @@ def run(c: SimConfig, out=sys.stdout) -> Report:
     workload = make_workload(c)
     if c.torch_threads:
         torch.set_num_threads(c.torch_threads)
-    buffers = SimBuffers.create(layout, c.device_pages, c.backend, c.device)
+    buffers = [SimBuffers.create(layout, c.device_pages, c.backend, c.device) for _ in range(c.tp)]
     engine = None
+    ranks: list[Client] = []  # ranks 1.. of a tensor-parallel engine, registered first
     try:
         with Client(c.target, token=c.token or None) as client:
             client.wait_ready(c.ready_timeout)
-            reg = client.register(c.namespace, layout, buffers.specs, c.device_pages,
-                                  backend=c.backend, device=buffers.device,
-                                  write_policy=c.write_policy, host_pool_pages=c.host_pages,
-                                  replace_existing=c.replace_existing, engine=f"radixkv-sim pid {os.getpid()}")
+            group = dict(tp_size=c.tp, instance=uuid.uuid4().hex) if c.tp > 1 else {}
+            for r in range(1, c.tp):
+                ranks.append(Client(c.target, token=c.token or None))
+                _register(ranks[-1], c, layout, buffers[r], tp_rank=r, **group)
+            reg = _register(client, c, layout, buffers[0], **group)
             print(f"[sim] {c.namespace}: session {reg.session[:8]}, write policy {reg.write_policy}, "
-                  f"{c.device_pages} device pages ({buffers}), {reg.host_pool_pages} host pages, "
-                  f"{c.workload} x {c.requests}", file=out, flush=True)
-            engine = Engine(client, layout, buffers.tensors, c.device_pages, max_batch=c.batch,
-                            stream=buffers.stream)
+                  f"{c.device_pages} device pages ({buffers[0]}{f' x {c.tp} ranks' if c.tp > 1 else ''}), "
+                  f"{reg.host_pool_pages} host pages, {c.workload} x {c.requests}", file=out, flush=True)
+            engine = Engine(client, layout, buffers[0].tensors, c.device_pages, max_batch=c.batch,
+                            stream=buffers[0].stream, other_ranks=[b.tensors for b in buffers[1:]])
             engine.run(workload, progress=lambda r: print(r.progress(c.requests), file=out, flush=True),
                        progress_every=c.progress_every)
             engine.check_daemon(c.namespace)
@@ -173,7 +180,16 @@ def run(c: SimConfig, out=sys.stdout) -> Report:
         raise
     finally:
         engine = None  # drop the engine's views of the buffers so the memory can go
-        buffers.close()
+        for rank in ranks:
+            rank.close()
+        for b in buffers:
+            b.close()
+
+
+def _register(client: Client, c: SimConfig, layout: KvLayout, buffers: SimBuffers, **rank):
+    return client.register(c.namespace, layout, buffers.specs, c.device_pages, backend=c.backend,
+                           device=buffers.device, write_policy=c.write_policy, host_pool_pages=c.host_pages,
+                           replace_existing=c.replace_existing, engine=f"radixkv-sim pid {os.getpid()}", **rank)
 
 
 def main(argv=None) -> int:

@@ -49,10 +49,14 @@ class _Plan:
 class Engine:
     """Owns the device page pool of one registered client (`client.register` done by
     the caller with the same `buffers`). `stream`: the CUDA stream for the engine's KV
-    work when the buffers are CUDA tensors (default: their device's current stream)."""
+    work when the buffers are CUDA tensors (default: their device's current stream).
+    `other_ranks`: a tensor-parallel engine's buffers of ranks 1, 2, ... (registered by
+    the caller on the same namespace): one page table for all, every page written and
+    verified on every rank, each rank's KV its own; `client` is rank 0's."""
 
     def __init__(self, client, layout: KvLayout, buffers: Sequence[torch.Tensor], num_pages: int, *,
-                 max_batch: int = 8, wait_timeout: float = 120.0, stream=None):
+                 max_batch: int = 8, wait_timeout: float = 120.0, stream=None,
+                 other_ranks: Sequence[Sequence[torch.Tensor]] = ()):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.client = client
@@ -60,6 +64,7 @@ class Engine:
         self.page_size = layout.page_size
         self.pool = PagePool(num_pages)
         self.kv = KvPattern(layout, buffers, num_pages)
+        self.ranks = [self.kv] + [KvPattern(layout, b, num_pages, rank=r) for r, b in enumerate(other_ranks, 1)]
         if self.kv.device.type == "cuda" and stream is None:
             stream = torch.cuda.current_stream(self.kv.device)
         self.stream = stream
@@ -167,8 +172,9 @@ class Engine:
             self.client.release([plan.lease])
             rep.deferred += 1
             return False
-        self.kv.write(new, keys[len(prefix):])
-        self.kv.synchronize()  # the daemon may copy these pages as soon as it has them
+        for kv in self.ranks:
+            kv.write(new, keys[len(prefix):])
+            kv.synchronize()  # the daemon may copy these pages as soon as it has them
         rep.requests += 1
         rep.prompt_tokens += r.prompt_tokens
         if not failed:
@@ -221,7 +227,8 @@ class Engine:
         return pages if self.pool.all_cached(pages, f"{what} device prefix") else []
 
     def _verify(self, r: Request, prefix: list[int], keys: list[int]) -> None:
-        bad_bytes, bad_chunks = self.kv.mismatches(prefix, keys[: len(prefix)])
+        found = [kv.mismatches(prefix, keys[: len(prefix)]) for kv in self.ranks]
+        bad_bytes, bad_chunks = sum(b for b, _ in found), sum(c for _, c in found)
         if bad_bytes:
             self.report.byte_mismatches += bad_bytes
             self.report.chunk_mismatches += bad_chunks

@@ -46,10 +46,12 @@ class KvPattern:
     tensor of at least `num_pages * layout.chunk_bytes` bytes, all on one device (CPU or
     one CUDA device); page p of buffer b is the chunk at byte offset p * chunk_bytes.
     On CUDA, `write` and `mismatches` run on the current stream: `mismatches` waits for
-    its own result, `write` returns once enqueued (`synchronize` waits for it).
+    its own result, `write` returns once enqueued (`synchronize` waits for it). `rank`:
+    the tensor-parallel rank whose KV it is (each rank's bytes differ, as each holds other
+    heads): a rank holding another rank's page compares unequal.
     """
 
-    def __init__(self, layout: KvLayout, buffers: Sequence[torch.Tensor], num_pages: int):
+    def __init__(self, layout: KvLayout, buffers: Sequence[torch.Tensor], num_pages: int, rank: int = 0):
         if len(buffers) != layout.num_buffers:
             raise ValueError(f"layout has {layout.num_buffers} buffers, got {len(buffers)}")
         devices = {t.device for t in buffers}
@@ -57,6 +59,7 @@ class KvPattern:
             raise ValueError(f"buffers must share one device, got {sorted(map(str, devices))}")
         self.layout = layout
         self.num_pages = num_pages
+        self._salt = (rank * _GOLDEN * 3) & _MASK
         self.device: torch.device = devices.pop()
         chunk = layout.chunk_bytes
         self._pages = [self._page_view(t, num_pages, chunk) for t in buffers]
@@ -73,7 +76,7 @@ class KvPattern:
 
     def expected(self, keys: Sequence[int], buffer: int) -> torch.Tensor:
         """[len(keys), chunk_bytes] uint8: the bytes buffer `buffer` holds for those pages."""
-        seeds = torch.tensor([_seed(k, buffer) for k in keys], dtype=torch.int64, device=self.device)
+        seeds = torch.tensor([_seed(k ^ self._salt, buffer) for k in keys], dtype=torch.int64, device=self.device)
         words = seeds.view(-1, 1) + self._words.view(1, -1)
         return words.view(torch.uint8)[:, : self.layout.chunk_bytes]
 
