@@ -170,6 +170,8 @@ TABLE = [
         r"role is for engine-managed namespaces"),
     Row("Register", "tp_rank past tp_size on a managed-device namespace", reg(tp_size=2, tp_rank=3),
         C.INVALID_ARGUMENT, r"tp_rank 3 out of range 0..1"),
+    Row("Register", "tensor-parallel rank with no instance", reg(tp_size=2, tp_rank=1), C.INVALID_ARGUMENT,
+        r"names its engine in `instance`"),
     Row("Register", "tp_rank past tp_size", reg(device_tier=pb.ENGINE_MANAGED, tp_size=2, tp_rank=2),
         C.INVALID_ARGUMENT, r"tp_rank 2 out of range 0..1"),
     Row("Register", "scheduler session with buffers", reg(device_tier=pb.ENGINE_MANAGED, role=pb.SCHEDULER),

@@ -42,7 +42,7 @@ def test_a_rank_is_checked_when_it_registers(daemon_factory):
     d = daemon_factory()
     with pytest.raises(errors.InvalidArgument, match="tp_rank 2 out of range 0..1"):
         EngineDouble.connect(d.target, "llama", tp_rank=2, tp_size=2)
-    first = EngineDouble.connect(d.target, "llama", tp_rank=0, tp_size=2)
+    first = EngineDouble.connect(d.target, "llama", tp_rank=0, tp_size=2, instance="a")
     first.close()
     with pytest.raises(errors.FailedPrecondition, match="shared by tp_size 2 tensor-parallel ranks"):
-        EngineDouble.connect(d.target, "llama", tp_rank=0, tp_size=4)
+        EngineDouble.connect(d.target, "llama", tp_rank=0, tp_size=4, instance="b")

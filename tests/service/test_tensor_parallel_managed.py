@@ -69,13 +69,15 @@ def test_ranks_that_do_not_fit_the_engine_are_refused(daemon_factory):
     engine = RankedEngine.connect(d.target, "llama", ranks=[0])
     try:
         with pytest.raises(errors.FailedPrecondition, match="share one page table"):
-            EngineDouble.connect(d.target, "llama", num_pages=64, tp_rank=1, tp_size=2)
+            EngineDouble.connect(d.target, "llama", num_pages=64, tp_rank=1, tp_size=2, instance=engine.instance)
         with pytest.raises(errors.FailedPrecondition, match="shared by tp_size 2 tensor-parallel ranks"):
-            EngineDouble.connect(d.target, "llama", tp_rank=1, tp_size=4)
+            EngineDouble.connect(d.target, "llama", tp_rank=1, tp_size=4, instance=engine.instance)
         with pytest.raises(errors.FailedPrecondition, match="shared by tp_size 2 tensor-parallel ranks"):
             EngineDouble.connect(d.target, "llama")
         with pytest.raises(errors.FailedPrecondition, match="rank 0 of namespace llama is attached to a live"):
-            EngineDouble.connect(d.target, "llama", tp_rank=0, tp_size=2)
+            EngineDouble.connect(d.target, "llama", tp_rank=0, tp_size=2, instance=engine.instance)
+        with pytest.raises(errors.InvalidArgument, match="names its engine in `instance`"):
+            EngineDouble.connect(d.target, "llama", tp_rank=1, tp_size=2)  # two engines' ranks must not mix
         restarted = RankedEngine.connect(d.target, "llama", replace_existing=True)  # the old rank 0 goes
         try:
             assert not _alive(d.target, engine.driver)

@@ -17,7 +17,7 @@ from tests.service_inproc.inproc import Engine, prompt, run, running_daemon
 def test_rank_0_starts_no_load_once_a_rank_left_and_every_ranks_buffers_close():
     async def scenario():
         async with running_daemon(write_policy="write_through", fault_copy_delay=0.2) as daemon:
-            driver, other = [await Engine.register(daemon, "tp", tp_rank=r, tp_size=2) for r in (0, 1)]
+            driver, other = [await Engine.register(daemon, "tp", tp_rank=r, tp_size=2, instance="e") for r in (0, 1)]
             ns = driver.ns
             await driver.insert(prompt(0, 2), [0, 1])
             await ns.drain()  # the backup

@@ -31,7 +31,8 @@ class Group:
 
     async def start(self) -> None:
         for r in self.rng.sample(range(TP), TP):
-            self.ranks[r] = await Engine.register(self.daemon, "tp", tp_rank=r, tp_size=TP)
+            self.ranks[r] = await Engine.register(self.daemon, "tp", tp_rank=r, tp_size=TP,
+                                                  instance=f"start {self.seen['left']}")
         self.free = set(range(NUM_PAGES))  # a new engine: every page its own
 
     @property

@@ -6,6 +6,8 @@ serves every rank, as in SGLang: rank 0 (`RankZero`) allocates, makes the tree c
 and, where it writes or checks KV, does so on every rank's buffers.
 """
 
+import uuid
+
 import torch
 
 from radixkv.client import Client
@@ -38,6 +40,7 @@ class RankedEngine:
 
     def __init__(self, tp_size: int = 2, num_pages: int = 128, layout=LAYOUT, backend: str = "shm", device: int = 0):
         self.tp_size = tp_size
+        self.instance = uuid.uuid4().hex  # one id for the engine's ranks
         self.driver = RankZero(layout, num_pages, backend, device)
         self.ranks: list[EngineDouble] = [self.driver]
         for r in range(1, tp_size):
@@ -53,6 +56,9 @@ class RankedEngine:
         return engine
 
     def register(self, target: str, namespace: str, ranks=None, **options) -> None:
+        """Register the ranks named (all by default) under this engine's `instance`
+        unless `options` names another."""
+        options.setdefault("instance", self.instance)
         for r in range(self.tp_size) if ranks is None else ranks:
             self.ranks[r].register(Client(target, timeout=RPC_TIMEOUT_S), namespace, tp_rank=r,
                                    tp_size=self.tp_size, **options)

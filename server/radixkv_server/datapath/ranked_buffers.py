@@ -70,9 +70,16 @@ class RankedBuffers(DeviceBuffers):
         return self._shards[1]
 
     def close(self) -> None:
-        """Close every rank's buffers (each is idempotent)."""
+        """Close every rank's buffers (each is idempotent), all of them even when one
+        raises (the first error is raised after)."""
+        failed = None
         for rank in self.ranks:
-            rank.close()
+            try:
+                rank.close()
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
 
 def _wait_all(jobs: list[CopyJob]) -> list[tuple[int, CopyError]]:

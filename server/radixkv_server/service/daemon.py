@@ -103,8 +103,7 @@ class Daemon:
                 return await engine_registration.register(self, reg)
         await self._closes_ended(reg.namespace)  # its engine went: taken once the close ends
         if reg.tp_size > 1:  # one namespace, a session per rank: see rank_registration
-            async with self._register_lock:
-                return await rank_registration.register(self, reg)
+            return await self._register_rank(reg)
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
             replacing = ns is not None and self._check_free(ns, reg)
@@ -129,6 +128,25 @@ class Daemon:
                   engine=reg.engine, backend=reg.backend, device_pages=reg.num_device_pages,
                   host_pages=ns.host_pool.num_pages, warm=warm, dropped_tokens=dropped)
         return registration.Registered(session, warm, dropped)
+
+    async def _register_rank(self, reg: registration.Registration) -> registration.Registered:
+        """A tensor-parallel rank's Register, run to its end under the registration lock
+        whoever waits: cut part-way, its join went on without the lock. A session made
+        for a caller that left is closed (it never learns its id), with its group."""
+        async def locked():
+            async with self._register_lock:
+                return await rank_registration.register(self, reg)
+
+        task = self.run_in_background(locked())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._close_unanswered)
+            raise
+
+    def _close_unanswered(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.close_in_background(task.result().session, "its Register's caller left before the answer")
 
     def _check_free(self, ns: Namespace, reg: registration.Registration) -> bool:
         """Whether `reg` may take the existing namespace `ns`: compatible, and free or

@@ -272,7 +272,8 @@ class Namespace:
     async def _end_rank(self, session: Session) -> None:
         """The group's sessions all began closing at once (`Daemon._end_session`), so no
         call of the driver starts a load from here; one already past its checks may, so
-        its loads are finished until none is left."""
+        its loads are finished until none is left. The first rank to leave a complete
+        group detaches every rank's buffers, whatever happened before."""
         try:
             driver = self.group.driver
             while driver is not None and (pending := self.cache.pending_loads(driver.id)):
@@ -282,9 +283,8 @@ class Namespace:
         finally:
             if self.session is session:
                 self.session = None
-            was_complete = self.group.leave(session)
-        if was_complete:
-            await self.detach()
+            if self.group.leave(session):
+                await self.detach()
 
     def partners(self, session: Session) -> list[Session]:
         """The sessions that end with `session`: the other ranks of its tensor-parallel
@@ -325,11 +325,13 @@ class Namespace:
         storage copies stay) and close its buffers, so a dead engine's memory (a CUDA
         IPC mapping keeps it allocated) is not held until the next registration. Waits
         for no store of pages that stay (`HierarchicalCache.device_drop_waits_for`: a
-        slow store held every Close). Returns tokens dropped from the cache. Idempotent."""
+        slow store held every Close). Returns tokens dropped from the cache. Idempotent;
+        buffers attached while it waited (another engine's) stay."""
+        device = self.copies.device
         await self.copies.drain(self.cache.device_drop_waits_for)
-        self._abandoned.clear()  # pages of the engine that left
-        if self.copies.device is None:
+        if device is None or self.copies.device is not device:
             return 0
+        self._abandoned.clear()  # pages of the engine that left
         dropped = self.cache.drop_device(0)
         self._dropped_at_detach += dropped  # the next engine's Register reports them
         self.copies.release_device()

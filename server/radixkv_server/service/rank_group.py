@@ -60,14 +60,16 @@ class RankGroup:
 
     def leave(self, session: Session) -> bool:
         """Remove `session` (closing its buffers if the group never completed with them).
-        Whether the group was complete until now (its buffers attached)."""
+        Whether the group was complete until now (its buffers attached); False for a
+        session that is not a member."""
+        if self.sessions.get(session.rank) is not session:
+            return False
         was_complete = self.complete
-        if self.sessions.get(session.rank) is session:
-            del self.sessions[session.rank]
-            del self.device_uuids[session.rank]
-            device = self._waiting.pop(session.rank, None)
-            if device is not None:
-                device.close()
+        del self.sessions[session.rank]
+        del self.device_uuids[session.rank]
+        device = self._waiting.pop(session.rank, None)
+        if device is not None:
+            device.close()
         return was_complete
 
     def partners(self, session: Session) -> list[Session]:
@@ -77,10 +79,11 @@ class RankGroup:
         return [s for s in self.sessions.values() if s is not session]
 
     def check_driver(self, session: Session, what: str) -> None:
-        """FAILED_PRECONDITION for a call of a closing session, from another rank than the
-        driver, and (naming the missing ranks) while the group is not complete. Not UNAVAILABLE: clients
-        take that for a lost daemon and register again."""
-        session.check_open()  # the group's sessions all begin closing when one does
+        """FAILED_PRECONDITION for a call of a closing session, from another rank than
+        the driver, and (naming the missing ranks) while the group is not complete. Not
+        UNAVAILABLE: clients take that for a lost daemon and register again."""
+        if session.closing:  # the group's sessions all begin closing when one does
+            raise precondition(f"{what}: session {session.id[:8]} is closing with its engine's ranks")
         if session.rank != DRIVER:
             raise precondition(
                 f"{what}: namespace {self.name} is shared by {self.tp_size} tensor-parallel ranks and rank "
@@ -88,8 +91,8 @@ class RankGroup:
         if not self.complete:
             missing = self.missing()
             raise precondition(f"{what}: namespace {self.name} waits for rank{'s' if len(missing) > 1 else ''} "
-                              f"{', '.join(map(str, missing))} of {self.tp_size} to register (or re-register: "
-                              "a group whose rank left ends whole)")
+                               f"{', '.join(map(str, missing))} of {self.tp_size} to register (or re-register: "
+                               "a group whose rank left ends whole)")
 
     def close(self) -> None:
         """Close buffers of ranks still waiting for the others. Idempotent."""

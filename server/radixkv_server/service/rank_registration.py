@@ -9,7 +9,6 @@ restarted engine restarts every rank). Called by `Daemon.register` under its
 registration lock, once no session of the namespace is closing.
 """
 
-import asyncio
 import logging
 
 from ..logs import log_event
@@ -21,19 +20,22 @@ from .sessions import Session
 log = logging.getLogger("radixkv.daemon")
 
 
+def check_not_closing(daemon, name: str) -> None:
+    """UNAVAILABLE while a session of namespace `name` is closing: a group's sessions end
+    together, and the device tier they leave is detached only once their closes ended."""
+    if any(s.closing and s.namespace.name == name for s in daemon.sessions.all()):
+        raise unavailable(f"namespace {name}'s ranks are closing (a rank of its engine went); register again")
+
+
 def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[Session]:
-    """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns` (UNAVAILABLE
-    while its group is closing); the group's sessions to close first, when the rank's
-    place is taken or the group is another engine's (`instance`) and `replace_existing`
-    asks."""
+    """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns`; the group's
+    sessions to close first, when the rank's place is taken or the group is another
+    engine's (`instance`) and `replace_existing` asks."""
     registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
     if reg.num_device_pages != ns.num_device_pages:
         raise precondition(f"namespace {ns.name}'s ranks hold {ns.num_device_pages} device pages each, this rank "
                            f"{reg.num_device_pages}: the ranks of an engine share one page table")
     members = list(ns.group.sessions.values())
-    if any(s.closing for s in members):
-        raise unavailable(f"namespace {reg.namespace}'s ranks are closing (a rank of its engine went); "
-                          "register again")
     holder = ns.group.sessions.get(reg.tp_rank)
     other = next((s for s in members if s.instance != reg.instance), None)
     if holder is None and other is None:
@@ -53,12 +55,17 @@ def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[S
 
 async def register(daemon, reg: registration.Registration) -> registration.Registered:
     """Join rank `reg.tp_rank` to the namespace `reg` names, creating it for the first
-    rank. Errors change nothing."""
+    rank. Run under the daemon's registration lock, to its end whoever waits
+    (`Daemon.register`). Errors change nothing; a join that fails closes its session
+    (and its group)."""
+    check_not_closing(daemon, reg.namespace)
     ns = daemon.namespaces.get(reg.namespace)
     replaced = sessions_to_replace(ns, reg) if ns is not None else []
     config = daemon.admit(reg, ns, len(replaced))
     device = await registration.open_device(reg)  # before the live sessions go: errors change nothing
     try:
+        if not replaced:
+            check_not_closing(daemon, reg.namespace)  # a rank's stream may have broken meanwhile
         for old in replaced:
             await daemon.close_session(old, "replaced by a new registration")
         warm = ns is not None
@@ -72,18 +79,16 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     session = daemon.sessions.new(ns, reg.engine)
     session.rank, session.device_pages, session.instance = reg.tp_rank, reg.num_device_pages, reg.instance
     ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
-    joining = asyncio.ensure_future(ns.join_rank(session, device))  # owns the buffers from here
     try:
-        dropped = await asyncio.shield(joining)
-    except BaseException:  # the join failed, or its caller left and never learns the session:
-        # closed once the join ended (with the group: a group is one engine's ranks)
-        joining.add_done_callback(lambda _: daemon.close_in_background(session, "its Register did not complete"))
+        dropped = await ns.join_rank(session, device)  # owns the buffers from here
+    except BaseException:
+        daemon.close_in_background(session, "its Register failed")  # with its group: one engine's ranks
         raise
     log_event(log, "session.registered", namespace=ns.name, session=session.id[:8], engine=reg.engine,
               backend=reg.backend, device_pages=reg.num_device_pages, host_pages=ns.host_pool.num_pages,
-              tp_rank=reg.tp_rank, tp_size=reg.tp_size, waiting_for=ns.group.missing(), warm=warm,
-              dropped_tokens=dropped)
+              tp_rank=reg.tp_rank, tp_size=reg.tp_size, instance=reg.instance, waiting_for=ns.group.missing(),
+              warm=warm, dropped_tokens=dropped)
     return registration.Registered(session, warm, dropped)
 
 
-__all__ = ["register", "sessions_to_replace"]
+__all__ = ["check_not_closing", "register", "sessions_to_replace"]

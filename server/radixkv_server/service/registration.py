@@ -83,6 +83,9 @@ def validate(reg: Registration) -> None:
     if reg.backend not in BACKENDS:  # the data path's table of device backends
         raise invalid(f"backend {reg.backend!r}: use one of {list(BACKENDS)}")
     validate_ranks(reg)
+    if reg.tp_size > 1 and not reg.engine_managed and not reg.instance:
+        raise invalid(f"tp_size {reg.tp_size}: a tensor-parallel rank names its engine in `instance` (one id per "
+                      "engine start, the same for all its ranks): ranks of two engines must never form one group")
     if reg.engine_managed:
         validate_engine_managed(reg)
         if reg.role == "scheduler":
