@@ -270,6 +270,10 @@ class Daemon:
                                             f"was closed ({reason})")  # closing from now: no call is taken
         try:
             await ns.end_session(session)
+        except Exception as e:  # a bug: what it held may be held still (CheckInvariants says what)
+            log_event(log, "session.close_failed", logging.ERROR, namespace=ns.name, session=session.id[:8],
+                      reason=reason, error=f"{type(e).__name__}: {e}")
+            raise
         finally:
             if ns.session is session:
                 ns.session = None

@@ -57,6 +57,7 @@ class Namespace:
         self._abandoned: set[asyncio.Task] = set()  # Evicts whose callers gave up (see `evict`)
         self._dropped_at_detach = 0  # tokens the last session's end dropped, for the next Register
         self._room_waited: set[int] = set()  # copies an Evict waited for host room on (see `_evict`)
+        self._swapping = 0  # a group's buffers being attached or detached now (check_invariants)
         if device is not None:
             self.copies.attach(device)
 
@@ -284,7 +285,11 @@ class Namespace:
             if self.session is session:
                 self.session = None
             if self.group.leave(session):
-                await self.detach()
+                self._swapping += 1
+                try:
+                    await self.detach()
+                finally:
+                    self._swapping -= 1
 
     def partners(self, session: Session) -> list[Session]:
         """The sessions that end with `session`: the other ranks of its tensor-parallel
@@ -301,11 +306,14 @@ class Namespace:
         ranked = self.group.join(session, device)
         if ranked is None:
             return 0
+        self._swapping += 1
         try:
             return await self.attach(ranked)
         except BaseException:
             ranked.close()  # every rank's buffers: the group ends (the registration closes it)
             raise
+        finally:
+            self._swapping -= 1
 
     async def attach(self, device: DeviceBuffers) -> int:
         """Swap in a restarted engine's device buffers: wait for copies (not stores of
@@ -363,13 +371,18 @@ class Namespace:
     def check_invariants(self) -> list[str]:
         """The core's violations, and any lease of the attached session naming a node
         that is not locked; of a tensor-parallel namespace, also a complete group whose
-        buffers are not attached, and a driver that is not its rank 0."""
+        buffers are not attached, buffers attached to an incomplete group that no rank
+        is leaving, and a driver that is not its rank 0."""
         out = self.cache.check_invariants()
         if self.session is not None:
             out += self.core.lease_violations(self.session)
         if self.group is not None:
-            if self.group.complete and self.copies.device is None:  # (attached while incomplete: a close)
+            attached = self.copies.device is not None
+            if self.group.complete and not attached and not self._swapping:
                 out.append(f"every one of {self.group.tp_size} ranks is in, yet their buffers are not attached")
+            if attached and not self.group.complete and not self._swapping:
+                out.append(f"{len(self.group.sessions)} of {self.group.tp_size} ranks are in and none is leaving, "
+                           "yet the ranks' buffers are attached (a left engine's memory held)")
             if self.session is not self.group.driver:
                 out.append("the namespace's session is not its group's rank 0")
         return out
