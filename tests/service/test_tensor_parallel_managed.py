@@ -105,6 +105,28 @@ def test_a_rank_of_another_engine_instance_does_not_join(daemon_factory):
         b.close()
 
 
+def test_after_a_daemon_restart_every_rank_registers_again_and_the_group_serves(daemon_factory):
+    d = daemon_factory()
+    engine = RankedEngine.connect(d.target, "llama")
+    try:
+        engine.driver.prefill(prompt(6))
+        d.kill()
+        d.start()
+        wait_for(lambda: all(rank.client.session_lost for rank in engine.ranks), DEADLINE_S,
+                 "every rank's client to see its stream end")
+        for rank in engine.ranks[1:]:  # a rank that makes no calls registers again itself
+            assert isinstance(rank.client.reconnect(timeout=DEADLINE_S), errors.DaemonRestarted)
+        assert isinstance(engine.driver.client.reconnect(timeout=DEADLINE_S), errors.DaemonRestarted)
+        engine.restart()  # the cache died with the daemon: every page is the engine's again
+        [m] = engine.driver.client.match([prompt(6)])
+        assert (m.device_tokens, m.host_tokens) == (0, 0)
+        engine.driver.prefill_to_host([prompt(6)])
+        engine.driver.evict(engine.driver.pool.num_pages)
+        assert engine.driver.load(prompt(6)) == (8 * PS, (0, 0))
+    finally:
+        engine.close()
+
+
 def _alive(target: str, rank: EngineDouble) -> bool:
     """Whether the daemon still lists the rank's session (asked as an operator: a call on
     a closed session would register it again)."""
