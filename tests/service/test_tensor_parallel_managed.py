@@ -25,7 +25,11 @@ def test_every_rank_gets_its_own_kv_back_from_the_host_tier(daemon_factory):
         engine.register(d.target, "llama", ranks=[0])
         with pytest.raises(errors.FailedPrecondition, match="waits for rank 1 of 2 to register"):
             engine.driver.client.match([prompt(1)])
+        [ns] = engine.driver.client.stats("llama").namespaces
+        assert (ns.tp_size, list(ns.ranks_missing)) == (2, [1])  # what an operator sees meanwhile
         engine.register(d.target, "llama", ranks=[1])
+        [ns] = engine.driver.client.stats("llama").namespaces
+        assert list(ns.ranks_missing) == []
         with pytest.raises(errors.FailedPrecondition, match="rank 0's session makes its calls"):
             engine.ranks[1].client.match([prompt(1)])
 

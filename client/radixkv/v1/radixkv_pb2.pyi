@@ -349,7 +349,7 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "layout", "write_policy", "eviction_policy", "attached", "nodes", "device_pages", "device_pages_held", "device_pages_evictable", "device_pages_protected", "host_pages_used", "host_pages_capacity", "host_page_bytes", "transfers_in_flight", "pinned_nodes", "tracked_duplicates", "counters", "leases", "oldest_lease_seconds", "load_backs_unacked", "sessions")
+    __slots__ = ("namespace", "layout", "write_policy", "eviction_policy", "attached", "nodes", "device_pages", "device_pages_held", "device_pages_evictable", "device_pages_protected", "host_pages_used", "host_pages_capacity", "host_page_bytes", "transfers_in_flight", "pinned_nodes", "tracked_duplicates", "counters", "leases", "oldest_lease_seconds", "load_backs_unacked", "sessions", "tp_size", "ranks_missing")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +378,8 @@ class NamespaceStats(_message.Message):
     OLDEST_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOAD_BACKS_UNACKED_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KvLayout
     write_policy: str
@@ -399,7 +401,9 @@ class NamespaceStats(_message.Message):
     oldest_lease_seconds: float
     load_backs_unacked: int
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., write_policy: _Optional[str] = ..., eviction_policy: _Optional[str] = ..., attached: _Optional[bool] = ..., nodes: _Optional[int] = ..., device_pages: _Optional[int] = ..., device_pages_held: _Optional[int] = ..., device_pages_evictable: _Optional[int] = ..., device_pages_protected: _Optional[int] = ..., host_pages_used: _Optional[int] = ..., host_pages_capacity: _Optional[int] = ..., host_page_bytes: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pinned_nodes: _Optional[int] = ..., tracked_duplicates: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., leases: _Optional[int] = ..., oldest_lease_seconds: _Optional[float] = ..., load_backs_unacked: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+    tp_size: int
+    ranks_missing: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., write_policy: _Optional[str] = ..., eviction_policy: _Optional[str] = ..., attached: _Optional[bool] = ..., nodes: _Optional[int] = ..., device_pages: _Optional[int] = ..., device_pages_held: _Optional[int] = ..., device_pages_evictable: _Optional[int] = ..., device_pages_protected: _Optional[int] = ..., host_pages_used: _Optional[int] = ..., host_pages_capacity: _Optional[int] = ..., host_page_bytes: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pinned_nodes: _Optional[int] = ..., tracked_duplicates: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., leases: _Optional[int] = ..., oldest_lease_seconds: _Optional[float] = ..., load_backs_unacked: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., tp_size: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session", "engine", "role", "tp_rank", "instance", "age_seconds", "streams_open", "leases", "load_backs_unacked")
