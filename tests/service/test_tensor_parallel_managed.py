@@ -131,6 +131,24 @@ def test_after_a_daemon_restart_every_rank_registers_again_and_the_group_serves(
         engine.close()
 
 
+def test_a_new_engine_may_bring_another_page_count_and_a_healthy_rank_answers_the_liveness_probe(daemon_factory):
+    d = daemon_factory()
+    first = RankedEngine.connect(d.target, "llama")
+    try:
+        first.driver.prefill_to_host([prompt(7)])
+        assert first.ranks[1].client.reconnect(timeout=DEADLINE_S) is None  # alive: a rank's probe is answered
+    finally:
+        first.close()
+    smaller = RankedEngine(tp_size=2, num_pages=64)  # sized from what its GPUs had free this time
+    try:
+        smaller.register(d.target, "llama")
+        [ns] = smaller.driver.client.stats("llama").namespaces
+        assert ns.device_pages == 64
+        assert smaller.driver.load(prompt(7)) == (8 * PS, (0, 0))  # the host tier stayed warm
+    finally:
+        smaller.close()
+
+
 def _alive(target: str, rank: EngineDouble) -> bool:
     """Whether the daemon still lists the rank's session (asked as an operator: a call on
     a closed session would register it again)."""

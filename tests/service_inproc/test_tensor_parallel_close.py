@@ -17,7 +17,8 @@ from tests.service_inproc.inproc import Engine, prompt, run, running_daemon
 def test_rank_0_starts_no_load_once_a_rank_left_and_every_ranks_buffers_close():
     async def scenario():
         async with running_daemon(write_policy="write_through", fault_copy_delay=0.2) as daemon:
-            driver, other = [await Engine.register(daemon, "tp", tp_rank=r, tp_size=2, instance="e") for r in (0, 1)]
+            driver, other = [await Engine.register(daemon, "tp", tp_rank=r, tp_size=2, instance="e",
+                                                     write_policy="write_through") for r in (0, 1)]
             ns = driver.ns
             await driver.insert(prompt(0, 2), [0, 1])
             await ns.drain()  # the backup
@@ -40,4 +41,24 @@ def test_rank_0_starts_no_load_once_a_rank_left_and_every_ranks_buffers_close():
             assert daemon.check_invariants("") == []
             for engine in (driver, other):
                 engine.buffers.close()
+    run(scenario())
+
+
+def test_no_ranks_close_ends_while_a_copy_still_reads_the_ranks_pages():
+    async def scenario():
+        async with running_daemon(write_policy="write_through", fault_copy_delay=0.3) as daemon:
+            driver, other = [await Engine.register(daemon, "tp", tp_rank=r, tp_size=2, instance="e",
+                                                     write_policy="write_through") for r in (0, 1)]
+            ns = driver.ns
+            await driver.insert(prompt(0, 2), [0, 1])
+            [backup] = [t for t in ns.cache.transfers if ns.copies.in_flight(t)]  # reads both ranks' pages
+
+            daemon.close_in_background(other.session, "rank 1's process went")  # it detaches the group
+            await daemon.close_session(driver.session, "rank 0's Close")  # the engine may reuse its pages now
+            assert not ns.copies.in_flight(backup), "rank 0's Close answered while the backup read its pages"
+            assert ns.copies.device is None
+            for engine in (driver, other):
+                await daemon.closed(engine.session)
+                engine.buffers.close()
+            assert daemon.check_invariants("") == []
     run(scenario())

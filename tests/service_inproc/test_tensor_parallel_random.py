@@ -23,15 +23,15 @@ def seed(prompt_index: int, position: int, rank: int) -> int:
 class Group:
     """The engine: its ranks' sessions and one page table (the pages it owns)."""
 
-    def __init__(self, daemon, rng: random.Random):
-        self.daemon, self.rng = daemon, rng
+    def __init__(self, daemon, rng: random.Random, policy: str):
+        self.daemon, self.rng, self.policy = daemon, rng, policy
         self.ranks: list[Engine | None] = [None] * TP
         self.free: set[int] = set()
         self.seen = {"verified": 0, "failed": 0, "left": 0}  # what the run exercised
 
     async def start(self) -> None:
         for r in self.rng.sample(range(TP), TP):
-            self.ranks[r] = await Engine.register(self.daemon, "tp", tp_rank=r, tp_size=TP,
+            self.ranks[r] = await Engine.register(self.daemon, "tp", tp_rank=r, tp_size=TP, write_policy=self.policy,
                                                   instance=f"start {self.seen['left']}")
         self.free = set(range(NUM_PAGES))  # a new engine: every page its own
 
@@ -102,8 +102,8 @@ def _bytes(value: int) -> list[bytes]:
 def test_random_steps_keep_every_rank_in_step(policy):
     async def scenario():
         rng = random.Random(f"tp-{policy}")
-        async with running_daemon(write_policy=policy, fault_fail_loads=0.2) as daemon:
-            group = Group(daemon, rng)
+        async with running_daemon(fault_fail_loads=0.2) as daemon:
+            group = Group(daemon, rng, policy)
             await group.start()
             for step in range(400):
                 action = rng.random()

@@ -48,8 +48,9 @@ class Namespace:
         num_device_pages = device.num_pages if device is not None else num_device_pages
         self.core = NamespaceCore(config, host_pool, num_device_pages=num_device_pages, metrics=metrics,
                                   storage=storage)
-        self.num_device_pages = num_device_pages
-        self.group = RankGroup(config.name, config.tp_size, num_device_pages) if config.tp_size > 1 else None
+        self.num_device_pages = num_device_pages  # a group's ranks': set by the first rank of each group
+        self.group = RankGroup(config.name, config.tp_size) if config.tp_size > 1 else None
+        self._group_detach: asyncio.Task | None = None  # the last group's buffers being detached
         self.name, self.layout, self.config, self.host_pool = config.name, config.layout, config, host_pool
         self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
         self.session: Session | None = None  # the attached engine's session; set by the Daemon
@@ -86,8 +87,9 @@ class Namespace:
 
     async def match(self, session: Session, prompts: list[Prompt], lease: bool,
                     include_storage: bool = False) -> list[MatchAnswer]:
-        """See `NamespaceCore.match`."""
-        self._check_caller(session, "Match")
+        """See `NamespaceCore.match`. An empty one is a liveness probe: any rank's."""
+        if prompts:
+            self._check_caller(session, "Match")
         return await self.core.match(session, prompts, lease, include_storage)
 
     def order_after(self, session: Session, engine_event: bytes) -> None:
@@ -274,7 +276,10 @@ class Namespace:
         """The group's sessions all began closing at once (`Daemon._end_session`), so no
         call of the driver starts a load from here; one already past its checks may, so
         its loads are finished until none is left. The first rank to leave a complete
-        group detaches every rank's buffers, whatever happened before."""
+        group detaches every rank's buffers, whatever happened before, and every rank's
+        close ends only once that detach did: a close answered while a backup still read
+        the ranks' pages let the engine reuse them under it (the backup stored new KV
+        under the old tokens)."""
         try:
             driver = self.group.driver
             while driver is not None and (pending := self.cache.pending_loads(driver.id)):
@@ -285,11 +290,16 @@ class Namespace:
             if self.session is session:
                 self.session = None
             if self.group.leave(session):
-                self._swapping += 1
-                try:
-                    await self.detach()
-                finally:
-                    self._swapping -= 1
+                self._group_detach = asyncio.ensure_future(self._detach_group())
+            if self._group_detach is not None:  # every rank's close ends once no copy reads its pages
+                await asyncio.shield(self._group_detach)
+
+    async def _detach_group(self) -> None:
+        self._swapping += 1
+        try:
+            await self.detach()
+        finally:
+            self._swapping -= 1
 
     def partners(self, session: Session) -> list[Session]:
         """The sessions that end with `session`: the other ranks of its tensor-parallel
@@ -303,6 +313,8 @@ class Namespace:
         group's device residency (answered to the rank that completes the group)."""
         if session.rank == 0:
             self.session = session
+        if not self.group.sessions:  # a new engine may bring a new page count
+            self.num_device_pages = device.num_pages
         ranked = self.group.join(session, device)
         if ranked is None:
             return 0

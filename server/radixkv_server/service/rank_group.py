@@ -22,12 +22,11 @@ DRIVER = 0  # the rank whose session makes the tree calls
 
 
 class RankGroup:
-    """The sessions of `tp_size` ranks of namespace `name`, each of `num_pages` device pages."""
+    """The sessions of `tp_size` ranks of namespace `name`."""
 
-    def __init__(self, name: str, tp_size: int, num_pages: int):
+    def __init__(self, name: str, tp_size: int):
         self.name = name
         self.tp_size = tp_size
-        self.num_pages = num_pages
         self.sessions: dict[int, Session] = {}  # rank -> its session
         self.device_uuids: dict[int, str] = {}  # rank -> the GPU its buffers were opened on ("": none)
         self._waiting: dict[int, DeviceBuffers] = {}  # opened buffers of ranks in, until all are

@@ -28,17 +28,18 @@ def check_not_closing(daemon, name: str) -> None:
 
 
 def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[Session]:
-    """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns`; the group's
-    sessions to close first, when the rank's place is taken or the group is another
-    engine's (`instance`) and `replace_existing` asks."""
+    """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns` (the ranks
+    in it share its page count; a new group may bring another); the group's sessions to
+    close first, when the rank's place is taken or the group is another engine's
+    (`instance`) and `replace_existing` asks."""
     registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
-    if reg.num_device_pages != ns.num_device_pages:
-        raise precondition(f"namespace {ns.name}'s ranks hold {ns.num_device_pages} device pages each, this rank "
-                           f"{reg.num_device_pages}: the ranks of an engine share one page table")
     members = list(ns.group.sessions.values())
     holder = ns.group.sessions.get(reg.tp_rank)
     other = next((s for s in members if s.instance != reg.instance), None)
     if holder is None and other is None:
+        if members and reg.num_device_pages != ns.num_device_pages:
+            raise precondition(f"namespace {ns.name}'s ranks hold {ns.num_device_pages} device pages each, this "
+                               f"rank {reg.num_device_pages}: the ranks of an engine share one page table")
         return []
     if not reg.replace_existing:
         if holder is not None:
