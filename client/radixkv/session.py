@@ -27,7 +27,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
 from .channel import DEFAULT_TARGET, wait_serving
-from .errors import (DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
+from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
                      Unavailable, Unimplemented)
 from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
@@ -372,7 +372,7 @@ class Session:
                 step = max(0.05, min(step, end - time.monotonic()))
             again = msg.register_again(self._register_request, self._buffers, self._replaced)
             new = Registration.from_pb((yield Rpc("Register", again, step)))
-        except Unavailable as err:
+        except (Unavailable, Cancelled) as err:  # Cancelled: a daemon shutting down cut the attempt
             with self._lock:
                 rec.failed(time.monotonic())
             raise Unavailable(f"session lost ({reason}); reconnect attempt {rec.attempts} failed: "

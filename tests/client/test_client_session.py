@@ -121,6 +121,23 @@ def test_an_old_sessions_stream_ending_late_leaves_the_new_session_alone(setup):
     assert s.lost
 
 
+def test_a_reconnect_attempt_a_stopping_daemon_cancelled_is_unavailable_and_tried_again(setup):
+    """A daemon shutting down cancels the Register in flight (CANCELLED): the daemon went
+    away, as with Unavailable; raised as Cancelled, engines took it for their own call's
+    fault (the soak counted it as an unexplained error)."""
+    s, daemon, streams, lost = setup
+    daemon.forget("d2")
+
+    def stopping(step):
+        if isinstance(step, Rpc) and step.method == "Register":
+            raise errors.Cancelled("the daemon is shutting down")
+        return daemon(step)
+
+    with pytest.raises(errors.Unavailable, match="reconnect attempt 1 failed: the daemon is shutting down"):
+        run(s.match([[1, 2, 3, 4]], False, False), stopping)
+    assert s.lost and lost == []  # still lost: the next attempt registers
+
+
 def test_a_call_that_failed_alone_keeps_the_session(setup):
     s, daemon, streams, lost = setup
 
