@@ -16,9 +16,8 @@ from tests.service_inproc.inproc import Engine, prompt, run, running_daemon
 
 def test_rank_0_starts_no_load_once_a_rank_left_and_every_ranks_buffers_close():
     async def scenario():
-        async with running_daemon(write_policy="write_through", fault_copy_delay=0.2) as daemon:
-            driver, other = [await Engine.register(daemon, "tp", tp_rank=r, tp_size=2, instance="e",
-                                                     write_policy="write_through") for r in (0, 1)]
+        async with running_daemon(fault_copy_delay=0.2) as daemon:
+            driver, other = await _ranks(daemon)
             ns = driver.ns
             await driver.insert(prompt(0, 2), [0, 1])
             await ns.drain()  # the backup
@@ -46,9 +45,8 @@ def test_rank_0_starts_no_load_once_a_rank_left_and_every_ranks_buffers_close():
 
 def test_no_ranks_close_ends_while_a_copy_still_reads_the_ranks_pages():
     async def scenario():
-        async with running_daemon(write_policy="write_through", fault_copy_delay=0.3) as daemon:
-            driver, other = [await Engine.register(daemon, "tp", tp_rank=r, tp_size=2, instance="e",
-                                                     write_policy="write_through") for r in (0, 1)]
+        async with running_daemon(fault_copy_delay=0.3) as daemon:
+            driver, other = await _ranks(daemon)
             ns = driver.ns
             await driver.insert(prompt(0, 2), [0, 1])
             [backup] = [t for t in ns.cache.transfers if ns.copies.in_flight(t)]  # reads both ranks' pages
@@ -62,3 +60,9 @@ def test_no_ranks_close_ends_while_a_copy_still_reads_the_ranks_pages():
                 engine.buffers.close()
             assert daemon.check_invariants("") == []
     run(scenario())
+
+
+async def _ranks(daemon) -> list[Engine]:
+    """Ranks 0 and 1 of one write-through engine (the policy is the engine's to ask)."""
+    return [await Engine.register(daemon, "tp", tp_rank=r, tp_size=2, instance="e", write_policy="write_through")
+            for r in (0, 1)]
