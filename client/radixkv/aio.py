@@ -142,12 +142,14 @@ class AsyncClient(ClientBase):
                        backend: str = "shm", device: int = 0, write_policy: str = "",
                        host_pool_pages: int = 0, replace_existing: bool = False, engine: str = "",
                        model: str = "", device_uuid: str = "", device_tier: str = "managed",
-                       role: str = "engine", tp_rank: int = 0, tp_size: int = 1, instance: str = "") -> Registration:
+                       role: str = "engine", tp_rank: int = 0, tp_size: int = 1, instance: str = "",
+                       wait_for_ranks: float = 0.0) -> Registration:
         return await self._run(self._session.register(
             namespace, layout, buffers, num_device_pages, backend=backend, device=device,
             write_policy=write_policy, host_pool_pages=host_pool_pages,
             replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid,
-            device_tier=device_tier, role=role, tp_rank=tp_rank, tp_size=tp_size, instance=instance))
+            device_tier=device_tier, role=role, tp_rank=tp_rank, tp_size=tp_size, instance=instance,
+            wait_for_ranks=wait_for_ranks))
 
     async def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
         """As `Client.reconnect`."""

@@ -80,7 +80,8 @@ class Client(ClientBase):
                  backend: str = "shm", device: int = 0, write_policy: str = "",
                  host_pool_pages: int = 0, replace_existing: bool = False, engine: str = "",
                  model: str = "", device_uuid: str = "", device_tier: str = "managed",
-                 role: str = "engine", tp_rank: int = 0, tp_size: int = 1, instance: str = "") -> Registration:
+                 role: str = "engine", tp_rank: int = 0, tp_size: int = 1, instance: str = "",
+                 wait_for_ranks: float = 0.0) -> Registration:
         """Attach to `namespace` with the engine's device `buffers` ((handle, offset, size)
         each, layer-major; `ShmKvBuffers.specs()` or `CudaKvBuffers.export(...)`, which is
         exported afresh for every automatic re-registration). The buffers must stay alive
@@ -94,12 +95,17 @@ class Client(ClientBase):
         shard each page over the ranks; `instance` names the engine (logs). Any number of
         sessions share such a namespace, all with one layout and tp_size. A managed-device
         engine split over tensor-parallel ranks registers every rank on one namespace
-        with its `tp_rank`/`tp_size`; rank 0's client makes the calls (docs/engines.md)."""
+        with its `tp_rank`/`tp_size` and one `instance`; rank 0's client makes the calls
+        (docs/engines.md). `wait_for_ranks` seconds: such a rank's Register answers once
+        every rank is in, or after that long (`Registration.ranks_missing` names the
+        ranks still out); the call's timeout is longer by as much. Registering again
+        after a lost session waits too, within `reconnect`'s timeout."""
         return self._run(self._session.register(
             namespace, layout, buffers, num_device_pages, backend=backend, device=device,
             write_policy=write_policy, host_pool_pages=host_pool_pages,
             replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid,
-            device_tier=device_tier, role=role, tp_rank=tp_rank, tp_size=tp_size, instance=instance))
+            device_tier=device_tier, role=role, tp_rank=tp_rank, tp_size=tp_size, instance=instance,
+            wait_for_ranks=wait_for_ranks))
 
     def reconnect(self, timeout: float = 30.0) -> SessionLost | None:
         """Make sure the session is alive, registering again (with backoff) if it was lost.

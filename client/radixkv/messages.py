@@ -71,14 +71,14 @@ def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_de
                      backend: str, device: int, write_policy: str, host_pool_pages: int,
                      replace_existing: bool, engine: str, model: str, device_uuid: str = "",
                      device_tier: str = "managed", role: str = "engine", tp_rank: int = 0, tp_size: int = 1,
-                     instance: str = "") -> pb.RegisterRequest:
+                     instance: str = "", wait_for_ranks: float = 0.0) -> pb.RegisterRequest:
     """`device_uuid`: the engine's GPU by UUID; for backend "cuda" it defaults to the UUID
     of cuda:`device` in this process, so the daemon finds the same GPU whatever its own
     CUDA_VISIBLE_DEVICES (see `radixkv.kvbuffers.device_uuid`). `device_tier`
     ("managed" or "engine_managed"), `role` ("engine" or "scheduler"), `tp_rank`,
-    `tp_size` and `instance`: see RegisterRequest in the proto."""
-    if num_device_pages < 0 or host_pool_pages < 0:
-        raise InvalidArgument("num_device_pages and host_pool_pages must be >= 0")
+    `tp_size`, `instance` and `wait_for_ranks` (seconds): see RegisterRequest in the proto."""
+    if num_device_pages < 0 or host_pool_pages < 0 or wait_for_ranks < 0:
+        raise InvalidArgument("num_device_pages, host_pool_pages and wait_for_ranks must be >= 0")
     if device_tier not in DEVICE_TIERS or role not in ROLES:
         raise InvalidArgument(f"device_tier {device_tier!r} / role {role!r}: use one of {list(DEVICE_TIERS)} / "
                               f"{list(ROLES)}")
@@ -92,20 +92,25 @@ def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_de
         write_policy=write_policy, host_pool_pages=host_pool_pages,
         replace_existing=replace_existing, engine=engine, model=model, device_uuid=device_uuid,
         device_tier=DEVICE_TIERS[device_tier], role=ROLES[role], tp_rank=tp_rank, tp_size=tp_size,
-        instance=instance)
+        instance=instance, wait_for_ranks_ms=round(wait_for_ranks * 1000))
 
 
-def register_again(request: pb.RegisterRequest, buffers, replaced: bool) -> pb.RegisterRequest:
+def register_again(request: pb.RegisterRequest, buffers, replaced: bool,
+                   wait_left: float | None = None) -> pb.RegisterRequest:
     """The Register a lost session sends again: `request` as first sent, with buffers that
     can be exported afresh (`fresh()`, as `CudaKvBuffers.export` gives) exported again
     (each CUDA IPC export is one reference torch counts: a handle sent twice would be
-    released twice), and without `replace_existing` for a `replaced` engine (another
-    engine's Register took the namespace: refused again while that session lives)."""
+    released twice), without `replace_existing` for a `replaced` engine (another
+    engine's Register took the namespace: refused again while that session lives), and
+    waiting for the other ranks no longer than `wait_left` seconds (None: as first sent)."""
     fresh = getattr(buffers, "fresh", None)
-    if fresh is None and not (replaced and request.replace_existing):
+    wait_ms = request.wait_for_ranks_ms if wait_left is None else min(
+        request.wait_for_ranks_ms, max(0, round(wait_left * 1000)))
+    if fresh is None and not (replaced and request.replace_existing) and wait_ms == request.wait_for_ranks_ms:
         return request
     again = pb.RegisterRequest()
     again.CopyFrom(request)
+    again.wait_for_ranks_ms = wait_ms
     if fresh is not None:
         del again.buffers[:]
         again.buffers.extend(buffer_pb(b) for b in fresh())

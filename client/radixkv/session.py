@@ -116,7 +116,8 @@ class Session:
         if self.registration is not None:
             raise FailedPrecondition(f"already registered (session {self.registration.session})")
         req = msg.register_request(namespace, layout, buffers, num_device_pages, **options)
-        reg = Registration.from_pb((yield from self._call("Register", req)))
+        wait = req.wait_for_ranks_ms / 1000  # the daemon answers that much later at most
+        reg = Registration.from_pb((yield from self._call("Register", req, self.timeout and self.timeout + wait)))
         self._register_request = req
         self._buffers = buffers
         self._attach(reg)
@@ -370,8 +371,9 @@ class Session:
                     stream.abandon(f"the session was lost ({reason})")
             if end is not None:
                 step = max(0.05, min(step, end - time.monotonic()))
-            again = msg.register_again(self._register_request, self._buffers, self._replaced)
-            new = Registration.from_pb((yield Rpc("Register", again, step)))
+            wait_left = None if end is None else end - time.monotonic() - step
+            again = msg.register_again(self._register_request, self._buffers, self._replaced, wait_left)
+            new = Registration.from_pb((yield Rpc("Register", again, step and step + again.wait_for_ranks_ms / 1000)))
         except (Unavailable, Cancelled) as err:  # Cancelled: a daemon shutting down cut the attempt
             with self._lock:
                 rec.failed(time.monotonic())

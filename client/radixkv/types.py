@@ -95,7 +95,9 @@ class Registration:
     "mooncake"; "" without one); `max_prompts_per_match`, the most prompts one Match may
     carry (0: a daemon too old to say); `lease_timeout_s`, `ack_timeout_s` and
     `idle_session_timeout_s` (a session that never opened a stream), the daemon's
-    timeouts (0: off, or a daemon too old to say)."""
+    timeouts (0: off, or a daemon too old to say); `ranks_missing`, a tensor-parallel
+    managed-device rank's: the ranks of its group not registered yet when the daemon
+    answered (empty: rank 0's calls are served; see `wait_for_ranks`)."""
 
     session: str
     daemon_instance: str
@@ -109,12 +111,14 @@ class Registration:
     lease_timeout_s: float = 0.0
     ack_timeout_s: float = 0.0
     idle_session_timeout_s: float = 0.0
+    ranks_missing: tuple[int, ...] = ()
 
     @classmethod
     def from_pb(cls, m: pb.RegisterResponse) -> "Registration":
         return cls(m.session, m.daemon_instance, m.host_pool_pages, m.write_policy, m.warm,
                    m.dropped_device_tokens, m.storage, m.device_uuid, m.max_prompts_per_match,
-                   m.lease_timeout_ms / 1000, m.ack_timeout_ms / 1000, m.idle_session_timeout_ms / 1000)
+                   m.lease_timeout_ms / 1000, m.ack_timeout_ms / 1000, m.idle_session_timeout_ms / 1000,
+                   tuple(m.ranks_missing))
 
 
 @dataclass(frozen=True, slots=True)

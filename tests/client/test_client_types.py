@@ -8,7 +8,8 @@ import pytest
 
 from radixkv import errors
 from radixkv.layout import KvLayout
-from radixkv.messages import buffer_pb, insert_request, match_request, prefetch_request, register_request, transfer_ids
+from radixkv.messages import (buffer_pb, insert_request, match_request, prefetch_request, register_again,
+                              register_request, transfer_ids)
 from radixkv.types import (InsertResult, LoadBackResult, LoadOutcome, MatchResult, Prompt, as_packed,
                            pack, unpack)
 from radixkv.v1 import radixkv_pb2 as pb
@@ -144,3 +145,19 @@ def test_a_prefetch_timeout_goes_out_in_whole_milliseconds_never_zero():
     for bad in (None, 0, -1.0):
         with pytest.raises(errors.InvalidArgument, match="timeout policy needs a timeout"):
             prefetch_request("s", [1, 2], extra_key=b"", policy="timeout", timeout=bad)
+
+
+def test_registering_again_waits_for_the_other_ranks_no_longer_than_the_reconnect_allows():
+    layout = KvLayout(2, 4, 8, "float16", 16)
+    first = register_request("m", layout, [("seg0", 0, 1024)], 10, backend="shm", device=0, write_policy="",
+                             host_pool_pages=0, replace_existing=False, engine="", model="", tp_rank=1,
+                             tp_size=2, instance="e", wait_for_ranks=5.0)
+    assert first.wait_for_ranks_ms == 5000
+    assert register_again(first, [], replaced=False) is first  # as first sent
+    assert register_again(first, [], replaced=False, wait_left=1.25).wait_for_ranks_ms == 1250
+    assert register_again(first, [], replaced=False, wait_left=-2.0).wait_for_ranks_ms == 0
+    assert register_again(first, [], replaced=False, wait_left=60.0) is first
+    assert first.wait_for_ranks_ms == 5000  # the request kept for the next time is not changed
+    with pytest.raises(errors.InvalidArgument, match="wait_for_ranks must be >= 0"):
+        register_request("m", layout, [], 1, backend="shm", device=0, write_policy="", host_pool_pages=0,
+                         replace_existing=False, engine="", model="", wait_for_ranks=-1)

@@ -52,7 +52,7 @@ class DeviceBuffer(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., page_stride: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "backend", "device", "buffers", "num_device_pages", "write_policy", "host_pool_pages", "replace_existing", "engine", "model", "device_uuid", "device_tier", "role", "tp_rank", "tp_size", "instance")
+    __slots__ = ("namespace", "layout", "backend", "device", "buffers", "num_device_pages", "write_policy", "host_pool_pages", "replace_existing", "engine", "model", "device_uuid", "device_tier", "role", "tp_rank", "tp_size", "instance", "wait_for_ranks_ms")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class RegisterRequest(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_RANKS_MS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KvLayout
     backend: str
@@ -87,10 +88,11 @@ class RegisterRequest(_message.Message):
     tp_rank: int
     tp_size: int
     instance: str
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: _Optional[bool] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_tier: _Optional[_Union[DeviceTier, str]] = ..., role: _Optional[_Union[SessionRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    wait_for_ranks_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: _Optional[bool] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_tier: _Optional[_Union[DeviceTier, str]] = ..., role: _Optional[_Union[SessionRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., instance: _Optional[str] = ..., wait_for_ranks_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session", "host_pool_pages", "write_policy", "warm", "dropped_device_tokens", "daemon_instance", "storage", "max_prompts_per_match", "lease_timeout_ms", "ack_timeout_ms", "idle_session_timeout_ms", "device_uuid")
+    __slots__ = ("session", "host_pool_pages", "write_policy", "warm", "dropped_device_tokens", "daemon_instance", "storage", "max_prompts_per_match", "lease_timeout_ms", "ack_timeout_ms", "idle_session_timeout_ms", "ranks_missing", "device_uuid")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class RegisterResponse(_message.Message):
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     ACK_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SESSION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     session: str
     host_pool_pages: int
@@ -114,8 +117,9 @@ class RegisterResponse(_message.Message):
     lease_timeout_ms: int
     ack_timeout_ms: int
     idle_session_timeout_ms: int
+    ranks_missing: _containers.RepeatedScalarFieldContainer[int]
     device_uuid: str
-    def __init__(self, session: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., warm: _Optional[bool] = ..., dropped_device_tokens: _Optional[int] = ..., daemon_instance: _Optional[str] = ..., storage: _Optional[str] = ..., max_prompts_per_match: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ..., idle_session_timeout_ms: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., warm: _Optional[bool] = ..., dropped_device_tokens: _Optional[int] = ..., daemon_instance: _Optional[str] = ..., storage: _Optional[str] = ..., max_prompts_per_match: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ..., idle_session_timeout_ms: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session",)

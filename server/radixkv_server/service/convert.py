@@ -45,7 +45,7 @@ def registration(request: pb.RegisterRequest, default_page_size: int) -> Registr
         num_device_pages=request.num_device_pages, write_policy=request.write_policy,
         host_pool_pages=request.host_pool_pages, replace_existing=request.replace_existing,
         engine=request.engine, model=request.model, device_uuid=request.device_uuid,
-        **engine_managed_fields(request))
+        wait_for_ranks=request.wait_for_ranks_ms / 1000, **engine_managed_fields(request))
 
 
 def engine_managed_fields(request: pb.RegisterRequest) -> dict:

@@ -132,17 +132,19 @@ class Daemon:
     async def _register_rank(self, reg: registration.Registration) -> registration.Registered:
         """A tensor-parallel rank's Register, run to its end under the registration lock
         whoever waits: cut part-way, its join went on without the lock. A session made
-        for a caller that left is closed (it never learns its id), with its group."""
+        for a caller that left is closed (it never learns its id), with its group. Then,
+        when asked, waits (without the lock) for the group to form."""
         async def locked():
             async with self._register_lock:
                 return await rank_registration.register(self, reg)
 
         task = self.run_in_background(locked())
         try:
-            return await asyncio.shield(task)
+            done = await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(self._close_unanswered)
             raise
+        return await rank_registration.wait_for_ranks(self, done, reg.wait_for_ranks) if reg.wait_for_ranks else done
 
     def _close_unanswered(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is None:

@@ -38,6 +38,7 @@ class EngineNamespace:
     operators (Stats, metrics); `tier` is the core's EngineTier, `ranks` the rank copies."""
 
     engine_managed = True
+    group = None  # ranks gather into one group only in a managed-device namespace (`RankGroup`)
 
     def __init__(self, config: NamespaceConfig, host_pool: HostPool, tp_size: int, *, metrics=None, storage=None):
         self.tp_size = tp_size

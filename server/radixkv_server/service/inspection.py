@@ -21,7 +21,7 @@ def namespace_stats(ns: Namespace) -> pb.NamespaceStats:
         host_page_bytes=ns.host_pool.layout.page_bytes, transfers_in_flight=len(cache.transfers),
         pinned_nodes=cache.pinned_nodes,
         tracked_duplicates=len(cache.duplicates), counters=ns.counters(), tp_size=ns.config.tp_size,
-        ranks_missing=ns.group.missing() if getattr(ns, "group", None) is not None else [])
+        ranks_missing=ns.group.missing() if ns.group is not None else [])
 
 
 def inspect_namespace(ns: Namespace, max_nodes: int) -> pb.InspectResponse:

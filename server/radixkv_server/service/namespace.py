@@ -64,8 +64,7 @@ class Namespace:
 
     @property
     def attached(self) -> bool:
-        """Whether an engine's session is attached (Stats' `attached`): of a
-        tensor-parallel namespace, any rank's."""
+        """Whether an engine's session (of a tensor-parallel group: any rank's) is attached."""
         return self.session is not None or bool(self.group and self.group.sessions)
 
     @classmethod
@@ -306,26 +305,28 @@ class Namespace:
         group (none otherwise)."""
         return self.group.partners(session) if self.group is not None else []
 
-    async def join_rank(self, session: Session, device: DeviceBuffers) -> int:
-        """Rank `session.rank` of a tensor-parallel namespace joins with its buffers (its
-        place free: the registration checked). Once every rank is in, their buffers are
-        attached as one device (`attach`). Returns the tokens dropped with the previous
-        group's device residency (answered to the rank that completes the group)."""
+    async def join_rank(self, session: Session, device: DeviceBuffers, warm: bool) -> int:
+        """Rank `session.rank` of a tensor-parallel namespace joins with its buffers
+        (`RankGroup.join`; its place free: the registration checked). Once every rank is
+        in, their buffers are attached as one device (`attach`). Returns the tokens
+        dropped with the previous group's device residency (to every waiting rank too)."""
         if session.rank == 0:
             self.session = session
         if not self.group.sessions:  # a new engine may bring a new page count
             self.num_device_pages = device.num_pages
-        ranked = self.group.join(session, device)
+        ranked = self.group.join(session, device, warm)
         if ranked is None:
             return 0
         self._swapping += 1
         try:
-            return await self.attach(ranked)
+            dropped = await self.attach(ranked)
         except BaseException:
             ranked.close()  # every rank's buffers: the group ends (the registration closes it)
             raise
         finally:
             self._swapping -= 1
+        self.group.formed(dropped)
+        return dropped
 
     async def attach(self, device: DeviceBuffers) -> int:
         """Swap in a restarted engine's device buffers: wait for copies (not stores of

@@ -14,8 +14,10 @@ one engine (one `instance`): when any of its sessions ends, the daemon ends the 
 The event loop owns it. Pure bookkeeping: the namespace attaches and closes buffers.
 """
 
+import asyncio
+
 from ..datapath import DeviceBuffers, RankedBuffers
-from .errors import precondition
+from .errors import precondition, unavailable
 from .sessions import Session
 
 DRIVER = 0  # the rank whose session makes the tree calls
@@ -30,6 +32,8 @@ class RankGroup:
         self.sessions: dict[int, Session] = {}  # rank -> its session
         self.device_uuids: dict[int, str] = {}  # rank -> the GPU its buffers were opened on ("": none)
         self._waiting: dict[int, DeviceBuffers] = {}  # opened buffers of ranks in, until all are
+        self.warm = False  # the namespace held a host tier when this group's first rank came
+        self._formed: asyncio.Future | None = None  # this group's gathering: see `wait_formed`
 
     @property
     def complete(self) -> bool:
@@ -42,11 +46,16 @@ class RankGroup:
     def driver(self) -> Session | None:
         return self.sessions.get(DRIVER)
 
-    def join(self, session: Session, device: DeviceBuffers) -> RankedBuffers | None:
-        """Add rank `session.rank` with its buffers (its place must be free). Once every
+    def join(self, session: Session, device: DeviceBuffers, warm: bool) -> RankedBuffers | None:
+        """Add rank `session.rank` with its buffers (its place must be free); the first
+        rank of a group says whether the namespace was `warm` for all of them. Once every
         rank is in: all their buffers as one device, which the caller attaches and owns
-        from then on; None while ranks are missing (the group holds the buffers)."""
+        (then `formed`); None while ranks are missing (the group holds the buffers).
+        Call on the event loop."""
         assert session.rank not in self.sessions, "the registration checks the rank's place is free"
+        if not self.sessions:
+            self.warm = warm
+            self._formed = asyncio.get_running_loop().create_future()
         self.sessions[session.rank] = session
         self.device_uuids[session.rank] = getattr(device, "device_uuid", "")
         self._waiting[session.rank] = device
@@ -57,13 +66,36 @@ class RankGroup:
         self._waiting.clear()
         return ranked
 
+    def formed(self, dropped_tokens: int | None) -> None:
+        """The joined buffers were attached (`dropped_tokens` with the last group's device
+        residency), or failed to (None): wakes `wait_formed`."""
+        if self._formed is not None and not self._formed.done():
+            self._formed.set_result(dropped_tokens)
+
+    async def wait_formed(self, session: Session, timeout: float) -> int | None:
+        """Wait up to `timeout` seconds for the group `session` joined to form: the
+        tokens its attach dropped once it did (at once for a formed group); None when it
+        has not yet. ServiceError UNAVAILABLE when the group ended first (a rank left, or
+        attaching the buffers failed): `session` is closing then."""
+        formed = self._formed
+        if self.sessions.get(session.rank) is session and formed is not None:
+            try:
+                dropped = await asyncio.wait_for(asyncio.shield(formed), timeout)
+            except TimeoutError:
+                dropped = None
+            if self.sessions.get(session.rank) is session and (dropped is not None or not formed.done()):
+                return dropped
+        raise unavailable(f"namespace {self.name}'s ranks went before all {self.tp_size} were in (a rank's "
+                          "session ended, or attaching their buffers failed); register again")
+
     def leave(self, session: Session) -> bool:
         """Remove `session` (closing its buffers if the group never completed with them).
         Whether the group was complete until now (its buffers attached); False for a
-        session that is not a member."""
+        session that is not a member. A group left before it formed never forms."""
         if self.sessions.get(session.rank) is not session:
             return False
         was_complete = self.complete
+        self.formed(None)
         del self.sessions[session.rank]
         del self.device_uuids[session.rank]
         device = self._waiting.pop(session.rank, None)

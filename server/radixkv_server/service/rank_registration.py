@@ -69,7 +69,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
             check_not_closing(daemon, reg.namespace)  # a rank's stream may have broken meanwhile
         for old in replaced:
             await daemon.close_session(old, "replaced by a new registration")
-        warm = ns is not None
+        warm = ns is not None  # for the group's first rank: `RankGroup.warm` answers them all
         if ns is None:
             ns = daemon.add_namespace(await Namespace.open(
                 config, None, num_device_pages=reg.num_device_pages, metrics=daemon.metrics,
@@ -81,15 +81,28 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     session.rank, session.device_pages, session.instance = reg.tp_rank, reg.num_device_pages, reg.instance
     ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
     try:
-        dropped = await ns.join_rank(session, device)  # owns the buffers from here
+        dropped = await ns.join_rank(session, device, warm)  # owns the buffers from here
     except BaseException:
         daemon.close_in_background(session, "its Register failed")  # with its group: one engine's ranks
         raise
     log_event(log, "session.registered", namespace=ns.name, session=session.id[:8], engine=reg.engine,
               backend=reg.backend, device_pages=reg.num_device_pages, host_pages=ns.host_pool.num_pages,
               tp_rank=reg.tp_rank, tp_size=reg.tp_size, instance=reg.instance, waiting_for=ns.group.missing(),
-              warm=warm, dropped_tokens=dropped)
-    return registration.Registered(session, warm, dropped)
+              warm=ns.group.warm, dropped_tokens=dropped)
+    return registration.Registered(session, ns.group.warm, dropped)
 
 
-__all__ = ["check_not_closing", "register", "sessions_to_replace"]
+async def wait_for_ranks(daemon, done: registration.Registered, timeout: float) -> registration.Registered:
+    """`done`, once its group formed or after `timeout` seconds (RegisterRequest's
+    wait_for_ranks_ms), with the tokens the group's attach dropped. UNAVAILABLE when the
+    group ended first. A caller that leaves meanwhile never learns its session: it is
+    closed, with its group."""
+    try:
+        dropped = await done.session.namespace.group.wait_formed(done.session, timeout)
+    except BaseException:
+        daemon.close_in_background(done.session, "its Register's caller left before the answer")
+        raise
+    return done if dropped is None else registration.Registered(done.session, done.warm, dropped)
+
+
+__all__ = ["check_not_closing", "register", "sessions_to_replace", "wait_for_ranks"]

@@ -44,6 +44,7 @@ class Registration:
     tp_rank: int = 0
     tp_size: int = 1
     instance: str = ""
+    wait_for_ranks: float = 0.0  # seconds a managed-device rank's Register waits for its group to form
     segment_uid: int | None = None  # shm: the owner the segments must have (the caller's token's uid=)
 
     @property

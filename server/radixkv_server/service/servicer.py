@@ -136,7 +136,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             storage=self.daemon.storage.kind if self.daemon.storage is not None else "",
             max_prompts_per_match=config.max_prompts_per_match, lease_timeout_ms=round(config.lease_timeout * 1000),
             ack_timeout_ms=round(config.ack_timeout * 1000),
-            idle_session_timeout_ms=round(config.idle_session_timeout * 1000), device_uuid=ns.device_uuid(done.session))
+            idle_session_timeout_ms=round(config.idle_session_timeout * 1000), device_uuid=ns.device_uuid(done.session),
+            ranks_missing=ns.group.missing() if ns.group is not None else [])
 
     @rpc
     async def Close(self, request, context):
