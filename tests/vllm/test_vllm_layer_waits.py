@@ -98,3 +98,23 @@ def test_real_vllm_asks_for_every_registered_layer_by_name(engines, daemon):
     assert warm.cached_tokens == 384
     layers = get_kv_transfer_group()._loads._layers
     assert layers.layerwise and not layers.gave_up and not layers.holding
+
+
+def test_loads_wait_whole_where_vllm_may_replay_a_forward_as_a_full_cuda_graph():
+    """A forward replayed as a FULL CUDA graph calls no wait_for_layer_load: a worker on
+    such a config never waits layer by layer (its loads would otherwise count as failed)."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from radixkv.vllm.connector import _full_cuda_graphs
+
+    def config(mode, device="cuda"):
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode),
+                               device_config=SimpleNamespace(device=SimpleNamespace(type=device)))
+
+    assert _full_cuda_graphs(config(CUDAGraphMode.FULL_AND_PIECEWISE))  # vLLM's default on CUDA
+    assert _full_cuda_graphs(config(CUDAGraphMode.FULL_DECODE_ONLY))
+    assert not _full_cuda_graphs(config(CUDAGraphMode.PIECEWISE))
+    assert not _full_cuda_graphs(config(CUDAGraphMode.NONE))
+    assert not _full_cuda_graphs(config(CUDAGraphMode.FULL_AND_PIECEWISE, device="cpu"))

@@ -38,6 +38,7 @@ from .registration import register_worker
 from .saves import Saves
 from .scheduler import SchedulerSide
 from .stats import RadixKVPromMetrics, RadixKVStats
+from .supported import check_supported
 from .tier_events import TierEvents
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
@@ -57,6 +58,7 @@ class RadixKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_supported(vllm_config, kv_cache_config)  # vLLM fails to start, saying what is not supported
         tc = self._kv_transfer_config
         config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.served_model_name,
                                             model_identity(vllm_config.model_config))
@@ -119,8 +121,10 @@ class RadixKVConnector(KVConnectorBase_V1):
             raise
         self._adapter = adapter
         self._saves = Saves(adapter)
-        self._loads = WorkerLoads(adapter, self._saves, LayerWaits(kv_caches, adapter.wait_loaded),
-                                  queued=adapter.cuda_device is not None, async_loads=self.config.async_loads)
+        # A forward replayed as a full CUDA graph runs no wait_for_layer_load: loads wait whole then.
+        layers = None if _full_cuda_graphs(self._vllm_config) else LayerWaits(kv_caches, adapter.wait_loaded)
+        self._loads = WorkerLoads(adapter, self._saves, layers, queued=adapter.cuda_device is not None,
+                                  async_loads=self.config.async_loads)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """Before the forward (vLLM calls this first thing in a step): the saves of requests
@@ -246,11 +250,23 @@ class RadixKVConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, RadixKVWorkerMetadata):
             self._scheduler.answered(meta)
+        self._scheduler.sent(connector_output.finished_sending or ())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """True (keep the blocks) for a request that had saves: the workers list it in
         `get_finished` once the daemon's copies out of its blocks are done."""
         return self._scheduler.finished(request), None
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks of finished requests come back once their saves are done: vLLM waits a
+        step for them rather than preempting a running request."""
+        return self._scheduler is not None and self._scheduler.frees_pending
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a cache, not a hand-off. A save cut by a preemption is a later miss, so
+        vLLM need not drop a preempted request's sampled tokens (as it does for producers)."""
+        return False
 
     def reset_cache(self) -> bool:
         """vLLM's `reset_prefix_cache(reset_connector=True)` (after a weight update): this
@@ -321,6 +337,12 @@ def _register_by_name() -> None:
 def _publishes_kv_events(vllm_config) -> bool:
     events = getattr(vllm_config, "kv_events_config", None)
     return bool(events is not None and events.enable_kv_cache_events)
+
+
+def _full_cuda_graphs(vllm_config) -> bool:
+    """Whether vLLM may replay whole forwards as CUDA graphs (no Python runs per layer)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    return bool(mode is not None and vllm_config.device_config.device.type == "cuda" and mode.has_full_cudagraphs())
 
 
 def _tp_rank(vllm_config) -> tuple[int, int]:

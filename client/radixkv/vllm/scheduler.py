@@ -65,6 +65,7 @@ class SchedulerSide:
         self._over: dict[str, dict[int, int]] = {}  # request -> rank -> saves over
         self._held: dict[str, dict[int, int]] = {}  # request -> rank -> loads held (counted as saves)
         self._delayed: list[str] = []  # finished with saves in flight, for the next step
+        self._freeing: set[str] = set()  # finished with blocks kept until every worker reports their saves
         self._last_saves: list[SaveSpec] = []  # finished requests' last blocks, for the next step
         self._loads: list[LoadSpec] = []
         # Loads not reported by every rank yet: lease, ranks reported, pages, the blocks it fills.
@@ -226,7 +227,18 @@ class SchedulerSide:
         self._stale.discard(req_id)
         if in_flight and not held:
             self._delayed.append(req_id)
+        if in_flight:
+            self._freeing.add(req_id)
         return in_flight
+
+    @property
+    def frees_pending(self) -> bool:
+        """Whether blocks of finished requests are still kept for their saves (`finished`)."""
+        return bool(self._freeing)
+
+    def sent(self, req_ids) -> None:
+        """vLLM freed these requests' blocks: every worker reported their saves over."""
+        self._freeing.difference_update(req_ids)
 
     def _last_save(self, request) -> bool:
         """A request's steps save the blocks they fill whose tokens the scheduler knows when

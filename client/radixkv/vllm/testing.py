@@ -33,21 +33,24 @@ def apply_cpu_env(env: dict[str, str] | None = None) -> None:
 
 def write_tiny_llama(path: str, *, seed: int = 0, num_layers: int = 2, num_heads: int = 4,
                      num_kv_heads: int = 2, dtype: str = "float32",
-                     max_positions: int = 8192, init_std: float = 0.2) -> str:
+                     max_positions: int = 8192, init_std: float = 0.2, sliding_window: int | None = None) -> str:
     """Write a random-weight Llama to directory `path` (created if missing) and return it.
 
     hidden size = num_heads * 64. `init_std` well above Llama's 0.02 makes the logits
     peaked, so greedy decoding does not hinge on rounding: outputs compare exactly
     between runs that compute the same values in a different order. Deterministic for
-    equal arguments (torch's CPU generator seeded with `seed`)."""
+    equal arguments (torch's CPU generator seeded with `seed`). With `sliding_window`,
+    every layer attends to that many tokens back (vLLM's `layer_types`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    window = {} if sliding_window is None else {
+        "sliding_window": sliding_window, "layer_types": ["sliding_attention"] * num_layers}
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=num_heads * HEAD_DIM, intermediate_size=2 * num_heads * HEAD_DIM,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=HEAD_DIM, max_position_embeddings=max_positions, initializer_range=init_std,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype=dtype, **window)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     os.makedirs(path, exist_ok=True)
