@@ -169,8 +169,8 @@ class AckStream:
                         pending = sorted(t for t, o in result.items() if o is None)
                         raise DeadlineExceeded(f"load-backs {pending} not answered within {timeout}s")
                     self._cond.wait(left)
-            finally:
-                self._waiters.remove(result)
+            finally:  # by identity: another caller may wait on equal ids with equal outcomes
+                self._waiters = [w for w in self._waiters if w is not result]
             return result  # type: ignore[return-value]
 
     def close(self, reason: str = "the client closed") -> None:

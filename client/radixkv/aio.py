@@ -195,8 +195,9 @@ class AsyncClient(ClientBase):
                         start_page: int = 0, wait: bool = False) -> LoadBackResult:
         return await self._run(self._session.load_back(node, device_pages, engine_event, lease, start_page, wait))
 
-    async def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
-        return await self._session.acks().wait(transfer_ids, timeout)
+    async def wait(self, transfer_ids: Iterable[int], timeout: float | None | str = "client") -> dict[int, LoadOutcome]:
+        """As `Client.wait` (its timeout the client's by default)."""
+        return await self._session.acks().wait(transfer_ids, self.timeout if timeout == "client" else timeout)
 
     async def release(self, leases: Iterable[int]) -> None:
         await self._run(self._session.release(leases))

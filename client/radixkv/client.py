@@ -258,14 +258,16 @@ class Client(ClientBase):
         call returns once they are (`transfer` 0, no ack; Unavailable if the copy failed)."""
         return self._run(self._session.load_back(node, device_pages, engine_event, lease, start_page, wait))
 
-    def wait(self, transfer_ids: Iterable[int], timeout: float | None = None) -> dict[int, LoadOutcome]:
+    def wait(self, transfer_ids: Iterable[int], timeout: float | None | str = "client") -> dict[int, LoadOutcome]:
         """Acknowledge the load-backs (and engine-managed saves) and wait until each
         finished: {id: outcome}.
 
         Any id of this session may be given (a match's or load-back's `depends_on` too);
         0 is skipped. Waiting again returns the same outcome. A lost daemon or stream
-        gives failed outcomes, never `ok`. Raises DeadlineExceeded after `timeout`."""
-        return self._session.acks().wait(transfer_ids, timeout)
+        gives failed outcomes, never `ok`. Raises DeadlineExceeded after `timeout`
+        seconds (default: the client's; None: no limit): the acks stay in flight, the
+        pages stay the daemon's to write, and a later `wait` collects the outcomes."""
+        return self._session.acks().wait(transfer_ids, self.timeout if timeout == "client" else timeout)
 
     def release(self, leases: Iterable[int]) -> None:
         """Release leases taken by `match(lease=True)` or `insert(lease=True)` (0s are skipped)."""

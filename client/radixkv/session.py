@@ -374,7 +374,7 @@ class Session:
             wait_left = None if end is None else end - time.monotonic() - step
             again = msg.register_again(self._register_request, self._buffers, self._replaced, wait_left)
             new = Registration.from_pb((yield Rpc("Register", again, step and step + again.wait_for_ranks_ms / 1000)))
-        except (Unavailable, Cancelled) as err:  # Cancelled: a daemon shutting down cut the attempt
+        except (Unavailable, Cancelled, DeadlineExceeded) as err:  # cut by a stopping daemon, or a stalled one
             with self._lock:
                 rec.failed(time.monotonic())
             raise Unavailable(f"session lost ({reason}); reconnect attempt {rec.attempts} failed: "

@@ -7,6 +7,7 @@ gives failed outcomes, never success.
 
 import asyncio
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -21,13 +22,14 @@ from radixkv.v1 import radixkv_pb2 as pb
 from radixkv.v1 import radixkv_pb2_grpc
 
 LAYOUT = KvLayout(1, 1, 8, "float16", 4)
-SILENT, BREAK, FAIL = 777, 666, 13  # never answered / aborts the stream / load failed
+SILENT, BREAK, FAIL, LATE = 777, 666, 13, 42  # never answered / aborts the stream / load failed / once `late` set
 
 
 class ScriptedDaemon(radixkv_pb2_grpc.RadixKVServicer):
     def __init__(self):
         self.acked: list[int] = []
         self.closed = threading.Event()
+        self.late = threading.Event()  # LATE is answered once set
 
     def Register(self, request, context):
         return pb.RegisterResponse(session="s1", daemon_instance="fake")
@@ -50,6 +52,8 @@ class ScriptedDaemon(radixkv_pb2_grpc.RadixKVServicer):
                 context.abort(grpc.StatusCode.INTERNAL, "stream torn down")
             if req.transfer == SILENT:
                 continue
+            if req.transfer == LATE:
+                self.late.wait(10)
             if req.transfer == FAIL:
                 yield pb.AckResponse(transfer=req.transfer, load_failed=True, message="copy failed",
                                      failed_pages=pack([3, 4]))
@@ -69,13 +73,13 @@ def scripted(tmp_path):
     server.stop(0)
 
 
-TRANSFERS = (1, 2, 5, FAIL, SILENT, BREAK)
+TRANSFERS = (1, 2, 5, FAIL, SILENT, BREAK, LATE)
 
 
-def registered(target) -> Client:
+def registered(target, timeout: float = 5) -> Client:
     """A client whose session started load-backs with the ids TRANSFERS (a client acks
     only ids its own load-backs returned)."""
-    c = Client(target, timeout=5)
+    c = Client(target, timeout=timeout)
     c.register("ns", LAYOUT, [("seg", 0, 64)], 4)
     for t in TRANSFERS:
         c.load_back(t, [])
@@ -120,6 +124,38 @@ def test_wait_times_out_then_close_fails_the_unanswered(scripted):
     c.close()  # idempotent
     with pytest.raises(errors.FailedPrecondition):
         c.wait([1])
+
+
+def test_a_waiter_that_gives_up_leaves_another_waiting_on_the_same_load_to_its_answer(scripted):
+    """Two requests may wait on one load; the first giving up (timeout, Ctrl-C) took the
+    other's place in the waiting list (equal dicts), so the answer never woke it."""
+    target, daemon = scripted
+    with futures.ThreadPoolExecutor(1) as pool, registered(target) as c:  # closed first: no wait outlives it
+        c._session.acks()._close_timeout = 0.5  # the scripted daemon never ends its side
+        other = pool.submit(c.wait, [LATE], timeout=10)
+        _poll(lambda: LATE in daemon.acked)  # the other request waits, its ack sent
+        with pytest.raises(errors.DeadlineExceeded):
+            c.wait([LATE], timeout=0.2)
+        daemon.late.set()
+        assert other.result(5)[LATE].ok
+
+
+def test_a_wait_gives_up_after_the_clients_timeout_by_default(scripted):
+    """A daemon that keeps its stream open but never answers (frozen) does not hold an
+    engine's wait for good: every call waits at most the client's timeout."""
+    target, _ = scripted
+    with futures.ThreadPoolExecutor(1) as pool, registered(target, timeout=0.3) as c:  # closed first
+        c._session.acks()._close_timeout = 0.5  # the scripted daemon never ends its side
+        waiting = pool.submit(c.wait, [SILENT])
+        with pytest.raises(errors.DeadlineExceeded, match=r"\[777\] not answered within 0.3s"):
+            waiting.result(5)
+
+
+def _poll(cond, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
 
 
 def test_ids_not_started_by_this_session_are_refused_locally(scripted):

@@ -138,6 +138,23 @@ def test_a_reconnect_attempt_a_stopping_daemon_cancelled_is_unavailable_and_trie
     assert s.lost and lost == []  # still lost: the next attempt registers
 
 
+def test_a_reconnect_attempt_a_stalled_daemon_left_unanswered_is_unavailable(setup):
+    """A daemon that stopped answering (frozen, not gone) let the lost session's Close
+    run out its deadline: raised as DeadlineExceeded, engines did not take it for the
+    outage it is (Unavailable: serve a miss, the next attempt is due after a backoff)."""
+    s, daemon, streams, lost = setup
+    daemon.forget("d2")
+
+    def stalled(step):
+        if isinstance(step, Rpc) and step.method == "Close":
+            raise errors.DeadlineExceeded("Close: no answer within 3s")
+        return daemon(step)
+
+    with pytest.raises(errors.Unavailable, match="reconnect attempt 1 failed: Close: no answer within 3s"):
+        run(s.match([[1, 2, 3, 4]], False, False), stalled)
+    assert s.lost and lost == []
+
+
 def test_a_call_that_failed_alone_keeps_the_session(setup):
     s, daemon, streams, lost = setup
 
