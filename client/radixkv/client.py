@@ -270,7 +270,9 @@ class Client(ClientBase):
         return self._session.acks().wait(transfer_ids, self.timeout if timeout == "client" else timeout)
 
     def release(self, leases: Iterable[int]) -> None:
-        """Release leases taken by `match(lease=True)` or `insert(lease=True)` (0s are skipped)."""
+        """Release leases taken by `match(lease=True)` or `insert(lease=True)` (0s are skipped).
+        Raises NotFound (a lease no session holds: released, expired) or PermissionDenied
+        (another session's) after releasing every other lease; `err.leases` are those refused."""
         self._run(self._session.release(leases))
 
     def evict(self, num_pages: int, *, engine_event=None) -> EvictResult:

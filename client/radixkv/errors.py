@@ -19,6 +19,7 @@ class RadixKVError(Exception):
     """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    leases: tuple[int, ...] = ()  # a refused Release: the leases no session (or another) holds
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)

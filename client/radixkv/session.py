@@ -27,8 +27,8 @@ from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
 from .channel import DEFAULT_TARGET, wait_serving
-from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
-                     Unavailable, Unimplemented)
+from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, NotFound, PermissionDenied, RadixKVError,
+                     SessionLost, Unauthenticated, Unavailable, Unimplemented)
 from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
 from .reconnect import Backoff, Recovery, lost_message
@@ -222,9 +222,25 @@ class Session:
         return result
 
     def release(self, leases: Iterable[int]) -> Plan[None]:
+        """A batch refused whole for a lease no session holds or another's holds is sent
+        again a lease a call: the others are released, the refusal raised (`leases`: the
+        ids refused)."""
         req = msg.release_request(self.id, leases)
-        if req.leases:
-            yield from self._call("Release", req)
+        try:
+            if req.leases:
+                yield from self._call("Release", req)
+            return
+        except (NotFound, PermissionDenied) as err:
+            refused = err
+        refused.leases = tuple(req.leases)
+        if len(req.leases) > 1:
+            refused.leases = ()
+            for lease in req.leases:
+                try:
+                    yield from self._call("Release", msg.release_request(self.id, [lease]))
+                except (NotFound, PermissionDenied):
+                    refused.leases += (lease,)
+        raise refused
 
     def evict(self, num_pages: int, engine_event=None) -> Plan[EvictResult]:
         req = msg.evict_request(self.id, num_pages, engine_event)

@@ -107,6 +107,24 @@ def test_insert_returns_redundant_pages_and_shares_prefixes(engine):
     assert kv.mismatches(results[1].device_pages, page_keys(b, 4)) == (0, 0)
 
 
+def test_a_release_refused_for_one_lease_still_releases_the_others(engine):
+    """The daemon refuses a Release whole when one lease is no longer held (a decode
+    step's Insert released it already): the client sends the others again, so a stale
+    lease in a batch does not leave the rest pinning their pages."""
+    c, kv = engine.client, engine.kv
+    prompts = [pack(range(100 * i, 100 * i + 4)) for i in (1, 2, 3)]
+    for page, tokens in enumerate(prompts):
+        kv.write([page], page_keys(tokens, 4))
+        c.insert(tokens, [page])
+    leases = [m.lease for m in c.match(prompts, lease=True)]
+    c.release(leases[:1])
+    with pytest.raises(errors.NotFound, match="is not held") as refused:
+        c.release(leases)
+    assert refused.value.leases == (leases[0],)
+    assert [ns.leases for ns in c.stats().namespaces] == [0]
+    assert sorted(evict_all(c, 3)) == [0, 1, 2]  # nothing pins them any more
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_sim_runs_clean_under_each_write_policy(daemon, policy):
     common = dict(target=daemon, write_policy=policy, device_pages=96, host_pages=240, page_size=4,
