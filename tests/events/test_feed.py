@@ -172,3 +172,32 @@ def test_a_restarted_publisher_seen_first_at_the_next_seq_is_found_by_the_contin
     assert f.on_replay_end() is None
     assert f.num_restarts == 1 and not any(held(index, i) for i in range(5))
     assert all(held(index, 90 + i) for i in range(6))
+
+
+def test_a_stream_that_speaks_for_some_tiers_changes_no_other_tier():
+    """An engine's stream followed for its GPU blocks (media=("GPU",)) also carries the
+    connector's relay of the daemon's CPU and STORAGE blocks; the daemon's own stream
+    speaks for those. The relay's withdrawal (its stream to the daemon broke) must not
+    remove what the daemon's stream still says is on the host."""
+    from radixkv.routing.wire import BlockRemoved
+
+    index = RoutingIndex(PAGE)
+    engine, daemon = WorkerFeed("w", index, media=("GPU",)), WorkerFeed("w", index, media=("CPU", "STORAGE"))
+    tokens = list(range(PAGE))
+    hashes = block_hashes(tokens, PAGE)
+
+    def batch(*events) -> bytes:
+        return encode_batch(KVEventBatch(ts=1.0, events=list(events)))
+
+    def event(cls, medium):
+        if cls is BlockRemoved:
+            return BlockRemoved(block_hashes=hashes, medium=medium)
+        return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens, block_size=PAGE,
+                           lora_id=None, medium=medium, lora_name=None)
+
+    daemon.on_live(TOPIC, 0, batch(event(BlockStored, "CPU")), can_replay=False)
+    engine.on_live(TOPIC, 0, batch(event(BlockStored, "GPU"), event(BlockStored, "CPU")), can_replay=False)
+    engine.on_live(TOPIC, 1, batch(event(BlockRemoved, "CPU"), event(BlockRemoved, None)), can_replay=False)  # relay
+    assert index.num_blocks("w", "m") == (0, 1, 0)  # GPU gone by the engine's word; CPU still by the daemon's
+    daemon.on_live(TOPIC, 1, batch(event(BlockRemoved, "CPU")), can_replay=False)
+    assert index.num_blocks("w", "m") == (0, 0, 0)

@@ -109,17 +109,21 @@ class RoutingIndex:
     def apply(self, worker: str, namespace: str, batch: KVEventBatch,
               media: tuple[str, ...] | None = None) -> None:
         """Apply one batch of `worker`'s events for `namespace`. An AllBlocksCleared in
-        namespace "" (a daemon's restart announcement) clears every namespace; it clears
-        only `media` when given (a stream that speaks for some tiers of the worker, such
-        as a vLLM engine's own GPU events beside its radixkv daemon's)."""
+        namespace "" (a daemon's restart announcement) clears every namespace. With `media`
+        (a stream that speaks for some tiers of the worker, such as a vLLM engine's own GPU
+        events beside its radixkv daemon's), only those tiers change: the stream's events
+        of other tiers (the connector's relay of the daemon's CPU and STORAGE blocks) are
+        another stream's to tell."""
         self.add_worker(worker)
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._store(worker, namespace, event)
-            elif isinstance(event, BlockRemoved):
-                self._remove(worker, namespace, event)
-            elif isinstance(event, AllBlocksCleared):
+            if isinstance(event, AllBlocksCleared):
                 self.clear_worker(worker, namespace or None, media)
+            elif isinstance(event, BlockStored):
+                if media is None or (event.medium or "GPU") in media:
+                    self._store(worker, namespace, event)
+            elif isinstance(event, BlockRemoved):
+                if media is None or event.medium is None or event.medium in media:
+                    self._remove(worker, namespace, event, media)
 
     def _tier_dicts(self, namespace: str) -> tuple[dict, dict, dict]:
         tiers = self._tiers.get(namespace)
@@ -152,9 +156,10 @@ class RoutingIndex:
                 added += 1
         self._count(namespace, bit)[tier] += added
 
-    def _remove(self, worker: str, namespace: str, event: BlockRemoved) -> None:
-        if event.medium is None:
-            tiers = range(3)
+    def _remove(self, worker: str, namespace: str, event: BlockRemoved,
+                media: tuple[str, ...] | None = None) -> None:
+        if event.medium is None:  # from every tier (of those the stream speaks for)
+            tiers = range(3) if media is None else [_TIER_OF[m] for m in media]
         elif event.medium in _TIER_OF:
             tiers = (_TIER_OF[event.medium],)
         else:
