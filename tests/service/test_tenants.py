@@ -21,7 +21,7 @@ from faultkit import stub_for
 OPERATOR, ALICE, BOB = "op-0d7e", "alice-93be", "bob-5a6f"
 TOKEN_FILE = f"""# tokens for the tenant tests
 {OPERATOR}
-{ALICE}   alice/*            # alice's models
+{ALICE}   alice/*  shared-?   # alice's models, and the shared pattern
 {BOB}     bob/*  shared-?    # bob's, and one shared pattern
 """
 C = grpc.StatusCode
@@ -63,7 +63,7 @@ def test_register_only_where_granted(tenants):
     alice = tenants["alice"]
     with Client(tenants["daemon"].target, timeout=10, token=ALICE) as c:
         with pytest.raises(errors.PermissionDenied,
-                           match=r"this token does not grant namespace 'bob/x' \(it grants: alice/\*\)"):
+                           match=r"this token does not grant namespace 'bob/x' \(it grants: alice/\*, shared-\?\)"):
             c.register("bob/x", alice.layout, alice.buffers.specs, 32)
     with Client(tenants["daemon"].target, timeout=10, token=BOB) as c:
         with pytest.raises(errors.PermissionDenied, match="'shared-xy'"):
@@ -108,6 +108,41 @@ def test_another_tenants_session_is_refused(tenants):
     assert stub.Inspect(pb.InspectRequest(namespace="alice/m1"), metadata=auth(OPERATOR)).digest == before
     assert alice.client.match([pack(prompt(1, pages=4))])[0].device_tokens == 16  # still hers, still working
     assert bob.client.match([pack(prompt(1, pages=4))])[0].device_tokens == 0  # namespaces are apart
+
+
+def test_a_session_in_a_shared_namespace_is_its_own_tokens(tenants):
+    """Both tenants' tokens grant namespace shared-a, where Alice's engine registered:
+    Stats shows Bob only the first characters of her session's id, and Bob holding the
+    whole id still cannot act as her engine (match, evict, close, bind its streams). An
+    operator's token can still close it."""
+    d, stub = tenants["daemon"], tenants["stub"]
+    engine = EngineDouble(num_pages=32)
+    try:
+        sid = engine.register(Client(d.target, timeout=10, token=ALICE), "shared-a").session
+        engine.prefill(prompt(2, pages=4))
+        shown = {token: [s.session for s in stub.Stats(pb.StatsRequest(namespace="shared-a"),
+                                                       metadata=auth(token)).namespaces[0].sessions]
+                 for token in (ALICE, BOB, OPERATOR)}
+        assert shown == {ALICE: [sid], BOB: [sid[:8]], OPERATOR: [sid]}
+        calls = {
+            "Match": lambda: stub.Match(pb.MatchRequest(session=sid, prompts=[pb.Prompt(tokens=pack(prompt(2)))]),
+                                        metadata=auth(BOB)),
+            "Evict": lambda: stub.Evict(pb.EvictRequest(session=sid, num_pages=4), metadata=auth(BOB)),
+            "Close": lambda: stub.Close(pb.CloseRequest(session=sid), metadata=auth(BOB)),
+            "Acks": lambda: list(stub.Acks(iter([pb.AckRequest(session=sid)]), metadata=auth(BOB))),
+        }
+        for name, call in calls.items():
+            code, message = code_of(call)
+            assert code == C.PERMISSION_DENIED and "registered with another token" in message, (name, code, message)
+        [reply] = stub.Session(iter([pb.SessionRequest(id=1, evict=pb.EvictRequest(session=sid, num_pages=4))]),
+                               metadata=auth(BOB))
+        assert "registered with another token" in reply.error.message
+        assert engine.client.match([pack(prompt(2, pages=4))])[0].device_tokens == 16  # hers, untouched
+        stub.Close(pb.CloseRequest(session=sid), metadata=auth(OPERATOR))  # an operator may
+        with pytest.raises(errors.RadixKVError):
+            engine.client.match([pack(prompt(2, pages=4))])
+    finally:
+        engine.close()
 
 
 def test_operator_rpcs_show_only_what_the_caller_may_see(tenants):

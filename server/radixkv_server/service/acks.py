@@ -136,7 +136,7 @@ class AckStream:
         the caller's token does not grant."""
         if self.session is None:
             session = self.daemon.session(request.session)
-            self.grant.check(session.namespace.name)
+            self.grant.check_session(session)
             if session.has_ack_stream:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"session {session.id} already has an ack stream")

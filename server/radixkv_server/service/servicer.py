@@ -120,8 +120,10 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     @rpc
     async def Register(self, request, context):
         reg = convert.registration(request, self.daemon.config.page_size)
-        done = await self.daemon.register(dataclasses.replace(reg, segment_uid=self.grant(context).segment_uid))
+        grant = self.grant(context)
+        done = await self.daemon.register(dataclasses.replace(reg, segment_uid=grant.segment_uid))
         try:
+            done.session.owner = grant.owner  # before anyone can learn its id
             return self._registered(done)
         except BaseException:  # the engine never learns the session: it must not stay live
             self.daemon.close_in_background(done.session, "its Register was not answered")
@@ -182,18 +184,18 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         grant = self.grant(context)
         sessions = self.daemon.sessions.all()
         return pb.StatsResponse(
-            namespaces=[self._stats(ns) for ns in visible(grant, self.daemon.namespaces, request.namespace)],
+            namespaces=[self._stats(ns, grant) for ns in visible(grant, self.daemon.namespaces, request.namespace)],
             sessions=sum(1 for s in sessions if grant.allows(s.namespace.name)), version=__version__,
             uptime_seconds=self.daemon.uptime(), daemon_instance=self.daemon.instance)
 
-    def _stats(self, ns) -> pb.NamespaceStats:
+    def _stats(self, ns, grant: Grant) -> pb.NamespaceStats:
         stats = namespace_stats(ns)
         held = self.daemon.sessions.holdings(ns)
         stats.leases, stats.oldest_lease_seconds = held.leases, held.oldest_lease_seconds
         stats.load_backs_unacked = held.unacked_loads
         now = time.monotonic()
         stats.sessions.extend(
-            pb.SessionInfo(session=s.id, engine=s.engine, role=s.role, tp_rank=s.rank, instance=s.instance,
+            pb.SessionInfo(session=grant.shows(s), engine=s.engine, role=s.role, tp_rank=s.rank, instance=s.instance,
                            age_seconds=now - s.created,
                            streams_open=s.ack_stream is not None or s.session_stream is not None,
                            leases=len(s.leases), load_backs_unacked=len(s.unacked))

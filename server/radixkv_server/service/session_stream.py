@@ -174,7 +174,7 @@ class SessionStream:
         """The stream's session (bound by the first request naming a usable one), live."""
         if self.session is None:
             session = self.daemon.session(session_id)
-            self.grant.check(session.namespace.name)
+            self.grant.check_session(session)
             if session.session_stream is not None:
                 raise precondition(f"session {session.id} already has a session stream")
             session.session_stream = self
@@ -185,7 +185,7 @@ class SessionStream:
                                f"this session stream belongs to session {self.session.id}")
         session = self.daemon.session(self.session.id)  # UNAUTHENTICATED once it closed
         if not self.grant.everything:
-            self.grant.check(session.namespace.name)
+            self.grant.check_session(session)
         return session
 
 

@@ -46,6 +46,7 @@ class Session:
     rank: int = 0
     instance: str = ""
     device_pages: int = 0
+    owner: bytes = b""  # sha256 of the token that registered it (b"": no token file)
     # Expired transfers the daemon finished: transfer -> expiry.ExpiredTransfer, for the
     # late ack. `ack_stream`: the session's open AckStream (acks.py), told at once of
     # each; None while it has none.

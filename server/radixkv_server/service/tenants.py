@@ -49,6 +49,7 @@ class Grant:
     patterns: tuple[str, ...]
     label: str  # for logs: which line of the token file, never the token
     segment_uid: int | None = None  # `uid=N`: the owner its engines' shm segments must have
+    owner: bytes = b""  # sha256 of the token: the sessions it registers are its own
 
     @property
     def everything(self) -> bool:
@@ -63,6 +64,23 @@ class Grant:
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
                                f"this token does not grant namespace {namespace!r} "
                                f"(it grants: {', '.join(self.patterns)})")
+
+    def check_session(self, session) -> None:
+        """PERMISSION_DENIED unless this grant may act as `session`: one of every
+        namespace (an operator's) may, one of some namespaces only as a session its own
+        token registered in one of them (a session id alone is no credential: a tenant
+        sharing a namespace sees the others' in Stats, and could otherwise act as them)."""
+        if self.everything:
+            return
+        self.check(session.namespace.name)
+        if session.owner != self.owner:
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"session {session.id[:8]} was registered with another token")
+
+    def shows(self, session) -> str:
+        """The session's id as Stats shows it to this grant: whole to its owner and to an
+        operator, its first 8 characters (as the daemon's logs) to anyone else."""
+        return session.id if self.everything or session.owner == self.owner else session.id[:8]
 
 
 EVERYTHING = Grant(("*",), "no token file")
@@ -84,7 +102,7 @@ def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
         key = _digest(token.encode())
         if key in grants:
             raise TokenFileError(f"auth token file {path}: line {number} repeats the token of {grants[key].label}")
-        grants[key] = Grant(patterns or ("*",), f"line {number}", int(uids[0]) if uids else None)
+        grants[key] = Grant(patterns or ("*",), f"line {number}", int(uids[0]) if uids else None, key)
     if not grants:
         raise TokenFileError(f"auth token file {path} is empty (no token in it)")
     return grants
@@ -105,7 +123,8 @@ class Tokens:
         if token_file:
             self._grants = self._read()
         elif token:
-            self._grants = {_digest(token.encode()): Grant(("*",), "--auth-token")}
+            key = _digest(token.encode())
+            self._grants = {key: Grant(("*",), "--auth-token", owner=key)}
 
     @property
     def required(self) -> bool:
@@ -185,7 +204,7 @@ def authorize(grant: Grant, sessions, method: str, request) -> None:
     if session_id and isinstance(session_id, str):
         session = sessions.peek(session_id)
         if session is not None:
-            grant.check(session.namespace.name)
+            grant.check_session(session)
     namespace = getattr(request, "namespace", None)
     if namespace:
         grant.check(namespace)
