@@ -8,6 +8,7 @@ should use it. With a token every call carries `authorization: Bearer <token>`.
 """
 
 import os
+import stat
 import time
 from collections import namedtuple
 from collections.abc import Sequence
@@ -35,11 +36,27 @@ def resolve_target(target: str) -> str:
     """`target`, except that the default address is the fallback's when only the
     fallback's socket exists (a daemon run by this user, `make serve` not as root), so
     clients on defaults find a daemon on defaults. Decided when a client is made: one
-    made before such a daemon started keeps the default address."""
+    made before such a daemon started keeps the default address. The fallback is taken
+    only when its directories and socket are this user's own and no one else may write
+    the directories: /tmp/radixkv-<uid> may be made by anyone first, and a socket there
+    would get the engine's token and its KV buffers' handles."""
     if target != DEFAULT_TARGET or os.path.exists(DEFAULT_TARGET.removeprefix("unix://")):
         return target
     fallback = fallback_target()
-    return fallback if os.path.exists(fallback.removeprefix("unix://")) else target
+    sock = fallback.removeprefix("unix://")
+    ours = (_mine(os.path.dirname(os.path.dirname(sock)), stat.S_ISDIR, 0o022)
+            and _mine(os.path.dirname(sock), stat.S_ISDIR, 0o022) and _mine(sock, stat.S_ISSOCK, 0))
+    return fallback if ours else target
+
+
+def _mine(path: str, kind, others_may_not: int) -> bool:
+    """Whether `path` is of `kind` (not a link), this user's, and none of the mode bits
+    `others_may_not` is set."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & others_may_not
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,11 @@ def test_clients_on_defaults_find_a_daemon_on_the_per_user_fallback(socket_dir, 
     d = DaemonProcess(listen=fallback_target()).start()
     try:
         assert resolve_target(DEFAULT_TARGET) == fallback_target() == f"unix://{socket_dir}/radixkv/radixkv.sock"
+        for path in (socket_dir, f"{socket_dir}/radixkv"):  # another user could have made or swapped the socket
+            mode = os.stat(path).st_mode
+            os.chmod(path, mode | 0o002)
+            assert resolve_target(DEFAULT_TARGET) == DEFAULT_TARGET
+            os.chmod(path, mode)
         health = subprocess.run([sys.executable, "-m", "radixkv_server.healthcheck"], capture_output=True,
                                 text=True, timeout=60, env={**os.environ, "RADIXKV_LISTEN": ""})
         assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
