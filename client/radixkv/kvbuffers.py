@@ -19,6 +19,7 @@ import errno
 import json
 import mmap
 import os
+import re
 import secrets
 from multiprocessing import shared_memory
 from typing import NamedTuple
@@ -327,13 +328,47 @@ def decode_cuda_handle(handle: bytes) -> tuple:
     missing = [k for k in _CUDA_FIELDS if k not in doc]
     if missing:
         raise ValueError(f"CUDA handle lacks {missing}")
-    out = []
+    out = {}
     for key in _CUDA_FIELDS:
         value = doc[key]
         if key in _CUDA_BYTES and value is not None:
-            value = base64.b64decode(value)
-        out.append(value)
-    return tuple(out)
+            try:
+                value = base64.b64decode(value, validate=True)
+            except (TypeError, ValueError):
+                raise ValueError(f"CUDA handle field {key} is not base64") from None
+        out[key] = value
+    _check_cuda_fields(out)
+    return tuple(out[k] for k in _CUDA_FIELDS)
+
+
+# torch names a CUDA IPC export's reference counter file as its process-wide shared
+# memory handles, "/torch_<pid>_<random>_<n>", and the export's slot in it is below
+# CUDA_IPC_REF_COUNTER_FILE_SIZE (torch/csrc/CudaIPCTypes.h).
+_REF_COUNTER_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
+REF_COUNTER_SLOTS = 10_000
+
+
+def _check_cuda_fields(f: dict) -> None:
+    """ValueError unless every field is what torch's export gives. The opener hands them
+    to torch, which, when the storage is freed, opens the shared-memory file `ref_handle`
+    names, grows it, and decrements the slot `ref_offset` names, then unlinks the file at
+    zero: a forged name or slot would have the opener change or remove another
+    process's file, or write outside the mapping."""
+    if not all(type(f[k]) is int for k in ("device", "size", "offset", "ref_offset")):
+        raise ValueError("CUDA handle fields device, size, offset and ref_offset must be integers")
+    if f["device"] < 0 or f["size"] <= 0 or f["offset"] < 0:
+        raise ValueError(f"CUDA handle: device {f['device']}, size {f['size']}, offset {f['offset']}: "
+                         "device and offset must be >= 0 and size > 0")
+    if not isinstance(f["handle"], bytes) or not f["handle"]:
+        raise ValueError("CUDA handle: handle (the CUDA IPC memory handle) is missing")
+    if f["ref_handle"] is not None and not _REF_COUNTER_NAME.fullmatch(f["ref_handle"]):
+        raise ValueError(f"CUDA handle: ref_handle {f['ref_handle'][:64]!r} is not a torch reference counter "
+                         "(/torch_<pid>_<n>_<n>)")
+    if not 0 <= f["ref_offset"] < REF_COUNTER_SLOTS:
+        raise ValueError(f"CUDA handle: ref_offset {f['ref_offset']} outside torch's reference counter "
+                         f"(0..{REF_COUNTER_SLOTS - 1})")
+    if type(f["event_sync"]) is not bool:
+        raise ValueError("CUDA handle: event_sync must be true or false")
 
 
 def _commit(name: str, size: int) -> None:

@@ -173,3 +173,38 @@ def test_gather_and_scatter_move_whole_pages(layout, per):
     for h, t in zip(host, targets):
         for b in range(layout.num_buffers):
             assert torch.equal(views[b][t], h3[h, b])
+
+
+def _export(**fields) -> bytes:
+    """A CUDA handle as torch's export gives it (this machine has no GPU to export one),
+    with `fields` replaced."""
+    import base64
+    import json
+
+    doc = {"v": 1, "device": 0, "handle": base64.b64encode(b"\x01" * 64).decode(), "size": 1 << 20, "offset": 0,
+           "ref_handle": base64.b64encode(b"/torch_4759_1410171797_1").decode(), "ref_offset": 3,
+           "event_handle": None, "event_sync": True}
+    doc.update({k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in fields.items()})
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"ref_handle": b"/victim-tenant-kv-segment"}, "is not a torch reference counter"),
+    ({"ref_handle": b"/torch_1_2_3/../../victim"}, "is not a torch reference counter"),
+    ({"ref_offset": -(1 << 30)}, "ref_offset -1073741824 outside"),
+    ({"ref_offset": 10_000}, "ref_offset 10000 outside"),
+    ({"size": 0}, "size > 0"),
+    ({"offset": -1}, "offset must be >= 0"),
+    ({"size": "1"}, "must be integers"),
+    ({"event_sync": 1}, "event_sync must be true or false"),
+])
+def test_a_cuda_handle_whose_reference_counter_is_not_torchs_is_refused(fields, says):
+    """The daemon hands an export's fields to torch, which at the storage's end opens the
+    shared-memory file `ref_handle` names, grows it, decrements slot `ref_offset` and
+    unlinks it at zero: a forged name let one tenant change or remove another's segment
+    (or write outside the mapping) through the daemon (found by a security review)."""
+    from radixkv.kvbuffers import decode_cuda_handle
+
+    assert decode_cuda_handle(_export())[4] == b"/torch_4759_1410171797_1"  # torch's own shape passes
+    with pytest.raises(ValueError, match=says):
+        decode_cuda_handle(_export(**fields))
