@@ -212,3 +212,34 @@ def test_watch_events_carry_only_the_tenants_namespaces(tenants):
         code, message = code_of(lambda: watch_until(stub, ALICE, pb.WatchEventsRequest(namespace=namespace),
                                                     lambda b: True))
         assert code == C.PERMISSION_DENIED and says in message, (namespace, code, message)
+
+
+def test_a_token_the_token_file_no_longer_holds_is_refused_on_streams_opened_before(tenants, tmp_path):
+    """A reload (SIGHUP) that removes a token refused its unary calls at once, but the
+    Session stream and WatchEvents it had opened kept their grant: the revoked engine
+    went on matching and inserting, and its watcher on receiving batches."""
+    import queue
+    import signal
+
+    from tests.support.daemon import wait_for
+
+    d, stub, sid = tenants["daemon"], tenants["stub"], tenants["alice_session"]
+    asks: queue.Queue = queue.Queue()
+    calls = stub.Session(iter(asks.get, None), metadata=auth(ALICE))
+
+    def match(i: int) -> pb.SessionResponse:
+        asks.put(pb.SessionRequest(id=i, match=pb.MatchRequest(session=sid, prompts=[pb.Prompt(tokens=pack(prompt(1)))])))
+        return next(calls)
+
+    try:
+        assert not match(1).error.code
+        watch = stub.WatchEvents(pb.WatchEventsRequest(namespace="alice/m1"), metadata=auth(ALICE))
+        (tmp_path / "tokens").write_text(TOKEN_FILE.replace(ALICE, "# alice left:"))
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: "event=auth.reloaded" in d.log(), 10, "the token file reloaded")
+        assert match(2).error.code == C.UNAUTHENTICATED.value[0]
+        stub.Close(pb.CloseRequest(session=sid), metadata=auth(OPERATOR))  # an operator may close it
+        stub.DropNamespace(pb.DropNamespaceRequest(namespace="alice/m1"), metadata=auth(OPERATOR))  # a batch for it
+        assert code_of(lambda: next(watch))[0] == C.UNAUTHENTICATED
+    finally:
+        asks.put(None)

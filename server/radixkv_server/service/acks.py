@@ -28,6 +28,7 @@ from its acks' answers (a stuck engine's expiries queued a push each, without bo
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from radixkv.v1 import radixkv_pb2 as pb
@@ -43,10 +44,10 @@ log = logging.getLogger("radixkv.acks")
 
 
 class AckStream:
-    def __init__(self, daemon: Daemon, context, grant: Grant = EVERYTHING):
+    def __init__(self, daemon: Daemon, context, grant: Callable[[], Grant] = lambda: EVERYTHING):
         self.daemon = daemon
         self.context = context
-        self.grant = grant  # the caller's token: the session's namespace must be granted
+        self._grant = grant  # what the caller's token grants now (a reload may revoke it)
         self.session = None
         self.replies: asyncio.Queue = asyncio.Queue()
         self.acks: set[asyncio.Task] = set()
@@ -54,6 +55,12 @@ class AckStream:
         self.ended = False
         self.unasked = 0  # pushes queued and not yet written (see `expired`)
         self._closed = SessionEnd()
+
+    @property
+    def grant(self) -> Grant:
+        """What the caller's token grants, looked up for each message: a token the token
+        file no longer holds is UNAUTHENTICATED at once, also on a stream opened before."""
+        return self._grant()
 
     def session_closed(self, reason: str, failed: bool = True) -> None:
         """The daemon closed this stream's session (`Daemon._end_session`): end the
@@ -132,8 +139,8 @@ class AckStream:
 
     def _accept(self, request) -> None:
         """Start handling one ack. Raises ServiceError (ending the stream with that
-        status) when the first message names no usable session, or one of a namespace
-        the caller's token does not grant."""
+        status) when the first message names no usable session, or one the caller's
+        token may not act as (any message: a reload may revoke the token)."""
         if self.session is None:
             session = self.daemon.session(request.session)
             self.grant.check_session(session)
@@ -143,6 +150,8 @@ class AckStream:
             session.has_ack_stream = True
             session.ack_stream = self
             self.session = session
+        else:
+            self.grant.check_session(self.session)
         if request.session and request.session != self.session.id:
             self.replies.put_nowait(pb.AckResponse(
                 transfer=request.transfer, code=grpc.StatusCode.PERMISSION_DENIED.value[0],

@@ -232,8 +232,11 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
 
     @rpc
     async def WatchEvents(self, request, context):
-        """Stream KV event batches (see the proto and watch.py); errors end it with a status."""
+        """Stream KV event batches (see the proto and watch.py); errors end it with a status,
+        as a token that a reload of the token file revoked (or no longer grants the namespace)."""
         async for batch in watch(self.daemon, request):
+            if self.tokens.scoped:
+                authorize(self.grant(context), self.daemon.sessions, "WatchEvents", request)
             await context.write(batch)
 
     @rpc
@@ -245,12 +248,12 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         """Read acks until the engine half-closes (or the daemon stops); answer each
         once its transfer is finished, in completion order. The session closes when
         the stream ends, however it ends."""
-        await AckStream(self.daemon, context, self.grant(context)).run()
+        await AckStream(self.daemon, context, lambda: self.grant(context)).run()
 
     @rpc
     async def Session(self, request_iterator, context):
         """Answer the session's calls sent as messages, in order (session_stream.py). The
         session closes when the stream ends, however it ends."""
-        await SessionStream(self.daemon, context, self.grant(context)).run()
+        await SessionStream(self.daemon, context, lambda: self.grant(context)).run()
 
 

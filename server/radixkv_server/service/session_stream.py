@@ -24,6 +24,7 @@ call.
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 from radixkv.v1 import radixkv_pb2 as pb
@@ -49,16 +50,22 @@ CALLS = {
 
 
 class SessionStream:
-    def __init__(self, daemon: Daemon, context, grant: Grant = EVERYTHING):
+    def __init__(self, daemon: Daemon, context, grant: Callable[[], Grant] = lambda: EVERYTHING):
         self.daemon = daemon
         self.context = context
-        self.grant = grant  # the caller's token: the session's namespace must be granted
+        self._grant = grant  # what the caller's token grants now (a reload may revoke it)
         self.session: Session | None = None
         self._reading = False
         self._stopping = False
         self._closed = SessionEnd()
         self._task: asyncio.Task | None = None
         self._metrics: dict = {}  # (method, code) -> (requests counter, duration histogram)
+
+    @property
+    def grant(self) -> Grant:
+        """What the caller's token grants, looked up for each message: a token the token
+        file no longer holds is UNAUTHENTICATED at once, also on a stream opened before."""
+        return self._grant()
 
     def session_closed(self, reason: str, failed: bool = True) -> None:
         """The daemon closed this stream's session (`Daemon._end_session`): end the
