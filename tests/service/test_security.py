@@ -24,6 +24,8 @@ from radixkv.channel import Tls
 from radixkv.client import Client
 from radixkv.kvbuffers import ShmKvBuffers
 from radixkv.sim.kv import KvPattern, page_keys
+from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
 from radixkv_server.config import load_config
 from tests.support.daemon import DaemonProcess, free_port, stop_all, wait_for
 
@@ -230,6 +232,48 @@ def test_shared_token(daemons, tmp_path):
     finally:
         buffers.close()
     assert TOKEN not in d.log()  # the resolved config is logged without it
+
+
+def test_a_caller_without_a_token_cannot_make_the_daemon_hold_its_message(daemons, tmp_path):
+    """The refusal of a call without a token came after gRPC had received and parsed its
+    whole message (up to --max-message-size, 64 MiB): concurrent strangers on a TCP
+    listener could grow the daemon by that much per call until it was OOM-killed."""
+    import threading
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    d = daemons("--auth-token-file", str(token_file))
+    before = peak = d.rss_bytes()
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, d.rss_bytes())
+            done.wait(0.005)
+
+    payload = os.urandom(48 << 20)
+    codes = []
+
+    def call():
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        with grpc.insecure_channel(d.target, options=options) as ch:  # a connection each
+            try:
+                radixkv_pb2_grpc.RadixKVStub(ch).Echo(pb.EchoRequest(payload=payload), timeout=60)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    callers = [threading.Thread(target=call) for _ in range(4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    done.set()
+    sampler.join()
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    assert peak - before < 96 << 20, f"the daemon grew by {(peak - before) >> 20} MiB for 4 refused calls of 48 MiB"
 
 
 def test_sighup_reloads_the_token_file(daemons, tmp_path):
