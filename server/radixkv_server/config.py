@@ -129,6 +129,9 @@ class DaemonConfig:
                                             "behind before it is ended with ABORTED")
     kv_events_hash_seed: str = _opt("vllm-none-hash", "block-hash seed of KV events (vLLM's NONE_HASH "
                                     "seed; a fleet's PYTHONHASHSEED)")
+    kv_events_presence: bool = _opt(False, "KV events say only whether a block is on this daemon (device or "
+                                    "host): stored when it first is, removed when on neither, with no medium "
+                                    "and no storage blocks, for routers that ignore medium (Dynamo's)")
     fault_copy_delay: float = _opt(0.0, "testing only: seconds each page copy waits before it starts")
     fault_fail_loads: float = _opt(0.0, "testing only: fraction (0-1) of host->device load copies that "
                                    "fail (1: every one), as a broken GPU copy would")

@@ -120,6 +120,44 @@ def test_routers_rebuild_the_daemons_tiers_over_zmq_and_watch_events(events_daem
         watch_router.close()
 
 
+def test_a_router_blind_to_medium_follows_presence_events_to_what_the_daemon_holds(tmp_path):
+    """A router that ignores `medium` (Dynamo's) read a host copy's removal as the block
+    gone while the device still held it. With --kv-events-presence a block is stored
+    once it is on the device or host, removed once on neither, with no medium and no
+    storage blocks: such a router (a RoutingIndex, to which no medium is the GPU and a
+    removal without one is from every tier) holds exactly the blocks the daemon has."""
+    pub, replay = ipc_endpoints("p")
+    d = DaemonProcess("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay, "--kv-events-watch", "true",
+                      "--kv-events-presence", "true", "--write-policy", "write_through",
+                      "--host-pool-size", str(HOST_PAGES * LAYOUT.page_bytes),
+                      "--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through").start()
+    routers = [ZmqFollower(PS, pub, replay), WatchFollower(PS, d.target)]
+    rnd = random.Random(17)
+    prompts: list = []
+    engine = EngineDouble.connect(d.target, NS)
+
+    def held_as_present(router) -> bool:
+        gpu, cpu, storage = router.index.num_blocks(WORKER, NS)
+        if router.last_seq is None or cpu or storage:
+            return False
+        matches = engine.client.match([pack(p) for p in prompts])
+        return all(prefix_blocks(router.index, NS, tokens, ("GPU",)) == (m.device_tokens + m.host_tokens) // PS
+                   for tokens, m in zip(prompts, matches))
+
+    try:
+        workload(engine, rnd, prompts, 120)
+        stats = engine.counters()
+        assert stats["device_evicted_tokens"] and stats["host_evicted_tokens"] and stats["stored_tokens"], stats
+        for router in routers:
+            wait_for(lambda: held_as_present(router), SETTLE_S, f"{type(router).__name__} to hold what the daemon has")
+            assert router.index.num_unknown_medium == 0
+    finally:
+        engine.close()
+        for router in routers:
+            router.close()
+        stop_all([d])
+
+
 def test_a_stalled_watcher_is_cut_off_and_counted_while_engines_go_on(tmp_path):
     """A WatchEvents reader that reads nothing: engine calls all complete, the reader
     is cut off (ABORTED with the seq to resume from) and the drop metric counts."""

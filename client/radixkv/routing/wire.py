@@ -133,11 +133,11 @@ def watch_event_fields(event: pb.KvEvent) -> tuple[str, dict[str, Any]]:
         return "AllBlocksCleared", {}
     hashes = list(event.block_hashes)
     if event.kind == pb.KvEvent.BLOCK_REMOVED:
-        return "BlockRemoved", {"block_hashes": hashes, "medium": event.medium, "group_idx": 0}
+        return "BlockRemoved", {"block_hashes": hashes, "medium": event.medium or None, "group_idx": 0}
     parent = event.parent_block_hash if event.HasField("parent_block_hash") else None
     return "BlockStored", {
         "block_hashes": hashes, "parent_block_hash": parent, "token_ids": list(event.token_ids),
-        "block_size": event.block_size, "lora_id": None, "medium": event.medium,
+        "block_size": event.block_size, "lora_id": None, "medium": event.medium or None,
         "lora_name": event.lora_name or None,
         "extra_keys": event_extra_keys(event.extra_key, len(hashes), starts_prompt=parent is None),
         "group_idx": 0, "kv_cache_spec_kind": "full_attention"}

@@ -9,6 +9,11 @@ radixkv page: a node of k pages gives one event with k block hashes
 (`radixkv.routing.extra_keys`) is published as vLLM publishes it: `lora_name`, and per
 block the untagged extra keys, the salt in the prompt's first block only.
 
+With `presence` (for routers that ignore `medium`, as Dynamo's does: to them a CPU
+removal of a block still on the GPU reads as the block gone), a node is told stored when
+it first becomes resident on the device or host, and removed once it is on neither, with
+no medium; storage blocks are not told (a store serves every daemon sharing it).
+
 The digest of a node's last page names the whole token path from the root to the node's
 end, which no split changes, so it is cached by node id (per namespace attachment: ids
 restart with a new tree) and dropped when the node leaves the device and host tiers, or
@@ -35,9 +40,11 @@ _RECENT_NODES = 1024
 class EventBuilder:
     """Turns one namespace attachment's records into events. Used by one thread only."""
 
-    def __init__(self, block_size: int, seed: str = DEFAULT_SEED, max_cached: int = 1 << 20):
+    def __init__(self, block_size: int, seed: str = DEFAULT_SEED, max_cached: int = 1 << 20,
+                 presence: bool = False):
         self.block_size = block_size
         self.seed = seed
+        self.presence = presence
         self._digests: dict[int, bytes] = {}  # node id -> digest of its last page
         self._resident: dict[int, int] = {}   # node id -> bit set of device/host residency
         self._max_cached = max_cached
@@ -51,19 +58,23 @@ class EventBuilder:
     def build(self, records) -> tuple[list[Event], list[bytes]]:
         """The records' events, and per event the radixkv extra_key of its blocks."""
         out: list[Event] = []
+        keys: list[bytes] = []
         self._tokens: dict[tuple[int, int], list[int]] = {}  # this batch's token lists, shared
         for kind, medium, extra_key, path in records:
             if kind == CLEARED:
                 self._digests.clear()
                 self._resident.clear()
                 self._recent.clear()
-                out.append(AllBlocksCleared())
+                event = AllBlocksCleared()
             else:
-                out.append(self._event(kind, medium, extra_key, path))
+                event = self._event(kind, medium, extra_key, path)
+            if event is not None:
+                out.append(event)
+                keys.append(extra_key)
         if len(self._digests) > self._max_cached:  # a cache only: recomputed on demand
             self._digests.clear()
         self._tokens = {}
-        return out, [extra_key for _, _, extra_key, _ in records]
+        return out, keys
 
     def _blocks(self, node_id: int, key: bytes, start: bytes | None, extra_key: bytes):
         """(last digest, block hashes) of a node's pages, memoised briefly."""
@@ -77,13 +88,21 @@ class EventBuilder:
                 del self._recent[next(iter(self._recent))]
         return hit
 
-    def _event(self, kind: int, medium: str, extra_key: bytes, path) -> Event:
+    def _event(self, kind: int, medium: str, extra_key: bytes, path) -> Event | None:
+        """The record's event; None where presence events tell nothing of it."""
         node_id, key, up = path
+        bit = _TIER_BIT[medium]
+        was = self._resident.get(node_id, 0)
+        if self.presence and (not bit or (bool(was & ~bit) if kind == REMOVED else bool(was))):
+            if bit:  # here already, or still here on the other tier
+                self._resident[node_id] = was & ~bit if kind == REMOVED else was | bit
+            return None
         start = self._start_digest(up, extra_key)
         last, hashes = self._blocks(node_id, key, start, extra_key)
-        bit = _TIER_BIT[medium]
+        if self.presence:
+            medium = None
         if kind == REMOVED:
-            left = self._resident.get(node_id, 0) & ~bit
+            left = was & ~bit
             if left:
                 self._resident[node_id] = left
                 self._digests[node_id] = last
@@ -92,7 +111,7 @@ class EventBuilder:
                 self._digests.pop(node_id, None)
             return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0)
         if bit:
-            self._resident[node_id] = self._resident.get(node_id, 0) | bit
+            self._resident[node_id] = was | bit
             self._digests[node_id] = last
         return BlockStored(
             block_hashes=hashes,

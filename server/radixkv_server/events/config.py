@@ -27,6 +27,7 @@ class EventsConfig:
     subscriber_buffer: int = 1_000  # batches one WatchEvents stream may fall behind
     hash_seed: str = DEFAULT_SEED   # block-hash chain seed (vLLM's NONE_HASH seed)
     data_parallel_rank: int = 0  # written into every batch, as vLLM does
+    presence: bool = False       # one event when a block arrives on the daemon, one when it left (builder.py)
 
     def __post_init__(self):
         for name, flag in FLAGS.items():
@@ -59,4 +60,5 @@ class EventsConfig:
             hwm=config.kv_events_hwm,
             subscriber_buffer=config.kv_events_subscriber_buffer,
             hash_seed=config.kv_events_hash_seed,
+            presence=config.kv_events_presence,
         )

@@ -128,7 +128,7 @@ class NamespaceEvents:
         self._hub = hub
         self.namespace = namespace
         self.topic = hub.config.topic_for(namespace)
-        self.builder = EventBuilder(page_size, hub.config.hash_seed)  # the thread's only
+        self.builder = EventBuilder(page_size, hub.config.hash_seed, presence=hub.config.presence)  # the thread's only
         self.snapshot = snapshot
         self.pending: list[tuple] = []
         self.resync = False  # a batch was lost: a resync is due (see `take`)
@@ -212,7 +212,7 @@ class NamespaceEvents:
         is still told right), with a builder of its own (the publisher thread owns
         `builder`). Drive it on the loop; no slice costs more than `size` pairs, whatever
         the tree's size."""
-        builder = EventBuilder(self.builder.block_size, self.builder.seed)
+        builder = EventBuilder(self.builder.block_size, self.builder.seed, presence=self.builder.presence)
         yield builder.build([CLEAR_RECORD])
         pairs = self._snapshot_pairs()
         while not self.closed and (chunk := list(itertools.islice(pairs, size))):  # a dropped namespace: no more
