@@ -54,7 +54,7 @@ class Client(ClientBase):
     the daemon closes the session when that stream ends. `tls` and `token`
     secure a TCP connection (see `radixkv.channel`). `reconnect`: backoff between
     attempts to register again after the session was lost (None: never; calls then keep
-    failing). `on_session_lost(exc)` is called with the `SessionLost` before it is raised.
+    failing, FailedPrecondition after a call ended the session, until `close`). `on_session_lost(exc)` is called with the `SessionLost` before it is raised.
     Not meant to be shared by several engines; `wait` may be called from any thread.
     A client dropped without `close` ends its session when it is garbage-collected
     (unless something its session holds, such as a bound-method `on_session_lost`,

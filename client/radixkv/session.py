@@ -59,6 +59,7 @@ class Session:
         self.timeout = timeout
         self.registration: Registration | None = None
         self.closed = False
+        self.ended = ""  # without recovery: why the session was ended (calls are refused)
         self.close_answered = False  # the daemon answered this client's Close
         self._register_request: pb.RegisterRequest | None = None
         self._buffers = None  # as given to register: exported afresh for each re-registration
@@ -269,6 +270,10 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise FailedPrecondition("the client is closed")
+        if self.ended:
+            raise FailedPrecondition(f"the session was ended ({self.ended}) and the client registers no other "
+                                     "(reconnect=None): close() it, which waits for the daemon's copies, before "
+                                     "reusing that call's pages")
 
     def _call(self, method: str, request, deadline: float | None | str = "client",
               stream: bool = False) -> Plan[Any]:
@@ -322,7 +327,10 @@ class Session:
         stay until that Close is answered: failing the calls and acks in flight here would
         tell their callers nothing more is read or written while the daemon may still do
         it. Without recovery nothing changes: close() before reusing the call's pages."""
-        if self.closed or self.registration is None or self._recovery is None:
+        if self.closed or self.registration is None:
+            return
+        if self._recovery is None:  # no recovery: nothing more goes out on this session
+            self.ended = f"{why}: its outcome is unknown"
             return
         with self._lock:
             self._recovery.lose(f"{why}: its outcome is unknown, so the session was ended", time.monotonic())

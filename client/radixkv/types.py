@@ -53,6 +53,9 @@ def as_packed(values) -> bytes:
             return values.tobytes()
         return pack(values)
     if hasattr(values, "__array__") and str(getattr(values, "device", "cpu")) == "cpu":  # not a CUDA tensor
+        if getattr(values, "ndim", 1) == 0:  # one token: a prompt given where a batch of them belongs
+            raise TypeError("got one token (a 0-d array), not a list of them: Match takes a batch of prompts, "
+                            "[tokens]")
         return _pack_ndarray(values)
     if hasattr(values, "tolist"):
         values = values.tolist()

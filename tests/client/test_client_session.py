@@ -225,6 +225,30 @@ def test_a_call_left_unanswered_ends_the_session_when_it_moves_pages_or_leases(s
         assert len(run(s.match([[1, 2, 3, 4]], False, False), daemon)) == 1 and not lost
 
 
+def test_without_recovery_a_call_left_unanswered_refuses_every_later_call_until_close():
+    """reconnect=None: an Insert whose outcome is unknown (the daemon may still adopt its
+    pages) left the session going as if nothing happened, and the engine reused the
+    pages. Every later call now says the session was ended and to close() first."""
+    daemon = Daemon()
+    s = Session("unix:///x", timeout=5, reconnect=None, on_session_lost=None,
+                open_acks=lambda session, on_broken: Acks(session))
+    run(s.register("ns", LAYOUT, [("seg", 0, 64)], 4, backend="shm", device=0, write_policy="",
+                   host_pool_pages=0, replace_existing=False, engine="", model=""), daemon)
+
+    def slow(step):
+        if isinstance(step, Rpc) and step.method == "Insert":
+            raise errors.DeadlineExceeded("no answer")
+        return daemon(step)
+
+    with pytest.raises(errors.DeadlineExceeded):
+        run(s.insert([1, 2, 3, 4], [0], extra_key=b"", chunked=False, release_lease=0, lease=False), slow)
+    for call in (lambda: s.match([[1, 2, 3, 4]], False, False), lambda: s.evict(1)):
+        with pytest.raises(errors.FailedPrecondition, match=r"Insert went unanswered .* close\(\) it"):
+            run(call(), daemon)
+    run(s.close(), daemon)
+    assert daemon.calls[-1] == "Close" and s.close_answered
+
+
 def test_a_prefetch_finds_a_restarted_daemon_like_any_call(setup):
     """Prefetch goes through the same recovery: after a restart it registers the session
     again and raises DaemonRestarted (it failed UNAUTHENTICATED for as long as no other

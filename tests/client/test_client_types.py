@@ -161,3 +161,14 @@ def test_registering_again_waits_for_the_other_ranks_no_longer_than_the_reconnec
     with pytest.raises(errors.InvalidArgument, match="wait_for_ranks must be >= 0"):
         register_request("m", layout, [], 1, backend="shm", device=0, write_policy="", host_pool_pages=0,
                          replace_existing=False, engine="", model="", wait_for_ranks=-1)
+
+
+def test_a_prompt_given_where_a_batch_belongs_is_refused_not_read_as_one_token_prompts():
+    """match(np.array(tokens)) took each token for a prompt: twelve misses and no error."""
+    import numpy as np
+    import torch
+
+    for tokens in (np.arange(3, 15), torch.arange(3, 15)):
+        with pytest.raises(errors.InvalidArgument, match="one token .* Match takes a batch of prompts"):
+            match_request("s", tokens, lease=False)
+        assert len(match_request("s", [tokens], lease=False).prompts) == 1
