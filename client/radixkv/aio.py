@@ -291,4 +291,16 @@ class AsyncClient(ClientBase):
             task.exception()  # retrieved: a daemon gone meanwhile ends that session anyway
 
 
+def _share_docstrings() -> None:
+    """Each AsyncClient call's contract is its Client twin's, awaited: `help()` and an
+    editor show it on both."""
+    from .client import Client
+
+    for name, method in vars(AsyncClient).items():
+        if not name.startswith("_") and callable(method) and not method.__doc__:
+            method.__doc__ = getattr(Client, name).__doc__
+
+
+_share_docstrings()
+
 __all__ = ["AsyncAckStream", "AsyncCallStream", "AsyncClient"]

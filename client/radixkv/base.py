@@ -6,6 +6,7 @@ for `Client`, `open_aio_channel` / `AsyncAckStream` for `AsyncClient`); the base
 no method a shell defines.
 """
 
+import asyncio
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -62,6 +63,8 @@ class ClientBase:
                                 open_calls=_weakly(self._open_calls) if stream else None)
         if self._ends_when_dropped:  # not at interpreter exit: the process ending ends the session
             weakref.finalize(self, _dropped, self._session, self._channel).atexit = False
+        else:  # asyncio: its streams and channel are the loop's
+            weakref.finalize(self, _dropped_on_loop, self._session, self._channel, _running_loop()).atexit = False
 
     @property
     def timeout(self) -> float | None:
@@ -120,6 +123,28 @@ def _dropped(session: Session, channel) -> None:
     if not session.closed:
         session.drop("the client was garbage-collected without close()")
         channel.close()
+
+
+def _dropped_on_loop(session: Session, channel, loop) -> None:
+    """An AsyncClient collected without `close`: as `_dropped`, on the loop it was made on
+    while that loop runs (a dropped one kept its session, so the namespace stayed taken)."""
+    def drop() -> None:
+        if not session.closed:
+            session.drop("the client was garbage-collected without close()")
+            loop.create_task(channel.close())
+
+    if loop is not None and not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(drop)
+        except RuntimeError:  # the loop closed meanwhile: its process is ending
+            pass
+
+
+def _running_loop():
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 __all__ = ["ClientBase"]

@@ -306,6 +306,40 @@ def test_a_client_dropped_without_close_ends_its_session(daemon):
         buffers.close()
 
 
+def test_an_async_client_dropped_without_close_ends_its_session(daemon):
+    """As a blocking Client: an AsyncClient collected without `close` (a request handler
+    that crashed) kept its session, so the next engine's Register was refused."""
+    import gc
+
+    from radixkv.kvbuffers import ShmKvBuffers
+    from tests.support.daemon import wait_for
+    buffers = ShmKvBuffers.create(LAYOUT, 16)
+
+    async def main():
+        async def engine():
+            c = AsyncClient(daemon, timeout=10)
+            await c.register("dropped/aio", LAYOUT, buffers.specs(), 16, host_pool_pages=16)
+            await c.insert(pack(range(8)), [1, 2])
+            [m] = await c.match([pack(range(8))], lease=True)
+            assert m.lease
+
+        await engine()
+        gc.collect()
+        async with AsyncClient(daemon, timeout=10) as again:
+            for _ in range(500):  # the dropped client's streams end on this loop's next turns
+                if (await again.stats("dropped/aio")).sessions == 0:
+                    break
+                await asyncio.sleep(0.02)
+            await again.register("dropped/aio", LAYOUT, buffers.specs(), 16, host_pool_pages=16)
+            [ns] = (await again.stats("dropped/aio")).namespaces
+            assert ns.leases == 0 and ns.device_pages_held == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        buffers.close()
+
+
 @pytest.mark.parametrize("replace", [False, True], ids=["after-close", "replacing"])
 def test_a_restarted_engine_is_told_what_left_with_the_old_ones_device_pages(daemon, replace):
     """Write-back: 8 tokens on the device only, 8 more with a host copy. The next
