@@ -77,6 +77,9 @@ class DaemonConfig:
                                       "own), so the reply buffers of each storage fetch do not fault in fresh "
                                       "memory (0: glibc's default)", size=True)
     max_sessions: int = _opt(64, "most sessions at once")
+    max_leases_per_session: int = _opt(100_000, "most leases one session may hold at once; a Match or Insert "
+                                       "that would take more is RESOURCE_EXHAUSTED (an engine holding this many "
+                                       "forgets to release them, and they pin their pages)")
     max_namespaces: int = _opt(64, "most namespaces at once")
     max_host_memory: int = _opt(0, "most bytes all namespaces' host pools may take together; a Register "
                                 "past it is refused (0: a cgroup memory limit less 1 GiB, or else 80%% of "
@@ -146,7 +149,7 @@ class DaemonConfig:
         if len(set(self.listen)) != len(self.listen):
             raise ValueError(f"--listen: an address is given twice ({', '.join(self.listen)})")
         for name in ("page_size", "write_through_threshold", "copy_workers", "storage_workers",
-                     "storage_queue_pages", "max_sessions", "max_namespaces",
+                     "storage_queue_pages", "max_sessions", "max_leases_per_session", "max_namespaces",
                      "max_prompts_per_match", "max_extra_key_bytes", "max_concurrent_rpcs", "max_acks_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")

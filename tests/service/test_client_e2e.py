@@ -364,3 +364,28 @@ def test_a_restarted_engine_is_told_what_left_with_the_old_ones_device_pages(dae
         for e in (old, new):
             if e is not None:
                 e.close()
+
+
+def test_a_session_that_never_releases_its_leases_is_told_at_its_limit(daemon_factory):
+    """Each lease pins its pages and costs the daemon memory: an engine that forgets to
+    release them once shrank the device pool, and a hostile one grew the daemon until it
+    was OOM-killed. Past --max-leases-per-session a leasing call is refused whole, and
+    releasing makes room again."""
+    d = daemon_factory("--max-leases-per-session", "3")
+    engine = Engine(d.target, "leases/ns")
+    try:
+        c = engine.client
+        prompts = [pack(range(100 * i, 100 * i + 4)) for i in range(4)]
+        for page, tokens in enumerate(prompts):
+            engine.kv.write([page], page_keys(tokens, 4))
+            c.insert(tokens, [page])
+        leases = [m.lease for m in c.match(prompts[:2], lease=True)]
+        with pytest.raises(errors.ResourceExhausted, match="holds 2 leases and this call would take 2 more"):
+            c.match(prompts[2:], lease=True)
+        [ns] = c.stats().namespaces
+        assert ns.leases == 2  # refused whole: none taken
+        assert all(m.lease for m in c.match(prompts[2:3], lease=True))
+        c.release(leases)
+        assert all(m.lease for m in c.match(prompts[:2], lease=True))
+    finally:
+        engine.close()

@@ -58,7 +58,7 @@ class Daemon:
         self.watch_messages = BatchMessages(self.instance)  # WatchEvents' messages, made once per batch
         self.started = time.monotonic()
         self.namespaces: dict[str, Namespace] = {}
-        self.sessions = SessionRegistry()
+        self.sessions = SessionRegistry(max_leases=config.max_leases_per_session)
         self.accepting = True
         self.storage_answered: bool | None = None  # the start's storage check (storage_check.py)
         self.stopping = asyncio.Event()

@@ -96,6 +96,7 @@ class EngineNamespace:
         way). `async_`: answer at once with the transfer to acknowledge; otherwise answer
         once copied (UNAVAILABLE if the copy failed)."""
         self._require(session, ENGINE, "Insert")
+        session.check_lease_room(int(request.lease) - int(bool(request.release_lease)))
         if request.release_lease:
             session.check_lease(request.release_lease)
         self._check_pages(session, request.device_pages, "Insert")

@@ -105,6 +105,7 @@ class Namespace:
         release `release_lease` and take a lease if asked. NOT_FOUND for a lease the
         session does not hold, checked before anything changes."""
         self._check_caller(session, "Insert")
+        session.check_lease_room(int(request.lease) - int(bool(request.release_lease)))
 
         def attempt():
             if request.release_lease:

@@ -54,6 +54,8 @@ class NamespaceCore:
         `include_storage`, also count the tokens past the cache that storage holds. The
         matches are atomic; the storage probe comes after them. The prompts must be packed
         int32 (`convert.prompts` checks), so no match fails after another took a lease."""
+        if lease:
+            session.check_lease_room(len(prompts))
         matched = []
         for p in prompts:
             result = self.cache.match(p.tokens, p.extra_key)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..core.ids import fresh_ids
-from .errors import ServiceError, invalid, not_found, precondition, unauthenticated
+from .errors import ServiceError, exhausted, invalid, not_found, precondition, unauthenticated
 
 REMEMBER_EXPIRED = 4096  # expired leases and load-backs remembered per session, for clear errors
 
@@ -47,6 +47,7 @@ class Session:
     instance: str = ""
     device_pages: int = 0
     owner: bytes = b""  # sha256 of the token that registered it (b"": no token file)
+    max_leases: int = 100_000  # leases it may hold at once (--max-leases-per-session)
     # Expired transfers the daemon finished: transfer -> expiry.ExpiredTransfer, for the
     # late ack. `ack_stream`: the session's open AckStream (acks.py), told at once of
     # each; None while it has none.
@@ -75,6 +76,14 @@ class Session:
             raise precondition(f"session {self.id} closed while this call waited")
 
     # -- leases ---------------------------------------------------------------------------
+
+    def check_lease_room(self, more: int) -> None:
+        """RESOURCE_EXHAUSTED when `more` leases would take this session past its limit;
+        called before a call takes any, so none is taken that its caller never learns of."""
+        if more > 0 and len(self.leases) + more > self.max_leases:
+            raise exhausted(f"session {self.id[:8]} holds {len(self.leases)} leases and this call would take "
+                            f"{more} more, past --max-leases-per-session {self.max_leases}: release the leases of "
+                            "requests that are done (each pins its pages against eviction)")
 
     def add_lease(self, node_id: int) -> int:
         """Record a lease on `node_id` (which the caller locked); returns its id."""
@@ -210,7 +219,8 @@ class SessionRegistry:
     """Live sessions by id, and the reasons recent ones were closed (for clear errors).
     Lease ids are unique across the sessions of a registry."""
 
-    def __init__(self, remember_closed: int = 4096):
+    def __init__(self, remember_closed: int = 4096, max_leases: int = 100_000):
+        self.max_leases = max_leases  # per session (--max-leases-per-session)
         self._live: dict[str, Session] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()
         self._remember = remember_closed
@@ -245,7 +255,7 @@ class SessionRegistry:
 
     def new(self, namespace, engine: str) -> Session:
         session = Session(secrets.token_hex(16), namespace, engine, lease_ids=self._lease_ids,
-                          held_elsewhere=self._leased)
+                          held_elsewhere=self._leased, max_leases=self.max_leases)
         self._live[session.id] = session
         return session
 
