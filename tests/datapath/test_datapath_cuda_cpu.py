@@ -203,7 +203,7 @@ def test_a_cuda_handle_whose_reference_counter_is_not_torchs_is_refused(fields, 
     shared-memory file `ref_handle` names, grows it, decrements slot `ref_offset` and
     unlinks it at zero: a forged name let one tenant change or remove another's segment
     (or write outside the mapping) through the daemon (found by a security review)."""
-    from radixkv.kvbuffers import decode_cuda_handle
+    from radixkv.cuda_handle import decode_cuda_handle
 
     assert decode_cuda_handle(_export())[4] == b"/torch_4759_1410171797_1"  # torch's own shape passes
     with pytest.raises(ValueError, match=says):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from radixkv import KvLayout
-from radixkv.kvbuffers import decode_cuda_handle
+from radixkv.cuda_handle import decode_cuda_handle
 from radixkv_server.core.pages import pack
 from radixkv_server.datapath import DeviceOpenError, HostPool, open_device_buffers
 from radixkv_server.datapath.cuda_devices import device_uuid

@@ -312,7 +312,6 @@ def test_an_async_client_dropped_without_close_ends_its_session(daemon):
     import gc
 
     from radixkv.kvbuffers import ShmKvBuffers
-    from tests.support.daemon import wait_for
     buffers = ShmKvBuffers.create(LAYOUT, 16)
 
     async def main():

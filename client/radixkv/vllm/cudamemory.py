@@ -3,7 +3,7 @@
 vLLM allocates its CUDA KV cache itself (no memory-pool context is needed) and views it
 per layer in the attention backend's layout. `export(kv_caches, block_size)` exports
 each distinct storage under the views once (`UntypedStorage._share_cuda_`, encoded by
-`radixkv.kvbuffers.encode_cuda_handle`) and describes every layer's blocks with
+`radixkv.cuda_handle.encode_cuda_handle`) and describes every layer's blocks with
 `layouts.describe_views`: offsets are bytes from the storage's start. Each Register
 needs its own export (torch counts every IPC reference), so the buffers returned are a
 list with `fresh()`, which the client calls for each automatic re-registration.
@@ -19,7 +19,8 @@ Proven only where a GPU is lent (tests/gpu/test_vllm_cuda.py); nothing here runs
 
 import torch
 
-from radixkv.kvbuffers import CudaKvBuffers, device_uuid, encode_cuda_handle
+from radixkv.cuda_handle import encode_cuda_handle
+from radixkv.kvbuffers import CudaKvBuffers, device_uuid
 
 from .layouts import KvMemory, describe_views
 

@@ -147,7 +147,7 @@ class CudaDeviceBuffers(DeviceBuffers):
     def _open_handle(self, handle: bytes, where: str):
         """One exported storage, opened on our device. Its ordinal is the exporter's own:
         with a UUID it may differ from ours (other CUDA_VISIBLE_DEVICES) and is replaced."""
-        from radixkv.kvbuffers import decode_cuda_handle
+        from radixkv.cuda_handle import decode_cuda_handle
         torch = _torch()
         try:
             args = decode_cuda_handle(handle)
