@@ -243,3 +243,34 @@ def test_a_token_the_token_file_no_longer_holds_is_refused_on_streams_opened_bef
         assert code_of(lambda: next(watch))[0] == C.UNAUTHENTICATED
     finally:
         asks.put(None)
+
+
+def test_a_rotated_operator_token_is_refused_on_its_open_streams(daemon_factory, tmp_path):
+    """A file of tokens that each grant everything (the common rotation: one `*` token
+    replaced by another) scopes nothing; the streams of the removed token still went on
+    after the reload, as only scoped files were looked up again."""
+    import queue
+    import signal
+
+    from tests.support.daemon import wait_for
+
+    path = tmp_path / "tokens"
+    path.write_text("old-token\n")
+    d = daemon_factory("--auth-token-file", str(path))
+    engine = EngineDouble(num_pages=32)
+    try:
+        sid = engine.register(Client(d.target, timeout=10, token="old-token"), "any/m").session
+        channel, stub = stub_for(d.target)
+        asks: queue.Queue = queue.Queue()
+        calls = stub.Session(iter(asks.get, None), metadata=auth("old-token"))
+        asks.put(pb.SessionRequest(id=1, evict=pb.EvictRequest(session=sid, num_pages=1)))
+        assert not next(calls).error.code
+        path.write_text("new-token\n")
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: "event=auth.reloaded" in d.log(), 10, "the token file reloaded")
+        asks.put(pb.SessionRequest(id=2, evict=pb.EvictRequest(session=sid, num_pages=1)))
+        assert next(calls).error.code == C.UNAUTHENTICATED.value[0]
+        asks.put(None)
+        channel.close()
+    finally:
+        engine.close()

@@ -109,8 +109,9 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
                   code=code.name, message=message)
 
     def grant(self, context) -> Grant:
-        """What the caller's token grants (every namespace when no token grants less)."""
-        if not self.tokens.scoped:
+        """What the caller's token grants, looked up now (a reload may have removed it:
+        UNAUTHENTICATED); every namespace when no token is needed."""
+        if not self.tokens.required:
             return EVERYTHING
         grant = self.tokens.grant(context.invocation_metadata())
         if grant is None:  # the token file was reloaded since the call was admitted
@@ -235,7 +236,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         """Stream KV event batches (see the proto and watch.py); errors end it with a status,
         as a token that a reload of the token file revoked (or no longer grants the namespace)."""
         async for batch in watch(self.daemon, request):
-            if self.tokens.scoped:
+            if self.tokens.required:
                 authorize(self.grant(context), self.daemon.sessions, "WatchEvents", request)
             await context.write(batch)
 
