@@ -268,3 +268,27 @@ def test_a_resync_of_an_engine_managed_namespace_says_what_its_live_events_said(
         assert blocks["CPU"] and blocks["STORAGE"] == blocks["CPU"] and blocks == snapshot_blocks(cache)
     finally:
         hub.close()
+
+
+@pytest.mark.parametrize("policy,storage", [("write_through", "write_through"), ("write_back", "off")])
+def test_presence_events_hold_what_the_device_or_host_holds_after_every_step(policy, storage):
+    """--kv-events-presence, for routers that ignore `medium`: after every step of a walk
+    (splits of shared prefixes, device and host evictions, load-backs, fetches), the
+    blocks a router holds from events without a medium are exactly those on the device
+    or the host. A node split gives its upper part a new id that no record announced:
+    deciding from what earlier records said, a device eviction of that part read as the
+    block gone while its host copy stayed."""
+    m = type("M", (CoreMachine,), {"policy": policy, "storage": storage})()
+    hub = EventHub(EventsConfig(subscriber_buffer=100_000, presence=True))
+    try:
+        m.cache.residency_listener = hub.attach(NS, PAGE)
+        follower = Follower(hub)
+        rnd = random.Random(5)
+        for _ in range(300):
+            walk(m, rnd, 1)
+            follower.catch_up()
+            held, cache = follower.blocks(), cache_blocks(m)
+            assert held == {"GPU": cache["GPU"] | cache["CPU"], "CPU": set(), "STORAGE": set()}
+        assert follower.feed.num_resets == 0 and follower.index.num_unknown_medium == 0
+    finally:
+        hub.close()

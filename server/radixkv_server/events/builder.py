@@ -10,9 +10,9 @@ radixkv page: a node of k pages gives one event with k block hashes
 block the untagged extra keys, the salt in the prompt's first block only.
 
 With `presence` (for routers that ignore `medium`, as Dynamo's does: to them a CPU
-removal of a block still on the GPU reads as the block gone), a node is told stored when
-it first becomes resident on the device or host, and removed once it is on neither, with
-no medium; storage blocks are not told (a store serves every daemon sharing it).
+removal of a block still on the GPU reads as the block gone), events carry no medium: the
+hub records only a node's first arrival on the device or host and its leaving the last of
+them, and no storage change (`hub._told_in_presence`: a store serves every daemon).
 
 The digest of a node's last page names the whole token path from the root to the node's
 end, which no split changes, so it is cached by node id (per namespace attachment: ids
@@ -65,12 +65,10 @@ class EventBuilder:
                 self._digests.clear()
                 self._resident.clear()
                 self._recent.clear()
-                event = AllBlocksCleared()
+                out.append(AllBlocksCleared())
             else:
-                event = self._event(kind, medium, extra_key, path)
-            if event is not None:
-                out.append(event)
-                keys.append(extra_key)
+                out.append(self._event(kind, medium, extra_key, path))
+            keys.append(extra_key)
         if len(self._digests) > self._max_cached:  # a cache only: recomputed on demand
             self._digests.clear()
         self._tokens = {}
@@ -88,15 +86,10 @@ class EventBuilder:
                 del self._recent[next(iter(self._recent))]
         return hit
 
-    def _event(self, kind: int, medium: str, extra_key: bytes, path) -> Event | None:
-        """The record's event; None where presence events tell nothing of it."""
+    def _event(self, kind: int, medium: str, extra_key: bytes, path) -> Event:
         node_id, key, up = path
         bit = _TIER_BIT[medium]
         was = self._resident.get(node_id, 0)
-        if self.presence and (not bit or (bool(was & ~bit) if kind == REMOVED else bool(was))):
-            if bit:  # here already, or still here on the other tier
-                self._resident[node_id] = was & ~bit if kind == REMOVED else was | bit
-            return None
         start = self._start_digest(up, extra_key)
         last, hashes = self._blocks(node_id, key, start, extra_key)
         if self.presence:

@@ -55,6 +55,18 @@ def _record(tier: str, change: str, node) -> tuple:
     return (kind, medium, node.extra_key, token_path(node))
 
 
+def _told_in_presence(tier: str, node, snapshot: bool = False) -> bool:
+    """Whether presence events (`EventsConfig.presence`) tell this change of `node` on
+    `tier`: only when the node's other tier holds none of it, as the node is now (a split
+    gives both parts the same residency, so it is read here, on the loop, not learned
+    from earlier records). Storage is never told. A snapshot tells each node once: its
+    device pair, or its host pair when it is not on the device."""
+    s = node.full
+    if tier == "device":
+        return snapshot or not (s.host_valid and not s.shards_missing)
+    return tier == "host" and s.device_pages is None
+
+
 def token_path(node) -> tuple:
     """The node's token path from the root as immutable cells `(id, key, parent's cell)`
     (the root's cell: None), kept on the node (`Node.event_path`) so that a record costs
@@ -140,7 +152,7 @@ class NamespaceEvents:
         """The core's seam (core/residency.py): record that `node`'s pages were stored on
         or removed from `tier`. Never raises (the seam's contract): a call that names an
         unknown tier or change is logged and counted in `num_invalid`."""
-        if self.closed or self.resync:
+        if self.closed or self.resync or (self._hub.config.presence and not _told_in_presence(tier, node)):
             return
         try:
             record = _record(tier, change, node)
@@ -197,6 +209,8 @@ class NamespaceEvents:
         """"stored" records of these (tier, node) pairs' token paths as they are now. On the loop."""
         records: list[tuple] = []
         for tier, node in pairs:
+            if self._hub.config.presence and not _told_in_presence(tier, node, snapshot=True):
+                continue
             try:
                 records.append(_record(tier, "stored", node))
             except ValueError as e:

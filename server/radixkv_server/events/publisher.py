@@ -172,8 +172,6 @@ class Publisher:
 
     def _publish(self, builder, namespace: str, topic: bytes, ts: float, records) -> None:
         events, extra_keys = builder.build(records)
-        if records and not events:  # presence events: none of the records changed whether a block is here
-            return
         for start in range(0, max(len(events), 1), MAX_EVENTS_PER_BATCH):
             end = start + MAX_EVENTS_PER_BATCH
             for payload, keys in self._encoded(ts, events[start:end], extra_keys[start:end]):
