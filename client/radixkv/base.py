@@ -131,13 +131,18 @@ def _dropped_on_loop(session: Session, channel, loop) -> None:
     def drop() -> None:
         if not session.closed:
             session.drop("the client was garbage-collected without close()")
-            loop.create_task(channel.close())
+            task = loop.create_task(channel.close())
+            _CLOSING.add(task)  # the loop holds tasks weakly
+            task.add_done_callback(_CLOSING.discard)
 
     if loop is not None and not loop.is_closed():
         try:
             loop.call_soon_threadsafe(drop)
         except RuntimeError:  # the loop closed meanwhile: its process is ending
             pass
+
+
+_CLOSING: set = set()  # channel closes of dropped AsyncClients, until done
 
 
 def _running_loop():

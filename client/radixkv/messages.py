@@ -67,6 +67,9 @@ def buffer_pb(spec) -> pb.DeviceBuffer:
                            page_bytes=page_bytes)
 
 
+MAX_WAIT_FOR_RANKS_S = (2**32 - 1) / 1000  # RegisterRequest.wait_for_ranks_ms is a uint32
+
+
 def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_device_pages: int, *,
                      backend: str, device: int, write_policy: str, host_pool_pages: int,
                      replace_existing: bool, engine: str, model: str, device_uuid: str = "",
@@ -77,8 +80,10 @@ def register_request(namespace: str, layout: KvLayout, buffers: Iterable, num_de
     CUDA_VISIBLE_DEVICES (see `radixkv.kvbuffers.device_uuid`). `device_tier`
     ("managed" or "engine_managed"), `role` ("engine" or "scheduler"), `tp_rank`,
     `tp_size`, `instance` and `wait_for_ranks` (seconds): see RegisterRequest in the proto."""
-    if num_device_pages < 0 or host_pool_pages < 0 or wait_for_ranks < 0:
-        raise InvalidArgument("num_device_pages, host_pool_pages and wait_for_ranks must be >= 0")
+    if num_device_pages < 0 or host_pool_pages < 0:
+        raise InvalidArgument("num_device_pages and host_pool_pages must be >= 0")
+    if not (isinstance(wait_for_ranks, (int, float)) and 0 <= wait_for_ranks <= MAX_WAIT_FOR_RANKS_S):
+        raise InvalidArgument(f"wait_for_ranks {wait_for_ranks!r}: seconds from 0 to {MAX_WAIT_FOR_RANKS_S:.0f}")
     if device_tier not in DEVICE_TIERS or role not in ROLES:
         raise InvalidArgument(f"device_tier {device_tier!r} / role {role!r}: use one of {list(DEVICE_TIERS)} / "
                               f"{list(ROLES)}")

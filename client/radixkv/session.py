@@ -241,7 +241,8 @@ class Session:
                     yield from self._call("Release", msg.release_request(self.id, [lease]))
                 except (NotFound, PermissionDenied):
                     refused.leases += (lease,)
-        raise refused
+        if refused.leases:  # else the stale lease went meanwhile (expired): every lease is released
+            raise refused
 
     def evict(self, num_pages: int, engine_event=None) -> Plan[EvictResult]:
         req = msg.evict_request(self.id, num_pages, engine_event)
@@ -393,9 +394,11 @@ class Session:
             for stream in (self._acks, self._calls):
                 if stream is not None:
                     stream.abandon(f"the session was lost ({reason})")
-            if end is not None:
-                step = max(0.05, min(step, end - time.monotonic()))
-            wait_left = None if end is None else end - time.monotonic() - step
+            wait_left = None
+            if end is not None:  # the Register, then the wait for the other ranks, in what is left
+                left = max(0.05, end - time.monotonic())
+                step = min(step or left, left, max(PROBE_TIMEOUT, left / 2))
+                wait_left = left - step
             again = msg.register_again(self._register_request, self._buffers, self._replaced, wait_left)
             new = Registration.from_pb((yield Rpc("Register", again, step and step + again.wait_for_ranks_ms / 1000)))
         except (Unavailable, Cancelled, DeadlineExceeded) as err:  # cut by a stopping daemon, or a stalled one

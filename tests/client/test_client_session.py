@@ -249,6 +249,34 @@ def test_without_recovery_a_call_left_unanswered_refuses_every_later_call_until_
     assert daemon.calls[-1] == "Close" and s.close_answered
 
 
+@pytest.mark.parametrize("timeout", [30.0, None])
+def test_a_reconnect_of_a_tensor_parallel_rank_waits_for_the_other_ranks_within_its_timeout(timeout):
+    """reconnect(30) on a client of timeout 30 (or none) gave the Register all of the 30 s
+    and the wait for the other ranks none: rank 0 came back with its ranks missing, and
+    its calls failed until they were in."""
+    daemon, registers = Daemon(), []
+
+    def recording(step):
+        if isinstance(step, Rpc) and step.method == "Register":
+            registers.append((step.request.wait_for_ranks_ms, step.timeout))
+        return daemon(step)
+
+    s = Session("unix:///x", timeout=timeout, reconnect=Backoff(initial=0.01, maximum=0.01, jitter=0),
+                on_session_lost=None, open_acks=lambda session, on_broken: Acks(session))
+    run(s.register("ns", LAYOUT, [("seg", 0, 64)], 4, backend="shm", device=0, write_policy="", host_pool_pages=0,
+                   replace_existing=False, engine="", model="", tp_rank=0, tp_size=2, instance="e",
+                   wait_for_ranks=10.0), recording)
+    assert registers == [(10_000, None if timeout is None else 40.0)]  # the first: its deadline and the wait
+    daemon.forget("d2")
+    assert isinstance(run(s.reconnect(30.0), recording), errors.DaemonRestarted)
+    wait_ms, deadline = registers[-1]
+    assert wait_ms == 10_000 and 24 < deadline <= 30  # the whole wait fits in reconnect's 30 s
+    s._recovery.lose("the daemon restarted", 0.0)  # a shorter reconnect: the wait shrinks to fit
+    run(s.reconnect(6.0), recording)
+    wait_ms, deadline = registers[-1]
+    assert 2_000 <= wait_ms <= 3_000 and deadline <= 6
+
+
 def test_a_prefetch_finds_a_restarted_daemon_like_any_call(setup):
     """Prefetch goes through the same recovery: after a restart it registers the session
     again and raises DaemonRestarted (it failed UNAUTHENTICATED for as long as no other

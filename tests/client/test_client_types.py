@@ -158,9 +158,10 @@ def test_registering_again_waits_for_the_other_ranks_no_longer_than_the_reconnec
     assert register_again(first, [], replaced=False, wait_left=-2.0).wait_for_ranks_ms == 0
     assert register_again(first, [], replaced=False, wait_left=60.0) is first
     assert first.wait_for_ranks_ms == 5000  # the request kept for the next time is not changed
-    with pytest.raises(errors.InvalidArgument, match="wait_for_ranks must be >= 0"):
-        register_request("m", layout, [], 1, backend="shm", device=0, write_policy="", host_pool_pages=0,
-                         replace_existing=False, engine="", model="", wait_for_ranks=-1)
+    for bad in (-1, float("inf"), float("nan"), None, 5_000_000):
+        with pytest.raises(errors.InvalidArgument, match="wait_for_ranks .*: seconds from 0 to 4294967"):
+            register_request("m", layout, [], 1, backend="shm", device=0, write_policy="", host_pool_pages=0,
+                             replace_existing=False, engine="", model="", wait_for_ranks=bad)
 
 
 def test_a_prompt_given_where_a_batch_belongs_is_refused_not_read_as_one_token_prompts():
