@@ -136,3 +136,19 @@ def test_a_rank_whose_caller_leaves_while_it_waits_is_closed_with_its_group(daem
             fresh.close()
     finally:
         engine.close()
+
+
+def test_a_rank_waiting_longer_than_the_idle_session_timeout_is_not_closed_as_idle(daemon_factory):
+    """A waiting rank's engine has no session id yet, so it opens no stream and names it
+    in no call: --idle-session-timeout closed it (and its group) as an engine that died
+    after Register, and the wait answered UNAVAILABLE."""
+    d = daemon_factory("--idle-session-timeout", "0.3")
+    engine = RankedEngine(tp_size=2)
+    try:
+        engine.register(d.target, "llama", ranks=[0], wait_for_ranks=2.0)  # several idle checks meanwhile
+        assert engine.driver.registration.ranks_missing == (1,)
+        engine.register(d.target, "llama", ranks=[1])
+        engine.driver.prefill_to_host([prompt(7)])
+        assert engine.driver.load(prompt(7)) == (8 * PS, (0, 0))
+    finally:
+        engine.close()

@@ -10,6 +10,7 @@ registration lock, once no session of the namespace is closing.
 """
 
 import logging
+import time
 
 from ..logs import log_event
 from . import registration
@@ -97,11 +98,15 @@ async def wait_for_ranks(daemon, done: registration.Registered, timeout: float) 
     wait_for_ranks_ms), with the tokens the group's attach dropped. UNAVAILABLE when the
     group ended first. A caller that leaves meanwhile never learns its session: it is
     closed, with its group."""
+    done.session.waiting_for_ranks = True  # not idle: --idle-session-timeout counts from the answer
     try:
         dropped = await done.session.namespace.group.wait_formed(done.session, timeout)
     except BaseException:
         daemon.close_in_background(done.session, "its Register's caller left before the answer")
         raise
+    finally:
+        done.session.waiting_for_ranks = False
+        done.session.last_call = time.monotonic()
     return done if dropped is None else registration.Registered(done.session, done.warm, dropped)
 
 

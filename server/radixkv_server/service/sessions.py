@@ -48,6 +48,7 @@ class Session:
     device_pages: int = 0
     owner: bytes = b""  # sha256 of the token that registered it (b"": no token file)
     max_leases: int = 100_000  # leases it may hold at once (--max-leases-per-session)
+    waiting_for_ranks: bool = False  # its Register waits for its group (rank_registration.wait_for_ranks)
     # Expired transfers the daemon finished: transfer -> expiry.ExpiredTransfer, for the
     # late ack. `ack_stream`: the session's open AckStream (acks.py), told at once of
     # each; None while it has none.
@@ -60,8 +61,9 @@ class Session:
 
     def idle_without_stream(self, now: float) -> float:
         """Seconds since a call last named this session, while it has no stream open;
-        0 while it has one (a stream's end closes its session anyway)."""
-        if self.ack_stream is not None or self.session_stream is not None:
+        0 while it has one (a stream's end closes its session anyway) or while its
+        Register waits for its group's other ranks (its engine has no id to call with)."""
+        if self.ack_stream is not None or self.session_stream is not None or self.waiting_for_ranks:
             return 0.0
         return now - self.last_call
 
