@@ -137,6 +137,9 @@ def test_a_session_in_a_shared_namespace_is_its_own_tokens(tenants):
         [reply] = stub.Session(iter([pb.SessionRequest(id=1, evict=pb.EvictRequest(session=sid, num_pages=4))]),
                                metadata=auth(BOB))
         assert "registered with another token" in reply.error.message
+        with Client(d.target, timeout=10, token=BOB) as bob:  # nor replace her engine by registering
+            with pytest.raises(errors.PermissionDenied, match="registered with another token"):
+                bob.register("shared-a", engine.layout, tenants["bob"].buffers.specs, 32, replace_existing=True)
         assert engine.client.match([pack(prompt(2, pages=4))])[0].device_tokens == 16  # hers, untouched
         stub.Close(pb.CloseRequest(session=sid), metadata=auth(OPERATOR))  # an operator may
         with pytest.raises(errors.RadixKVError):

@@ -121,7 +121,7 @@ class Daemon:
             except BaseException:
                 device.close()
                 raise
-            session = self.sessions.new(ns, reg.engine)
+            session = self.sessions.new(ns, reg.engine, reg.owner)
             ns.session = session
             ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
         log_event(log, "session.registered", namespace=ns.name, session=session.id[:8],
@@ -163,6 +163,7 @@ class Daemon:
             raise precondition(
                 f"namespace {reg.namespace} is attached to a live session (engine "
                 f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
+        registration.check_may_replace(reg, [ns.session])
         return True
 
     def admit(self, reg: registration.Registration, ns, replacing: int = 0):

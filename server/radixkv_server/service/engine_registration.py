@@ -37,7 +37,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
         if ns is None:
             ns = daemon.add_namespace(await EngineNamespace.open(
                 config, metrics=daemon.metrics, storage=daemon.storage))
-        session = daemon.sessions.new(ns, reg.engine)
+        session = daemon.sessions.new(ns, reg.engine, reg.owner)
         session.role, session.rank, session.instance = reg.role, reg.tp_rank, reg.instance
         session.device_pages = reg.num_device_pages
         ns.add_session(session, device)

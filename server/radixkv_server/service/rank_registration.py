@@ -52,6 +52,7 @@ def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[S
             f"namespace {reg.namespace}'s ranks belong to engine instance {other.instance!r}, this rank to "
             f"{reg.instance!r}: the ranks of one engine register with one instance; after an engine restart "
             "pass replace_existing")
+    registration.check_may_replace(reg, members)
     return members
 
 
@@ -78,7 +79,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     except BaseException:
         device.close()
         raise
-    session = daemon.sessions.new(ns, reg.engine)
+    session = daemon.sessions.new(ns, reg.engine, reg.owner)
     session.rank, session.device_pages, session.instance = reg.tp_rank, reg.num_device_pages, reg.instance
     ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
     try:

@@ -46,6 +46,8 @@ class Registration:
     instance: str = ""
     wait_for_ranks: float = 0.0  # seconds a managed-device rank's Register waits for its group to form
     segment_uid: int | None = None  # shm: the owner the segments must have (the caller's token's uid=)
+    owner: bytes = b""  # the caller's token (its digest): the session is its own (tenants.Grant.owner)
+    operator: bool = True  # the caller's token grants every namespace: it may replace any session
 
     @property
     def engine_managed(self) -> bool:
@@ -129,6 +131,17 @@ def page_geometry(reg: Registration) -> tuple[int, int] | None:
         return None
     part, _ = buffer_geometry(reg.layout, reg.buffers)
     return len(reg.buffers), part
+
+
+def check_may_replace(reg: Registration, sessions) -> None:
+    """PERMISSION_DENIED when `replace_existing` would close a session another token
+    registered (a tenant granted a shared namespace would end another's engine);
+    an operator's token may."""
+    other = next((s for s in sessions if s.owner != reg.owner), None)
+    if other is not None and not reg.operator:
+        raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"namespace {reg.namespace}'s live session {other.id[:8]} was registered with another "
+                           "token: only that token (or an operator's) may replace it")
 
 
 def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:

@@ -122,9 +122,9 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     async def Register(self, request, context):
         reg = convert.registration(request, self.daemon.config.page_size)
         grant = self.grant(context)
-        done = await self.daemon.register(dataclasses.replace(reg, segment_uid=grant.segment_uid))
+        done = await self.daemon.register(dataclasses.replace(
+            reg, segment_uid=grant.segment_uid, owner=grant.owner, operator=grant.everything))
         try:
-            done.session.owner = grant.owner  # before anyone can learn its id
             return self._registered(done)
         except BaseException:  # the engine never learns the session: it must not stay live
             self.daemon.close_in_background(done.session, "its Register was not answered")

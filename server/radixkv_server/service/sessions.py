@@ -255,9 +255,10 @@ class SessionRegistry:
                 oldest_unacked = min(oldest_unacked, next(iter(s.unacked.values()), now))
         return Holdings(leases, now - oldest_lease, unacked, now - oldest_unacked)
 
-    def new(self, namespace, engine: str) -> Session:
+    def new(self, namespace, engine: str, owner: bytes = b"") -> Session:
+        """A live session of `namespace`, its own to the token whose digest is `owner`."""
         session = Session(secrets.token_hex(16), namespace, engine, lease_ids=self._lease_ids,
-                          held_elsewhere=self._leased, max_leases=self.max_leases)
+                          held_elsewhere=self._leased, max_leases=self.max_leases, owner=owner)
         self._live[session.id] = session
         return session
 
