@@ -206,12 +206,13 @@ class DaemonConfig:
 
 def without_passwords(url: str) -> str:
     """`url` with the password of its user part and of any `*password*` option replaced
-    by `<set>`; the rest (user, hosts, options) kept for the log."""
+    by `<set>`, also in an option that is itself a URL (Mooncake's `metadata=` etcd or
+    http address); the rest (user, hosts, options) kept for the log."""
     if "://" not in url:
         return url
     parts = urlsplit(url)
     pairs = parse_qsl(parts.query, keep_blank_values=True)
-    secret_options = any("password" in k.lower() for k, _ in pairs)
+    secret_options = any("password" in k.lower() or without_passwords(v) != v for k, v in pairs)
     if parts.password is None and not secret_options:
         return url
     netloc = parts.netloc
@@ -220,7 +221,8 @@ def without_passwords(url: str) -> str:
         netloc = f"{user.partition(':')[0]}:<set>@{hosts}"
     query = parts.query
     if secret_options:
-        query = urlencode([(k, "<set>" if "password" in k.lower() else v) for k, v in pairs], safe="<>")
+        query = urlencode([(k, "<set>" if "password" in k.lower() else without_passwords(v)) for k, v in pairs],
+                          safe="<>:/@")
     return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 

@@ -320,3 +320,15 @@ def test_url_options():
 def test_bad_urls(url, message):
     with pytest.raises(ValueError, match=message):
         open_storage(url)
+
+
+def test_a_metadata_url_with_credentials_is_never_shown():
+    """Mooncake's metadata= may be an etcd or http URL with a user and password: the
+    daemon's start log (describe()) and the URL errors showed it whole."""
+    from radixkv_server.config import without_passwords
+
+    url = "mooncake://host:50051?metadata=http://ops:hunter2@etcd:2379&segment=lots"
+    assert without_passwords(url) == "mooncake://host:50051?metadata=http://ops:<set>@etcd:2379&segment=lots"
+    with pytest.raises(ValueError, match="bad Mooncake option segment") as refused:
+        open_storage(url)
+    assert "hunter2" not in str(refused.value)

@@ -1,6 +1,7 @@
 """`mooncake://HOST:PORT?...`: the URL form of a MooncakeStorage (see open.py)."""
 
 from ..units import parse_size
+from .errors import redact_url
 from .mooncake_store import MooncakeStorage
 
 URL_OPTIONS = {"segment": "segment_bytes", "buffer": "buffer_bytes", "protocol": "protocol",
@@ -20,9 +21,9 @@ def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
     and payload as two parts straight into the host page, no copy)."""
     unknown = sorted(set(options) - set(URL_OPTIONS))
     if unknown:
-        raise ValueError(f"unknown Mooncake option(s) {unknown} in {url}; use {sorted(URL_OPTIONS)}")
+        raise ValueError(f"unknown Mooncake option(s) {unknown} in {redact_url(url)}; use {sorted(URL_OPTIONS)}")
     if not parts.netloc or parts.path not in ("", "/"):
-        raise ValueError(f"Mooncake storage URL {url!r} must be mooncake://HOST:PORT")
+        raise ValueError(f"Mooncake storage URL {redact_url(url)!r} must be mooncake://HOST:PORT")
     kwargs = {}
     for name, text in options.items():
         field = URL_OPTIONS[name]
@@ -36,5 +37,5 @@ def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
             else:
                 kwargs[field] = text
         except ValueError:
-            raise ValueError(f"bad Mooncake option {name}={text!r} in {url}") from None
+            raise ValueError(f"bad Mooncake option {name} in {redact_url(url)}") from None
     return MooncakeStorage(parts.netloc, **kwargs)
