@@ -132,6 +132,9 @@ class DaemonConfig:
                                             "behind before it is ended with ABORTED")
     kv_events_hash_seed: str = _opt("vllm-none-hash", "block-hash seed of KV events (vLLM's NONE_HASH "
                                     "seed; a fleet's PYTHONHASHSEED)")
+    kv_events_data_parallel_rank: int = _opt(0, "data_parallel_rank written into every KV event batch: the "
+                                             "vLLM data-parallel rank of the one engine this daemon serves (routers "
+                                             "such as Dynamo's key workers by it)")
     kv_events_presence: bool = _opt(False, "KV events say only whether a block is on this daemon (device or "
                                     "host): stored when it first is, removed when on neither, with no medium "
                                     "and no storage blocks, for routers that ignore medium (Dynamo's)")

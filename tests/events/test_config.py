@@ -13,10 +13,11 @@ def test_from_daemon_maps_the_proposed_fields():
         kv_events_endpoint="tcp://*:5557", kv_events_replay_endpoint="tcp://*:5558",
         kv_events_topic="kv@pod-3@{namespace}", kv_events_queue_size=5, kv_events_replay_size=6,
         kv_events_replay_bytes=9, kv_events_hwm=7, kv_events_subscriber_buffer=8, kv_events_hash_seed="fleet-seed",
-        kv_events_presence=True)
+        kv_events_presence=True, kv_events_data_parallel_rank=3)
     c = EventsConfig.from_daemon(daemon)
     assert (c.endpoint, c.replay_endpoint, c.queue_size, c.ring_size, c.ring_bytes, c.hwm, c.subscriber_buffer,
-            c.hash_seed, c.presence) == ("tcp://*:5557", "tcp://*:5558", 5, 6, 9, 7, 8, "fleet-seed", True)
+            c.hash_seed, c.presence, c.data_parallel_rank) == ("tcp://*:5557", "tcp://*:5558", 5, 6, 9, 7, 8,
+                                                               "fleet-seed", True, 3)
     assert c.topic_for("llama/tp0") == b"kv@pod-3@llama/tp0"
 
 
@@ -27,6 +28,7 @@ def test_from_daemon_maps_the_proposed_fields():
     ({"replay_endpoint": "tcp://*:5558"}, "needs --kv-events-endpoint"),
     ({"endpoint": "localhost:5557"}, "ZMQ address"),
     ({"topic": "kv-events"}, "must contain {namespace}: namespaces sharing one topic would mix"),
+    ({"data_parallel_rank": -1}, "--kv-events-data-parallel-rank must be >= 0"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

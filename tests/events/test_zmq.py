@@ -122,7 +122,8 @@ def test_disconnect_mid_run_then_replay_has_no_gap_and_no_duplicate(ctx):
 
 def test_topic_and_seq_frames_are_vllm_framing(ctx):
     pub, rep = ipc_endpoints("frames")
-    hub = EventHub(EventsConfig(endpoint=pub, replay_endpoint=rep, topic="kv@node-1@{namespace}"))
+    hub = EventHub(EventsConfig(endpoint=pub, replay_endpoint=rep, topic="kv@node-1@{namespace}",
+                                data_parallel_rank=2))
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(rep)
     try:
@@ -140,6 +141,7 @@ def test_topic_and_seq_frames_are_vllm_framing(ctx):
         assert decode_batch(frames[1][3]).events == [AllBlocksCleared()]  # the namespace's first batch
         event = decode_batch(frames[2][3]).events[0]
         assert event.medium == "CPU" and event.block_hashes == block_hashes(list(range(PAGE)), PAGE)
+        assert {decode_batch(f[3]).data_parallel_rank for f in frames[:3]} == {2}  # --kv-events-data-parallel-rank
     finally:
         dealer.close(0)
         hub.close()

@@ -36,6 +36,8 @@ class EventsConfig:
         if "{namespace}" not in self.topic:
             raise ValueError(f"--kv-events-topic {self.topic!r} must contain {{namespace}}: namespaces "
                              "sharing one topic would mix their blocks, and dropping one would clear the others'")
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"--kv-events-data-parallel-rank must be >= 0, got {self.data_parallel_rank}")
         if self.replay_endpoint and not self.endpoint:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         for name in ("endpoint", "replay_endpoint"):
@@ -61,4 +63,5 @@ class EventsConfig:
             subscriber_buffer=config.kv_events_subscriber_buffer,
             hash_seed=config.kv_events_hash_seed,
             presence=config.kv_events_presence,
+            data_parallel_rank=config.kv_events_data_parallel_rank,
         )
