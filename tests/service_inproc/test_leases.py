@@ -156,3 +156,19 @@ def test_a_load_back_copies_the_bytes_and_is_acked_once():
             assert (await e.match(p)).result.device_tokens == 8
             await e.close()
     run(scenario())
+
+
+def test_room_a_call_holds_while_it_waits_counts_against_the_lease_limit():
+    """An Insert with `lease` checks --max-leases-per-session, waits for copies, then
+    takes its lease: concurrent Inserts of one session all passed the check while the
+    first waited, and took the session past its limit."""
+    from radixkv_server.service.sessions import SessionRegistry
+
+    s = SessionRegistry(max_leases=2).new(namespace=None, engine="e")
+    s.add_lease(7)
+    with s.lease_room(1):  # one Insert waits for a copy before it takes its lease
+        with pytest.raises(ServiceError, match="holds 1 leases and this call would take 1 more"):
+            s.check_lease_room(1)  # a second one is refused meanwhile
+    s.check_lease_room(1)  # the first ended: its room is the session's again
+    with s.lease_room(-1):  # an Insert that releases one lease and takes one holds no room
+        s.check_lease_room(1)

@@ -96,36 +96,36 @@ class EngineNamespace:
         way). `async_`: answer at once with the transfer to acknowledge; otherwise answer
         once copied (UNAVAILABLE if the copy failed)."""
         self._require(session, ENGINE, "Insert")
-        session.check_lease_room(int(request.lease) - int(bool(request.release_lease)))
-        if request.release_lease:
-            session.check_lease(request.release_lease)
-        self._check_pages(session, request.device_pages, "Insert")
-        saved = self.tier.save(request.tokens, request.device_pages, request.extra_key,
-                               owner=session.id, rank=session.rank)
-        tid = saved.transfer
-        locked = False  # the saved path, kept from eviction while this call waits for the copy
-        if tid and request.async_:
-            session.answered(tid)
-        elif tid:
-            self.cache.lock(saved.node)
-            locked = True
-            try:
-                await self._finish_copied(tid, session, "Insert: the copy from the engine's pages failed")
-                session.check_open()  # a session that closed meanwhile released its leases and takes none
-            except BaseException:
+        with session.lease_room(int(request.lease) - int(bool(request.release_lease))):  # across the copy's wait
+            if request.release_lease:
+                session.check_lease(request.release_lease)
+            self._check_pages(session, request.device_pages, "Insert")
+            saved = self.tier.save(request.tokens, request.device_pages, request.extra_key,
+                                   owner=session.id, rank=session.rank)
+            tid = saved.transfer
+            locked = False  # the saved path, kept from eviction while this call waits for the copy
+            if tid and request.async_:
+                session.answered(tid)
+            elif tid:
+                self.cache.lock(saved.node)
+                locked = True
+                try:
+                    await self._finish_copied(tid, session, "Insert: the copy from the engine's pages failed")
+                    session.check_open()  # a session that closed meanwhile released its leases and takes none
+                except BaseException:
+                    self.cache.unlock(saved.node)
+                    raise
+                tid = 0
+            if request.release_lease:  # released or expired meanwhile: nothing left to release
+                for node in session.pop_held([request.release_lease]):
+                    self.cache.unlock(node)
+            stored = self.cache.node(saved.node).parent is not None  # the root: no host room for any of it
+            lease = 0
+            if request.lease and stored:  # the lock taken for the wait becomes the lease
+                lease = session.add_lease(saved.node) if locked else self.core.lease(session, saved.node)
+            elif locked:
                 self.cache.unlock(saved.node)
-                raise
-            tid = 0
-        if request.release_lease:  # released or expired meanwhile: nothing left to release
-            for node in session.pop_held([request.release_lease]):
-                self.cache.unlock(node)
-        stored = self.cache.node(saved.node).parent is not None  # the root: no host room for any of it
-        lease = 0
-        if request.lease and stored:  # the lock taken for the wait becomes the lease
-            lease = session.add_lease(saved.node) if locked else self.core.lease(session, saved.node)
-        elif locked:
-            self.cache.unlock(saved.node)
-        return InsertAnswer(InsertResult(saved.cached_tokens, b"", saved.node), lease, transfer=tid)
+            return InsertAnswer(InsertResult(saved.cached_tokens, b"", saved.node), lease, transfer=tid)
 
     async def load_back(self, session: Session, node: int, device_pages: bytes, lease: int = 0,
                         start_page: int = 0, wait: bool = False) -> LoadBackAnswer:

@@ -105,17 +105,17 @@ class Namespace:
         release `release_lease` and take a lease if asked. NOT_FOUND for a lease the
         session does not hold, checked before anything changes."""
         self._check_caller(session, "Insert")
-        session.check_lease_room(int(request.lease) - int(bool(request.release_lease)))
 
         def attempt():
             if request.release_lease:
                 session.check_lease(request.release_lease)
             return self.cache.insert(request.tokens, request.device_pages, request.extra_key, request.chunked)
 
-        result = await self.core.until_copied(attempt, session)
-        if request.release_lease:
-            self.cache.unlock(session.pop_lease(request.release_lease))
-        return InsertAnswer(result, self.core.lease(session, result.node) if request.lease else 0)
+        with session.lease_room(int(request.lease) - int(bool(request.release_lease))):  # across the wait
+            result = await self.core.until_copied(attempt, session)
+            if request.release_lease:
+                self.cache.unlock(session.pop_lease(request.release_lease))
+            return InsertAnswer(result, self.core.lease(session, result.node) if request.lease else 0)
 
     async def load_back(self, session: Session, node: int, device_pages: bytes, lease: int = 0,
                         start_page: int = 0, wait: bool = False) -> LoadBackAnswer:

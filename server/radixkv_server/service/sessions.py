@@ -9,6 +9,7 @@ it held outlives it.
 """
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import time
@@ -48,6 +49,7 @@ class Session:
     device_pages: int = 0
     owner: bytes = b""  # sha256 of the token that registered it (b"": no token file)
     max_leases: int = 100_000  # leases it may hold at once (--max-leases-per-session)
+    lease_room_held: int = 0  # leases its calls in flight will take (`lease_room`)
     waiting_for_ranks: bool = False  # its Register waits for its group (rank_registration.wait_for_ranks)
     # Expired transfers the daemon finished: transfer -> expiry.ExpiredTransfer, for the
     # late ack. `ack_stream`: the session's open AckStream (acks.py), told at once of
@@ -80,12 +82,25 @@ class Session:
     # -- leases ---------------------------------------------------------------------------
 
     def check_lease_room(self, more: int) -> None:
-        """RESOURCE_EXHAUSTED when `more` leases would take this session past its limit;
-        called before a call takes any, so none is taken that its caller never learns of."""
-        if more > 0 and len(self.leases) + more > self.max_leases:
+        """RESOURCE_EXHAUSTED when `more` leases would take this session past its limit
+        (counting those its calls in flight hold room for: `lease_room`); called before a
+        call takes any, so none is taken that its caller never learns of."""
+        if more > 0 and len(self.leases) + self.lease_room_held + more > self.max_leases:
             raise exhausted(f"session {self.id[:8]} holds {len(self.leases)} leases and this call would take "
                             f"{more} more, past --max-leases-per-session {self.max_leases}: release the leases of "
                             "requests that are done (each pins its pages against eviction)")
+
+    @contextlib.contextmanager
+    def lease_room(self, more: int):
+        """`check_lease_room`, then hold room for `more` leases while the call waits
+        before taking them (concurrent calls of the session would all pass the check)."""
+        self.check_lease_room(more)
+        held = max(more, 0)
+        self.lease_room_held += held
+        try:
+            yield
+        finally:
+            self.lease_room_held -= held
 
     def add_lease(self, node_id: int) -> int:
         """Record a lease on `node_id` (which the caller locked); returns its id."""
