@@ -30,13 +30,20 @@ def _missing(target: str, namespace: str) -> list[int] | None:
     return list(found[0].ranks_missing) if found else None
 
 
+def _rank_zero_waits(pool: ThreadPoolExecutor, target: str, engine: RankedEngine):
+    """Rank 0's Register, waiting for its group in `pool`, once the daemon has it in."""
+    waiting = pool.submit(engine.register, target, "llama", ranks=[0], wait_for_ranks=WAIT_S)
+    missing = list(range(1, engine.tp_size))
+    wait_for(lambda: _missing(target, "llama") == missing, DEADLINE_S, "rank 0 to join and wait")
+    return waiting
+
+
 def test_a_waiting_rank_is_answered_once_every_rank_is_in_and_its_calls_are_served(daemon_factory):
     d = daemon_factory()
     engine = RankedEngine(tp_size=3)
     with ThreadPoolExecutor(1) as pool:
         try:
-            waiting = pool.submit(engine.register, d.target, "llama", ranks=[0], wait_for_ranks=WAIT_S)
-            wait_for(lambda: _missing(d.target, "llama") == [1, 2], DEADLINE_S, "rank 0 to join and wait")
+            waiting = _rank_zero_waits(pool, d.target, engine)
             engine.register(d.target, "llama", ranks=[1])
             assert not waiting.done() and engine.ranks[1].registration.ranks_missing == (2,)
             engine.register(d.target, "llama", ranks=[2])
@@ -94,8 +101,7 @@ def test_a_group_that_ends_while_a_rank_waits_answers_it_unavailable(daemon_fact
     engine = RankedEngine(tp_size=3)
     with ThreadPoolExecutor(1) as pool:
         try:
-            waiting = pool.submit(engine.register, d.target, "llama", ranks=[0], wait_for_ranks=WAIT_S)
-            wait_for(lambda: _missing(d.target, "llama") == [1, 2], DEADLINE_S, "rank 0 to join and wait")
+            waiting = _rank_zero_waits(pool, d.target, engine)
             engine.register(d.target, "llama", ranks=[1])
             engine.ranks[1].client.close()  # rank 1's process went: its engine's ranks end
             with pytest.raises(errors.Unavailable, match="ranks went before all 3 were in"):
