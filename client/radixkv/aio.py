@@ -206,19 +206,19 @@ class AsyncClient(ClientBase):
         return await self._run(self._session.evict(num_pages, engine_event))
 
     async def stats(self, namespace: str = "") -> pb.StatsResponse:
-        return await self._run(self._session.stats(namespace))
+        return await self._run(self._session.operator("stats", namespace))
 
     async def inspect(self, namespace: str, max_nodes: int = 0) -> pb.InspectResponse:
-        return await self._run(self._session.inspect(namespace, max_nodes))
+        return await self._run(self._session.operator("inspect", namespace, max_nodes))
 
     async def check_invariants(self, namespace: str = "") -> list[Violation]:
-        return await self._run(self._session.check_invariants(namespace))
+        return await self._run(self._session.operator("check_invariants", namespace))
 
     async def drop_namespace(self, namespace: str, *, store: bool = False) -> pb.DropNamespaceResponse:
-        return await self._run(self._session.drop_namespace(namespace, store))
+        return await self._run(self._session.operator("drop_namespace", namespace, store))
 
     async def echo(self, payload: bytes = b"") -> bytes:
-        return await self._run(self._session.echo(payload))
+        return await self._run(self._session.operator("echo", payload))
 
     # -- the I/O -----------------------------------------------------------------------
 

@@ -284,25 +284,25 @@ class Client(ClientBase):
 
     def stats(self, namespace: str = "") -> pb.StatsResponse:
         """Counters and pool usage ("" : every namespace), as the daemon's message."""
-        return self._run(self._session.stats(namespace))
+        return self._run(self._session.operator("stats", namespace))
 
     def inspect(self, namespace: str, max_nodes: int = 0) -> pb.InspectResponse:
         """A summary of a namespace's tree with its first nodes, as the daemon's message."""
-        return self._run(self._session.inspect(namespace, max_nodes))
+        return self._run(self._session.operator("inspect", namespace, max_nodes))
 
     def check_invariants(self, namespace: str = "") -> list[Violation]:
         """Every violated invariant ("" : every namespace); empty when sound."""
-        return self._run(self._session.check_invariants(namespace))
+        return self._run(self._session.operator("check_invariants", namespace))
 
     def drop_namespace(self, namespace: str, *, store: bool = False) -> pb.DropNamespaceResponse:
         """Forget a namespace no engine is attached to (its host pool freed; storage
         keeps its pages), storing its host copies storage lacks first with `store`.
         FailedPrecondition while a session is attached, NotFound for an unknown name."""
-        return self._run(self._session.drop_namespace(namespace, store))
+        return self._run(self._session.operator("drop_namespace", namespace, store))
 
     def echo(self, payload: bytes = b"") -> bytes:
         """The payload back: one RPC's floor cost."""
-        return self._run(self._session.echo(payload))
+        return self._run(self._session.operator("echo", payload))
 
     # -- the I/O -----------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import grpc
 from radixkv.v1 import radixkv_pb2 as pb
 
 from . import messages as msg
+from . import operator_plans
 from .channel import DEFAULT_TARGET, wait_serving
 from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, NotFound, PermissionDenied, RadixKVError,
                      SessionLost, Unauthenticated, Unavailable, Unimplemented)
@@ -33,8 +34,7 @@ from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
 from .reconnect import Backoff, Recovery, lost_message
 from .streaming import RECHECK_PAUSE_S, STREAM_METHODS, check_served
-from .types import (EvictResult, InsertResult, LoadBackResult, MatchResult, PrefetchProgress,
-                    Registration, Violation)
+from .types import EvictResult, InsertResult, LoadBackResult, MatchResult, PrefetchProgress, Registration
 
 SERVICE = "radixkv.v1.RadixKV"
 PROBE_TIMEOUT = 2.0  # seconds: is the session still alive after a failed call?
@@ -250,21 +250,10 @@ class Session:
 
     # -- operators ---------------------------------------------------------------------
 
-    def stats(self, namespace: str) -> Plan[pb.StatsResponse]:
-        return (yield from self._call("Stats", pb.StatsRequest(namespace=namespace)))
-
-    def inspect(self, namespace: str, max_nodes: int) -> Plan[pb.InspectResponse]:
-        return (yield from self._call("Inspect", pb.InspectRequest(namespace=namespace, max_nodes=max_nodes)))
-
-    def check_invariants(self, namespace: str) -> Plan[list[Violation]]:
-        resp = yield from self._call("CheckInvariants", pb.CheckInvariantsRequest(namespace=namespace))
-        return [Violation(v.namespace, v.message) for v in resp.violations]
-
-    def drop_namespace(self, namespace: str, store: bool) -> Plan[pb.DropNamespaceResponse]:
-        return (yield from self._call("DropNamespace", pb.DropNamespaceRequest(namespace=namespace, store=store)))
-
-    def echo(self, payload: bytes) -> Plan[bytes]:
-        return (yield from self._call("Echo", pb.EchoRequest(payload=payload))).payload
+    def operator(self, name: str, *args) -> Plan[Any]:
+        """An operator's call, `radixkv.operator_plans.<name>(*args)`, on this session's
+        call path (a lost session is recovered first, as for any call)."""
+        return (yield from getattr(operator_plans, name)(self._call, *args))
 
     # -- one call, and a lost session --------------------------------------------------
 
@@ -327,7 +316,7 @@ class Session:
         once its copies are over), registers again and raises SessionLost. Its streams
         stay until that Close is answered: failing the calls and acks in flight here would
         tell their callers nothing more is read or written while the daemon may still do
-        it. Without recovery nothing changes: close() before reusing the call's pages."""
+        it. Without recovery, later calls are refused (`ended`) until close()."""
         if self.closed or self.registration is None:
             return
         if self._recovery is None:  # no recovery: nothing more goes out on this session
