@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from radixkv.v1 import radixkv_pb2 as pb
+from radixkv.v1 import radixkv_pb2_grpc
 
 from . import messages as msg
 from .acks import DEFAULT_OUTCOME_CACHE, AckLedger, end_reason
 from .base import ORPHAN_WAIT_S, ClientBase, register_timed_out
 from .channel import open_aio_channel
-from .errors import DeadlineExceeded, RadixKVError, SessionLost, from_rpc_error
+from .errors import DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, from_rpc_error
 from .layout import KvLayout
 from .plans import Plan, PlanRun, Rpc, Sleep
 from .session import SERVICE
@@ -157,8 +158,12 @@ class AsyncClient(ClientBase):
 
     async def close(self) -> None:
         """End the session (Close, then the ack stream; see `Client.close`) and the
-        channel. Idempotent."""
+        channel. Idempotent. On another event loop than its own (closed by now, as after
+        a second `asyncio.run`) it only drops its streams: the daemon then closes the session."""
         if self._session.closed:
+            return
+        if self._loop[0] is not None and self._loop[0] is not asyncio.get_running_loop():
+            await self._close_from_another_loop()
             return
         try:
             await self._wait_orphans()
@@ -223,7 +228,9 @@ class AsyncClient(ClientBase):
     # -- the I/O -----------------------------------------------------------------------
 
     async def _run(self, plan: Plan):
-        """Run a plan on this channel: each step is awaited here."""
+        """Run a plan on this channel: each step is awaited here. FailedPrecondition on
+        another event loop than the one the client was first used on."""
+        self._check_loop()
         run = PlanRun(plan)
         try:
             while (step := run.next()) is not None:
@@ -238,6 +245,30 @@ class AsyncClient(ClientBase):
         finally:
             run.close()
         return run.result
+
+    async def _close_from_another_loop(self) -> None:
+        """Close the session over a channel of this loop (its own channel and streams are
+        another loop's, which may be closed); never raises."""
+        registration = self._session.registration
+        self._session.drop("the client was closed from another event loop than its own")
+        if registration is None:
+            return
+        channel = self._channel_opener(*self._channel_args)
+        try:
+            await radixkv_pb2_grpc.RadixKVStub(channel).Close(pb.CloseRequest(session=registration.session),
+                                                              timeout=self.timeout)
+        except grpc.RpcError:
+            pass  # the daemon is gone or does not answer: its session ends with it, or by --idle-session-timeout
+        finally:
+            await channel.close()
+
+    def _check_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop[0] is None:
+            self._loop[0] = loop
+        elif self._loop[0] is not loop:
+            raise FailedPrecondition("this AsyncClient belongs to the event loop it was first used on (its channel "
+                                     "and streams are that loop's); make an AsyncClient per event loop")
 
     async def _perform(self, step: Rpc | Sleep):
         if isinstance(step, Sleep):

@@ -51,7 +51,8 @@ class ClientBase:
                  stream: bool = False):
         self.target = target = resolve_target(target)
         channel_options = msg.channel_options(max_message_bytes, options)
-        self._channel = self._channel_opener(target, channel_options, tls, token)
+        self._channel_args = (target, channel_options, tls, token)
+        self._channel = self._channel_opener(*self._channel_args)
         self._stub = radixkv_pb2_grpc.RadixKVStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._outcome_cache = outcome_cache
@@ -63,8 +64,9 @@ class ClientBase:
                                 open_calls=_weakly(self._open_calls) if stream else None)
         if self._ends_when_dropped:  # not at interpreter exit: the process ending ends the session
             weakref.finalize(self, _dropped, self._session, self._channel).atexit = False
-        else:  # asyncio: its streams and channel are the loop's
-            weakref.finalize(self, _dropped_on_loop, self._session, self._channel, _running_loop()).atexit = False
+        else:  # asyncio: its streams and channel are the loop's (the first it is used on: `_loop`)
+            self._loop = [_running_loop()]
+            weakref.finalize(self, _dropped_on_loop, self._session, self._channel, self._loop).atexit = False
 
     @property
     def timeout(self) -> float | None:
@@ -125,9 +127,11 @@ def _dropped(session: Session, channel) -> None:
         channel.close()
 
 
-def _dropped_on_loop(session: Session, channel, loop) -> None:
-    """An AsyncClient collected without `close`: as `_dropped`, on the loop it was made on
-    while that loop runs (a dropped one kept its session, so the namespace stayed taken)."""
+def _dropped_on_loop(session: Session, channel, loop_box: list) -> None:
+    """An AsyncClient collected without `close`: as `_dropped`, on its loop while that
+    loop runs (a dropped one kept its session, so the namespace stayed taken)."""
+    loop = loop_box[0]
+
     def drop() -> None:
         if not session.closed:
             session.drop("the client was garbage-collected without close()")

@@ -339,6 +339,33 @@ def test_an_async_client_dropped_without_close_ends_its_session(daemon):
         buffers.close()
 
 
+def test_an_async_client_used_on_another_event_loop_says_so_and_closes_without_raising(daemon):
+    """An AsyncClient's channel and streams belong to the loop it was first used on: used
+    in a second `asyncio.run`, its calls raised raw RuntimeErrors ("Event loop is
+    closed"), and so did the `close()` documented never to raise."""
+    from radixkv.kvbuffers import ShmKvBuffers
+    from tests.support.daemon import wait_for
+    buffers = ShmKvBuffers.create(LAYOUT, 16)
+
+    async def first() -> AsyncClient:
+        c = AsyncClient(daemon, timeout=10)
+        await c.register("loops/ns", LAYOUT, buffers.specs(), 16, host_pool_pages=16)
+        return c
+
+    async def second(c: AsyncClient) -> None:
+        with pytest.raises(errors.FailedPrecondition, match="belongs to the event loop it was first used on"):
+            await c.match([pack(range(4))])
+        await c.close()
+
+    try:
+        c = asyncio.run(first())
+        asyncio.run(second(c))
+        with Client(daemon, timeout=10) as operator:  # its streams ended: the daemon closed the session
+            wait_for(lambda: operator.stats("loops/ns").sessions == 0, 10, "the session closed")
+    finally:
+        buffers.close()
+
+
 @pytest.mark.parametrize("replace", [False, True], ids=["after-close", "replacing"])
 def test_a_restarted_engine_is_told_what_left_with_the_old_ones_device_pages(daemon, replace):
     """Write-back: 8 tokens on the device only, 8 more with a host copy. The next
