@@ -28,9 +28,10 @@ from radixkv.v1 import radixkv_pb2 as pb
 from . import messages as msg
 from . import operator_plans
 from .channel import DEFAULT_TARGET, wait_serving
-from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, NotFound, PermissionDenied, RadixKVError,
-                     SessionLost, Unauthenticated, Unavailable, Unimplemented)
+from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
+                     Unavailable, Unimplemented)
 from .layout import KvLayout
+from .leases import release_leases
 from .plans import Plan, PlanRun, Rpc, Sleep
 from .reconnect import Backoff, Recovery, lost_message
 from .streaming import RECHECK_PAUSE_S, STREAM_METHODS, check_served
@@ -223,26 +224,7 @@ class Session:
         return result
 
     def release(self, leases: Iterable[int]) -> Plan[None]:
-        """A batch refused whole for a lease no session holds or another's holds is sent
-        again a lease a call: the others are released, the refusal raised (`leases`: the
-        ids refused)."""
-        req = msg.release_request(self.id, leases)
-        try:
-            if req.leases:
-                yield from self._call("Release", req)
-            return
-        except (NotFound, PermissionDenied) as err:
-            refused = err
-        refused.leases = tuple(req.leases)
-        if len(req.leases) > 1:
-            refused.leases = ()
-            for lease in req.leases:
-                try:
-                    yield from self._call("Release", msg.release_request(self.id, [lease]))
-                except (NotFound, PermissionDenied):
-                    refused.leases += (lease,)
-        if refused.leases:  # else the stale lease went meanwhile (expired): every lease is released
-            raise refused
+        return (yield from release_leases(self._call, self.id, leases))
 
     def evict(self, num_pages: int, engine_event=None) -> Plan[EvictResult]:
         req = msg.evict_request(self.id, num_pages, engine_event)

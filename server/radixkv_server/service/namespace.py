@@ -35,8 +35,7 @@ FAILING_ROOM_WAIT_S = 0.05  # its wait for stores while storage writes fail
 
 
 class Namespace:
-    """`config`, `host_pool`, `cache` (the core) and `copies` are its core's, read by
-    operators (Stats, metrics)."""
+    """`config`, `host_pool`, `cache` (the core) and `copies`: its core's (Stats, metrics)."""
 
     engine_managed = False
 
@@ -77,8 +76,7 @@ class Namespace:
         return cls(config, pool, device, num_device_pages=num_device_pages, metrics=metrics, storage=storage)
 
     def _check_caller(self, session: Session, what: str) -> None:
-        """A tensor-parallel namespace takes tree calls from its complete group's rank 0
-        only (`RankGroup.check_driver`); any session otherwise."""
+        """Of a tensor-parallel namespace, only its complete group's rank 0 calls (`RankGroup.check_driver`)."""
         if self.group is not None:
             self.group.check_driver(session, what)
 
@@ -298,7 +296,7 @@ class Namespace:
         self._swapping += 1
         try:
             await self.detach()
-        finally:
+        finally:  # (check_invariants allows a group's buffers half detached meanwhile)
             self._swapping -= 1
 
     def partners(self, session: Session) -> list[Session]:
