@@ -100,7 +100,9 @@ class Registration:
     `idle_session_timeout_s` (a session that never opened a stream), the daemon's
     timeouts (0: off, or a daemon too old to say); `ranks_missing`, a tensor-parallel
     managed-device rank's: the ranks of its group not registered yet when the daemon
-    answered (empty: rank 0's calls are served; see `wait_for_ranks`)."""
+    answered (empty: rank 0's calls are served; see `wait_for_ranks`);
+    `max_message_bytes` and `max_leases_per_session`, the daemon's limits (0: a daemon
+    too old to say)."""
 
     session: str
     daemon_instance: str
@@ -115,13 +117,15 @@ class Registration:
     ack_timeout_s: float = 0.0
     idle_session_timeout_s: float = 0.0
     ranks_missing: tuple[int, ...] = ()
+    max_message_bytes: int = 0
+    max_leases_per_session: int = 0
 
     @classmethod
     def from_pb(cls, m: pb.RegisterResponse) -> "Registration":
         return cls(m.session, m.daemon_instance, m.host_pool_pages, m.write_policy, m.warm,
                    m.dropped_device_tokens, m.storage, m.device_uuid, m.max_prompts_per_match,
                    m.lease_timeout_ms / 1000, m.ack_timeout_ms / 1000, m.idle_session_timeout_ms / 1000,
-                   tuple(m.ranks_missing))
+                   tuple(m.ranks_missing), m.max_message_bytes, m.max_leases_per_session)
 
 
 @dataclass(frozen=True, slots=True)

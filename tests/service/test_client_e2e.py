@@ -125,6 +125,23 @@ def test_a_release_refused_for_one_lease_still_releases_the_others(engine):
     assert sorted(evict_all(c, 3)) == [0, 1, 2]  # nothing pins them any more
 
 
+def test_a_raw_release_naming_lease_0_releases_the_others(engine):
+    """A miss's Match answer names lease 0 even with `lease`: an engine releasing every
+    answer's lease in one batch sent it, the daemon refused the batch whole (NOT_FOUND),
+    and the real leases went on pinning their pages. 0 is no lease: ignored (found by a
+    review from the seat of an engine written against the proto alone)."""
+    c, kv = engine.client, engine.kv
+    tokens = pack(range(100, 104))
+    kv.write([0], page_keys(tokens, 4))
+    c.insert(tokens, [0])
+    hit, miss = c.match([tokens, pack([9, 9, 9, 9])], lease=True)
+    assert hit.lease and miss.lease == 0
+    with grpc.insecure_channel(c.target) as channel:
+        radixkv_pb2_grpc.RadixKVStub(channel).Release(
+            pb.ReleaseRequest(session=c.session, leases=[miss.lease, hit.lease]), timeout=10)
+    assert [ns.leases for ns in c.stats().namespaces] == [0]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_sim_runs_clean_under_each_write_policy(daemon, policy):
     common = dict(target=daemon, write_policy=policy, device_pages=96, host_pages=240, page_size=4,
@@ -308,10 +325,12 @@ def test_a_session_that_never_releases_its_leases_is_told_at_its_limit(daemon_fa
     release them once shrank the device pool, and a hostile one grew the daemon until it
     was OOM-killed. Past --max-leases-per-session a leasing call is refused whole, and
     releasing makes room again."""
-    d = daemon_factory("--max-leases-per-session", "3")
+    d = daemon_factory("--max-leases-per-session", "3", "--max-message-size", "8MiB")
     engine = Engine(d.target, "leases/ns")
     try:
         c = engine.client
+        # Register says both limits (an engine without this client sizes its channel by one)
+        assert (c.registration.max_leases_per_session, c.registration.max_message_bytes) == (3, 8 * 1024**2)
         prompts = [pack(range(100 * i, 100 * i + 4)) for i in range(4)]
         for page, tokens in enumerate(prompts):
             engine.kv.write([page], page_keys(tokens, 4))

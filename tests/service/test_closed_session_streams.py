@@ -132,6 +132,25 @@ def test_raw_streams_end_failed_precondition_when_replaced_and_ok_after_a_close(
         new.close()
 
 
+def test_a_raw_stream_ends_aborted_when_its_session_ends_for_another_reason(daemon, buffers, stub):
+    """FAILED_PRECONDITION says "replaced: do not take the namespace back"; a session the
+    daemon closed because its engine's other stream ended (or a rank of its group, or
+    idleness) ended its streams so too, and an engine following the proto stopped using
+    the cache. It is ABORTED now: register again (found by a review from the seat of an
+    engine written against the proto alone)."""
+    done, calls_done = threading.Event(), threading.Event()
+    try:
+        session, acks, calls = open_streams(stub, buffers[0], done, calls_done)
+        calls_done.set()  # the Session stream half-closes: the daemon closes the session
+        assert list(calls) == []
+        with pytest.raises(grpc.RpcError) as ended:
+            list(acks)
+        assert ended.value.code() == grpc.StatusCode.ABORTED, ended.value
+        assert f"session {session} was closed: session stream ended" in ended.value.details()
+    finally:
+        done.set()
+
+
 def test_raw_streams_end_unavailable_when_the_daemon_shuts_down(daemon_factory, buffers):
     """As the proto says: an engine can tell a shutdown (register with its successor)
     from a Close (the Acks stream ended OK, as after a Close, before)."""
@@ -151,9 +170,10 @@ def test_raw_streams_end_unavailable_when_the_daemon_shuts_down(daemon_factory, 
         channel.close()
 
 
-def open_streams(stub, buffers, done: threading.Event):
+def open_streams(stub, buffers, done: threading.Event, calls_done: threading.Event | None = None):
     """(session, Acks call, Session call): a session registered through the raw stub, both
-    its streams bound (each answered once) and held open until `done`."""
+    its streams bound (each answered once) and held open until `done` (the Session
+    stream until `calls_done`, when given)."""
     layout = pb.KvLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads,
                          head_dim=LAYOUT.head_dim, dtype=LAYOUT.dtype, page_size=LAYOUT.page_size)
     reply = stub.Register(pb.RegisterRequest(
@@ -165,7 +185,7 @@ def open_streams(stub, buffers, done: threading.Event):
     acks = stub.Acks(held_open([pb.AckRequest(session=session), unknown], done), timeout=10)
     assert next(acks).code == grpc.StatusCode.NOT_FOUND.value[0]  # the Acks stream is bound now
     match = pb.MatchRequest(session=session, prompts=[pb.Prompt(tokens=b"\0" * 64)])
-    calls = stub.Session(held_open([pb.SessionRequest(id=1, match=match)], done), timeout=10)
+    calls = stub.Session(held_open([pb.SessionRequest(id=1, match=match)], calls_done or done), timeout=10)
     assert next(calls).id == 1  # and so is the Session stream
     return session, acks, calls
 

@@ -51,7 +51,7 @@ def test_a_stream_ended_by_its_sessions_close_is_freed_without_the_collector(kin
                 await until(lambda: stream.session is not None, "the stream bound by its first request")
                 alive = weakref.ref(stream)
                 del stream
-                await daemon.close_session(e.session, "replaced by another engine")
+                await daemon.close_session(e.session, "replaced by another engine", replaced=True)
                 code = None
                 try:
                     await call

@@ -92,7 +92,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: _Optional[bool] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_tier: _Optional[_Union[DeviceTier, str]] = ..., role: _Optional[_Union[SessionRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., instance: _Optional[str] = ..., wait_for_ranks_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session", "host_pool_pages", "write_policy", "warm", "dropped_device_tokens", "daemon_instance", "storage", "max_prompts_per_match", "lease_timeout_ms", "ack_timeout_ms", "idle_session_timeout_ms", "ranks_missing", "device_uuid")
+    __slots__ = ("session", "host_pool_pages", "write_policy", "warm", "dropped_device_tokens", "daemon_instance", "storage", "max_prompts_per_match", "lease_timeout_ms", "ack_timeout_ms", "idle_session_timeout_ms", "ranks_missing", "max_message_bytes", "max_leases_per_session", "device_uuid")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_PAGES_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class RegisterResponse(_message.Message):
     ACK_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SESSION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASES_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     session: str
     host_pool_pages: int
@@ -118,8 +120,10 @@ class RegisterResponse(_message.Message):
     ack_timeout_ms: int
     idle_session_timeout_ms: int
     ranks_missing: _containers.RepeatedScalarFieldContainer[int]
+    max_message_bytes: int
+    max_leases_per_session: int
     device_uuid: str
-    def __init__(self, session: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., warm: _Optional[bool] = ..., dropped_device_tokens: _Optional[int] = ..., daemon_instance: _Optional[str] = ..., storage: _Optional[str] = ..., max_prompts_per_match: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ..., idle_session_timeout_ms: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., warm: _Optional[bool] = ..., dropped_device_tokens: _Optional[int] = ..., daemon_instance: _Optional[str] = ..., storage: _Optional[str] = ..., max_prompts_per_match: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ..., idle_session_timeout_ms: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_leases_per_session: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session",)

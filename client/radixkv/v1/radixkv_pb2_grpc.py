@@ -173,9 +173,12 @@ class RadixKVServicer:
         dropped. With the daemon's ack_timeout set, a
         load-back left unacknowledged that long is finished by the daemon (as a close would)
         and a later ack of it answers NOT_FOUND. A session the daemon closes while the
-        stream is open ends it: FAILED_PRECONDITION "session ... was closed: <why>" when a
-        Register with replace_existing took its namespace, OK after a Close call; daemon
-        shutdown ends it with UNAVAILABLE (answers to acks already read are sent first).
+        stream is open ends it, with "session ... was closed: <why>": FAILED_PRECONDITION
+        when a Register with replace_existing took its place (or a rank's of its tensor-
+        parallel group: do not take the namespace back), OK after a Close call, ABORTED for
+        any other reason (its other stream ended, another rank of its group was closed, it
+        was idle too long: register again); daemon shutdown ends it with UNAVAILABLE
+        (answers to acks already read are sent first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,6 +189,7 @@ class RadixKVServicer:
         held longer is released by the daemon; releasing it then answers NOT_FOUND, and
         releasing another session's lease PERMISSION_DENIED. All or nothing: one such lease
         fails the call and releases none; the message names each: resend without them.
+        0 is no lease (a miss's Match answer, an Insert without one): ignored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -277,7 +281,8 @@ class RadixKVServicer:
         stream's; another session is PERMISSION_DENIED); one per session.
         When it ends, the session is closed, as with Acks. Bytes that do not parse end it
         with INVALID_ARGUMENT; daemon shutdown ends it with UNAVAILABLE; its session closed
-        by the daemon ends it as on Acks (FAILED_PRECONDITION when replaced, OK after a Close).
+        by the daemon ends it as on Acks (FAILED_PRECONDITION when replaced, OK after a
+        Close, ABORTED otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -62,11 +62,11 @@ class AckStream:
         file no longer holds is UNAUTHENTICATED at once, also on a stream opened before."""
         return self._grant()
 
-    def session_closed(self, reason: str, failed: bool = True) -> None:
+    def session_closed(self, reason: str, code: grpc.StatusCode | None) -> None:
         """The daemon closed this stream's session (`Daemon._end_session`): end the
-        stream once the acks in hand are answered, with FAILED_PRECONDITION saying
-        `reason` (`failed`), else with OK."""
-        self._closed.say(self.session.id, reason, failed)
+        stream once the acks in hand are answered, with `code` (`errors.session_end_code`)
+        saying `reason`, or OK for None."""
+        self._closed.say(self.session.id, reason, code)
 
     async def _told_to_end(self) -> None:
         """Returns once the daemon shuts down or closed the session."""

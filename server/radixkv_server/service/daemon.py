@@ -16,7 +16,7 @@ from ..config import DaemonConfig
 from ..core.errors import CacheError
 from ..logs import log_event
 from . import engine_registration, host_budget, rank_registration, registration
-from .errors import ServiceError, exhausted, not_found, precondition, unavailable
+from .errors import ServiceError, exhausted, not_found, precondition, REPLACED, session_end_code, unavailable
 from .expiry import Expiry
 from .idle_checks import IdleChecks
 from .namespace import Namespace
@@ -111,10 +111,10 @@ class Daemon:
             device = await registration.open_device(reg)  # before the live session goes: errors change nothing
             try:
                 if replacing and ns.session is not None:
-                    await self.close_session(ns.session, "replaced by a new registration")
+                    await self.close_session(ns.session, REPLACED, replaced=True)
                 if ns is None:
                     ns = self.add_namespace(await Namespace.open(
-                        ns_config, device, metrics=self.metrics, storage=self.storage))
+                        ns_config, device, metrics=self.metrics, storage=self.storage), reg)
                     warm, dropped = False, 0
                 else:
                     warm, dropped = True, await ns.attach(device)
@@ -185,10 +185,17 @@ class Daemon:
                                self.host_memory_limit, self._host_memory_source)
         return config
 
-    def add_namespace(self, ns):
-        """Enter a new namespace (managed or engine-managed) in the registry; its
-        residency changes are reported as KV events from now on (when they are on).
-        Returns `ns`."""
+    def add_namespace(self, ns, reg: registration.Registration):
+        """Enter the namespace `reg` created (managed or engine-managed) in the registry;
+        its residency changes are reported as KV events from now on (when they are on).
+        With storage on and no `model` in `reg`, a warning: its keys are salted by the
+        namespace's name, so every engine of that name on any daemon sharing the store
+        is served this one's KV, whatever weights it runs. Returns `ns`."""
+        if self.storage is not None and not reg.model:
+            log.warning("namespace %s registered without a model: its storage keys are salted by the namespace "
+                        "name, so any engine registering that name on a daemon sharing this store is served "
+                        "its KV, whatever its weights; pass model= (the weights' id, revision, quantization)",
+                        ns.name)
         self.namespaces[ns.name] = ns
         if self.metrics is not None:
             self.metrics.add_namespace(ns.name)
@@ -236,7 +243,8 @@ class Daemon:
         """The live session with this id; UNAUTHENTICATED saying why otherwise."""
         return self.sessions.get(session_id)
 
-    async def close_session(self, session: Session, reason: str, *, by_close: bool = False) -> None:
+    async def close_session(self, session: Session, reason: str, *, by_close: bool = False,
+                            replaced: bool = False) -> None:
         """End the session in its namespace (load-backs finished after their copies,
         leases released, device buffers closed) and forget it. The close is a task the
         daemon owns, run to its end whoever stops waiting (a Close past its deadline, a
@@ -245,10 +253,11 @@ class Daemon:
         a copy still wrote the engine's pages. Idempotent; concurrent calls wait for the
         first's task. Streams of the session still open end once it closed: with OK
         after a Close call (`by_close`: the engine's own, most likely, or an operator's;
-        either way the engine knows or can read that it was closed), else with
-        FAILED_PRECONDITION naming `reason`."""
+        either way the engine knows or can read that it was closed), FAILED_PRECONDITION
+        when another engine's Register took its place (`replaced`: the engine must not take
+        it back), else ABORTED naming `reason` (register again)."""
         if session.closer is None:
-            session.closer = self.run_in_background(self._end_session(session, reason, by_close))
+            session.closer = self.run_in_background(self._end_session(session, reason, by_close, replaced))
         await self.closed(session)
 
     @staticmethod
@@ -266,11 +275,12 @@ class Daemon:
                 with contextlib.suppress(Exception):  # a failed close was logged; the session is gone
                     await self.closed(session)
 
-    async def _end_session(self, session: Session, reason: str, by_close: bool = False) -> None:
+    async def _end_session(self, session: Session, reason: str, by_close: bool = False,
+                           replaced: bool = False) -> None:
         ns = session.namespace
         for other in ns.partners(session):  # the other ranks of a tensor-parallel engine end with it,
             self.close_in_background(other, f"rank {session.rank} of its engine's tensor-parallel group "
-                                            f"was closed ({reason})")  # closing from now: no call is taken
+                                            f"was closed ({reason})", replaced)  # closing from now: no call is taken
         try:
             await ns.end_session(session)
         except Exception as e:  # a bug: what it held may be held still (CheckInvariants says what)
@@ -283,14 +293,14 @@ class Daemon:
             self.sessions.forget(session, reason)
             for stream in (session.ack_stream, session.session_stream):  # still open: a replaced
                 if stream is not None and self.accepting:  # engine's, or a Close from another client
-                    stream.session_closed(reason, failed=not by_close)  # (a shutdown: its own status)
+                    stream.session_closed(reason, session_end_code(by_close, replaced))  # (a shutdown: its own)
         log_event(log, "session.closed", namespace=ns.name, session=session.id[:8], reason=reason)
 
-    def close_in_background(self, session: Session, reason: str) -> None:
+    def close_in_background(self, session: Session, reason: str, replaced: bool = False) -> None:
         """`close_session` without waiting; the session counts as closing at once (a
         stream opened meanwhile is refused, not bound to a session about to close)."""
         if session.closer is None:
-            session.closer = self.run_in_background(self._end_session(session, reason))
+            session.closer = self.run_in_background(self._end_session(session, reason, replaced=replaced))
 
     # -- operators ---------------------------------------------------------------------
 

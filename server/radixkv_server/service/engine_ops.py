@@ -43,7 +43,7 @@ async def load_back(daemon: Daemon, session: Session, request: pb.LoadBackReques
 
 async def release(daemon: Daemon, session: Session, request: pb.ReleaseRequest,
                   out: pb.ReleaseResponse | None = None) -> pb.ReleaseResponse:
-    session.namespace.release(session, list(request.leases))
+    session.namespace.release(session, [lease for lease in request.leases if lease])  # 0: no lease (a miss's)
     return pb.ReleaseResponse() if out is None else out
 
 

@@ -36,7 +36,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
         warm = ns is not None
         if ns is None:
             ns = daemon.add_namespace(await EngineNamespace.open(
-                config, metrics=daemon.metrics, storage=daemon.storage))
+                config, metrics=daemon.metrics, storage=daemon.storage), reg)
         session = daemon.sessions.new(ns, reg.engine, reg.owner)
         session.role, session.rank, session.instance = reg.role, reg.tp_rank, reg.instance
         session.device_pages = reg.num_device_pages

@@ -83,6 +83,19 @@ def unavailable(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
 
 
+REPLACED = "replaced by a new registration"  # why a session another engine's Register took the place of ended
+
+
+def session_end_code(by_close: bool, replaced: bool) -> grpc.StatusCode | None:
+    """The status a closed session's streams end with: OK (None) after a Close call,
+    FAILED_PRECONDITION when another engine's Register replaced it (or a rank of its
+    group: do not take the namespace back), ABORTED for any other reason (its other
+    stream ended, a rank of its group ended, it idled out: register again)."""
+    if by_close:
+        return None
+    return grpc.StatusCode.FAILED_PRECONDITION if replaced else grpc.StatusCode.ABORTED
+
+
 class SessionEnd:
     """A stream's word that the daemon closed its session (`Daemon._end_session`), said
     once: `event` is set, and `status` is what the stream ends with (None: OK), a new
@@ -91,21 +104,21 @@ class SessionEnd:
 
     def __init__(self):
         self.event = asyncio.Event()
-        self._failure: str | None = None
+        self._failure: tuple[grpc.StatusCode, str] | None = None
 
     def __bool__(self) -> bool:
         return self.event.is_set()
 
     @property
     def status(self) -> "ServiceError | None":
-        return None if self._failure is None else precondition(self._failure)
+        return None if self._failure is None else ServiceError(*self._failure)
 
-    def say(self, session_id: str, reason: str, failed: bool) -> bool:
-        """Record the close: FAILED_PRECONDITION saying `reason` when `failed`, else OK.
-        False when it was said already (the first word stands)."""
+    def say(self, session_id: str, reason: str, code: grpc.StatusCode | None) -> bool:
+        """Record the close: `code` (`session_end_code`) with a message saying `reason`,
+        or OK for None. False when it was said already (the first word stands)."""
         if self.event.is_set():
             return False
-        if failed:
-            self._failure = f"session {session_id} was closed: {reason}"
+        if code is not None:
+            self._failure = (code, f"session {session_id} was closed: {reason}")
         self.event.set()
         return True

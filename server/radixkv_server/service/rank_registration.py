@@ -14,7 +14,7 @@ import time
 
 from ..logs import log_event
 from . import registration
-from .errors import precondition, unavailable
+from .errors import REPLACED, precondition, unavailable
 from .namespace import Namespace
 from .sessions import Session
 
@@ -70,12 +70,12 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
         if not replaced:
             check_not_closing(daemon, reg.namespace)  # a rank's stream may have broken meanwhile
         for old in replaced:
-            await daemon.close_session(old, "replaced by a new registration")
+            await daemon.close_session(old, REPLACED, replaced=True)
         warm = ns is not None  # for the group's first rank: `RankGroup.warm` answers them all
         if ns is None:
             ns = daemon.add_namespace(await Namespace.open(
                 config, None, num_device_pages=reg.num_device_pages, metrics=daemon.metrics,
-                storage=daemon.storage))
+                storage=daemon.storage), reg)
     except BaseException:
         device.close()
         raise

@@ -65,10 +65,16 @@ class Registered:
     dropped_device_tokens: int
 
 
-def storage_salt(reg: Registration) -> bytes:
-    """The salt of the storage keys of the namespace `reg` creates or attaches to: its
-    host pages hold every rank's shard, so the rank count is part of it."""
-    return namespace_salt(reg.model_name, layout_fingerprint(reg.layout, reg.tp_size))
+def storage_salt(reg: Registration, geometry: tuple[int, int] | None = None) -> bytes:
+    """The salt of the storage keys of the namespace `reg` creates (`reg.layout` the host
+    page's: it holds every rank's shard, so the rank count is part of it). `geometry`, a
+    managed-device engine's `page_geometry` when it is not its layout's own split (K and
+    V of each layer apart), is part of it too: another split is another byte order in
+    the same host page, which the namespace's own check forgets with the namespace."""
+    fingerprint = layout_fingerprint(reg.layout, reg.tp_size)
+    if geometry is not None:
+        fingerprint += f":b{geometry[0]}x{geometry[1]}"
+    return namespace_salt(reg.model_name, fingerprint)
 
 
 def check_namespace_name(name: str) -> None:
@@ -180,7 +186,7 @@ def namespace_config(config: DaemonConfig, reg: Registration, storage_on: bool) 
     host = dataclasses.replace(reg, layout=host_layout(reg.layout, tp_size))
     return NamespaceConfig(
         name=reg.namespace, layout=reg.layout,
-        cache=cache_config(config, host, reg.write_policy or config.write_policy, storage_on),
+        cache=cache_config(config, host, reg.write_policy or config.write_policy, storage_on, salted_split(reg)),
         host_pages=host_pages(config, host), pin_device=pin_device(reg), prefault_host=config.host_pool_prefault,
         copy_workers=config.copy_workers, storage_workers=config.storage_workers,
         storage_queue_pages=config.storage_queue_pages, storage_lookup_timeout=config.storage_lookup_timeout,
@@ -201,14 +207,27 @@ def pin_device(reg: Registration) -> int | None:
         raise invalid(f"cannot open the engine's device buffers: {e}") from None
 
 
-def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_on: bool) -> CacheConfig:
+def salted_split(reg: Registration) -> tuple[int, int] | None:
+    """The page split the storage keys of the namespace `reg` creates are salted with: a
+    managed-device engine's buffers' `page_geometry` when it is not its layout's own (so
+    keys of the usual split stay as they were). None for an engine-managed namespace: a
+    SCHEDULER, which has no buffers, may create it, and its keys must not depend on which
+    session came first (its engines name their byte order in `model`)."""
+    geometry = None if reg.engine_managed else page_geometry(reg)
+    if geometry == (reg.layout.num_buffers, reg.layout.chunk_bytes):
+        return None
+    return geometry
+
+
+def cache_config(config: DaemonConfig, reg: Registration, policy: str, storage_on: bool,
+                 split: tuple[int, int] | None = None) -> CacheConfig:
     try:
         return CacheConfig(
             page_size=reg.layout.page_size, write_policy=policy,
             write_through_threshold=config.write_through_threshold,
             eviction_policy=config.eviction_policy,
             storage=config.storage_policy if storage_on else "off",
-            storage_salt=storage_salt(reg))
+            storage_salt=storage_salt(reg, split))
     except ValueError as e:
         raise invalid(str(e)) from None
 

@@ -140,7 +140,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             max_prompts_per_match=config.max_prompts_per_match, lease_timeout_ms=round(config.lease_timeout * 1000),
             ack_timeout_ms=round(config.ack_timeout * 1000),
             idle_session_timeout_ms=round(config.idle_session_timeout * 1000), device_uuid=ns.device_uuid(done.session),
-            ranks_missing=ns.group.missing() if ns.group is not None else [])
+            ranks_missing=ns.group.missing() if ns.group is not None else [],
+            max_message_bytes=config.max_message_size, max_leases_per_session=config.max_leases_per_session)
 
     @rpc
     async def Close(self, request, context):

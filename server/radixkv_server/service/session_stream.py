@@ -67,11 +67,11 @@ class SessionStream:
         file no longer holds is UNAUTHENTICATED at once, also on a stream opened before."""
         return self._grant()
 
-    def session_closed(self, reason: str, failed: bool = True) -> None:
+    def session_closed(self, reason: str, code: grpc.StatusCode | None) -> None:
         """The daemon closed this stream's session (`Daemon._end_session`): end the
-        stream once the call in hand is answered, with FAILED_PRECONDITION saying
-        `reason` (`failed`), else with OK."""
-        if self._closed.say(self.session.id, reason, failed):
+        stream once the call in hand is answered, with `code` (`errors.session_end_code`)
+        saying `reason`, or OK for None."""
+        if self._closed.say(self.session.id, reason, code):
             self._stop()
 
     def _stop(self) -> None:
