@@ -314,12 +314,27 @@ def test_url_options():
     ("mooncake://host:50051?protocol=udp", "protocol must be tcp or rdma"),
     ("mooncake://host:50051?segment=lots", "bad Mooncake option segment"),
     ("mooncake://host:50051?timeout=0", "timeout must be a positive"),
+    ("mooncake://host:50051?timeout=inf", "timeout must be a positive"),  # OverflowError at every call, before
     ("mooncake://host:50051?segment=4MiB", "at least 16MiB"),
     ("mooncake://host:50051?colour=blue", "unknown Mooncake option"),
 ])
 def test_bad_urls(url, message):
     with pytest.raises(ValueError, match=message):
         open_storage(url)
+
+
+@pytest.mark.parametrize("url, warned", [
+    ("mooncake://10.0.0.7:50051", True),  # lends the default segment as 127.0.0.1 to a remote master
+    ("mooncake://10.0.0.7:50051?hostname=10.0.0.9", False),
+    ("mooncake://10.0.0.7:50051?segment=0", False),  # lends none
+    ("mooncake://127.0.0.1:50051", False),  # one machine
+])
+def test_a_segment_lent_under_a_loopback_hostname_to_a_remote_master_is_warned_about(url, warned, caplog):
+    """Other nodes read a lent segment at its `hostname`: as 127.0.0.1 they read their own
+    machine, and the failures read as a dead owner (the store operators' review)."""
+    with caplog.at_level("WARNING", logger="radixkv.storage"):
+        open_storage(url).close()
+    assert ("storage.segment_unreachable" in caplog.text) == warned
 
 
 def test_a_metadata_url_with_credentials_is_never_shown():

@@ -183,10 +183,34 @@ def test_url_forms():
     b.close()
 
 
+def test_tls_and_connection_options_reach_the_cluster_client():
+    """A managed or TLS-only cluster (ElastiCache/MemoryDB, Valkey with tls-cluster) was
+    refused: no rediss+cluster scheme, no ssl options (the store operators' review)."""
+    b = open_storage("rediss+cluster://10.0.0.1:7000?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required"
+                     "&max_connections=8&client_name=radixkv-node1")
+    assert b.name == "rediss+cluster://10.0.0.1:7000" and b.kind == "redis+cluster"
+    options = b._options
+    assert (options["ssl"], options["ssl_ca_certs"], options["ssl_cert_reqs"]) == (True, "/etc/ca.pem", "required")
+    assert (options["max_connections"], options["client_name"]) == (8, "radixkv-node1")
+    b.close()
+
+
 @pytest.mark.parametrize("url, message", [
     ("redis+cluster://host", "host:port"),
     ("redis+cluster://h:1?db=2", "unknown Redis Cluster option"),
     ("redis+cluster://h:1?ttl=0", "ttl_seconds must be"),
+    # values that passed and failed every later call (raw TypeError, OverflowError, nan deadlines)
+    ("redis+cluster://h:1?retries=-1", "retries must be an int in 0..100"),
+    ("redis+cluster://h:1?socket_timeout=nan", "socket_timeout must be a positive, finite"),
+    ("redis+cluster://h:1?socket_timeout=inf", "socket_timeout must be a positive, finite"),
+    ("redis+cluster://h:1?deadline=inf", "deadline must be a positive, finite"),
+    ("redis+cluster://h:99999", "port must be 1..65535"),
+    ("redis+cluster://h:1/3", "names no database"),
+    ("redis+cluster://h:1?batch=100000", "batch must be an int in 1..4096"),
+    ("redis+cluster://h:1?prefix={rkv}:", "hash tag brace"),
+    ("redis+cluster://h:1?ssl_ca_certs=/ca.pem", "need rediss\\+cluster"),
+    ("rediss+cluster://h:1?ssl_cert_reqs=maybe", "ssl_cert_reqs must be"),
+    ("redis+cluster://h:1?max_connections=0", "max_connections must be"),
 ])
 def test_bad_urls(url, message):
     with pytest.raises(ValueError, match=message):

@@ -170,3 +170,25 @@ def test_a_page_file_that_cannot_be_read_is_a_miss_there_and_the_pages_before_it
         assert [bytes(p) for p in pages[:2]] == payloads[:2]
     [warning] = [r for r in caplog.records if r.getMessage() == "storage.page_unreadable"]
     assert warning.fields["path"] == path
+
+
+class _BuggyClient(FileStorage):
+    """A backend whose client library fails with an error none of its `faults` names
+    (redis-py raised AttributeError mid-reshard, a bad option TypeError at every call)."""
+
+    def _exists_prefix(self, keys):
+        raise AttributeError("'NoneType' object has no attribute 'sendall'")
+
+
+def test_an_error_outside_the_backends_faults_is_the_store_unavailable_logged_once(tmp_path, caplog):
+    """Such an error reached the engine's Match and Prefetch as INTERNAL, on every call,
+    with no lookup pause (the store operators' review)."""
+    backend = _BuggyClient(str(tmp_path))
+    with caplog.at_level("ERROR", logger="radixkv.storage"):
+        for _ in range(3):
+            exc = _assert_unavailable(lambda: backend.exists_prefix([KEY_A]), backend.name, "exists_prefix")
+            assert "AttributeError" in str(exc)
+    [logged] = [r for r in caplog.records if r.msg == "storage.unexpected_error"]
+    assert "Traceback" in logged.fields["traceback"] and logged.fields["operation"] == "exists_prefix"
+    assert backend.stats.errors == 3
+    backend.close()

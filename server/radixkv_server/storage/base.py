@@ -11,6 +11,7 @@ import enum
 import logging
 import threading
 import time
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -101,6 +102,7 @@ class StorageBackend(ABC):
         self._closed = False
         self.generation = 0
         self._lost_listeners: list[Callable[[], None]] = []
+        self._unexpected_seen: set[type] = set()  # error types outside `faults` logged once
         self.health = StorageHealth(name)  # as every namespace's calls found it (on the loop)
 
     def on_lost(self, listener: Callable[[], None]) -> Callable[[], None]:
@@ -358,8 +360,24 @@ class StorageBackend(ABC):
         except self.faults as exc:
             self._count(errors=1)
             raise StorageUnavailable(self.name, operation, exc) from exc
+        except Exception as exc:  # a client library's or backend's bug: the store failed all the same
+            self._count(errors=1)
+            self._unexpected(operation, exc)
+            raise StorageUnavailable(self.name, operation, exc) from exc
         finally:
             self._count(seconds=time.perf_counter() - start)
+
+    def _unexpected(self, operation: str, exc: Exception) -> None:
+        """An error none of `faults` names: logged with its traceback the first time each
+        type is seen (an engine's every Match would repeat it), then only counted. Engine
+        calls see the store as unavailable, not an INTERNAL error of their own."""
+        with self._stats_lock:
+            first = type(exc) not in self._unexpected_seen
+            self._unexpected_seen.add(type(exc))
+        if first:
+            log_event(log, "storage.unexpected_error", logging.ERROR, store=self.name, operation=operation,
+                      error=f"{type(exc).__name__}: {exc}", traceback="".join(traceback.format_exception(exc)),
+                      note="read as the store being unavailable; later errors of this type are not logged")
 
     def _drop(self, keys: list[bytes]) -> None:
         try:

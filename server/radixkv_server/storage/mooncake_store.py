@@ -58,6 +58,7 @@ from .mooncake_sentinel import Sentinel
 from .record import HEADER_BYTES, header
 
 log = logging.getLogger("radixkv.storage")
+MAX_TIMEOUT_S = 3600.0  # a store call's timeout past this is a mistake (and inf overflows the C client's clock)
 CLOSE_GRACE_S = 2.0  # the least close() waits for store calls still running, and for leaving
 
 
@@ -380,5 +381,7 @@ def _check(master, segment_bytes, buffer_bytes, protocol, timeout, replicas, max
                              ("call_threads", call_threads, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"Mooncake {name} must be an int >= {low}, got {value!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"Mooncake timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < MAX_TIMEOUT_S:
+        raise ValueError(f"Mooncake timeout must be a positive number of seconds below {MAX_TIMEOUT_S:g}, "
+                         f"got {timeout!r}")
+

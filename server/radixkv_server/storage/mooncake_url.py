@@ -1,8 +1,14 @@
 """`mooncake://HOST:PORT?...`: the URL form of a MooncakeStorage (see open.py)."""
 
+import ipaddress
+import logging
+
+from ..logs import log_event
 from ..units import parse_size
 from .errors import redact_url
 from .mooncake_store import MooncakeStorage
+
+log = logging.getLogger("radixkv.storage")
 
 URL_OPTIONS = {"segment": "segment_bytes", "buffer": "buffer_bytes", "protocol": "protocol",
                "metadata": "metadata", "hostname": "hostname", "devices": "rdma_devices",
@@ -38,4 +44,28 @@ def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
                 kwargs[field] = text
         except ValueError:
             raise ValueError(f"bad Mooncake option {name} in {redact_url(url)}") from None
-    return MooncakeStorage(parts.netloc, **kwargs)
+    storage = MooncakeStorage(parts.netloc, **kwargs)
+    _warn_unreachable_segment(parts.netloc, kwargs.get("hostname", "127.0.0.1"),
+                              kwargs.get("segment_bytes", 1))  # 1: lends the default segment
+    return storage
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: not known to be this machine alone
+        return False
+
+
+def _warn_unreachable_segment(master: str, hostname: str, segment_bytes: int) -> None:
+    """A segment lent under a loopback hostname while the master is elsewhere: the other
+    nodes would look for its pages on their own machine (their reads fail, logged as a
+    dead owner). Warned at open: it is the operator's `hostname=`."""
+    if segment_bytes and _is_loopback(hostname) and not _is_loopback(master.rpartition(":")[0]):
+        log_event(log, "storage.segment_unreachable", logging.WARNING, store=f"mooncake://{master}",
+                  hostname=hostname, note="this node lends a segment under a loopback hostname to a master on "
+                  "another machine: other nodes cannot read it; set hostname= to this node's address, or "
+                  "segment=0 to lend none")

@@ -1,5 +1,5 @@
 """`open_storage(url)`: the one place that knows every storage backend: `file://`,
-`redis://`, `rediss://`, `unix://` (Redis/Valkey), `redis+cluster://` (its options parsed
+`redis://`, `rediss://`, `unix://` (Redis/Valkey), `redis+cluster://` and `rediss+cluster://` (options parsed
 in `redis_cluster.py`) and `mooncake://` (`mooncake_url.py`).
 
 `SCHEMES` maps a URL scheme to the function opening that backend; a backend module is
@@ -93,6 +93,7 @@ def _open_redis_cluster(url: str, parts: SplitResult, options: dict[str, str]) -
 SCHEMES: dict[str, Opener] = {
     "mooncake": _open_mooncake,
     "redis+cluster": _open_redis_cluster,
+    "rediss+cluster": _open_redis_cluster,
     "file": _open_file,
     "redis": _open_redis,
     "rediss": _open_redis,

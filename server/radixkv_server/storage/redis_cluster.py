@@ -25,9 +25,14 @@ Failure behaviour (each node is asked once per call; no command is re-sent on it
 - a call longer than `deadline` (default 4 socket timeouts) sends no further batch; the
   keys left are misses (not stored, for a put). The daemon's engine calls wait for no
   more than --storage-lookup-timeout (datapath/storage_mover.py).
+- a node that comes back empty at its address (a master restarted within the node
+  timeout, so no failover: it and its replica hold nothing) is seen by its run_id, as a
+  single Redis server is: `lost_contents`. Writes a promoted replica had not received
+  (asynchronous replication) are not seen.
 """
 
 import logging
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -35,7 +40,7 @@ from urllib.parse import unquote
 
 from redis.backoff import EqualJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException, RedisError, SlotNotCoveredError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError, SlotNotCoveredError
 from redis.retry import Retry
 
 from ..logs import log_event
@@ -64,29 +69,26 @@ class RedisClusterStorage(StorageBackend):
     def __init__(self, nodes: list[tuple[str, int]], key_prefix: bytes = b"radixkv:",
                  ttl_seconds: int | None = None, *, password: str | None = None, username: str | None = None,
                  socket_timeout: float = 2.0, retries: int = 2, batch: int = 256,
-                 deadline: float | None = None):
-        if not nodes:
-            raise ValueError("Redis Cluster needs at least one host:port")
-        if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or ttl_seconds < 1):
-            raise ValueError(f"ttl_seconds must be None or an int >= 1, got {ttl_seconds!r}")
-        for name, value in (("socket_timeout", socket_timeout), ("deadline", deadline)):
-            if (value is not None or name != "deadline") and (not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-        super().__init__("redis+cluster://" + ",".join(f"{h}:{p}" for h, p in nodes))
+                 deadline: float | None = None, ssl: dict | None = None, max_connections: int | None = None,
+                 client_name: str | None = None):
+        _check_arguments(nodes, key_prefix, ttl_seconds, socket_timeout, retries, batch, deadline, max_connections)
+        scheme = "rediss+cluster://" if ssl else "redis+cluster://"
+        super().__init__(scheme + ",".join(f"{h}:{p}" for h, p in nodes))
         self.nodes = list(nodes)
         self.key_prefix = key_prefix
         self.ttl_seconds = ttl_seconds
         self.batch = batch
         self.deadline = 4 * socket_timeout if deadline is None else deadline
         self._options = dict(password=password, username=username, socket_timeout=socket_timeout,
-                             socket_connect_timeout=socket_timeout, retries=retries)
+                             socket_connect_timeout=socket_timeout, retries=retries,
+                             client_name=client_name, **({"max_connections": max_connections} if max_connections else {}),
+                             **(ssl or {}))
         self._client: RedisCluster | None = None
         # Guards _refreshed_at and _down, which every calling thread reads and updates.
         self._topology_lock = threading.Lock()
         self._refreshed_at = float("-inf")
         self._down: set[str] = set()  # nodes whose failure was logged and not yet their return
+        self._run_ids: dict[str, bytes] = {}  # each node's (host:port) server, as its last connection saw it
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key that holds (or would hold) the page stored under `key`."""
@@ -187,25 +189,79 @@ class RedisClusterStorage(StorageBackend):
 
     def _connected(self) -> RedisCluster:
         if self._client is None:
-            o = self._options
-            retry = Retry(EqualJitterBackoff(cap=0.5, base=0.05), o["retries"])
+            o = dict(self._options)
+            retry = Retry(EqualJitterBackoff(cap=0.5, base=0.05), o.pop("retries"))
             self._client = RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], require_full_coverage=False,
-                retry=retry,
-                socket_timeout=o["socket_timeout"], socket_connect_timeout=o["socket_connect_timeout"],
-                password=o["password"], username=o["username"])
+                retry=retry, redis_connect_func=self._node_connected, **o)
         return self._client
+
+    def _node_connected(self, conn) -> None:
+        """Each new connection to a node (after redis-py's handshake): that node's run_id.
+        A new one at an address seen before is a server restarted there, which may hold
+        none of the pages it had (`lost_contents`). Any thread."""
+        try:
+            conn.send_command("INFO", "server")
+            info = conn.read_response()
+        except ResponseError:  # INFO refused (an ACL without it): run_id unknown
+            return
+        info = info if isinstance(info, bytes) else str(info).encode()
+        run_id = next((line[7:].strip() for line in info.splitlines() if line.startswith(b"run_id:")), None)
+        if run_id is None:
+            return
+        node = f"{conn.host}:{conn.port}"
+        with self._topology_lock:
+            previous, self._run_ids[node] = self._run_ids.get(node), run_id
+        if previous is not None and previous != run_id:
+            self.lost_contents(f"the Redis Cluster node {node} restarted "
+                               f"(run_id {previous[:8].decode()} -> {run_id[:8].decode()})")
+
+
+MAX_BATCH = 4096  # pages one pipeline may carry per call (each node's part packed in memory at once)
+_SSL_OPTIONS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
+
+
+def _check_arguments(nodes, key_prefix, ttl_seconds, socket_timeout, retries, batch, deadline,
+                     max_connections) -> None:
+    """ValueError naming the first argument a cluster client could not use as meant."""
+    if not nodes:
+        raise ValueError("Redis Cluster needs at least one host:port")
+    for host, port in nodes:
+        if not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ValueError(f"node {host}:{port}: the port must be 1..65535")
+    if b"{" in key_prefix or b"}" in key_prefix:
+        raise ValueError(f"prefix {key_prefix.decode(errors='replace')!r} holds a hash tag brace: every page "
+                         "would hash to one slot, so one shard would hold them all")
+    if ttl_seconds is not None and (not isinstance(ttl_seconds, int) or ttl_seconds < 1):
+        raise ValueError(f"ttl_seconds must be None or an int >= 1, got {ttl_seconds!r}")
+    for name, value in (("socket_timeout", socket_timeout), ("deadline", deadline)):
+        if (value is not None or name != "deadline") and (
+                not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    for name, value, low, high in (("retries", retries, 0, 100), ("batch", batch, 1, MAX_BATCH),
+                                   ("max_connections", max_connections, 1, 1 << 16)):
+        if (value is not None or name != "max_connections") and (
+                not isinstance(value, int) or not low <= value <= high):
+            raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
 
 
 def open_url(url: str, parts, options: dict[str, str]) -> RedisClusterStorage:
-    """`redis+cluster://[[user]:password@]host:port[,host:port...][?option=value&...]`:
-    any nodes of the cluster (the rest are discovered). Options: prefix (key prefix,
-    default radixkv:), ttl (seconds pages live), socket_timeout (seconds), retries, batch,
-    deadline (seconds one call may start batches for)."""
-    known = {"prefix", "ttl", "socket_timeout", "retries", "batch", "deadline"}
+    """`redis+cluster://` (or `rediss+cluster://`, TLS)
+    `[[user]:password@]host:port[,host:port...][?option=value&...]`: any nodes of the
+    cluster (the rest are discovered). Options: prefix (key prefix, default radixkv:, no
+    hash tag braces), ttl (seconds pages live), socket_timeout (seconds), retries, batch
+    (pages per call, at most MAX_BATCH), deadline (seconds one call may start batches
+    for), max_connections (per node), client_name (in CLIENT LIST); with TLS,
+    ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs (required, optional, none)."""
+    tls = parts.scheme == "rediss+cluster"
+    known = {"prefix", "ttl", "socket_timeout", "retries", "batch", "deadline", "max_connections",
+             "client_name"} | (_SSL_OPTIONS if tls else set())
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"unknown Redis Cluster option(s) {unknown}; use {sorted(known)}")
+        extra = " (ssl_* options need rediss+cluster://)" if set(unknown) & _SSL_OPTIONS else ""
+        raise ValueError(f"unknown Redis Cluster option(s) {unknown}; use {sorted(known)}{extra}")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"a Redis Cluster URL names no database ({parts.path!r}): a cluster has database 0 only")
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
     nodes = []
@@ -214,6 +270,11 @@ def open_url(url: str, parts, options: dict[str, str]) -> RedisClusterStorage:
         if not host or not port.isdigit():
             raise ValueError(f"Redis Cluster nodes must be host:port[,host:port...], got {item!r}")
         nodes.append((host.strip("[]"), int(port)))
+    ssl = None
+    if tls:
+        ssl = {"ssl": True, **{k: options[k] for k in _SSL_OPTIONS if k in options}}
+        if ssl.get("ssl_cert_reqs", "required") not in ("required", "optional", "none"):
+            raise ValueError(f"ssl_cert_reqs must be required, optional or none, got {ssl['ssl_cert_reqs']!r}")
     try:
         return RedisClusterStorage(
             nodes, options.get("prefix", "radixkv:").encode(),
@@ -221,6 +282,8 @@ def open_url(url: str, parts, options: dict[str, str]) -> RedisClusterStorage:
             username=unquote(username) or None, password=unquote(password) or None,
             socket_timeout=float(options.get("socket_timeout", 2.0)),
             retries=int(options.get("retries", 2)), batch=int(options.get("batch", 256)),
-            deadline=float(options["deadline"]) if "deadline" in options else None)
+            deadline=float(options["deadline"]) if "deadline" in options else None, ssl=ssl,
+            max_connections=int(options["max_connections"]) if "max_connections" in options else None,
+            client_name=options.get("client_name") or None)
     except ValueError as exc:
         raise ValueError(f"bad Redis Cluster option in storage URL: {exc}") from None

@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 import redis
 from redis.backoff import EqualJitterBackoff
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
@@ -91,12 +92,28 @@ class RedisStorage(StorageBackend):
         except ResponseError:  # INFO refused (an ACL without @dangerous, a proxy): run_id unknown
             return
         info = info if isinstance(info, bytes) else str(info).encode()
+        self._refuse_cluster_node(conn)
         run_id = next((line[7:].strip() for line in info.splitlines() if line.startswith(b"run_id:")), None)
         if run_id is None:
             return
         previous, self._run_id = self._run_id, run_id
         if previous is not None and previous != run_id:
             self.lost_contents(f"the Redis server restarted (run_id {previous[:8].decode()} -> {run_id[:8].decode()})")
+
+    def _refuse_cluster_node(self, conn) -> None:
+        """A server in cluster mode holds only its slots' keys: every other page would be
+        refused MOVED, one call after another. Refused at connection, saying what to use."""
+        try:
+            conn.send_command("INFO", "cluster")
+            info = conn.read_response()
+        except ResponseError:  # refused (an ACL): the pages' own commands will say
+            return
+        info = info if isinstance(info, bytes) else str(info).encode()
+        if b"cluster_enabled:1" in info:
+            conn.disconnect()
+            where = getattr(conn, "path", None) or f"{conn.host}:{conn.port}"
+            raise RedisConnectionError(f"{where} is a Redis Cluster node: name the cluster "
+                                       "with redis+cluster://host:port[,host:port...]")
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key that holds (or would hold) the page stored under `key`."""
