@@ -1,4 +1,6 @@
-"""Generate the Python gRPC code for proto/ into client/radixkv/ (committed).
+"""Generate the Python gRPC code for proto/ into client/radixkv/ (committed), and each
+file's descriptor with its comments (`<name>_source.binpb`, a FileDescriptorSet): the
+daemon's reflection answers with it, so `grpcurl describe` shows the contract's comments.
 
 `--check` regenerates into a temporary directory and fails if the committed files
 differ, so CI catches a .proto edit without regenerated code.
@@ -20,9 +22,11 @@ OUT = ROOT / "client"
 def generate(out: Path) -> None:
     include = Path(protoc.__file__).parent / "_proto"
     for proto in PROTOS:
+        source = out / proto.relative_to(ROOT / "proto").with_name(f"{proto.stem}_source.binpb")
         args = [
             "protoc", f"-I{ROOT / 'proto'}", f"-I{include}",
             f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}",
+            f"--descriptor_set_out={source}", "--include_source_info",
             str(proto),
         ]
         if protoc.main(args) != 0:
@@ -30,7 +34,7 @@ def generate(out: Path) -> None:
 
 
 def generated_files(base: Path) -> list[Path]:
-    return sorted(p.relative_to(base) for p in base.rglob("*_pb2*.py*"))
+    return sorted(p.relative_to(base) for pattern in ("*_pb2*.py*", "*_source.binpb") for p in base.rglob(pattern))
 
 
 def main() -> None:

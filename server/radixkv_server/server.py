@@ -37,6 +37,7 @@ from .service.auth import AuthError, ReloadableTls, TokenAuth
 from .service import host_budget
 from .service.daemon import Daemon
 from .service.health import HealthServicer
+from .service.reflection import CommentedReflection
 from .service.rpc_limit import RESERVE, RpcLimit, is_other_than_a_check
 from .storage import StorageUnavailable, open_storage
 from .storage_check import check_storage
@@ -377,8 +378,8 @@ def _grpc_server(config: DaemonConfig, daemon: Daemon, tokens: Tokens,
     pb_grpc.add_RadixKVServicer_to_server(RadixKVServicer(daemon, tokens), services)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, services)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # enable_server_reflection, aio
-        reflection.aio.ReflectionServicer((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), services)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # enable_server_reflection, aio, with comments
+        CommentedReflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), services)
     return server, health_servicer
 
 

@@ -40,6 +40,19 @@ def test_grpcurl_lists_and_describes_through_reflection(module_daemon):
     assert "string namespace = 1;" in message
 
 
+def test_grpcurl_describes_a_method_and_shows_the_contracts_comments(module_daemon):
+    """The contract is in the .proto's comments: describe showed bare fields, and a
+    method was "Symbol not found" (the review from a proto-only engine's seat)."""
+    method = grpcurl(module_daemon, "describe", f"{SERVICE}.Release").stdout
+    assert f"{SERVICE}.Release is a method:" in method
+    assert "0 is no lease (a miss's Match answer, an Insert without one): ignored." in method
+    assert "rpc Release ( .radixkv.v1.ReleaseRequest ) returns ( .radixkv.v1.ReleaseResponse );" in method
+    message = grpcurl(module_daemon, "describe", "radixkv.v1.RegisterResponse").stdout
+    assert "set the channel's receive" in message and "uint64 max_message_bytes = 13;" in message
+    health = grpcurl(module_daemon, "describe", "grpc.health.v1.Health.Check").stdout
+    assert "grpc.health.v1.Health.Check is a method:" in health
+
+
 def test_grpcurl_calls_the_operator_rpcs_with_json(module_daemon, engine):
     assert engine.cycle(32) == 32
     engine.insert(list(range(8)))  # a second, device-only prefix
