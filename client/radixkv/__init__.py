@@ -10,6 +10,13 @@
 - `radixkv.v1`: the generated gRPC code.
 """
 
+from importlib import metadata
+
+try:  # the one version, pyproject.toml's: the daemon's too (--version, Stats)
+    __version__ = metadata.version("radixkv")
+except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
 from .aio import AsyncClient
 from .channel import Tls
 from .client import Client
@@ -17,4 +24,4 @@ from .layout import KvLayout
 from .reconnect import Backoff
 from .types import Prompt
 
-__all__ = ["AsyncClient", "Backoff", "Client", "KvLayout", "Prompt", "Tls"]
+__all__ = ["AsyncClient", "Backoff", "Client", "KvLayout", "Prompt", "Tls", "__version__"]

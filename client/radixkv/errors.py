@@ -155,6 +155,10 @@ def from_rpc_error(err: grpc.RpcError, method: str = "", timeout: float | None =
     message = details or str(err)
     if method and code is grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
         message = f"{method}: no answer within {timeout:g}s ({message})"
+    if method and code is grpc.StatusCode.UNIMPLEMENTED:  # gRPC's own words name neither
+        from . import __version__
+        message = (f"the daemon has no {method} call: it is older than this client (radixkv {__version__}); "
+                   f"upgrade the daemon ({message})")
     return error_for(code, message)
 
 

@@ -1,3 +1,5 @@
 """radixkv daemon: the cache core, data path, storage tiers and gRPC service."""
 
-__version__ = "0.1.0"
+from radixkv import __version__  # one version for the client and the daemon (client/radixkv/__init__.py)
+
+__all__ = ["__version__"]

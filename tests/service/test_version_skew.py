@@ -3,6 +3,7 @@ first"). A client made with stream=True against a daemon without the Session str
 told so at `register`, and leaves nothing behind; its unary calls work with that daemon."""
 
 import asyncio
+import os
 
 import grpc
 import pytest
@@ -23,8 +24,10 @@ C = grpc.StatusCode
 
 
 # A daemon as the ones before the Session stream answer: the real daemon with that one
-# RPC left out (UNIMPLEMENTED "Method not found!"), the rest unchanged.
+# RPC left out (UNIMPLEMENTED "Method not found!"), the rest unchanged; WITHOUT in the
+# environment names another RPC to leave out.
 OLDER_DAEMON = """
+import os
 import sys
 import grpc
 from radixkv.v1 import radixkv_pb2_grpc as generated
@@ -32,12 +35,15 @@ from radixkv.v1 import radixkv_pb2_grpc as generated
 add = generated.add_RadixKVServicer_to_server
 
 
+WITHOUT = os.environ.get("WITHOUT", "Session")
+
+
 class WithoutSession:
     def __init__(self, server):
         self.server = server
 
     def add_registered_method_handlers(self, service, handlers):
-        self.server.add_registered_method_handlers(service, {k: v for k, v in handlers.items() if k != "Session"})
+        self.server.add_registered_method_handlers(service, {k: v for k, v in handlers.items() if k != WITHOUT})
 
     def add_generic_rpc_handlers(self, handlers):
         self.server.add_generic_rpc_handlers(tuple(Filtered(h) for h in handlers))
@@ -48,7 +54,7 @@ class Filtered(grpc.GenericRpcHandler):
         self.inner = inner
 
     def service(self, details):
-        return None if details.method.endswith("/Session") else self.inner.service(details)
+        return None if details.method.endswith("/" + WITHOUT) else self.inner.service(details)
 
 
 generated.add_RadixKVServicer_to_server = lambda servicer, server: add(servicer, WithoutSession(server))
@@ -93,3 +99,14 @@ def test_a_daemon_older_than_the_stream_is_said_at_register_not_taken_for_lost_s
             assert unary.match([pack(prompt(1, 2))])[0].device_tokens == 0
     finally:
         buffers.close()
+
+
+def test_a_call_the_daemon_lacks_names_itself_and_says_to_upgrade_the_daemon(daemon_factory):
+    """gRPC's own "Method not found!" named neither the call nor the versions, after
+    wait_ready had succeeded (the review from a packaging seat)."""
+    d = daemon_factory(launcher=("-c", OLDER_DAEMON), env={**os.environ, "WITHOUT": "Stats"})
+    with Client(d.target, timeout=10) as client:
+        client.wait_ready()
+        with pytest.raises(errors.Unimplemented, match=r"the daemon has no Stats call: it is older than this "
+                                                       r"client \(radixkv \d"):
+            client.stats()
