@@ -60,7 +60,7 @@ print(*p['dependencies'], *p['optional-dependencies']['storage'], *p['optional-d
       >/tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && echo /opt/radixkv-app >"$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/radixkv-app.pth"
-COPY README.md ./
+COPY README.md LICENSE ./
 COPY server/ server/
 COPY client/ client/
 # hadolint ignore=DL3013

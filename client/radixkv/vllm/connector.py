@@ -38,7 +38,7 @@ from .registration import register_worker
 from .saves import Saves
 from .scheduler import SchedulerSide
 from .stats import RadixKVPromMetrics, RadixKVStats
-from .supported import check_supported
+from .supported import check_supported, check_version
 from .tier_events import TierEvents
 
 log = logging.getLogger("vllm.radixkv")  # vLLM's log handlers show it
@@ -59,6 +59,7 @@ class RadixKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_supported(vllm_config, kv_cache_config)  # vLLM fails to start, saying what is not supported
+        check_version()
         tc = self._kv_transfer_config
         config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.served_model_name,
                                             model_identity(vllm_config.model_config))

@@ -17,7 +17,13 @@ stage with one block per `block_size` tokens. It does not hold for:
 - MLA (DeepSeek-style) caches, whose layout the worker side does not describe yet.
 """
 
+import logging
+
+import vllm
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+TESTED_VLLM = (0, 32)  # the vLLM minor release the connector is tested with (pyproject's `vllm` extra)
+log = logging.getLogger("vllm.radixkv")
 
 
 def check_supported(vllm_config, kv_cache_config) -> None:
@@ -48,9 +54,25 @@ def check_supported(vllm_config, kv_cache_config) -> None:
                              "on the tokens after it and cannot be reused by prefix")
 
 
+def check_version(version: str | None = None) -> bool:
+    """Warn (once per connector) when vLLM is another release than the one the connector
+    is tested with: it builds on vLLM's KV connector API and its scheduler's internals,
+    which change between releases. True when it is that release."""
+    version = vllm.__version__ if version is None else version
+    try:
+        release = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:  # a source build ("dev", "0.32.1rc1+g...") parses far enough, or not at all
+        release = None
+    if release == TESTED_VLLM:
+        return True
+    log.warning("radixkv: the connector is tested with vLLM %d.%d, this is vLLM %s: its KV connector API may "
+                "differ (a failure at startup or at the first request says where)", *TESTED_VLLM, version)
+    return False
+
+
 def _names(group) -> str:
     names = list(group.layer_names)
     return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
-__all__ = ["check_supported"]
+__all__ = ["TESTED_VLLM", "check_supported", "check_version"]

@@ -1,5 +1,6 @@
 """`mooncake://HOST:PORT?...`: the URL form of a MooncakeStorage (see open.py)."""
 
+import importlib.util
 import ipaddress
 import logging
 
@@ -25,6 +26,9 @@ def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
     fetch (staged: whole records through a registered staging buffer, then checked and
     copied into the host page, the default and the faster with 0.3.13; direct: header
     and payload as two parts straight into the host page, no copy)."""
+    if importlib.util.find_spec("mooncake") is None:  # else "ready", retrying an import forever
+        raise ValueError("--storage mooncake:// needs the Mooncake Store client: pip install 'radixkv[mooncake]' "
+                         "(and the system library libibverbs1)")
     unknown = sorted(set(options) - set(URL_OPTIONS))
     if unknown:
         raise ValueError(f"unknown Mooncake option(s) {unknown} in {redact_url(url)}; use {sorted(URL_OPTIONS)}")
