@@ -47,7 +47,9 @@ RUN if [ -n "${TORCH_WHEEL}" ]; then pip install "/tmp/image-extra/${TORCH_WHEEL
     else pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"; fi
 WORKDIR /src
 COPY pyproject.toml ./
-# The dependencies (from pyproject.toml alone) in /opt/radixkv, radixkv itself in
+COPY client/pyproject.toml client/
+# The dependencies (from the two pyproject.toml files alone: the daemon's, radixkv-server,
+# and its client's, radixkv) in /opt/radixkv, radixkv itself in
 # /opt/radixkv-app (on the venv's path through a .pth file): a source change rebuilds
 # neither the dependency layer here nor its ~1 GB copy in the runtime stage.
 # With the extras a daemon's storage tiers need: zlib-ng (record checksums), hiredis
@@ -56,7 +58,9 @@ COPY pyproject.toml ./
 # libcurl and libnuma, installed in the runtime stage).
 # hadolint ignore=DL3013
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print(*p['dependencies'], *p['optional-dependencies']['storage'], *p['optional-dependencies']['mooncake'], sep='\n')" \
+c = tomllib.load(open('client/pyproject.toml', 'rb'))['project']; extra = c['optional-dependencies']; \
+print(*[d for d in p['dependencies'] if not d.startswith('radixkv')], *c['dependencies'], *extra['buffers'], \
+      *extra['routing'], *p['optional-dependencies']['storage'], *p['optional-dependencies']['mooncake'], sep='\n')" \
       >/tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && echo /opt/radixkv-app >"$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/radixkv-app.pth"
@@ -64,7 +68,7 @@ COPY README.md LICENSE ./
 COPY server/ server/
 COPY client/ client/
 # hadolint ignore=DL3013
-RUN pip install --no-deps --target /opt/radixkv-app . && pip check \
+RUN pip install --no-deps --target /opt/radixkv-app ./client . && pip check \
     && python -c "import radixkv_server, radixkv, grpc, torch"
 
 FROM ${BASE_IMAGE} AS runtime

@@ -25,12 +25,12 @@ PYTEST_ARGS ?=
 
 .PHONY: install vllm-install serve test unit bench bench-full soak proto proto-check system-deps sim clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml
 	@test -x $(BIN)/pip || scripts/make-venv.sh "$(PY)" $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC)"; \
 	  $(BIN)/pip install -q $(TORCH_INDEX_ARG) "$(TORCH_SPEC)" 2>&1 | $(QUIET_PIP); }
-	@echo "installing radixkv into $(VENV)"
-	@$(BIN)/pip install -q -e ".[test,dev,storage]" 2>&1 | $(QUIET_PIP)
+	@echo "installing radixkv (client/) and radixkv-server into $(VENV)"
+	@$(BIN)/pip install -q -e ./client -e ".[test,dev,storage]" 2>&1 | $(QUIET_PIP)
 	@$(BIN)/python -c "import radixkv_server, radixkv, grpc, torch"
 	@touch $@
 

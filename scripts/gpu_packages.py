@@ -29,14 +29,19 @@ def canonical(name: str) -> str:
 
 def minimums() -> dict[str, str]:
     """{canonical name: minimum version ("0" when none is given)} of the project's
-    dependencies, less the machine's own, plus INDIRECT."""
+    dependencies (the daemon's and its client's, with the extras the daemon needs), less
+    the machine's own and the client itself (a package of this tree), plus INDIRECT."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
+    with open(ROOT / "client" / "pyproject.toml", "rb") as f:
+        client = tomllib.load(f)["project"]
+    deps += client["dependencies"] + client["optional-dependencies"]["buffers"] + \
+        client["optional-dependencies"]["routing"]
     out = {}
     for dep in deps:
         m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^]]*\])?\s*(.*)", dep)
         name, spec = canonical(m.group(1)), m.group(2).split(";")[0]
-        if name in MACHINE_OWN:
+        if name in MACHINE_OWN or name == "radixkv":
             continue
         low = re.search(r">=\s*([0-9][^,\s]*)", spec)
         out[name] = low.group(1) if low else "0"

@@ -27,7 +27,7 @@ def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
     copied into the host page, the default and the faster with 0.3.13; direct: header
     and payload as two parts straight into the host page, no copy)."""
     if importlib.util.find_spec("mooncake") is None:  # else "ready", retrying an import forever
-        raise ValueError("--storage mooncake:// needs the Mooncake Store client: pip install 'radixkv[mooncake]' "
+        raise ValueError("--storage mooncake:// needs the Mooncake Store client: pip install 'radixkv-server[mooncake]' "
                          "(and the system library libibverbs1)")
     unknown = sorted(set(options) - set(URL_OPTIONS))
     if unknown:
