@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml client/pyproject.toml
 	@$(BIN)/python -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC)"; \
 	  $(BIN)/pip install -q $(TORCH_INDEX_ARG) "$(TORCH_SPEC)" 2>&1 | $(QUIET_PIP); }
 	@echo "installing radixkv (client/) and radixkv-server into $(VENV)"
-	@$(BIN)/pip install -q -e ./client -e ".[test,dev,storage]" 2>&1 | $(QUIET_PIP)
+	@$(BIN)/pip install -q -e ./client -e ".[test,storage]" 2>&1 | $(QUIET_PIP)
 	@$(BIN)/python -c "import radixkv_server, radixkv, grpc, torch"
 	@touch $@
 
@@ -45,11 +45,22 @@ sim: $(STAMP)
 system-deps:
 	@scripts/ensure-system-deps.sh
 
-proto: $(STAMP)
-	$(BIN)/python scripts/gen_proto.py
+# The generated code comes from the oldest grpcio-tools whose code the client's declared
+# floors run (client/pyproject.toml: protobuf >= 5.27.2, grpcio >= 1.66.2): it runs on every
+# runtime from those on. Kept apart from .venv, whose protobuf is newer than it takes.
+PROTO_TOOLS := $(VENV)/proto-tools
+GRPC_TOOLS_SPEC := grpcio-tools==1.66.2
 
-proto-check: $(STAMP)
-	$(BIN)/python scripts/gen_proto.py --check
+$(PROTO_TOOLS)/.installed: $(STAMP)
+	@echo "installing $(GRPC_TOOLS_SPEC) into $(PROTO_TOOLS)"
+	@rm -rf $(PROTO_TOOLS) && $(BIN)/pip install -q --no-warn-conflicts --target $(PROTO_TOOLS) "$(GRPC_TOOLS_SPEC)" 2>&1 | $(QUIET_PIP)
+	@touch $@
+
+proto: $(PROTO_TOOLS)/.installed
+	PYTHONPATH=$(PROTO_TOOLS) $(BIN)/python scripts/gen_proto.py
+
+proto-check: $(PROTO_TOOLS)/.installed
+	PYTHONPATH=$(PROTO_TOOLS) $(BIN)/python scripts/gen_proto.py --check
 
 test: $(STAMP) $(VLLM_STAMP) system-deps $(MOONCAKE_STAMP) proto-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

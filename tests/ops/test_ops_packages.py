@@ -1,7 +1,7 @@
 """The two distributions: `radixkv`, the client engines install (client/pyproject.toml),
 and `radixkv-server`, the daemon (pyproject.toml). An engine depending on the client got
 the whole daemon, CUDA torch and all (~2.8 GB); the client now needs gRPC alone, and the
-two say one version."""
+two say one version. Its generated code runs on the oldest gRPC and protobuf it declares."""
 
 import os
 import subprocess
@@ -12,9 +12,6 @@ from opstools import REPO
 
 SERVER = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 CLIENT = tomllib.loads((REPO / "client" / "pyproject.toml").read_text())["project"]
-# What the client's core must not need: the daemon's dependencies and the extras' own.
-NOT_NEEDED = ("torch", "numpy", "zmq", "msgspec", "uvloop", "redis", "prometheus_client", "grpc_reflection",
-              "radixkv_server", "vllm")
 
 
 def test_the_client_and_the_daemon_say_one_version():
@@ -29,20 +26,31 @@ def test_the_client_needs_grpc_alone():
     assert names == {"grpcio", "grpcio-health-checking", "protobuf"}
 
 
-def test_the_client_calls_a_daemon_with_none_of_the_daemons_dependencies_importable(module_daemon):
-    """As in an engine's environment with `pip install radixkv` alone: every module
-    NOT_NEEDED is hidden as Python hides a missing one (None in sys.modules)."""
+# The oldest runtimes client/pyproject.toml declares: its generated code must run on them.
+FLOORS = ("grpcio==1.66.2", "grpcio-health-checking==1.66.2", "protobuf==5.27.2")
+
+
+def test_the_client_wheel_alone_at_its_oldest_runtimes_calls_a_daemon(module_daemon, tmp_path):
+    """As in an engine's environment after `pip install radixkv` with gRPC as old as the
+    client allows: the client's wheel and FLOORS in a folder, and Python started without
+    site-packages (-S), so torch, numpy, the daemon and the rest are not there at all."""
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-warn-conflicts", "--target",
+                           str(site), *FLOORS, str(REPO / "client")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert not (site / "torch").exists() and not (site / "radixkv_server").exists()
+    assert (site / "radixkv" / "py.typed").exists()
     script = f"""
-import sys
-for name in {NOT_NEEDED!r}:
-    sys.modules[name] = None
-import radixkv, radixkv.vllm
+import google.protobuf, grpc, radixkv
 from radixkv import Client
 with Client({module_daemon.target!r}, timeout=10) as kv:
     kv.wait_ready(10)
-    print(radixkv.__version__, kv.stats().version, kv.check_invariants())
+    print(grpc.__version__, google.protobuf.__version__, radixkv.__version__, kv.stats().version,
+          kv.check_invariants())
 """
-    env = {**os.environ, "PYTHONPATH": str(REPO / "client")}  # the client's tree alone, not the daemon's
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    done = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=60,
+                          env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [CLIENT["version"], CLIENT["version"], "[]"]
+    version = CLIENT["version"]
+    assert done.stdout.split() == ["1.66.2", "5.27.2", version, version, "[]"]

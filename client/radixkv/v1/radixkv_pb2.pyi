@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -89,7 +88,7 @@ class RegisterRequest(_message.Message):
     tp_size: int
     instance: str
     wait_for_ranks_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: _Optional[bool] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_tier: _Optional[_Union[DeviceTier, str]] = ..., role: _Optional[_Union[SessionRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., instance: _Optional[str] = ..., wait_for_ranks_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[DeviceBuffer, _Mapping]]] = ..., num_device_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., replace_existing: bool = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_tier: _Optional[_Union[DeviceTier, str]] = ..., role: _Optional[_Union[SessionRole, str]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., instance: _Optional[str] = ..., wait_for_ranks_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session", "host_pool_pages", "write_policy", "warm", "dropped_device_tokens", "daemon_instance", "storage", "max_prompts_per_match", "lease_timeout_ms", "ack_timeout_ms", "idle_session_timeout_ms", "ranks_missing", "max_message_bytes", "max_leases_per_session", "device_uuid")
@@ -123,7 +122,7 @@ class RegisterResponse(_message.Message):
     max_message_bytes: int
     max_leases_per_session: int
     device_uuid: str
-    def __init__(self, session: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., warm: _Optional[bool] = ..., dropped_device_tokens: _Optional[int] = ..., daemon_instance: _Optional[str] = ..., storage: _Optional[str] = ..., max_prompts_per_match: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ..., idle_session_timeout_ms: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_leases_per_session: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., host_pool_pages: _Optional[int] = ..., write_policy: _Optional[str] = ..., warm: bool = ..., dropped_device_tokens: _Optional[int] = ..., daemon_instance: _Optional[str] = ..., storage: _Optional[str] = ..., max_prompts_per_match: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ..., idle_session_timeout_ms: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ..., max_leases_per_session: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session",)
@@ -153,7 +152,7 @@ class MatchRequest(_message.Message):
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     lease: bool
     include_storage: bool
-    def __init__(self, session: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., lease: _Optional[bool] = ..., include_storage: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., lease: bool = ..., include_storage: bool = ...) -> None: ...
 
 class MatchResult(_message.Message):
     __slots__ = ("device_pages", "device_tokens", "host_tokens", "device_node", "host_node", "depends_on", "lease", "storage_tokens", "complete_tokens")
@@ -202,7 +201,7 @@ class InsertRequest(_message.Message):
     release_lease: int
     lease: bool
     engine_event: bytes
-    def __init__(self, session: _Optional[str] = ..., tokens: _Optional[bytes] = ..., device_pages: _Optional[bytes] = ..., extra_key: _Optional[bytes] = ..., chunked: _Optional[bool] = ..., release_lease: _Optional[int] = ..., lease: _Optional[bool] = ..., engine_event: _Optional[bytes] = ..., **kwargs) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., tokens: _Optional[bytes] = ..., device_pages: _Optional[bytes] = ..., extra_key: _Optional[bytes] = ..., chunked: bool = ..., release_lease: _Optional[int] = ..., lease: bool = ..., engine_event: _Optional[bytes] = ..., **kwargs) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("cached_tokens", "redundant_pages", "node", "lease", "transfer")
@@ -234,7 +233,7 @@ class LoadBackRequest(_message.Message):
     start_page: int
     wait: bool
     engine_event: bytes
-    def __init__(self, session: _Optional[str] = ..., node: _Optional[int] = ..., device_pages: _Optional[bytes] = ..., lease: _Optional[int] = ..., start_page: _Optional[int] = ..., wait: _Optional[bool] = ..., engine_event: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., node: _Optional[int] = ..., device_pages: _Optional[bytes] = ..., lease: _Optional[int] = ..., start_page: _Optional[int] = ..., wait: bool = ..., engine_event: _Optional[bytes] = ...) -> None: ...
 
 class LoadBackResponse(_message.Message):
     __slots__ = ("transfer", "device_pages", "device_tokens", "loaded_tokens", "depends_on", "unused_pages", "layer_events")
@@ -278,7 +277,7 @@ class AckResponse(_message.Message):
     failed_pages: bytes
     expired: bool
     unsolicited: bool
-    def __init__(self, transfer: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., load_failed: _Optional[bool] = ..., failed_pages: _Optional[bytes] = ..., expired: _Optional[bool] = ..., unsolicited: _Optional[bool] = ...) -> None: ...
+    def __init__(self, transfer: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., load_failed: bool = ..., failed_pages: _Optional[bytes] = ..., expired: bool = ..., unsolicited: bool = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session", "leases")
@@ -411,7 +410,7 @@ class NamespaceStats(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     tp_size: int
     ranks_missing: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., write_policy: _Optional[str] = ..., eviction_policy: _Optional[str] = ..., attached: _Optional[bool] = ..., nodes: _Optional[int] = ..., device_pages: _Optional[int] = ..., device_pages_held: _Optional[int] = ..., device_pages_evictable: _Optional[int] = ..., device_pages_protected: _Optional[int] = ..., host_pages_used: _Optional[int] = ..., host_pages_capacity: _Optional[int] = ..., host_page_bytes: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pinned_nodes: _Optional[int] = ..., tracked_duplicates: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., leases: _Optional[int] = ..., oldest_lease_seconds: _Optional[float] = ..., load_backs_unacked: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., tp_size: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., write_policy: _Optional[str] = ..., eviction_policy: _Optional[str] = ..., attached: bool = ..., nodes: _Optional[int] = ..., device_pages: _Optional[int] = ..., device_pages_held: _Optional[int] = ..., device_pages_evictable: _Optional[int] = ..., device_pages_protected: _Optional[int] = ..., host_pages_used: _Optional[int] = ..., host_pages_capacity: _Optional[int] = ..., host_page_bytes: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pinned_nodes: _Optional[int] = ..., tracked_duplicates: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., leases: _Optional[int] = ..., oldest_lease_seconds: _Optional[float] = ..., load_backs_unacked: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., tp_size: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session", "engine", "role", "tp_rank", "instance", "age_seconds", "streams_open", "leases", "load_backs_unacked")
@@ -433,7 +432,7 @@ class SessionInfo(_message.Message):
     streams_open: bool
     leases: int
     load_backs_unacked: int
-    def __init__(self, session: _Optional[str] = ..., engine: _Optional[str] = ..., role: _Optional[str] = ..., tp_rank: _Optional[int] = ..., instance: _Optional[str] = ..., age_seconds: _Optional[float] = ..., streams_open: _Optional[bool] = ..., leases: _Optional[int] = ..., load_backs_unacked: _Optional[int] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., engine: _Optional[str] = ..., role: _Optional[str] = ..., tp_rank: _Optional[int] = ..., instance: _Optional[str] = ..., age_seconds: _Optional[float] = ..., streams_open: bool = ..., leases: _Optional[int] = ..., load_backs_unacked: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("namespaces", "sessions", "version", "uptime_seconds", "daemon_instance")
@@ -485,7 +484,7 @@ class NodeInfo(_message.Message):
     evicting: bool
     hit_count: int
     extra_key: bytes
-    def __init__(self, id: _Optional[int] = ..., parent: _Optional[int] = ..., depth: _Optional[int] = ..., tokens: _Optional[int] = ..., on_device: _Optional[bool] = ..., on_host: _Optional[bool] = ..., lock_ref: _Optional[int] = ..., host_lock: _Optional[int] = ..., pins: _Optional[_Iterable[int]] = ..., backup: _Optional[int] = ..., evicting: _Optional[bool] = ..., hit_count: _Optional[int] = ..., extra_key: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., parent: _Optional[int] = ..., depth: _Optional[int] = ..., tokens: _Optional[int] = ..., on_device: bool = ..., on_host: bool = ..., lock_ref: _Optional[int] = ..., host_lock: _Optional[int] = ..., pins: _Optional[_Iterable[int]] = ..., backup: _Optional[int] = ..., evicting: bool = ..., hit_count: _Optional[int] = ..., extra_key: _Optional[bytes] = ...) -> None: ...
 
 class InspectResponse(_message.Message):
     __slots__ = ("total_nodes", "max_depth", "device_nodes", "host_nodes", "duplicate_nodes", "nodes", "truncated", "digest")
@@ -505,7 +504,7 @@ class InspectResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     truncated: bool
     digest: str
-    def __init__(self, total_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., device_nodes: _Optional[int] = ..., host_nodes: _Optional[int] = ..., duplicate_nodes: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ..., digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, total_nodes: _Optional[int] = ..., max_depth: _Optional[int] = ..., device_nodes: _Optional[int] = ..., host_nodes: _Optional[int] = ..., duplicate_nodes: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., truncated: bool = ..., digest: _Optional[str] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ("namespace",)
@@ -535,7 +534,7 @@ class DropNamespaceRequest(_message.Message):
     STORE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     store: bool
-    def __init__(self, namespace: _Optional[str] = ..., store: _Optional[bool] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., store: bool = ...) -> None: ...
 
 class DropNamespaceResponse(_message.Message):
     __slots__ = ("host_tokens", "freed_host_bytes", "stored_tokens")
@@ -567,7 +566,7 @@ class WatchEventsRequest(_message.Message):
     from_seq: int
     namespace: str
     snapshot: bool
-    def __init__(self, from_seq: _Optional[int] = ..., namespace: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    def __init__(self, from_seq: _Optional[int] = ..., namespace: _Optional[str] = ..., snapshot: bool = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("kind", "tier", "medium", "block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_key", "lora_name")
@@ -615,7 +614,7 @@ class KvEventBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     daemon_instance: str
     snapshot: bool
-    def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[str] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., daemon_instance: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., namespace: _Optional[str] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., daemon_instance: _Optional[str] = ..., snapshot: bool = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("id", "match", "load_back", "insert", "evict", "release", "echo")

@@ -5,7 +5,7 @@ import warnings
 
 from radixkv.v1 import radixkv_pb2 as radixkv_dot_v1_dot_radixkv__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in radixkv/v1/radixkv_pb2_grpc.py depends on'
+        + f' but the generated code in radixkv/v1/radixkv_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class RadixKVStub:
+class RadixKVStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -116,7 +116,7 @@ class RadixKVStub:
                 _registered_method=True)
 
 
-class RadixKVServicer:
+class RadixKVServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
@@ -379,7 +379,7 @@ def add_RadixKVServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class RadixKV:
+class RadixKV(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
