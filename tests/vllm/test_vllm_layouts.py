@@ -178,3 +178,28 @@ def test_engines_on_different_devices_never_share_storage_keys():
     identities = [on_device("/models/llama", device, layout)
                   for device, layout in (("cpu", None), ("cuda", "NHD"), ("cuda", "HND"))]
     assert len({namespace_salt(identity, layout_fingerprint(cpu)) for identity in identities}) == 3
+
+
+def test_overrides_and_a_kv_cache_in_another_dtype_are_part_of_the_model_identity():
+    """hf_overrides change the model's config (RoPE scaling, layers) and so its KV, and an
+    fp8 KV cache computed in bfloat16 or float16 stores other values under one layout:
+    neither changed the identity that salts storage keys (the data-integrity review)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from radixkv.vllm.config import model_identity
+
+    def model(hf_overrides=None, dtype=torch.bfloat16):
+        return SimpleNamespace(model="/models/llama", revision=None, quantization=None, hf_overrides=hf_overrides,
+                               dtype=dtype)
+
+    plain = model_identity(model())
+    assert plain == "/models/llama"  # unchanged for the usual engine: its stored pages stay warm
+    assert model_identity(model(), SimpleNamespace(cache_dtype="auto")) == plain
+    rope = model_identity(model(hf_overrides={"rope_scaling": {"type": "yarn", "factor": 4.0}}))
+    other_rope = model_identity(model(hf_overrides={"rope_scaling": {"type": "yarn", "factor": 2.0}}))
+    assert len({plain, rope, other_rope}) == 3
+    fp8 = SimpleNamespace(cache_dtype="fp8")
+    assert model_identity(model(), fp8) == "/models/llama dtype=bfloat16"
+    assert model_identity(model(dtype=torch.float16), fp8) == "/models/llama dtype=float16"

@@ -9,9 +9,10 @@
 Keys (all optional): `target` (the daemon's address), `namespace` (one per model and KV
 layout; default "vllm/<served model name>"), `model` (identity of the weights: the daemon
 refuses a namespace that holds another model's KV, and salts storage keys with it; default
-`model_identity`, vLLM's model path or hub id with its revision and quantization; set the
-same string where the same weights sit at other paths, and name there whatever else
-changes the KV bytes: weights updated in place, overrides, KV scales, docs/fleet.md; the
+`model_identity`, vLLM's model path or hub id with its revision, quantization,
+`hf_overrides` and, for an fp8 KV cache, compute dtype; set the same string where the same
+weights sit at other paths, and name there whatever else changes the KV bytes: weights
+updated in place, KV scales, docs/fleet.md; the
 connector adds the device type, `on_device`), `timeout_s` (deadline of each daemon call),
 `connect_timeout_s` (how long startup waits for the daemon before failing),
 `host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
@@ -27,6 +28,8 @@ system's), `tls_cert` and `tls_key` (this engine's, for mutual TLS), `tls_server
 An unknown key is an error: a typo must not silently fall back to a default.
 """
 
+import hashlib
+import json
 from dataclasses import dataclass, fields
 
 from radixkv.channel import Tls
@@ -102,14 +105,25 @@ class ConnectorConfig:
         return {"tls": tls, "token": token}
 
 
-def model_identity(model_config) -> str:
+def model_identity(model_config, cache_config=None) -> str:
     """Which weights compute the KV, from vLLM's ModelConfig: the model (path or hub id),
-    with its revision and quantization when set."""
+    with its revision and quantization when set; `hf_overrides` when given (they change
+    the model's config, RoPE scaling included: a digest of them, or the function's name);
+    and the dtype the model computes in when the KV cache is stored in another
+    (`cache_config.cache_dtype` not "auto": the layout says only the stored one)."""
     parts = [str(model_config.model)]
     for name in ("revision", "quantization"):
         value = getattr(model_config, name, None)
         if value:
             parts.append(f"{name}={value}")
+    overrides = getattr(model_config, "hf_overrides", None)
+    if callable(overrides):
+        parts.append(f"hf_overrides={getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}")
+    elif overrides:
+        text = json.dumps(overrides, sort_keys=True, default=str)
+        parts.append(f"hf_overrides={hashlib.sha256(text.encode()).hexdigest()[:12]}")
+    if cache_config is not None and getattr(cache_config, "cache_dtype", "auto") not in ("auto", None):
+        parts.append(f"dtype={str(getattr(model_config, 'dtype', '?')).removeprefix('torch.')}")
     return " ".join(parts)
 
 
