@@ -199,20 +199,22 @@ def _distinct_ports(n: int) -> list[int]:
 class RedisCluster:
     """`masters` redis-servers in cluster mode with `replicas` replicas each, on
     127.0.0.1, created with `redis-cli --cluster create`. node_timeout_ms is how long a
-    master may be silent before its replica is promoted."""
+    master may be silent before its replica is promoted. With `tls` ({"ca", "cert",
+    "key"}: PEM files), every node speaks TLS only, to clients and to the other nodes."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000):
+    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, tls: dict | None = None):
         for exe in ("redis-server", "redis-cli"):
             if shutil.which(exe) is None:
                 raise RuntimeError(f"{exe} is not installed (scripts/ensure-system-deps.sh)")
         self.dir = tempfile.mkdtemp(prefix="rkv-rc-")
-        self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
+        self.masters, self.replicas, self.node_timeout_ms, self.tls = masters, replicas, node_timeout_ms, tls
         self.ports = _distinct_ports(masters * (1 + replicas))
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:self.masters])
+        nodes = ",".join(f"127.0.0.1:{p}" for p in self.ports[:self.masters])
+        return f"rediss+cluster://{nodes}?ssl_ca_certs={self.tls['ca']}" if self.tls else f"redis+cluster://{nodes}"
 
     def start(self) -> "RedisCluster":
         """Start every node and form the cluster. A node that exits at once (a port taken
@@ -247,6 +249,8 @@ class RedisCluster:
         else:
             nodes = [f"127.0.0.1:{p}" for p in self.ports]
             extra = ["--cluster-replicas", str(self.replicas)] if self.replicas else []
+            if self.tls:
+                extra += ["--tls", "--cacert", self.tls["ca"]]
             subprocess.run(["redis-cli", "--cluster", "create", *nodes, *extra, "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)
         self.wait_ok()
@@ -280,8 +284,13 @@ class RedisCluster:
 
     def _start_node(self, port: int) -> None:
         log = open(os.path.join(self.dir, f"{port}.log"), "ab")
+        listen = ["--port", str(port)]
+        if self.tls:
+            listen = ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
+                      "--tls-cert-file", self.tls["cert"], "--tls-key-file", self.tls["key"],
+                      "--tls-ca-cert-file", self.tls["ca"], "--tls-auth-clients", "no"]
         self.procs[port] = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            ["redis-server", *listen, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
              "--save", "", "--appendonly", "no", "--dir", self.dir,
              # replicas sync at once, and may take over however long they were cut off
@@ -290,7 +299,8 @@ class RedisCluster:
         log.close()
 
     def client(self, port: int) -> redis.Redis:
-        return redis.Redis("127.0.0.1", port, socket_timeout=2)
+        tls = {"ssl": True, "ssl_ca_certs": self.tls["ca"]} if self.tls else {}
+        return redis.Redis("127.0.0.1", port, socket_timeout=2, **tls)
 
     def _pings(self, port: int) -> bool:
         proc = self.procs.get(port)
