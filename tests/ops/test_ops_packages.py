@@ -4,6 +4,7 @@ the whole daemon, CUDA torch and all (~2.8 GB); the client now needs gRPC alone,
 two say one version. Its generated code runs on the oldest gRPC and protobuf it declares."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -34,9 +35,10 @@ def test_the_client_wheel_alone_at_its_oldest_runtimes_calls_a_daemon(module_dae
     """As in an engine's environment after `pip install radixkv` with gRPC as old as the
     client allows: the client's wheel and FLOORS in a folder, and Python started without
     site-packages (-S), so torch, numpy, the daemon and the rest are not there at all."""
-    site = tmp_path / "site"
+    site, source = tmp_path / "site", tmp_path / "client"  # built from a copy: setuptools writes build/ there
+    shutil.copytree(REPO / "client", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-warn-conflicts", "--target",
-                           str(site), *FLOORS, str(REPO / "client")], capture_output=True, text=True, timeout=600)
+                           str(site), *FLOORS, str(source)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert not (site / "torch").exists() and not (site / "radixkv_server").exists()
     assert (site / "radixkv" / "py.typed").exists()
