@@ -10,7 +10,8 @@ and puts it straight into the host pool (`place`, `get_into`). A store fault rai
 `StorageUnavailable`; a damaged page reads as a miss.
 """
 
-from .base import MAX_KEY_BYTES, Read, ReadAhead, StorageBackend, StorageStats
+from .base import MAX_KEY_BYTES, Read, ReadAhead, StorageBackend
+from .stats import StorageStats
 from .errors import StorageFull, StorageTimeout, StorageUnavailable
 from .open import open_storage
 from .file import FileStorage

@@ -14,11 +14,12 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..logs import log_event
 from .errors import StorageUnavailable
 from .health import StorageHealth
+from .stats import StorageStats
 from .record import CorruptPage, NotForThisReader, decode, decode_into, encode, verify
 
 MAX_KEY_BYTES = 64
@@ -51,26 +52,6 @@ class ReadAhead:
         release, self.release, self.records = self.release, None, None
         if release is not None:
             release()
-
-
-@dataclass(slots=True)
-class StorageStats:
-    """Counters of one backend since it was opened; `hits = gets - misses - corrupt`."""
-
-    gets: int = 0          # pages asked for by get()
-    get_bytes: int = 0     # payload bytes get() returned
-    misses: int = 0        # pages get() found absent
-    corrupt: int = 0       # pages get() found damaged (returned as None and removed)
-    puts: int = 0          # pages put() stored
-    put_bytes: int = 0     # payload bytes of those pages
-    put_skipped: int = 0   # pages put() left alone because their key was present
-    errors: int = 0        # calls that raised StorageUnavailable
-    evicted: int = 0       # pages the backend removed: to stay in its bound (file max_size), or on a full disk
-    seconds: float = 0.0   # wall time spent talking to the store
-
-    def snapshot(self) -> "StorageStats":
-        """A copy, consistent enough for metrics (fields are read without a lock)."""
-        return replace(self)
 
 
 class StorageBackend(ABC):
