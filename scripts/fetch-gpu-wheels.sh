@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads the wheels scripts/gpu-check.sh installs on a GPU machine that has no
-# network (Python 3.12, x86-64, manylinux): pyproject.toml's runtime dependencies less the
+# network (Python 3.12, x86-64, manylinux): both pyproject.toml files' runtime dependencies less the
 # machine's own torch and numpy (scripts/gpu_packages.py), at the versions installed here.
 # Run here, where pip works; the wheels land in .whl/ (git-ignored) and travel with the
 # device tool's `carry: [".whl"]`.
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
 # One version of each (two versions of a name in .whl/ stop the whole install there): the
-# versions installed here, of every package scripts/gpu_packages.py names (pyproject.toml's
+# versions installed here, of every package scripts/gpu_packages.py names (the pyproject.toml files'
 # dependencies less the GPU machine's own torch and numpy, and typing-extensions for grpcio).
 mapfile -t WHEELS < <("$PY" scripts/gpu_packages.py --pins)
 ((${#WHEELS[@]})) || { echo "error: scripts/gpu_packages.py named no package" >&2; exit 1; }

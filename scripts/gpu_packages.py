@@ -1,5 +1,6 @@
 """The Python packages the GPU check needs beyond the GPU machine's own torch and numpy,
-read from pyproject.toml's dependencies, so that a dependency added there travels to the
+read from the dependencies of both pyproject.toml files (the daemon's and its client's,
+the higher floor where both name a package), so that a dependency added there travels to the
 GPU machine without anyone remembering this list (a missing one stopped the first run on
 an H200 at its import check).
 
@@ -44,8 +45,17 @@ def minimums() -> dict[str, str]:
         if name in MACHINE_OWN or name == "radixkv":
             continue
         low = re.search(r">=\s*([0-9][^,\s]*)", spec)
-        out[name] = low.group(1) if low else "0"
+        floor = low.group(1) if low else "0"
+        if name not in out or _newer(floor, out[name]):  # the daemon's floor and the client's: the higher
+            out[name] = floor
     return {**out, **INDIRECT}
+
+
+def _newer(a: str, b: str) -> bool:
+    """Whether version `a` is past `b` (release numbers only: "1.85.1" > "1.66.2")."""
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in re.findall(r"\d+", v.split("+")[0])[:4])
+    return key(a) > key(b)
 
 
 def main(argv: list[str]) -> int:

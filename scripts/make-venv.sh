@@ -5,8 +5,12 @@
 # one says what to install.
 set -euo pipefail
 py=$1 venv=$2
-if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  echo "radixkv needs Python 3.11 or newer; $py is $("$py" -V 2>&1 || echo missing): run make PY=python3.11 ..." >&2
+if ! command -v "$py" >/dev/null; then
+  echo "radixkv needs Python 3.11 or newer: $py is not installed; run make PY=python3.11 ..." >&2
+  exit 1
+fi
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "radixkv needs Python 3.11 or newer; $py is $("$py" -V 2>&1): run make PY=python3.11 ..." >&2
   exit 1
 fi
 rm -rf "$venv"

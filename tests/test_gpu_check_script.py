@@ -71,8 +71,17 @@ def test_every_package_the_daemon_imports_reaches_the_gpu_machine():
         if not dists & reaches:
             missing[name] = sorted(imported[name])[:3]
     assert not missing, (f"imported at module level but not carried to the GPU machine: {missing}; add the "
-                         "package to pyproject.toml's dependencies (scripts/gpu_packages.py reads them)")
+                         "package to a pyproject.toml's dependencies (scripts/gpu_packages.py reads both)")
     assert {"grpc", "msgspec", "zmq", "redis", "torch"} <= third_party  # the scan reads what it should
+
+
+def test_where_the_daemon_and_its_client_both_name_a_package_the_daemons_higher_floor_is_carried():
+    """The client's floors are lower (its generated code runs on older gRPC), but the
+    daemon's gRPC is the one the GPU machine runs: with the client's read last, the check
+    took a machine's protobuf 5 for enough, and the daemon failed its import there (the
+    review of the split's diff)."""
+    floors = gpu_packages.minimums()
+    assert (floors["grpcio"], floors["protobuf"]) == ("1.85.1", "7.35.1")
 
 
 def test_the_quick_pass_runs_through_without_cuda_and_does_not_pass(tmp_path):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from opstools import REPO
 
 SERVER = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -31,6 +33,8 @@ def test_the_client_needs_grpc_alone():
 FLOORS = ("grpcio==1.66.2", "grpcio-health-checking==1.66.2", "protobuf==5.27.2")
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="grpcio 1.66.2, the client's floor, has no wheel for "
+                    "Python 3.14: its floor there is the first release with one")
 def test_the_client_wheel_alone_at_its_oldest_runtimes_calls_a_daemon(module_daemon, tmp_path):
     """As in an engine's environment after `pip install radixkv` with gRPC as old as the
     client allows: the client's wheel and FLOORS in a folder, and Python started without
@@ -38,7 +42,7 @@ def test_the_client_wheel_alone_at_its_oldest_runtimes_calls_a_daemon(module_dae
     site, source = tmp_path / "site", tmp_path / "client"  # built from a copy: setuptools writes build/ there
     shutil.copytree(REPO / "client", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-warn-conflicts", "--target",
-                           str(site), *FLOORS, str(source)], capture_output=True, text=True, timeout=600)
+                           str(site), "--only-binary=grpcio,grpcio-health-checking,protobuf", *FLOORS, str(source)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert not (site / "torch").exists() and not (site / "radixkv_server").exists()
     assert (site / "radixkv" / "py.typed").exists()
@@ -56,3 +60,9 @@ with Client({module_daemon.target!r}, timeout=10) as kv:
     assert done.returncode == 0, done.stderr
     version = CLIENT["version"]
     assert done.stdout.split() == ["1.66.2", "5.27.2", version, version, "[]"]
+    # Its command says which extra it needs (it failed with an import traceback).
+    assert "from radixkv.commands import sim" in (site / "bin" / "radixkv-sim").read_text()
+    done = subprocess.run([sys.executable, "-S", "-c", "from radixkv.commands import sim; raise SystemExit(sim())"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert done.returncode == 2 and "radixkv-sim needs torch: pip install 'radixkv[buffers]'" in done.stderr
+    assert "Traceback" not in done.stderr

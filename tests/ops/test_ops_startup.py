@@ -67,7 +67,7 @@ def test_mooncake_storage_without_its_client_is_refused_saying_what_to_install(s
         [sys.executable, "-c", hidden, "--listen", f"unix://{socket_dir}/radixkv.sock", "--metrics-port", "0",
          "--storage", "mooncake://127.0.0.1:50051"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert "needs the Mooncake Store client: pip install 'radixkv-server[mooncake]'" in done.stderr, done.stderr
+    assert "needs the Mooncake Store client" in done.stderr and "pip install 'radixkv-server[mooncake]'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 

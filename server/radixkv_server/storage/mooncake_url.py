@@ -1,6 +1,6 @@
 """`mooncake://HOST:PORT?...`: the URL form of a MooncakeStorage (see open.py)."""
 
-import importlib.util
+import importlib
 import ipaddress
 import logging
 
@@ -26,9 +26,11 @@ def open_url(url: str, parts, options: dict[str, str]) -> MooncakeStorage:
     fetch (staged: whole records through a registered staging buffer, then checked and
     copied into the host page, the default and the faster with 0.3.13; direct: header
     and payload as two parts straight into the host page, no copy)."""
-    if importlib.util.find_spec("mooncake") is None:  # else "ready", retrying an import forever
-        raise ValueError("--storage mooncake:// needs the Mooncake Store client: pip install 'radixkv-server[mooncake]' "
-                         "(and the system library libibverbs1)")
+    try:  # else "ready", retrying an import that cannot succeed, forever
+        importlib.import_module("mooncake.store")
+    except (ImportError, OSError) as e:  # the package missing, or its libraries (libibverbs1)
+        raise ValueError(f"--storage mooncake:// needs the Mooncake Store client ({e}): pip install "
+                         "'radixkv-server[mooncake]', and the system library libibverbs1") from None
     unknown = sorted(set(options) - set(URL_OPTIONS))
     if unknown:
         raise ValueError(f"unknown Mooncake option(s) {unknown} in {redact_url(url)}; use {sorted(URL_OPTIONS)}")

@@ -197,24 +197,37 @@ class RedisClusterStorage(StorageBackend):
         return self._client
 
     def _node_connected(self, conn) -> None:
-        """Each new connection to a node (after redis-py's handshake): that node's run_id.
-        A new one at an address seen before is a server restarted there, which may hold
-        none of the pages it had (`lost_contents`). Any thread."""
+        """Each new connection to a node (after redis-py's handshake): that node's run_id
+        and role. A new run_id at an address seen before is a server restarted there; as
+        a master it serves its slots with none of the pages it had (`lost_contents`). As a
+        replica (a failed master back after its replica took over, which kept the pages)
+        it serves nothing. Any thread."""
         try:
             conn.send_command("INFO", "server")
-            info = conn.read_response()
+            server = _text(conn.read_response())
+            conn.send_command("INFO", "replication")
+            replication = _text(conn.read_response())
         except ResponseError:  # INFO refused (an ACL without it): run_id unknown
             return
-        info = info if isinstance(info, bytes) else str(info).encode()
-        run_id = next((line[7:].strip() for line in info.splitlines() if line.startswith(b"run_id:")), None)
+        run_id = _field(server, b"run_id")
         if run_id is None:
             return
         node = f"{conn.host}:{conn.port}"
         with self._topology_lock:
             previous, self._run_ids[node] = self._run_ids.get(node), run_id
-        if previous is not None and previous != run_id:
-            self.lost_contents(f"the Redis Cluster node {node} restarted "
+        if previous is not None and previous != run_id and _field(replication, b"role") == b"master":
+            self.lost_contents(f"the Redis Cluster master {node} restarted "
                                f"(run_id {previous[:8].decode()} -> {run_id[:8].decode()})")
+
+
+def _text(reply) -> bytes:
+    return reply if isinstance(reply, bytes) else str(reply).encode()
+
+
+def _field(info: bytes, name: bytes) -> bytes | None:
+    """The value of `name:` in an INFO reply, or None."""
+    prefix = name + b":"
+    return next((line[len(prefix):].strip() for line in info.splitlines() if line.startswith(prefix)), None)
 
 
 MAX_BATCH = 4096  # pages one pipeline may carry per call (each node's part packed in memory at once)
