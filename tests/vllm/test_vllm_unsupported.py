@@ -74,3 +74,23 @@ def test_a_vllm_release_other_than_the_tested_one_is_warned_about(caplog):
         assert check_version("0.40.1") is False
     assert "tested with vLLM %d.%d, this is vLLM 0.40.1" % TESTED_VLLM in caplog.text
     assert vllm.__version__.startswith("%d.%d." % TESTED_VLLM)
+
+
+def test_vllm_finds_the_connector_by_its_name_alone():
+    """With radixkv installed, vLLM's plugin of it names the connector: kv_connector
+    "RadixKVConnector" without kv_connector_module_path was "Unsupported connector type"
+    (the packaging review). A fresh interpreter, as each vLLM process loads its plugins."""
+    import subprocess
+    import sys
+
+    script = """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector="RadixKVConnector", kv_role="kv_both"))
+print(cls.__module__, cls.__name__)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["radixkv.vllm.connector", "RadixKVConnector"]
