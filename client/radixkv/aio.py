@@ -181,8 +181,9 @@ class AsyncClient(ClientBase):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def match(self, prompts: Iterable, lease: bool = False, include_storage: bool = False) -> list[MatchResult]:
-        return await self._run(self._session.match(prompts, lease, include_storage))
+    async def match(self, prompts: Iterable, lease: bool = False, include_storage: bool = False,
+                    timeout: float | None | str = "client") -> list[MatchResult]:
+        return await self._run(self._session.match(prompts, lease, include_storage, timeout))
 
     async def prefetch(self, tokens, *, extra_key: bytes = b"", policy: str = "best_effort",
                        timeout: float | None = None) -> list[PrefetchProgress]:

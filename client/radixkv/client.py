@@ -147,11 +147,17 @@ class Client(ClientBase):
 
     # -- engine operations -------------------------------------------------------------
 
-    def match(self, prompts: Iterable, lease: bool = False, include_storage: bool = False) -> list[MatchResult]:
+    def match(self, prompts: Iterable, lease: bool = False, include_storage: bool = False,
+              timeout: float | None | str = "client") -> list[MatchResult]:
         """Longest cached prefix of each prompt (token lists, packed bytes or `Prompt`s),
         in order. With `lease`, each matched path is protected until `release`; with
-        `include_storage`, `storage_tokens` says how much more the storage tier holds."""
-        return self._run(self._session.match(prompts, lease, include_storage))
+        `include_storage`, `storage_tokens` says how much more the storage tier holds.
+        `timeout`: this call's deadline in seconds (default: the client's; None: none),
+        for a scheduler step that cannot wait longer. Past it, DeadlineExceeded: without
+        `lease` a miss to go on with, the session unharmed; with `lease` the leases' fate is
+        unknown, so the session is ended and registered again (the next call raises
+        SessionLost), as for any call that takes leases."""
+        return self._run(self._session.match(prompts, lease, include_storage, timeout))
 
     def start_match(self, prompts: Iterable, lease: bool = False, include_storage: bool = False) -> Future | None:
         """`match` sent on the Session stream without waiting (a client made with

@@ -28,8 +28,8 @@ from radixkv.v1 import radixkv_pb2 as pb
 from . import messages as msg
 from . import operator_plans
 from .channel import DEFAULT_TARGET, wait_serving
-from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
-                     Unavailable, Unimplemented)
+from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, RadixKVError, SessionLost,
+                     Unauthenticated, Unavailable, Unimplemented)
 from .layout import KvLayout
 from .leases import release_leases
 from .plans import Plan, PlanRun, Rpc, Sleep
@@ -198,8 +198,12 @@ class Session:
 
     # -- engine operations -------------------------------------------------------------
 
-    def match(self, prompts: Iterable, lease: bool, include_storage: bool) -> Plan[list[MatchResult]]:
-        resp = yield from self._call("Match", msg.match_request(self.id, prompts, lease, include_storage))
+    def match(self, prompts: Iterable, lease: bool, include_storage: bool,
+              timeout: float | None | str = "client") -> Plan[list[MatchResult]]:
+        if timeout not in ("client", None) and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                                or not 0 < timeout < float("inf")):
+            raise InvalidArgument(f"timeout must be a positive number of seconds, None or 'client', got {timeout!r}")
+        resp = yield from self._call("Match", msg.match_request(self.id, prompts, lease, include_storage), timeout)
         return MatchResult.all_from_pb(resp)
 
     def prefetch(self, tokens, *, extra_key: bytes, policy: str,

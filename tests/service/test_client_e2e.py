@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -123,6 +124,35 @@ def test_a_release_refused_for_one_lease_still_releases_the_others(engine):
     assert refused.value.leases == (leases[0],)
     assert [ns.leases for ns in c.stats().namespaces] == [0]
     assert sorted(evict_all(c, 3)) == [0, 1, 2]  # nothing pins them any more
+
+
+def test_a_match_can_have_a_deadline_of_its_own(daemon_factory):
+    """A scheduler step that cannot wait the client's timeout bounds its lookup (here
+    against a daemon frozen meanwhile). Without a lease the session goes on; with one the
+    leases' fate is unknown, so the session ends and is registered again, as for any
+    leasing call left unanswered."""
+    d = daemon_factory()
+    engine = Engine(d.target, "deadline/ns")
+    c, kv = engine.client, engine.kv
+    tokens = pack(range(200, 204))
+    kv.write([0], page_keys(tokens, 4))
+    c.insert(tokens, [0])
+    try:
+        for lease in (False, True):
+            d.signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(errors.DeadlineExceeded, match="Match: no answer within 0.3s"):
+                    c.match([tokens], lease=lease, timeout=0.3)
+            finally:
+                d.signal(signal.SIGCONT)
+            if not lease:
+                assert c.match([tokens])[0].device_tokens == 4 and not c.session_lost
+                with pytest.raises(errors.InvalidArgument, match="timeout must be a positive number"):
+                    c.match([tokens], timeout=0)
+        with pytest.raises(errors.SessionLost):
+            c.match([tokens])
+    finally:
+        engine.close()
 
 
 def test_a_raw_release_naming_lease_0_releases_the_others(engine):
