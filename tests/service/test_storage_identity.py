@@ -100,8 +100,8 @@ def test_a_namespace_registered_without_a_model_is_warned_about_when_storage_is_
     named = EngineDouble.connect(d.target, "named", model="llama")
     unnamed = EngineDouble.connect(d.target, "llama/tp0")
     try:
-        wait_for(lambda: "namespace llama/tp0 registered without a model" in d.log(), DEADLINE_S, "the warning")
-        assert "namespace named registered without a model" not in d.log()
+        wait_for(lambda: "event=namespace.no_model namespace=llama/tp0" in d.log(), DEADLINE_S, "the warning")
+        assert "event=namespace.no_model namespace=named" not in d.log()
     finally:
         named.close()
         unnamed.close()

@@ -27,7 +27,7 @@ def count(log: str, name: str) -> int:
 
 def test_an_outage_is_one_warning_and_one_recovery_however_many_stores_fail(daemon_factory, private_redis):
     d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through", "--log-format", "json")
-    engine = EngineDouble.connect(d.target)
+    engine = EngineDouble.connect(d.target, model="m")
     try:
         # The start's check (on a thread of its own) first: it records the server's run_id.
         wait_for(lambda: count(d.log(), "storage.checked"), DEADLINE_S, "the start's storage check")
@@ -53,7 +53,7 @@ def test_a_full_write_queue_is_one_warning_until_it_drains(daemon_factory, priva
     # fill the queue of 2 x PAGES pages, the next four are refused.
     d = daemon_factory("--storage", private_redis.url + "?socket_timeout=60", "--storage-policy", "write_through",
                        "--storage-queue-pages", str(2 * PAGES), "--log-format", "json")
-    engine = EngineDouble.connect(d.target)
+    engine = EngineDouble.connect(d.target, model="m")
     try:
         private_redis.proc.send_signal(signal.SIGSTOP)
         try:
@@ -83,7 +83,7 @@ def test_a_store_that_serves_reads_but_refuses_writes_is_one_warning_not_a_flapp
     # A long lookup timeout: a lookup slow on a loaded machine is not what this test is about.
     d = daemon_factory("--storage", private_redis.url, "--storage-policy", "write_through", "--log-format", "json",
                        "--storage-lookup-timeout", "30")
-    engine = EngineDouble.connect(d.target, host_pool_pages=2 * PAGES)
+    engine = EngineDouble.connect(d.target, host_pool_pages=2 * PAGES, model="m")
     redis = private_redis.client()
     stored = 20  # more than the host holds: the first ones are in storage only
     try:

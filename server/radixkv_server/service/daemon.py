@@ -192,10 +192,10 @@ class Daemon:
         namespace's name, so every engine of that name on any daemon sharing the store
         is served this one's KV, whatever weights it runs. Returns `ns`."""
         if self.storage is not None and not reg.model:
-            log.warning("namespace %s registered without a model: its storage keys are salted by the namespace "
-                        "name, so any engine registering that name on a daemon sharing this store is served "
-                        "its KV, whatever its weights; pass model= (the weights' id, revision, quantization)",
-                        ns.name)
+            log_event(log, "namespace.no_model", logging.WARNING, namespace=ns.name,
+                      note="its storage keys are salted by the namespace name alone: any engine registering "
+                      "that name on a daemon sharing this store is served its KV, whatever its weights; pass "
+                      "model= (the weights' id, revision, quantization)")
         self.namespaces[ns.name] = ns
         if self.metrics is not None:
             self.metrics.add_namespace(ns.name)
