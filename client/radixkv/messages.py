@@ -168,6 +168,15 @@ def match_request(session: str, prompts: Iterable, lease: bool, include_storage:
     return request
 
 
+def call_timeout(timeout):
+    """A call's own deadline as given: seconds > 0, None (none) or "client" (the
+    client's). InvalidArgument otherwise, before anything is sent."""
+    if timeout not in ("client", None) and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                            or not 0 < timeout < float("inf")):
+        raise InvalidArgument(f"timeout must be a positive number of seconds, None or 'client', got {timeout!r}")
+    return timeout
+
+
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 

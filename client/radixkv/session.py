@@ -12,8 +12,7 @@ daemon ended) is closed (answered once its copies are over), registered again wi
 last `register`'s arguments, and the call that succeeds raises `SessionLost`
 (`DaemonRestarted` for a new daemon). A call that moves pages or leases left without an
 answer ends the session the same way (`_give_up`; docs/reliability.md). The ack and
-session streams (`radixkv.acks`, `radixkv.streaming`) are opened per registration
-through the shell's `open_acks` / `open_calls`.
+session streams (`radixkv.acks`, `radixkv.streaming`) are opened per registration.
 """
 
 import functools
@@ -28,8 +27,8 @@ from radixkv.v1 import radixkv_pb2 as pb
 from . import messages as msg
 from . import operator_plans
 from .channel import DEFAULT_TARGET, wait_serving
-from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, RadixKVError, SessionLost,
-                     Unauthenticated, Unavailable, Unimplemented)
+from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, RadixKVError, SessionLost, Unauthenticated,
+                     Unavailable, Unimplemented)
 from .layout import KvLayout
 from .leases import release_leases
 from .plans import Plan, PlanRun, Rpc, Sleep
@@ -198,12 +197,9 @@ class Session:
 
     # -- engine operations -------------------------------------------------------------
 
-    def match(self, prompts: Iterable, lease: bool, include_storage: bool,
-              timeout: float | None | str = "client") -> Plan[list[MatchResult]]:
-        if timeout not in ("client", None) and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                                or not 0 < timeout < float("inf")):
-            raise InvalidArgument(f"timeout must be a positive number of seconds, None or 'client', got {timeout!r}")
-        resp = yield from self._call("Match", msg.match_request(self.id, prompts, lease, include_storage), timeout)
+    def match(self, prompts: Iterable, lease: bool, include_storage: bool, timeout="client") -> Plan[list[MatchResult]]:
+        request = msg.match_request(self.id, prompts, lease, include_storage)
+        resp = yield from self._call("Match", request, msg.call_timeout(timeout))
         return MatchResult.all_from_pb(resp)
 
     def prefetch(self, tokens, *, extra_key: bytes, policy: str,
@@ -300,9 +296,9 @@ class Session:
         """A call that moves pages or leases ended without its outcome (the daemon may
         still carry it out): mark the session lost, so the next call closes it (answered
         once its copies are over), registers again and raises SessionLost. Its streams
-        stay until that Close is answered: failing the calls and acks in flight here would
-        tell their callers nothing more is read or written while the daemon may still do
-        it. Without recovery, later calls are refused (`ended`) until close()."""
+        stay until that Close is answered (failing their calls and acks here would say the
+        daemon writes no more, which it may). Without recovery, later calls are refused
+        (`ended`) until close()."""
         if self.closed or self.registration is None:
             return
         if self._recovery is None:  # no recovery: nothing more goes out on this session
