@@ -1,14 +1,12 @@
 """Bad input, every RPC: what an engine bug could send, and the precise answer it gets.
 
-Each row of TABLE is one call with one defect. It must get exactly the status code and
-a message matching the pattern, and leave the daemon as it was: CheckInvariants clean,
-the same digest of every namespace (tree, residency, locks, pins, transfers, pools) and
-sessions. STATEFUL rows are legal-but-odd calls whose documented answer changes state
-(checked in order, invariants after each). No traceback is logged for any of it.
+Each row of TABLE is one call with one defect. It must get exactly the status code and a message matching the
+pattern, and leave the daemon as it was: CheckInvariants clean, the same digest of every namespace (tree, residency,
+locks, pins, transfers, pools) and sessions. STATEFUL rows are legal-but-odd calls whose documented answer changes
+state (checked in order, invariants after each). No traceback is logged for any of it.
 
-Setup (write_back, page size 4): namespace bad/a holds P (4 pages, on device: pages
-0-3) and its extension Q (4 pages, written back to host only), with a lease on P+Q;
-bad/b was re-attached, so its node R is stale; a session of bad/tmp was closed.
+Setup (write_back, page size 4): bad/a holds P (4 pages, on device: pages 0-3) and its extension Q (4 pages, written
+back to host only), leased; bad/b was re-attached (its node R is stale); bad/tmp's session was closed.
 """
 
 import re
