@@ -78,7 +78,7 @@ import glob, os, re, sys
 from importlib import metadata
 from packaging.version import Version
 sys.path.insert(0, "scripts")
-from gpu_packages import minimums  # pyproject.toml's dependencies, less the machine's torch and numpy
+from gpu_packages import minimums  # both pyproject.toml files' dependencies, less the machine's torch and numpy
 NEED = minimums()
 wheels = {}
 for w in glob.glob(".whl/*.whl"):

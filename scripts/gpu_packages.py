@@ -16,6 +16,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+from packaging.version import Version
+
 ROOT = Path(__file__).resolve().parent.parent
 # The GPU machine brings its own CUDA builds of these: never replaced by a wheel from here.
 MACHINE_OWN = {"torch", "numpy"}
@@ -46,16 +48,9 @@ def minimums() -> dict[str, str]:
             continue
         low = re.search(r">=\s*([0-9][^,\s]*)", spec)
         floor = low.group(1) if low else "0"
-        if name not in out or _newer(floor, out[name]):  # the daemon's floor and the client's: the higher
+        if name not in out or Version(floor) > Version(out[name]):  # the daemon's floor and the client's: the higher
             out[name] = floor
     return {**out, **INDIRECT}
-
-
-def _newer(a: str, b: str) -> bool:
-    """Whether version `a` is past `b` (release numbers only: "1.85.1" > "1.66.2")."""
-    def key(v: str) -> tuple[int, ...]:
-        return tuple(int(p) for p in re.findall(r"\d+", v.split("+")[0])[:4])
-    return key(a) > key(b)
 
 
 def main(argv: list[str]) -> int:

@@ -74,10 +74,8 @@ class Follower:
     ("write_through", "off"), ("write_back", "off"),
     ("write_through", "write_back"), ("write_back", "write_through")])
 def test_rebuilt_index_equals_the_cache_per_tier(policy, storage):
-    m = type("M", (CoreMachine,), {"policy": policy, "storage": storage})()
-    hub = EventHub(EventsConfig(subscriber_buffer=100_000))
+    m, hub, _ = machine_with_events(policy, storage)
     try:
-        m.cache.residency_listener = hub.attach(NS, PAGE)
         follower = Follower(hub)
         rnd = random.Random(11)
         for _ in range(6):
@@ -151,11 +149,12 @@ def test_dropped_batches_resync_to_the_cache_state(policy, storage):
         hub.close()
 
 
-def machine_with_events(policy: str):
-    """A core machine (`policy`, storage off) telling a fresh hub's listener, which has
-    the daemon's snapshot function: (machine, hub, listener). Close the hub."""
-    m = type("M", (CoreMachine,), {"policy": policy, "storage": "off"})()
-    hub = EventHub(EventsConfig(subscriber_buffer=100_000))
+def machine_with_events(policy: str, storage: str = "off", **events):
+    """A core machine (`policy`, `storage`) telling a fresh hub's listener (EventsConfig
+    `events` besides a large subscriber buffer), which has the daemon's snapshot
+    function: (machine, hub, listener). Close the hub."""
+    m = type("M", (CoreMachine,), {"policy": policy, "storage": storage})()
+    hub = EventHub(EventsConfig(subscriber_buffer=100_000, **events))
     listener = hub.attach(NS, PAGE, snapshot=lambda: resident(m.cache.tree))
     m.cache.residency_listener = listener
     return m, hub, listener
@@ -278,10 +277,8 @@ def test_presence_events_hold_what_the_device_or_host_holds_after_every_step(pol
     or the host. A node split gives its upper part a new id that no record announced:
     deciding from what earlier records said, a device eviction of that part read as the
     block gone while its host copy stayed."""
-    m = type("M", (CoreMachine,), {"policy": policy, "storage": storage})()
-    hub = EventHub(EventsConfig(subscriber_buffer=100_000, presence=True))
+    m, hub, _ = machine_with_events(policy, storage, presence=True)
     try:
-        m.cache.residency_listener = hub.attach(NS, PAGE)
         follower = Follower(hub)
         rnd = random.Random(5)
         for _ in range(300):

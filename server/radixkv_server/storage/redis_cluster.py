@@ -47,6 +47,7 @@ from ..logs import log_event
 from .base import StorageBackend
 from .errors import StorageUnavailable
 from .redis_cluster_batch import NODE_FAILURES, ClusterBatch, DeadlineExceeded
+from .redis_store import info_field
 
 REFRESH_INTERVAL_S = 0.25  # the least time between two re-reads of the slot map (~2 ms each)
 # A reply that says nothing of the key: its node, its slot or the call failed.
@@ -204,30 +205,20 @@ class RedisClusterStorage(StorageBackend):
         it serves nothing. Any thread."""
         try:
             conn.send_command("INFO", "server")
-            server = _text(conn.read_response())
+            server = conn.read_response()
             conn.send_command("INFO", "replication")
-            replication = _text(conn.read_response())
+            replication = conn.read_response()
         except ResponseError:  # INFO refused (an ACL without it): run_id unknown
             return
-        run_id = _field(server, b"run_id")
+        run_id = info_field(server, b"run_id")
         if run_id is None:
             return
         node = f"{conn.host}:{conn.port}"
         with self._topology_lock:
             previous, self._run_ids[node] = self._run_ids.get(node), run_id
-        if previous is not None and previous != run_id and _field(replication, b"role") == b"master":
+        if previous is not None and previous != run_id and info_field(replication, b"role") == b"master":
             self.lost_contents(f"the Redis Cluster master {node} restarted "
                                f"(run_id {previous[:8].decode()} -> {run_id[:8].decode()})")
-
-
-def _text(reply) -> bytes:
-    return reply if isinstance(reply, bytes) else str(reply).encode()
-
-
-def _field(info: bytes, name: bytes) -> bytes | None:
-    """The value of `name:` in an INFO reply, or None."""
-    prefix = name + b":"
-    return next((line[len(prefix):].strip() for line in info.splitlines() if line.startswith(prefix)), None)
 
 
 MAX_BATCH = 4096  # pages one pipeline may carry per call (each node's part packed in memory at once)

@@ -91,9 +91,8 @@ class RedisStorage(StorageBackend):
             info = conn.read_response()
         except ResponseError:  # INFO refused (an ACL without @dangerous, a proxy): run_id unknown
             return
-        info = info if isinstance(info, bytes) else str(info).encode()
         self._refuse_cluster_node(conn)
-        run_id = next((line[7:].strip() for line in info.splitlines() if line.startswith(b"run_id:")), None)
+        run_id = info_field(info, b"run_id")
         if run_id is None:
             return
         previous, self._run_id = self._run_id, run_id
@@ -108,8 +107,7 @@ class RedisStorage(StorageBackend):
             info = conn.read_response()
         except ResponseError:  # refused (an ACL): the pages' own commands will say
             return
-        info = info if isinstance(info, bytes) else str(info).encode()
-        if b"cluster_enabled:1" in info:
+        if info_field(info, b"cluster_enabled") == b"1":
             conn.disconnect()
             where = getattr(conn, "path", None) or f"{conn.host}:{conn.port}"
             raise RedisConnectionError(f"{where} is a Redis Cluster node: name the cluster "
@@ -162,6 +160,13 @@ class RedisStorage(StorageBackend):
     def _chunks(self, keys: list[bytes]):
         for i in range(0, len(keys), self.batch):
             yield keys[i:i + self.batch]
+
+
+def info_field(reply, name: bytes) -> bytes | None:
+    """The value of `name:` in a reply to INFO (bytes or text), or None."""
+    info = reply if isinstance(reply, bytes) else str(reply).encode()
+    prefix = name + b":"
+    return next((line[len(prefix):].strip() for line in info.splitlines() if line.startswith(prefix)), None)
 
 
 def _check_arguments(url, key_prefix, ttl_seconds, socket_timeout, connect_timeout,
