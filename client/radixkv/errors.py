@@ -7,25 +7,38 @@ instead of comparing status codes. `Unavailable` means the daemon could not be r
 (not running, wrong socket, or shutting down). `SessionLost` (and `DaemonRestarted`)
 come from the client itself: the session is gone and was replaced by a new one, so the
 engine must drop its view of cached device pages.
+
+`reason` tells apart refusals of one code that ask for different actions (the daemon's
+`google.rpc.ErrorInfo`: SESSION_CLOSED, NAMESPACE_MISMATCH, RANKS_MISSING, ...; the
+proto's wire conventions list them, docs/engines.md says what each asks), with
+`metadata` (for example `leases` or `field`); "" and {} when the daemon gave none.
 """
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "radixkv"  # the ErrorInfo domain of the daemon's reasons
 
 
 class RadixKVError(Exception):
     """Base class: a call the daemon (or the client, before sending) refused.
 
-    `code` is the `grpc.StatusCode`, `message` the daemon's explanation.
+    `code` is the `grpc.StatusCode`, `message` the daemon's explanation, `reason` and
+    `metadata` its ErrorInfo ("" and {} for none).
     """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     leases: tuple[int, ...] = ()  # a refused Release: the leases no session (or another) holds
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, reason: str = "",
+                 metadata: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        self.reason = reason
+        self.metadata = dict(metadata or {})
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -128,13 +141,29 @@ _BY_CODE: dict[grpc.StatusCode, type[RadixKVError]] = {
 }
 
 
-def error_for(code: grpc.StatusCode, message: str) -> RadixKVError:
+def error_for(code: grpc.StatusCode, message: str, reason: str = "",
+              metadata: dict[str, str] | None = None) -> RadixKVError:
     """The exception for a status code; codes without a class give a `RadixKVError`
     carrying that code."""
     cls = _BY_CODE.get(code)
     if cls is None:
-        return RadixKVError(message, code)
-    return cls(message)
+        return RadixKVError(message, code, reason, metadata)
+    return cls(message, reason=reason, metadata=metadata)
+
+
+def error_info(err: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    """The reason and metadata of the daemon's ErrorInfo in a failed call's status
+    details; ("", {}) when it has none (or details that do not parse, or another
+    domain's: a proxy's)."""
+    try:
+        status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
+    except (ValueError, TypeError):  # details that contradict the call's status
+        return "", {}
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.domain == DOMAIN:
+            return info.reason, dict(info.metadata)
+    return "", {}
 
 
 def code_from_int(value: int) -> grpc.StatusCode:
@@ -159,11 +188,12 @@ def from_rpc_error(err: grpc.RpcError, method: str = "", timeout: float | None =
         from . import __version__
         message = (f"the daemon has no {method} call: it is older than this client (radixkv {__version__}); "
                    f"upgrade the daemon ({message})")
-    return error_for(code, message)
+    return error_for(code, message, *error_info(err))
 
 
 __all__ = [
     "Cancelled", "DaemonRestarted", "DeadlineExceeded", "FailedPrecondition", "Internal",
     "InvalidArgument", "NotFound", "PermissionDenied", "RadixKVError", "ResourceExhausted",
-    "SessionLost", "Unauthenticated", "Unavailable", "Unimplemented", "code_from_int", "error_for", "from_rpc_error",
+    "SessionLost", "Unauthenticated", "Unavailable", "Unimplemented", "code_from_int", "error_for", "error_info",
+    "from_rpc_error",
 ]

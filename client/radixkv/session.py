@@ -177,7 +177,7 @@ class Session:
                     message = f"no session after {timeout}s: {rec.reason}; the last attempt: {e.message}"
                     if isinstance(e, (Unavailable, DeadlineExceeded)):
                         raise Unavailable(message) from None
-                    raise type(e)(message, e.code) from None  # refused: as the daemon said it
+                    raise type(e)(message, e.code, e.reason, e.metadata) from None  # refused: as the daemon said it
 
     def close(self) -> Plan[list]:
         """Mark the client closed and end the session (Close); returns the streams for
@@ -381,7 +381,7 @@ class Session:
             with self._lock:
                 rec.failed(time.monotonic())
             raise type(err)(f"session lost ({reason}); registering again failed: {err.message}",
-                            err.code) from None
+                            err.code, err.reason, err.metadata) from None
         except BaseException:  # cancelled, or the plan closed: no outcome, the next call tries
             with self._lock:
                 rec.registering = False

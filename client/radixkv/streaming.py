@@ -76,7 +76,8 @@ class CallLedger:
         """The response message, or the RadixKVError of the call's in-band status."""
         kind = response.WhichOneof("result")
         if kind == "error":
-            return error_for(code_from_int(response.error.code), response.error.message)
+            error = response.error
+            return error_for(code_from_int(error.code), error.message, error.reason, dict(error.metadata))
         if kind is None:
             return RadixKVError(f"the daemon answered call {response.id} with nothing")
         return getattr(response, kind)

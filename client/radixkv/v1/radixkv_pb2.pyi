@@ -635,12 +635,23 @@ class SessionRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., match: _Optional[_Union[MatchRequest, _Mapping]] = ..., load_back: _Optional[_Union[LoadBackRequest, _Mapping]] = ..., insert: _Optional[_Union[InsertRequest, _Mapping]] = ..., evict: _Optional[_Union[EvictRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., echo: _Optional[_Union[EchoRequest, _Mapping]] = ...) -> None: ...
 
 class CallStatus(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "reason", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("id", "match", "load_back", "insert", "evict", "release", "echo", "error")

@@ -35,7 +35,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 
 from ..core.errors import CacheError
 from ..logs import log_event
-from . import convert
+from . import convert, reasons
 from .daemon import Daemon
 from .errors import ServiceError, SessionEnd, internal, status_of, unavailable
 from .tenants import EVERYTHING, Grant
@@ -105,7 +105,7 @@ class AckStream:
             if self._closed.status is not None:
                 raise self._closed.status
             if ended_by_daemon and not self._closed:  # as the Session stream ends then
-                raise unavailable("the daemon is shutting down: the ack stream ends")
+                raise unavailable("the daemon is shutting down: the ack stream ends", reasons.SHUTTING_DOWN)
         except asyncio.CancelledError:
             reason = "ack stream cancelled (engine gone?)"
             raise
@@ -146,7 +146,7 @@ class AckStream:
             self.grant.check_session(session)
             if session.has_ack_stream:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"session {session.id} already has an ack stream")
+                                   f"session {session.id} already has an ack stream", reasons.STREAM_EXISTS)
             session.has_ack_stream = True
             session.ack_stream = self
             self.session = session
@@ -172,13 +172,15 @@ class AckStream:
             if expired is not None:
                 self.replies.put_nowait(expired_response(transfer, expired, unsolicited=False))
                 return
-            code, message = status_of(e)
-            self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=code.value[0], message=message))
+            refusal = status_of(e)
+            self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=refusal.code.value[0],
+                                                   message=refusal.message))
             return
         except Exception as e:  # a bug: answer it rather than leave the engine waiting
             log.exception("internal error acknowledging transfer %s", transfer)
-            code, message = internal("Acks", e)
-            self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=code.value[0], message=message))
+            refusal = internal("Acks", e)
+            self.replies.put_nowait(pb.AckResponse(transfer=transfer, code=refusal.code.value[0],
+                                                   message=refusal.message))
             return
         if result.error is not None:  # its copy's `copy.failed` line said why, at WARNING
             log_event(log, "load.failed", logging.DEBUG, session=self.session.id[:8],

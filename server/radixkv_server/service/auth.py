@@ -18,6 +18,8 @@ from collections.abc import Callable
 import grpc
 
 from ..logs import log_event
+from . import reasons
+from .errors import Refusal
 
 log = logging.getLogger("radixkv.auth")
 
@@ -119,7 +121,8 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     call (64 MiB; 16 such calls took it from 244 to 1330 MiB)."""
 
     async def refuse(requests, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or wrong token: send 'authorization: Bearer <token>' metadata")
+        refusal = Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token: send 'authorization: Bearer <token>' metadata", reasons.TOKEN_REJECTED)
+        await context.abort(refusal.code, refusal.message, refusal.trailer())
 
     return grpc.stream_stream_rpc_method_handler(refuse, response_serializer=handler.response_serializer)

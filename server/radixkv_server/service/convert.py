@@ -15,6 +15,7 @@ from .calls import (
     EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchPolicy, PrefetchRequest,
     PrefetchState, PrefetchStep, Prompt,
 )
+from . import reasons
 from .errors import exhausted, invalid
 from .registration import Registration
 
@@ -86,7 +87,8 @@ def prompts(request: pb.MatchRequest, limit: int, key_limit: int) -> list[Prompt
     tokens are not packed int32 or whose extra_key is past `key_limit` bytes."""
     given = request.prompts
     if len(given) > limit:
-        raise exhausted(f"{len(given)} prompts in one Match; the limit is {limit} (--max-prompts-per-match)")
+        raise exhausted(f"{len(given)} prompts in one Match; the limit is {limit} (--max-prompts-per-match)",
+                        reasons.LIMIT_REACHED, limit="--max-prompts-per-match")
     out = []
     for p in given:
         tokens = p.tokens  # each read of a bytes field is a copy: read it once

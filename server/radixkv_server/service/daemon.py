@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..config import DaemonConfig
 from ..core.errors import CacheError
 from ..logs import log_event
-from . import engine_registration, host_budget, rank_registration, registration
+from . import engine_registration, host_budget, rank_registration, reasons, registration
 from .errors import ServiceError, exhausted, not_found, precondition, REPLACED, session_end_code, unavailable
 from .expiry import Expiry
 from .idle_checks import IdleChecks
@@ -96,7 +96,7 @@ class Daemon:
         """Attach an engine. Validates everything, then opens its device buffers and
         creates (or re-attaches) the namespace. Errors change nothing."""
         if not self.accepting:
-            raise unavailable("the daemon is shutting down; register with its successor")
+            raise unavailable("the daemon is shutting down; register with its successor", reasons.SHUTTING_DOWN)
         registration.validate(reg)
         if reg.engine_managed:  # shared by many sessions: see engine_registration
             async with self._register_lock:
@@ -158,10 +158,11 @@ class Daemon:
         if ns.session is None:
             return False
         if ns.session.closing:  # began after `_closes_ended` looked
-            raise unavailable(f"namespace {reg.namespace}'s session is closing (its engine went); register again")
+            raise unavailable(f"namespace {reg.namespace}'s session is closing (its engine went); register again",
+                              reasons.NAMESPACE_BUSY)
         if not reg.replace_existing:
             raise precondition(
-                f"namespace {reg.namespace} is attached to a live session (engine "
+                reason=reasons.NAMESPACE_ATTACHED, message=f"namespace {reg.namespace} is attached to a live session (engine "
                 f"{ns.session.engine or 'unnamed'}); after an engine restart pass replace_existing")
         registration.check_may_replace(reg, [ns.session])
         return True
@@ -174,9 +175,11 @@ class Daemon:
         (host_budget.py).
         RESOURCE_EXHAUSTED past one. Returns the new namespace's config; None when joining."""
         if ns is None and len(self.namespaces) >= self.config.max_namespaces:
-            raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces")
+            raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces",
+                            reasons.LIMIT_REACHED, limit="--max-namespaces")
         if len(self.sessions) - replacing >= self.config.max_sessions:
-            raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions")
+            raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions",
+                            reasons.LIMIT_REACHED, limit="--max-sessions")
         if ns is not None:
             return None
         config = registration.namespace_config(self.config, reg, self.storage is not None)
@@ -216,12 +219,13 @@ class Daemon:
         await self._closes_ended(name)  # their engines went: dropped once the closes end
         async with self._register_lock:
             if not self.accepting:
-                raise unavailable("the daemon is shutting down")
+                raise unavailable("the daemon is shutting down", reasons.SHUTTING_DOWN)
             ns = self.namespace(name)
             attached = [s for s in self.sessions.all() if s.namespace is ns]
             if attached:
                 engines = ", ".join(sorted({s.engine or "unnamed" for s in attached}))
-                raise precondition(f"namespace {name} has {len(attached)} live session(s) (engines: {engines}); "
+                raise precondition(reason=reasons.NAMESPACE_ATTACHED,
+                                   message=f"namespace {name} has {len(attached)} live session(s) (engines: {engines}); "
                                    "stop those engines (or close their sessions) first")
             stored = 0
             if store and self.config.shutdown_store_timeout > 0:
@@ -307,7 +311,8 @@ class Daemon:
     def namespace(self, name: str) -> Namespace:
         ns = self.namespaces.get(name)
         if ns is None:
-            raise not_found(f"no namespace {name!r}; known: {sorted(self.namespaces)}")
+            raise not_found(f"no namespace {name!r}; known: {sorted(self.namespaces)}", reasons.NAMESPACE_UNKNOWN,
+                            namespace=name)
         return ns
 
     def selected(self, name: str) -> list[Namespace]:

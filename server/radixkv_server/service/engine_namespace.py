@@ -24,6 +24,7 @@ from ..core.pages import require_packed, unpack
 from ..datapath import DeviceBuffers, HostPool
 from .calls import EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchRequest, \
     PrefetchStep, Prompt
+from . import reasons
 from .errors import invalid, not_found, precondition, unavailable
 from .namespace_config import NamespaceConfig
 from .namespace_core import NamespaceCore
@@ -160,9 +161,9 @@ class EngineNamespace:
         done = await asyncio.shield(self.finish(transfer, session.id, missing_ok=True))
         if done is None:  # the session's close finished it meanwhile
             session.check_open()
-            raise precondition(f"{failed} (transfer {transfer} was finished by another call)")
+            raise precondition(f"{failed} (transfer {transfer} was finished by another call)", reasons.TRANSFER_UNKNOWN)
         if done.error is not None:
-            raise unavailable(f"{failed} ({done.error})")
+            raise unavailable(f"{failed} ({done.error})", reasons.COPY_FAILED)
 
     async def finish(self, transfer: int, owner=None, missing_ok: bool = False) -> FinishResult | None:
         """Finish a save or load once copied (see `NamespaceCore.finish`)."""
@@ -173,7 +174,7 @@ class EngineNamespace:
         self.core.release(session, leases)
 
     async def evict(self, session: Session, num_pages: int) -> EvictAnswer:
-        raise precondition(f"namespace {self.name} is engine-managed: the engines keep their own blocks and the "
+        raise precondition(reason=reasons.WRONG_ROLE, message=f"namespace {self.name} is engine-managed: the engines keep their own blocks and the "
                            "daemon holds none to evict (host room is made by the daemon itself)")
 
     def prefetch(self, session: Session, request: PrefetchRequest) -> AsyncIterator[PrefetchStep]:
@@ -184,7 +185,7 @@ class EngineNamespace:
 
     def _require(self, session: Session, role: str, what: str) -> None:
         if session.role != role:
-            raise precondition(f"{what} needs an {role.upper()} session (registered with its KV buffers); "
+            raise precondition(reason=reasons.WRONG_ROLE, message=f"{what} needs an {role.upper()} session (registered with its KV buffers); "
                                f"this session is {session.role.upper()}")
 
     @staticmethod
@@ -202,7 +203,8 @@ class EngineNamespace:
     def _check_lease_covers(self, lease: int, node: int) -> None:
         held = next((s.leases[lease] for s in self.sessions.values() if lease in s.leases), None)
         if held is None:
-            raise not_found(f"lease {lease} is not held by any session of namespace {self.name} (released or expired)")
+            raise not_found(f"lease {lease} is not held by any session of namespace {self.name} (released or expired)",
+                            reasons.LEASE_UNKNOWN, leases=lease)
         path = {n.id for n in self.cache.node(held).path()}
         if node not in path:
             raise invalid(f"lease {lease} covers node {held}'s path, which does not contain node {node}")

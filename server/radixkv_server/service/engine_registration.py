@@ -9,7 +9,7 @@ namespace. Called by `Daemon.register` under its registration lock.
 import logging
 
 from ..logs import log_event
-from . import registration
+from . import reasons, registration
 from .engine_namespace import SCHEDULER, EngineNamespace
 from .errors import precondition
 
@@ -20,7 +20,7 @@ def check_compatible(ns, reg: registration.Registration) -> None:
     """FAILED_PRECONDITION unless `reg` may join the existing namespace `ns`."""
     registration.check_compatible(ns, reg, reg.write_policy or ns.config.cache.write_policy.value)
     if ns.tp_size != reg.tp_size:
-        raise precondition(f"namespace {ns.name} is sharded over tp_size {ns.tp_size} ranks, this session says "
+        raise precondition(reason=reasons.NAMESPACE_MISMATCH, field="tp_size", message=f"namespace {ns.name} is sharded over tp_size {ns.tp_size} ranks, this session says "
                            f"tp_size {reg.tp_size}: every engine sharing a namespace uses one tensor-parallel size")
 
 

@@ -1,86 +1,118 @@
-"""Every error a caller can cause, mapped to a gRPC status in this one place."""
+"""Every error a caller can cause, mapped to a gRPC status in this one place: a code, a
+message for a person and, where an engine must tell refusals of one code apart, a
+reason (`reasons.py`) with its metadata, sent as a `google.rpc.ErrorInfo`."""
 
 import asyncio
+from typing import NamedTuple
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from ..core import errors as core
+from . import reasons
 
 
 class ServiceError(Exception):
-    """An error raised by the RPC layer itself (sessions, limits, registration)."""
+    """An error raised by the RPC layer itself (sessions, limits, registration):
+    `reason` (one of `reasons`, "" for none) and `metadata` go out as its ErrorInfo."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "", **metadata: object):
         super().__init__(message)
         self.code = code
+        self.reason = reason
+        self.metadata = {key: str(value) for key, value in metadata.items()}
+
+
+class Refusal(NamedTuple):
+    """What a refused call ends with (or a Session stream's CallStatus says)."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str = ""
+    metadata: dict[str, str] = {}
+
+    def trailer(self) -> tuple:
+        """Trailing metadata carrying the status with its ErrorInfo (`grpc-status-details-bin`,
+        read by grpc_status.rpc_status.from_call); empty without a reason."""
+        if not self.reason:
+            return ()
+        info = any_pb2.Any()
+        info.Pack(error_details_pb2.ErrorInfo(reason=self.reason, domain=reasons.DOMAIN, metadata=self.metadata))
+        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=[info])
+        return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 # Most specific first: the first matching class decides the status.
-_CORE_STATUS: list[tuple[type, grpc.StatusCode]] = [
-    (core.NotOwner, grpc.StatusCode.PERMISSION_DENIED),
-    (core.PageOwnershipError, grpc.StatusCode.INVALID_ARGUMENT),
-    (core.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (core.UnknownNode, grpc.StatusCode.NOT_FOUND),
-    (core.UnknownTransfer, grpc.StatusCode.NOT_FOUND),
-    (core.LockError, grpc.StatusCode.FAILED_PRECONDITION),
-    (core.NotReady, grpc.StatusCode.UNAVAILABLE),
-    (core.CacheError, grpc.StatusCode.FAILED_PRECONDITION),
+_CORE_STATUS: list[tuple[type, grpc.StatusCode, str]] = [
+    (core.NotOwner, grpc.StatusCode.PERMISSION_DENIED, reasons.OTHER_SESSION),
+    (core.PageOwnershipError, grpc.StatusCode.INVALID_ARGUMENT, ""),
+    (core.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, ""),
+    (core.UnknownNode, grpc.StatusCode.NOT_FOUND, reasons.NODE_UNKNOWN),
+    (core.UnknownTransfer, grpc.StatusCode.NOT_FOUND, reasons.TRANSFER_UNKNOWN),
+    (core.LockError, grpc.StatusCode.FAILED_PRECONDITION, ""),
+    (core.NotReady, grpc.StatusCode.UNAVAILABLE, ""),
+    (core.CacheError, grpc.StatusCode.FAILED_PRECONDITION, ""),
 ]
 
 
 MAX_MESSAGE_BYTES = 2000  # UTF-8: a status travels in a trailer of 16 KiB at most, percent-encoded (x3)
+MAX_METADATA_BYTES = 1000  # per value (a list of leases): the details repeat the message besides
 
 
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
-    """The status and message for a caller error; None for anything else (a bug). A
-    message quoting a caller's string of many kilobytes (a session id, a name) is cut to
-    MAX_MESSAGE_BYTES: whole, it passed gRPC's trailer limit and the caller got
-    RESOURCE_EXHAUSTED "metadata size exceeds hard limit" instead."""
+def status_of(exc: Exception) -> Refusal | None:
+    """The status for a caller error; None for anything else (a bug). A message quoting
+    a caller's string of many kilobytes (a session id, a name) is cut to
+    MAX_MESSAGE_BYTES, and a metadata value to MAX_METADATA_BYTES: whole, they passed
+    gRPC's trailer limit and the caller got RESOURCE_EXHAUSTED "metadata size exceeds
+    hard limit" instead."""
     if isinstance(exc, ServiceError):
-        return exc.code, _cut(str(exc))
-    for cls, code in _CORE_STATUS:
+        metadata = {key: _cut(value, MAX_METADATA_BYTES) for key, value in exc.metadata.items()}
+        return Refusal(exc.code, _cut(str(exc)), exc.reason, metadata)
+    for cls, code, reason in _CORE_STATUS:
         if isinstance(exc, cls):
-            return code, _cut(str(exc))
+            return Refusal(code, _cut(str(exc)), reason)
     return None
 
 
-def internal(where: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+def internal(where: str, exc: BaseException) -> Refusal:
     """The status answering a bug in `where`: INTERNAL naming the exception's type only
     (its text may quote the daemon's memory or paths; the daemon's log has the traceback).
     Every RPC path, unary or stream, answers a bug with it."""
-    return grpc.StatusCode.INTERNAL, f"internal error in {where}: {type(exc).__name__}"
+    return Refusal(grpc.StatusCode.INTERNAL, f"internal error in {where}: {type(exc).__name__}")
 
 
-def _cut(message: str) -> str:
+def _cut(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
     encoded = message.encode()
-    if len(encoded) <= MAX_MESSAGE_BYTES:
+    if len(encoded) <= limit:
         return message
-    kept = encoded[:MAX_MESSAGE_BYTES].decode(errors="ignore")  # on a character's boundary
+    kept = encoded[:limit].decode(errors="ignore")  # on a character's boundary
     return f"{kept}... (cut: {len(message)} characters)"
 
 
-def invalid(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid(message: str, reason: str = "", **metadata: object) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, reason, **metadata)
 
 
-def not_found(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.NOT_FOUND, message)
+def not_found(message: str, reason: str = "", **metadata: object) -> ServiceError:
+    return ServiceError(grpc.StatusCode.NOT_FOUND, message, reason, **metadata)
 
 
-def precondition(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
+def precondition(message: str, reason: str = "", **metadata: object) -> ServiceError:
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message, reason, **metadata)
 
 
-def exhausted(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+def exhausted(message: str, reason: str = "", **metadata: object) -> ServiceError:
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason, **metadata)
 
 
-def unauthenticated(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, message)
+def unauthenticated(message: str, reason: str = "", **metadata: object) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, message, reason, **metadata)
 
 
-def unavailable(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+def unavailable(message: str, reason: str = "", **metadata: object) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message, reason, **metadata)
 
 
 REPLACED = "replaced by a new registration"  # why a session another engine's Register took the place of ended
@@ -104,7 +136,7 @@ class SessionEnd:
 
     def __init__(self):
         self.event = asyncio.Event()
-        self._failure: tuple[grpc.StatusCode, str] | None = None
+        self._failure: tuple[grpc.StatusCode, str, str] | None = None
 
     def __bool__(self) -> bool:
         return self.event.is_set()
@@ -119,6 +151,7 @@ class SessionEnd:
         if self.event.is_set():
             return False
         if code is not None:
-            self._failure = (code, f"session {session_id} was closed: {reason}")
+            why = reasons.SESSION_REPLACED if code is grpc.StatusCode.FAILED_PRECONDITION else reasons.SESSION_CLOSED
+            self._failure = (code, f"session {session_id} was closed: {reason}", why)
         self.event.set()
         return True

@@ -10,6 +10,7 @@ is never refused here.
 
 import os
 
+from . import reasons
 from .errors import exhausted
 
 MACHINE_SHARE = 0.8  # of the machine's memory, outside a memory-limited cgroup
@@ -95,4 +96,4 @@ def check_room(held: dict[str, int], name: str, nbytes: int, limit: int, source:
         raise exhausted(
             f"a host pool of {nbytes} bytes for namespace {name} would take the host pools to {total} bytes, "
             f"past {limit} ({source}); pools held: {holders}. Register with fewer host_pool_pages, drop a "
-            "namespace (DropNamespace) or raise --max-host-memory")
+            "namespace (DropNamespace) or raise --max-host-memory", reasons.HOST_MEMORY_BUDGET)

@@ -23,6 +23,7 @@ from ..datapath import HostPool
 from ..events import resident
 from .calls import MatchAnswer, PrefetchPolicy, PrefetchRequest, PrefetchState, PrefetchStep, Prompt
 from .copies import Copies
+from . import reasons
 from .errors import not_found, precondition
 from .namespace_config import NamespaceConfig
 from .rank_copies import RankCopies
@@ -88,7 +89,7 @@ class NamespaceCore:
         """Fetch what storage holds of the prompt past the cache into host memory,
         reporting progress as the policy asks. FAILED_PRECONDITION without storage."""
         if self.copies.storage is None:
-            raise precondition("no storage tier is configured (start the daemon with --storage)")
+            raise precondition("no storage tier is configured (start the daemon with --storage)", reasons.NO_STORAGE)
         # A caller that waits for the whole fetch loses nothing if the read that finds the
         # run brings it along; the other policies answer STARTED as soon as it is found.
         losses = self.cache.storage_losses  # a loss while the lookup reads: its pages join as not stored

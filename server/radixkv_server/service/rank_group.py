@@ -17,6 +17,7 @@ The event loop owns it. Pure bookkeeping: the namespace attaches and closes buff
 import asyncio
 
 from ..datapath import DeviceBuffers, RankedBuffers
+from . import reasons
 from .errors import precondition, unavailable
 from .sessions import Session
 
@@ -86,7 +87,7 @@ class RankGroup:
             if self.sessions.get(session.rank) is session and (dropped is not None or not formed.done()):
                 return dropped
         raise unavailable(f"namespace {self.name}'s ranks went before all {self.tp_size} were in (a rank's "
-                          "session ended, or attaching their buffers failed); register again")
+                          "session ended, or attaching their buffers failed); register again", reasons.NAMESPACE_BUSY)
 
     def leave(self, session: Session) -> bool:
         """Remove `session` (closing its buffers if the group never completed with them).
@@ -114,14 +115,16 @@ class RankGroup:
         the driver, and (naming the missing ranks) while the group is not complete. Not
         UNAVAILABLE: clients take that for a lost daemon and register again."""
         if session.closing:  # the group's sessions all begin closing when one does
-            raise precondition(f"{what}: session {session.id[:8]} is closing with its engine's ranks")
+            raise precondition(f"{what}: session {session.id[:8]} is closing with its engine's ranks",
+                               reasons.SESSION_CLOSED, session=session.id)
         if session.rank != DRIVER:
             raise precondition(
-                f"{what}: namespace {self.name} is shared by {self.tp_size} tensor-parallel ranks and rank "
+                reason=reasons.NOT_DRIVER_RANK, message=f"{what}: namespace {self.name} is shared by {self.tp_size} tensor-parallel ranks and rank "
                 f"{DRIVER}'s session makes its calls; this session is rank {session.rank}'s (it lends its buffers)")
         if not self.complete:
             missing = self.missing()
-            raise precondition(f"{what}: namespace {self.name} waits for rank{'s' if len(missing) > 1 else ''} "
+            raise precondition(reason=reasons.RANKS_MISSING, missing=",".join(map(str, missing)),
+                               message=f"{what}: namespace {self.name} waits for rank{'s' if len(missing) > 1 else ''} "
                                f"{', '.join(map(str, missing))} of {self.tp_size} to register (or re-register: "
                                "a group whose rank left ends whole)")
 

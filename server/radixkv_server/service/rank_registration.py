@@ -13,7 +13,7 @@ import logging
 import time
 
 from ..logs import log_event
-from . import registration
+from . import reasons, registration
 from .errors import REPLACED, precondition, unavailable
 from .namespace import Namespace
 from .sessions import Session
@@ -25,7 +25,8 @@ def check_not_closing(daemon, name: str) -> None:
     """UNAVAILABLE while a session of namespace `name` is closing: a group's sessions end
     together, and the device tier they leave is detached only once their closes ended."""
     if any(s.closing and s.namespace.name == name for s in daemon.sessions.all()):
-        raise unavailable(f"namespace {name}'s ranks are closing (a rank of its engine went); register again")
+        raise unavailable(f"namespace {name}'s ranks are closing (a rank of its engine went); register again",
+                          reasons.NAMESPACE_BUSY)
 
 
 def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[Session]:
@@ -39,17 +40,18 @@ def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[S
     other = next((s for s in members if s.instance != reg.instance), None)
     if holder is None and other is None:
         if members and reg.num_device_pages != ns.num_device_pages:
-            raise precondition(f"namespace {ns.name}'s ranks hold {ns.num_device_pages} device pages each, this "
+            raise precondition(reason=reasons.NAMESPACE_MISMATCH, field="num_device_pages",
+                               message=f"namespace {ns.name}'s ranks hold {ns.num_device_pages} device pages each, this "
                                f"rank {reg.num_device_pages}: the ranks of an engine share one page table")
         return []
     if not reg.replace_existing:
         if holder is not None:
             raise precondition(
-                f"rank {reg.tp_rank} of namespace {reg.namespace} is attached to a live session (engine "
+                reason=reasons.NAMESPACE_ATTACHED, message=f"rank {reg.tp_rank} of namespace {reg.namespace} is attached to a live session (engine "
                 f"{holder.engine or 'unnamed'}); after an engine restart pass replace_existing (it replaces "
                 "every rank of that engine)")
         raise precondition(
-            f"namespace {reg.namespace}'s ranks belong to engine instance {other.instance!r}, this rank to "
+            reason=reasons.NAMESPACE_ATTACHED, message=f"namespace {reg.namespace}'s ranks belong to engine instance {other.instance!r}, this rank to "
             f"{reg.instance!r}: the ranks of one engine register with one instance; after an engine restart "
             "pass replace_existing")
     registration.check_may_replace(reg, members)

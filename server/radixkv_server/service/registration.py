@@ -16,6 +16,7 @@ from ..core.page_keys import layout_fingerprint, namespace_salt
 from ..datapath import BACKENDS, BufferSpec, DeviceOpenError, SegmentNotYours, open_device_buffers
 from ..datapath.device import buffer_geometry
 from ..datapath.cuda_devices import ordinal_for_uuid, visible_uuids
+from . import reasons
 from .errors import ServiceError, exhausted, invalid, precondition
 from .namespace import Namespace
 from .namespace_config import NamespaceConfig, host_layout
@@ -147,31 +148,36 @@ def check_may_replace(reg: Registration, sessions) -> None:
     if other is not None and not reg.operator:
         raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
                            f"namespace {reg.namespace}'s live session {other.id[:8]} was registered with another "
-                           "token: only that token (or an operator's) may replace it")
+                           "token: only that token (or an operator's) may replace it", reasons.OTHER_SESSION)
+
+
+def mismatch(field: str, message: str) -> ServiceError:
+    """FAILED_PRECONDITION NAMESPACE_MISMATCH: the namespace holds KV that differs in `field`."""
+    return precondition(message, reasons.NAMESPACE_MISMATCH, field=field)
 
 
 def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
     """FAILED_PRECONDITION when an existing namespace holds KV the engine cannot use."""
     if getattr(ns, "engine_managed", False) != reg.engine_managed:
         tier = "engine-managed" if reg.engine_managed else "managed-device"
-        raise precondition(f"namespace {ns.name} has the other device tier: this registration asks for "
+        raise mismatch("device_tier", f"namespace {ns.name} has the other device tier: this registration asks for "
                            f"{tier}; every session of a namespace uses the tier of its first one")
     if ns.layout != reg.layout:
-        raise precondition(f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
+        raise mismatch("layout", f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
                            "use a new namespace name for this one")
     if ns.config.model != reg.model_name:
-        raise precondition(f"namespace {ns.name} holds KV of model {ns.config.model!r}, not {reg.model_name!r}: "
+        raise mismatch("model", f"namespace {ns.name} holds KV of model {ns.config.model!r}, not {reg.model_name!r}: "
                            "another model's KV must not be served; use a new namespace name for this one")
     if not reg.engine_managed and ns.config.tp_size != reg.tp_size:
-        raise precondition(f"namespace {ns.name} is shared by tp_size {ns.config.tp_size} tensor-parallel ranks, "
+        raise mismatch("tp_size", f"namespace {ns.name} is shared by tp_size {ns.config.tp_size} tensor-parallel ranks, "
                            f"this session says tp_size {reg.tp_size}: every rank of an engine registers on one "
                            "namespace with the engine's tp_size")
     if policy != ns.config.cache.write_policy.value:
-        raise precondition(f"namespace {ns.name} uses write policy {ns.config.cache.write_policy.value}, "
+        raise mismatch("write_policy", f"namespace {ns.name} uses write policy {ns.config.cache.write_policy.value}, "
                            f"not {policy}")
     geometry = page_geometry(reg)
     if None not in (geometry, ns.page_geometry) and geometry != ns.page_geometry:
-        raise precondition(f"namespace {ns.name}'s host pages hold device pages split over {ns.page_geometry[0]} "
+        raise mismatch("page_split", f"namespace {ns.name}'s host pages hold device pages split over {ns.page_geometry[0]} "
                            f"buffers of {ns.page_geometry[1]} bytes; these buffers split them {geometry[0]} x "
                            f"{geometry[1]}, another byte order: use a new namespace name for this engine")
 

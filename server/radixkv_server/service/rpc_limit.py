@@ -21,6 +21,8 @@ from collections.abc import Callable
 import grpc
 from radixkv.v1 import radixkv_pb2 as pb
 
+from . import reasons
+from .errors import Refusal
 from .wire import handler_kind
 
 RADIXKV_PREFIX = f"/{pb.DESCRIPTOR.services_by_name['RadixKV'].full_name}/"
@@ -74,9 +76,10 @@ class RpcLimit(grpc.aio.ServerInterceptor):
             if self._on_refused is not None:
                 self._on_refused(method)
             flag = f" ({self._flag})" if self._flag else ""
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"Concurrent RPC limit exceeded: {self.in_flight} {self._what} in progress, "
-                                f"the limit{flag} is {self.limit}")
+            refusal = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"Concurrent RPC limit exceeded: {self.in_flight} {self._what} in progress, "
+                              f"the limit{flag} is {self.limit}", reasons.LIMIT_REACHED, {"limit": self._flag})
+            await context.abort(refusal.code, refusal.message, refusal.trailer())
         self.in_flight += 1
 
     def _counted(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

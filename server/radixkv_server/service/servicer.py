@@ -19,7 +19,7 @@ from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 from .. import __version__
 from ..core.errors import CacheError
 from ..logs import log_event
-from . import convert, engine_ops
+from . import convert, engine_ops, reasons
 from .acks import AckStream
 from .daemon import Daemon
 from .errors import ServiceError, internal, invalid, precondition, status_of, unauthenticated
@@ -53,12 +53,13 @@ def rpc(method):
                 authorize(self.grant(context), self.daemon.sessions, name, request)
             return await method(self, request, context)
         except (CacheError, ServiceError) as e:
-            code, message = status_of(e)
+            refusal = status_of(e)
+            code = refusal.code
             if name == "Register":  # an engine left without its cache: the operator's business
-                self.refused_register(request.namespace, code, message)
+                self.refused_register(request.namespace, code, refusal.message)
             else:
-                log_event(log, "rpc.refused", logging.DEBUG, method=name, code=code.name, message=message)
-            await end_call(context, code, message, name)
+                log_event(log, "rpc.refused", logging.DEBUG, method=name, code=code.name, message=refusal.message)
+            await end_call(context, refusal, name)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -72,8 +73,9 @@ def rpc(method):
             raise asyncio.CancelledError(f"{name}: the call ended before its answer was sent") from e
         except Exception as e:
             log.exception("internal error in %s", name)
-            code, message = internal(name, e)
-            await end_call(context, code, message, name)
+            refusal = internal(name, e)
+            code = refusal.code
+            await end_call(context, refusal, name)
         finally:
             self.daemon.last_call = now = time.monotonic()
             if counted and (session := self.daemon.sessions.peek(getattr(request, "session", ""))) is not None:
@@ -115,7 +117,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
             return EVERYTHING
         grant = self.tokens.grant(context.invocation_metadata())
         if grant is None:  # the token file was reloaded since the call was admitted
-            raise unauthenticated("missing or wrong token: send 'authorization: Bearer <token>' metadata")
+            raise unauthenticated("missing or wrong token: send 'authorization: Bearer <token>' metadata",
+                                  reasons.TOKEN_REJECTED)
         return grant
 
     @rpc
@@ -226,7 +229,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         if not request.namespace:
             raise invalid("DropNamespace needs the namespace to drop")
         if request.store and self.daemon.storage is None:
-            raise precondition("DropNamespace with store: no storage tier is configured (start the daemon with "
+            raise precondition(reason=reasons.NO_STORAGE, message="DropNamespace with store: no storage tier is "
+                               "configured (start the daemon with "
                                "--storage), so nothing would keep the host copies; drop without store to lose them")
         d = await self.daemon.drop_namespace(request.namespace, request.store)
         return pb.DropNamespaceResponse(host_tokens=d.host_tokens, freed_host_bytes=d.freed_host_bytes,

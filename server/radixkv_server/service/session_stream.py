@@ -31,7 +31,7 @@ from radixkv.v1 import radixkv_pb2 as pb
 
 from ..core.errors import CacheError
 from ..logs import log_event
-from . import engine_ops
+from . import engine_ops, reasons
 from .daemon import Daemon
 from .errors import ServiceError, SessionEnd, internal, precondition, status_of, unavailable
 from .sessions import Session
@@ -89,7 +89,7 @@ class SessionStream:
         error as a local: its traceback holds the frames, and so the stream (a cycle only
         the cyclic collector would free, with the call's context)."""
         status = self._closed.status if self._closed else unavailable(
-            "the daemon is shutting down: the session stream ends")
+            "the daemon is shutting down: the session stream ends", reasons.SHUTTING_DOWN)
         if status is not None:
             try:
                 raise status from None
@@ -140,6 +140,7 @@ class SessionStream:
         method = CALLS[kind][1] if kind in CALLS else "Echo"
         start = time.perf_counter()
         code = grpc.StatusCode.OK
+        refusal = None
         response = pb.SessionResponse(id=request.id)
         try:
             if kind is None:
@@ -153,14 +154,17 @@ class SessionStream:
             await CALLS[kind][0](self.daemon, self._session_for(call.session), call, reply)
             return response
         except (CacheError, ServiceError) as e:
-            code, message = status_of(e)
-            log_event(log, "rpc.refused", logging.DEBUG, method=f"Session.{method}", code=code.name, message=message)
+            refusal = status_of(e)
+            log_event(log, "rpc.refused", logging.DEBUG, method=f"Session.{method}", code=refusal.code.name,
+                      message=refusal.message)
         except Exception as e:  # a bug: answer it, keep the stream
             log.exception("internal error in Session.%s", method)
-            code, message = internal(method, e)
+            refusal = internal(method, e)
         finally:
-            self._count(method, code, time.perf_counter() - start)
-        response.error.code, response.error.message = code.value[0], message  # replaces a partial answer
+            self._count(method, code if refusal is None else refusal.code, time.perf_counter() - start)
+        error = response.error  # replaces a partial answer
+        error.code, error.message, error.reason = refusal.code.value[0], refusal.message, refusal.reason
+        error.metadata.update(refusal.metadata)
         return response
 
     def _count(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
@@ -183,13 +187,13 @@ class SessionStream:
             session = self.daemon.session(session_id)
             self.grant.check_session(session)
             if session.session_stream is not None:
-                raise precondition(f"session {session.id} already has a session stream")
+                raise precondition(f"session {session.id} already has a session stream", reasons.STREAM_EXISTS)
             session.session_stream = self
             self.session = session
             return session
         if session_id and session_id != self.session.id:
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"this session stream belongs to session {self.session.id}")
+                               f"this session stream belongs to session {self.session.id}", reasons.OTHER_SESSION)
         session = self.daemon.session(self.session.id)  # UNAUTHENTICATED once it closed
         if not self.grant.everything:
             self.grant.check_session(session)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..core.ids import fresh_ids
+from . import reasons
 from .errors import ServiceError, exhausted, invalid, not_found, precondition, unauthenticated
 
 REMEMBER_EXPIRED = 4096  # expired leases and load-backs remembered per session, for clear errors
@@ -77,7 +78,8 @@ class Session:
     def check_open(self) -> None:
         """FAILED_PRECONDITION once the session began closing (after an `await`)."""
         if self.closing:
-            raise precondition(f"session {self.id} closed while this call waited")
+            raise precondition(f"session {self.id} closed while this call waited", reasons.SESSION_CLOSED,
+                               session=self.id)
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -86,7 +88,7 @@ class Session:
         (counting those its calls in flight hold room for: `lease_room`); called before a
         call takes any, so none is taken that its caller never learns of."""
         if more > 0 and len(self.leases) + self.lease_room_held + more > self.max_leases:
-            raise exhausted(f"session {self.id[:8]} holds {len(self.leases)} leases and this call would take "
+            raise exhausted(reason=reasons.LIMIT_REACHED, limit="--max-leases-per-session", message=f"session {self.id[:8]} holds {len(self.leases)} leases and this call would take "
                             f"{more} more, past --max-leases-per-session {self.max_leases}: release the leases of "
                             "requests that are done (each pins its pages against eviction)")
 
@@ -149,8 +151,10 @@ class Session:
         foreign = [lease for lease in leases if self.held_elsewhere(lease)]
         if foreign:
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
-                               "; ".join(f"lease {lease} belongs to another session" for lease in foreign))
-        raise not_found("; ".join(self._lease_unknown(lease) for lease in leases))
+                               "; ".join(f"lease {lease} belongs to another session" for lease in foreign),
+                               reasons.OTHER_SESSION, leases=",".join(map(str, foreign)))
+        raise not_found("; ".join(self._lease_unknown(lease) for lease in leases), reasons.LEASE_UNKNOWN,
+                        leases=",".join(map(str, leases)))
 
     def _lease_unknown(self, lease: int) -> str:
         why = self.expired.get(("lease", lease))
@@ -284,15 +288,18 @@ class SessionRegistry:
     def get(self, session_id: str) -> Session:
         """The live session with this id; UNAUTHENTICATED with the reason otherwise."""
         if not session_id:
-            raise unauthenticated("no session given: call Register and pass the session it returns")
+            raise unauthenticated("no session given: call Register and pass the session it returns",
+                                  reasons.SESSION_REQUIRED)
         session = self._live.get(session_id)
         if session is None:
             reason = self._closed.get(session_id)
             if reason is not None:
-                raise unauthenticated(f"session {session_id} was closed ({reason}); register again")
-            raise unauthenticated(f"unknown session {session_id!r}; register again (the daemon may have restarted)")
+                raise unauthenticated(f"session {session_id} was closed ({reason}); register again",
+                                      reasons.SESSION_CLOSED, session=session_id)
+            raise unauthenticated(f"unknown session {session_id!r}; register again (the daemon may have restarted)",
+                                  reasons.SESSION_UNKNOWN, session=session_id)
         if session.closing:
-            raise unauthenticated(f"session {session_id} is closing")
+            raise unauthenticated(f"session {session_id} is closing", reasons.SESSION_CLOSED, session=session_id)
         session.last_call = time.monotonic()
         return session
 

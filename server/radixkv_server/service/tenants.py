@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import grpc
 
 from ..logs import log_event
+from . import reasons
 from .errors import ServiceError, not_found
 
 log = logging.getLogger("radixkv.auth")
@@ -63,7 +64,8 @@ class Grant:
         if not self.allows(namespace):
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
                                f"this token does not grant namespace {namespace!r} "
-                               f"(it grants: {', '.join(self.patterns)})")
+                               f"(it grants: {', '.join(self.patterns)})", reasons.NAMESPACE_NOT_GRANTED,
+                               namespace=namespace)
 
     def check_session(self, session) -> None:
         """PERMISSION_DENIED unless this grant may act as `session`: one of every
@@ -75,7 +77,7 @@ class Grant:
         self.check(session.namespace.name)
         if session.owner != self.owner:
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"session {session.id[:8]} was registered with another token")
+                               f"session {session.id[:8]} was registered with another token", reasons.OTHER_SESSION)
 
     def shows(self, session) -> str:
         """The session's id as Stats shows it to this grant: whole to its owner and to an
@@ -185,7 +187,8 @@ def visible(grant: Grant, namespaces: dict, name: str) -> list:
         return [ns for n, ns in namespaces.items() if grant.allows(n)]
     grant.check(name)
     if name not in namespaces:
-        raise not_found(f"no namespace {name!r}; known: {sorted(n for n in namespaces if grant.allows(n))}")
+        raise not_found(f"no namespace {name!r}; known: {sorted(n for n in namespaces if grant.allows(n))}",
+                        reasons.NAMESPACE_UNKNOWN, namespace=name)
     return [namespaces[name]]
 
 
@@ -211,7 +214,7 @@ def authorize(grant: Grant, sessions, method: str, request) -> None:
     elif namespace == "" and method in NAME_REQUIRED:
         raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
                            f"this token grants only some namespaces ({', '.join(grant.patterns)}): "
-                           f"{method} must name one")
+                           f"{method} must name one", reasons.NAMESPACE_NOT_GRANTED)
 
 
 __all__ = ["EVERYTHING", "Grant", "TokenFileError", "Tokens", "authorize", "parse_token_file", "visible"]

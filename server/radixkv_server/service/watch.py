@@ -22,6 +22,7 @@ from ..events import AsyncSubscription, PublishedBatch, ReplayUnavailable, Subsc
 from ..events.builder import TIER_MEDIUM
 from ..events.hub import NamespaceEvents
 from ..events.publisher import MAX_BATCH_BYTES, MAX_EVENTS_PER_BATCH
+from . import reasons
 from .errors import ServiceError, precondition, unavailable
 from .registration import check_namespace_name
 
@@ -41,10 +42,10 @@ async def watch(daemon, request: pb.WatchEventsRequest) -> AsyncIterator[pb.KvEv
     namespace."""
     hub = daemon.events
     if hub is None:
-        raise precondition("KV events are off: start the daemon with --kv-events-watch true "
+        raise precondition(reason=reasons.EVENTS_OFF, message="KV events are off: start the daemon with --kv-events-watch true "
                            "(or a --kv-events-endpoint)")
     if not daemon.accepting:
-        raise unavailable("the daemon is shutting down")
+        raise unavailable("the daemon is shutting down", reasons.SHUTTING_DOWN)
     if request.namespace:  # one that does not exist yet may come: wait for it; one that cannot, refuse
         check_namespace_name(request.namespace)
     from_seq = request.from_seq if request.HasField("from_seq") else None

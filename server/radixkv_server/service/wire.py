@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from ..logs import log_event
+from .errors import Refusal
 
 log = logging.getLogger("radixkv.rpc")
 
@@ -83,17 +84,17 @@ class GuardedServer:
         log_event(log, "rpc.malformed", logging.WARNING, method=bad.method, bytes=bad.size, error=bad.error)
         if self._on_malformed is not None:
             self._on_malformed(bad.method)
-        await end_call(context, grpc.StatusCode.INVALID_ARGUMENT, bad.message, bad.method)
+        await end_call(context, Refusal(grpc.StatusCode.INVALID_ARGUMENT, bad.message), bad.method)
 
 
-async def end_call(context, code: grpc.StatusCode, message: str, method: str) -> None:
-    """End the call with `code` and `message` (raises AbortError). When the call already
+async def end_call(context, refusal: Refusal, method: str) -> None:
+    """End the call with `refusal`'s status (raises AbortError). When the call already
     ended (its caller cancelled or past its deadline, the server stopping), gRPC cannot
     send the status (ExecuteBatchError): the call then ends as the cancelled call it is
     (CancelledError), which the servicer and the streams take as the engine gone, never
     as an error of the handler (a traceback at level error)."""
     try:
-        await context.abort(code, message)
+        await context.abort(refusal.code, refusal.message, refusal.trailer())
     except grpc.aio.InternalError as e:
         raise asyncio.CancelledError(f"{method}: the call ended before its status was sent") from e
 
