@@ -110,6 +110,8 @@ def test_grpcurl_drops_a_namespace_once_its_engine_is_gone(module_daemon):
         request = '{"namespace": "ops/retired-model"}'
         refused = grpcurl(module_daemon, f"{SERVICE}/DropNamespace", data=request, check=False)
         assert refused.returncode != 0 and "FailedPrecondition" in refused.stderr, refused.stderr
+        # grpcurl prints the refusal's reason (its ErrorInfo, the status details) too.
+        assert '"reason":"NAMESPACE_ATTACHED"' in refused.stderr.replace(" ", ""), refused.stderr
     finally:
         engine.close()
         engine.release_memory()
