@@ -81,6 +81,10 @@ class DaemonConfig:
                                        "that would take more is RESOURCE_EXHAUSTED (an engine holding this many "
                                        "forgets to release them, and they pin their pages)")
     max_namespaces: int = _opt(64, "most namespaces at once")
+    reclaim_detached_after: float = _opt(60.0, "seconds a namespace must have had no engine attached before a new "
+                                         "namespace's Register, refused for --max-namespaces or the host memory "
+                                         "budget, may drop it to make room (the one detached longest first; its "
+                                         "host KV is lost, storage keeps what it holds); 0: never")
     max_host_memory: int = _opt(0, "most bytes all namespaces' host pools may take together; a Register "
                                 "past it is refused (0: a cgroup memory limit less 1 GiB, or else 80%% of "
                                 "the machine's memory)", size=True)
@@ -162,7 +166,8 @@ class DaemonConfig:
             if getattr(self, name) > 1e15:
                 raise ValueError(f"{flag(name)} must be at most 1e15 seconds (0: off), got {getattr(self, name)}")
         for name in ("shutdown_grace", "shutdown_store_timeout", "storage_lookup_timeout", "lease_timeout",
-                     "ack_timeout", "idle_session_timeout", "fault_copy_delay", "invariant_check_interval"):
+                     "ack_timeout", "idle_session_timeout", "fault_copy_delay", "invariant_check_interval",
+                     "reclaim_detached_after"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{flag(name)} must be a number of seconds >= 0, got {getattr(self, name)}")
         if not (math.isfinite(self.storage_check_interval) and 0.1 <= self.storage_check_interval <= 3600):

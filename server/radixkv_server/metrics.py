@@ -53,6 +53,9 @@ class Metrics:
                                    "daemon released or finished after lease_timeout / ack_timeout (a slow or "
                                    "stuck engine), and sessions it closed after idle_session_timeout (kind session)",
                                    ["namespace", "kind"], registry=r)
+        self.namespaces_reclaimed = Counter("radixkv_namespaces_reclaimed", "Namespaces no engine was attached to, "
+                                            "dropped to make room for a new namespace (--reclaim-detached-after)",
+                                            registry=r)
         self.storage_duration = Histogram(
             "radixkv_storage_operation_duration_seconds", "Storage tier calls (batched), by operation",
             ["operation"], buckets=COPY_BUCKETS, registry=r)

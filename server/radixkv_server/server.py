@@ -315,6 +315,7 @@ async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running:
         running.add("kv_events", _close_events, events)
     daemon = Daemon(config, metrics, storage, events, host_memory)
     running.add("daemon", daemon.close)
+    tokens.on_reloaded = lambda: daemon.close_revoked(tokens.allows)
     metrics.watch(daemon, loop)
     server, health_servicer = _grpc_server(config, daemon, tokens, metrics)
 

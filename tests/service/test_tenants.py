@@ -220,7 +220,10 @@ def test_watch_events_carry_only_the_tenants_namespaces(tenants):
 def test_a_token_the_token_file_no_longer_holds_is_refused_on_streams_opened_before(tenants, tmp_path):
     """A reload (SIGHUP) that removes a token refused its unary calls at once, but the
     Session stream and WatchEvents it had opened kept their grant: the revoked engine
-    went on matching and inserting, and its watcher on receiving batches."""
+    went on matching and inserting, and its watcher on receiving batches. And an engine
+    with nothing to send kept its session, leases and mappings (its token was checked
+    on its next message only), so DropNamespace was refused (the multi-tenant operator's
+    review): the reload now closes the sessions whose token no longer grants them."""
     import queue
     import signal
 
@@ -240,8 +243,10 @@ def test_a_token_the_token_file_no_longer_holds_is_refused_on_streams_opened_bef
         (tmp_path / "tokens").write_text(TOKEN_FILE.replace(ALICE, "# alice left:"))
         d.signal(signal.SIGHUP)
         wait_for(lambda: "event=auth.reloaded" in d.log(), 10, "the token file reloaded")
-        assert match(2).error.code == C.UNAUTHENTICATED.value[0]
-        stub.Close(pb.CloseRequest(session=sid), metadata=auth(OPERATOR))  # an operator may close it
+        with pytest.raises(grpc.RpcError) as ended:  # nothing sent: the session is closed all the same
+            next(calls)
+        assert ended.value.code() == C.ABORTED and "no longer grants the namespace" in ended.value.details()
+        # No operator had to find and close it: DropNamespace (refused while it was attached) goes through.
         stub.DropNamespace(pb.DropNamespaceRequest(namespace="alice/m1"), metadata=auth(OPERATOR))  # a batch for it
         assert code_of(lambda: next(watch))[0] == C.UNAUTHENTICATED
     finally:
@@ -271,9 +276,52 @@ def test_a_rotated_operator_token_is_refused_on_its_open_streams(daemon_factory,
         path.write_text("new-token\n")
         d.signal(signal.SIGHUP)
         wait_for(lambda: "event=auth.reloaded" in d.log(), 10, "the token file reloaded")
-        asks.put(pb.SessionRequest(id=2, evict=pb.EvictRequest(session=sid, num_pages=1)))
-        assert next(calls).error.code == C.UNAUTHENTICATED.value[0]
+        with pytest.raises(grpc.RpcError) as ended:  # its session closed by the reload
+            next(calls)
+        assert ended.value.code() == C.ABORTED
         asks.put(None)
         channel.close()
     finally:
         engine.close()
+
+
+def test_refusals_never_name_another_tenants_namespaces(tenants, daemon_factory, tmp_path):
+    """DropNamespace's NOT_FOUND listed every namespace, and the host budget's refusal
+    every pool with its size, whoever asked (the multi-tenant operator's review)."""
+    stub = tenants["stub"]
+    code, message = code_of(lambda: stub.DropNamespace(pb.DropNamespaceRequest(namespace="alice/typo"),
+                                                       metadata=auth(ALICE)))
+    assert (code, message) == (C.NOT_FOUND, "no namespace 'alice/typo'; known: ['alice/m1']")
+    path = tmp_path / "budget-tokens"
+    path.write_text(TOKEN_FILE)
+    pool = 32 * tenants["alice"].layout.page_bytes
+    d = daemon_factory("--auth-token-file", str(path), "--max-host-memory", str(2 * pool))
+    engines = [EngineDouble(num_pages=32) for _ in range(3)]
+    try:
+        engines[0].register(Client(d.target, timeout=10, token=BOB), "bob/secret-model", host_pool_pages=32)
+        engines[1].register(Client(d.target, timeout=10, token=ALICE), "alice/m1", host_pool_pages=32)
+        with pytest.raises(errors.ResourceExhausted) as refused:
+            engines[2].register(Client(d.target, timeout=10, token=ALICE), "alice/m2", host_pool_pages=32)
+        assert "bob" not in refused.value.message
+        assert f"pools held: alice/m1: {pool}, 1 other namespaces: {pool}" in refused.value.message
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_only_an_operator_drops_a_namespace_other_tokens_share(tenants):
+    """A tenant could drop a namespace it shares with another, losing the other's warm
+    host tier between two of its engine's restarts."""
+    stub, alice = tenants["stub"], tenants["alice"]
+    for namespace in ("shared-1", "alice/m2"):
+        engine = EngineDouble(num_pages=32)
+        engine.register(Client(tenants["daemon"].target, timeout=10, token=ALICE), namespace)
+        engine.close()
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.DropNamespace(pb.DropNamespaceRequest(namespace="shared-1"), metadata=auth(ALICE))
+    assert refused.value.code() == C.PERMISSION_DENIED and "granted to other tokens too" in refused.value.details()
+    stub.DropNamespace(pb.DropNamespaceRequest(namespace="alice/m2"), metadata=auth(ALICE))  # her own alone
+    stub.DropNamespace(pb.DropNamespaceRequest(namespace="shared-1"), metadata=auth(OPERATOR))
+    assert [ns.namespace for ns in stub.Stats(pb.StatsRequest(), metadata=auth(OPERATOR)).namespaces] == \
+        ["alice/m1", "bob/m1"]
+    assert alice.client.check_invariants() == []

@@ -20,6 +20,7 @@ from .errors import ServiceError, exhausted, not_found, precondition, REPLACED, 
 from .expiry import Expiry
 from .idle_checks import IdleChecks
 from .namespace import Namespace
+from . import namespace_reclaim
 from .sessions import Session, SessionRegistry
 from .shutdown_store import store_host_copies
 from .watch import BatchMessages
@@ -58,6 +59,7 @@ class Daemon:
         self.watch_messages = BatchMessages(self.instance)  # WatchEvents' messages, made once per batch
         self.started = time.monotonic()
         self.namespaces: dict[str, Namespace] = {}
+        self.detached = namespace_reclaim.DetachedSince()  # when each namespace's engines left (namespace_reclaim.py)
         self.sessions = SessionRegistry(max_leases=config.max_leases_per_session)
         self.accepting = True
         self.storage_answered: bool | None = None  # the start's storage check (storage_check.py)
@@ -107,7 +109,7 @@ class Daemon:
         async with self._register_lock:
             ns = self.namespaces.get(reg.namespace)
             replacing = ns is not None and self._check_free(ns, reg)
-            ns_config = self.admit(reg, ns, replacing)
+            ns_config = await self.admit(reg, ns, replacing)
             device = await registration.open_device(reg)  # before the live session goes: errors change nothing
             try:
                 if replacing and ns.session is not None:
@@ -167,15 +169,27 @@ class Daemon:
         registration.check_may_replace(reg, [ns.session])
         return True
 
-    def admit(self, reg: registration.Registration, ns, replacing: int = 0):
+    async def admit(self, reg: registration.Registration, ns, replacing: int = 0):
         """The daemon's limits for a Register joining namespace `ns` (None: creating it),
         checked before anything is taken, for both kinds of namespace: the namespace and
         session limits (the `replacing` sessions it replaces free their places) and, for a
         new namespace, the host memory budget its whole host pool counts against
-        (host_budget.py).
-        RESOURCE_EXHAUSTED past one. Returns the new namespace's config; None when joining."""
+        (host_budget.py). A new namespace past the namespace limit or the budget drops
+        the namespaces detached longest first (namespace_reclaim.py) until it fits.
+        RESOURCE_EXHAUSTED past one still. Returns the new namespace's config; None when
+        joining. Call holding the registration lock."""
+        while True:
+            try:
+                return self._check_limits(reg, ns, replacing)
+            except ServiceError as e:
+                if ns is not None or not await namespace_reclaim.make_room(self, e, reg.namespace):
+                    raise
+
+    def _check_limits(self, reg: registration.Registration, ns, replacing: int):
         if ns is None and len(self.namespaces) >= self.config.max_namespaces:
-            raise exhausted(f"namespace limit reached ({self.config.max_namespaces}); raise --max-namespaces",
+            raise exhausted(f"namespace limit reached ({self.config.max_namespaces}), none of them detached for "
+                            f"--reclaim-detached-after ({self.config.reclaim_detached_after:g}s) to drop for this "
+                            "one: raise --max-namespaces, or DropNamespace one no engine uses",
                             reasons.LIMIT_REACHED, limit="--max-namespaces")
         if len(self.sessions) - replacing >= self.config.max_sessions:
             raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions",
@@ -185,7 +199,7 @@ class Daemon:
         config = registration.namespace_config(self.config, reg, self.storage is not None)
         held = {n: other.host_pool.nbytes for n, other in self.namespaces.items()}
         host_budget.check_room(held, config.name, config.host_pages * config.host_layout.page_bytes,
-                               self.host_memory_limit, self._host_memory_source)
+                               self.host_memory_limit, self._host_memory_source, reg.sees)
         return config
 
     def add_namespace(self, ns, reg: registration.Registration):
@@ -227,18 +241,25 @@ class Daemon:
                 raise precondition(reason=reasons.NAMESPACE_ATTACHED,
                                    message=f"namespace {name} has {len(attached)} live session(s) (engines: {engines}); "
                                    "stop those engines (or close their sessions) first")
-            stored = 0
-            if store and self.config.shutdown_store_timeout > 0:
-                stored = await store_host_copies(ns.core, time.monotonic() + self.config.shutdown_store_timeout,
-                                                 event="namespace")
-            page_size = ns.config.layout.page_size
-            dropped = Dropped(ns.cache.host.num_used * page_size, ns.host_pool.nbytes, stored * page_size)
-            del self.namespaces[name]
-            await ns.close()
-            if self.metrics is not None:
-                self.metrics.forget_namespace(name)
+            dropped = await self.forget_namespace(ns, store)
         log_event(log, "namespace.dropped", namespace=name, host_tokens=dropped.host_tokens,
                   freed_host_bytes=dropped.freed_host_bytes, stored_tokens=dropped.stored_tokens)
+        return dropped
+
+    async def forget_namespace(self, ns: Namespace, store: bool) -> Dropped:
+        """Drop `ns`, which no session is attached to (the registration lock held):
+        with `store`, its host copies storage lacks are stored first."""
+        stored = 0
+        if store and self.config.shutdown_store_timeout > 0:
+            stored = await store_host_copies(ns.core, time.monotonic() + self.config.shutdown_store_timeout,
+                                             event="namespace")
+        page_size = ns.config.layout.page_size
+        dropped = Dropped(ns.cache.host.num_used * page_size, ns.host_pool.nbytes, stored * page_size)
+        del self.namespaces[ns.name]
+        self.detached.forget(ns.name)
+        await ns.close()
+        if self.metrics is not None:
+            self.metrics.forget_namespace(ns.name)
         return dropped
 
     # -- sessions ----------------------------------------------------------------------
@@ -295,6 +316,8 @@ class Daemon:
             if ns.session is session:
                 ns.session = None
             self.sessions.forget(session, reason)
+            if not any(s.namespace is ns for s in self.sessions.all()):
+                self.detached.mark(ns.name, time.monotonic())
             for stream in (session.ack_stream, session.session_stream):  # still open: a replaced
                 if stream is not None and self.accepting:  # engine's, or a Close from another client
                     stream.session_closed(reason, session_end_code(by_close, replaced))  # (a shutdown: its own)
@@ -306,13 +329,21 @@ class Daemon:
         if session.closer is None:
             session.closer = self.run_in_background(self._end_session(session, reason, replaced=replaced))
 
+    def close_revoked(self, allows) -> None:
+        """Close every session whose token no longer grants its namespace (`allows(owner,
+        namespace)`, after a token file reload): an engine with nothing to send would
+        otherwise keep its session, leases and mappings, its token checked only on its
+        next message. Its streams end ABORTED; registering again is UNAUTHENTICATED."""
+        for session in self.sessions.all():
+            if not session.closing and not allows(session.owner, session.namespace.name):
+                self.close_in_background(session, "its token no longer grants the namespace (token file reloaded)")
+
     # -- operators ---------------------------------------------------------------------
 
     def namespace(self, name: str) -> Namespace:
         ns = self.namespaces.get(name)
         if ns is None:
-            raise not_found(f"no namespace {name!r}; known: {sorted(self.namespaces)}", reasons.NAMESPACE_UNKNOWN,
-                            namespace=name)
+            raise not_found(f"no namespace {name!r}", reasons.NAMESPACE_UNKNOWN, namespace=name)
         return ns
 
     def selected(self, name: str) -> list[Namespace]:

@@ -30,7 +30,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     ns = daemon.namespaces.get(reg.namespace)
     if ns is not None:
         check_compatible(ns, reg)
-    config = daemon.admit(reg, ns)
+    config = await daemon.admit(reg, ns)
     device = None if reg.role == SCHEDULER else await registration.open_device(reg)
     try:
         warm = ns is not None

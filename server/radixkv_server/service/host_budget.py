@@ -9,6 +9,7 @@ is never refused here.
 """
 
 import os
+from collections.abc import Callable
 
 from . import reasons
 from .errors import exhausted
@@ -87,12 +88,20 @@ def host_memory_limit(max_host_memory: int) -> tuple[int, str]:
                                          "set --max-host-memory"
 
 
-def check_room(held: dict[str, int], name: str, nbytes: int, limit: int, source: str) -> None:
+def check_room(held: dict[str, int], name: str, nbytes: int, limit: int, source: str,
+               sees: Callable[[str], bool] | None = None) -> None:
     """Raise RESOURCE_EXHAUSTED (saying what holds the memory) when a new host pool of
-    `nbytes` for namespace `name` would take the pools in `held` (name -> bytes) past `limit`."""
+    `nbytes` for namespace `name` would take the pools in `held` (name -> bytes) past `limit`.
+    Only pools of namespaces `sees` allows are named (None: every one), the others summed:
+    a tenant's refusal must not name another tenant's namespaces."""
     total = sum(held.values()) + nbytes
     if total > limit:
-        holders = ", ".join(f"{n}: {b}" for n, b in sorted(held.items(), key=lambda kv: -kv[1])[:8]) or "none"
+        named = {n: b for n, b in held.items() if sees is None or sees(n)}
+        holders = ", ".join(f"{n}: {b}" for n, b in sorted(named.items(), key=lambda kv: -kv[1])[:8])
+        if len(named) < len(held):
+            others = sum(b for n, b in held.items() if n not in named)
+            holders = f"{holders}, " * bool(holders) + f"{len(held) - len(named)} other namespaces: {others}"
+        holders = holders or "none"
         raise exhausted(
             f"a host pool of {nbytes} bytes for namespace {name} would take the host pools to {total} bytes, "
             f"past {limit} ({source}); pools held: {holders}. Register with fewer host_pool_pages, drop a "

@@ -66,7 +66,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     check_not_closing(daemon, reg.namespace)
     ns = daemon.namespaces.get(reg.namespace)
     replaced = sessions_to_replace(ns, reg) if ns is not None else []
-    config = daemon.admit(reg, ns, len(replaced))
+    config = await daemon.admit(reg, ns, len(replaced))
     device = await registration.open_device(reg)  # before the live sessions go: errors change nothing
     try:
         if not replaced:

@@ -24,6 +24,7 @@ STREAM_EXISTS = "STREAM_EXISTS"  # the session has a Session stream already
 TOKEN_REJECTED = "TOKEN_REJECTED"  # missing or wrong bearer token
 NAMESPACE_NOT_GRANTED = "NAMESPACE_NOT_GRANTED"  # the token does not grant it; metadata: namespace
 OTHER_SESSION = "OTHER_SESSION"  # another session's (or another token's) session, stream, lease or node
+NAMESPACE_SHARED = "NAMESPACE_SHARED"  # other tokens grant it too: only an operator's token may drop it
 
 # Registration against what a namespace holds or who holds it.
 NAMESPACE_UNKNOWN = "NAMESPACE_UNKNOWN"  # metadata: namespace

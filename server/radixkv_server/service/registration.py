@@ -4,6 +4,7 @@ namespace's config (cache policy, host pool size), and opening the engine's devi
 import asyncio
 import re
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -49,6 +50,7 @@ class Registration:
     segment_uid: int | None = None  # shm: the owner the segments must have (the caller's token's uid=)
     owner: bytes = b""  # the caller's token (its digest): the session is its own (tenants.Grant.owner)
     operator: bool = True  # the caller's token grants every namespace: it may replace any session
+    sees: Callable[[str], bool] | None = None  # which namespaces its errors may name (None: every one)
 
     @property
     def engine_managed(self) -> bool:

@@ -126,7 +126,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         reg = convert.registration(request, self.daemon.config.page_size)
         grant = self.grant(context)
         done = await self.daemon.register(dataclasses.replace(
-            reg, segment_uid=grant.segment_uid, owner=grant.owner, operator=grant.everything))
+            reg, segment_uid=grant.segment_uid, owner=grant.owner, operator=grant.everything,
+            sees=None if grant.everything else grant.allows))
         try:
             return self._registered(done)
         except BaseException:  # the engine never learns the session: it must not stay live
@@ -195,6 +196,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
 
     def _stats(self, ns, grant: Grant) -> pb.NamespaceStats:
         stats = namespace_stats(ns)
+        attached = {s.namespace.name for s in self.daemon.sessions.all()}
+        stats.detached_seconds = self.daemon.detached.seconds(ns.name, attached, time.monotonic()) or 0.0
         held = self.daemon.sessions.holdings(ns)
         stats.leases, stats.oldest_lease_seconds = held.leases, held.oldest_lease_seconds
         stats.load_backs_unacked = held.unacked_loads
@@ -228,6 +231,13 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
     async def DropNamespace(self, request, context):
         if not request.namespace:
             raise invalid("DropNamespace needs the namespace to drop")
+        grant = self.grant(context)
+        visible(grant, self.daemon.namespaces, request.namespace)  # NOT_FOUND naming only what it may see
+        if not grant.everything and self.tokens.granted_to_others(grant, request.namespace):
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"namespace {request.namespace} is granted to other tokens too: dropping it would "
+                               "lose their warm host tier; only an operator's token (one granting every "
+                               "namespace) may drop it", reasons.NAMESPACE_SHARED)
         if request.store and self.daemon.storage is None:
             raise precondition(reason=reasons.NO_STORAGE, message="DropNamespace with store: no storage tier is "
                                "configured (start the daemon with "

@@ -28,6 +28,7 @@ namespace. `Tokens.reload()` re-reads the file (SIGHUP).
 import fnmatch
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -121,6 +122,7 @@ class Tokens:
 
     def __init__(self, token: str = "", token_file: str = ""):
         self.token_file = token_file
+        self.on_reloaded: Callable[[], None] | None = None  # after a reload took effect (the daemon's revocations)
         self._grants: dict[bytes, Grant] = {}
         if token_file:
             self._grants = self._read()
@@ -154,6 +156,19 @@ class Tokens:
                 return self._grants.get(_digest(given[len(b"Bearer "):]))
         return None
 
+    def granted_to_others(self, grant: Grant, namespace: str) -> bool:
+        """Whether another tenant's token (one granting some namespaces, not an
+        operator's) may use `namespace` too."""
+        return any(g.allows(namespace) for key, g in self._grants.items() if key != grant.owner and not g.everything)
+
+    def allows(self, owner: bytes, namespace: str) -> bool:
+        """Whether the token whose digest is `owner` (a session's) still grants `namespace`
+        (True without a token file: nothing was granted, nothing is revoked)."""
+        if not self.token_file:
+            return True
+        grant = self._grants.get(owner)
+        return grant is not None and grant.allows(namespace)
+
     def reload(self) -> bool:
         """Re-read the token file (when there is one); on an error keep the tokens in use
         and log it. True when the new tokens are in use."""
@@ -168,6 +183,8 @@ class Tokens:
         self._grants = grants
         log_event(log, "auth.reloaded", file=self.token_file, tokens=len(grants),
                   scoped=sum(1 for g in grants.values() if not g.everything))
+        if self.on_reloaded is not None:
+            self.on_reloaded()
         return True
 
     def _read(self) -> dict[bytes, Grant]:
