@@ -109,8 +109,9 @@ def model_identity(model_config, cache_config=None) -> str:
     """Which weights compute the KV, from vLLM's ModelConfig: the model (path or hub id),
     with its revision and quantization when set; `hf_overrides` when given (they change
     the model's config, RoPE scaling included: a digest of them, or the function's name);
-    and the dtype the model computes in when the KV cache is stored in another
-    (`cache_config.cache_dtype` not "auto": the layout says only the stored one)."""
+    the dtype the model computes in when the KV cache is stored in another
+    (`cache_config.cache_dtype` not "auto": the layout says only the stored one); and
+    for a LongRoPE model the factor set `max_model_len` selects (`long_rope_choice`)."""
     parts = [str(model_config.model)]
     for name in ("revision", "quantization"):
         value = getattr(model_config, name, None)
@@ -124,7 +125,30 @@ def model_identity(model_config, cache_config=None) -> str:
         parts.append(f"hf_overrides={hashlib.sha256(text.encode()).hexdigest()[:12]}")
     if cache_config is not None and getattr(cache_config, "cache_dtype", "auto") not in ("auto", None):
         parts.append(f"dtype={str(getattr(model_config, 'dtype', '?')).removeprefix('torch.')}")
+    rope = long_rope_choice(model_config)
+    if rope:
+        parts.append(f"rope={rope}")
     return " ".join(parts)
+
+
+def long_rope_choice(model_config) -> str | None:
+    """"long" or "short": the RoPE factors vLLM computes a LongRoPE model's KV with (Phi-3
+    128k and its kin: the long ones iff `max_model_len` passes the
+    `original_max_position_embeddings` of its `rope_type` "longrope" parameters, vLLM's
+    `Phi3LongRoPEScaledRotaryEmbedding`), so engines of one checkpoint started with
+    another `max_model_len` never share KV; None for every other model (no RoPE
+    variant but LongRoPE reads the engine's settings), whose identity stays as it was."""
+    config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return None
+    # one dict, or one per layer type (vLLM's iter_rope_parameters)
+    sets = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    limits = [p.get("original_max_position_embeddings") for p in sets if p.get("rope_type") == "longrope"]
+    if not limits:
+        return None
+    max_model_len = getattr(model_config, "max_model_len", 0)
+    return "long" if any(max_model_len > (limit or 0) for limit in limits) else "short"
 
 
 def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> str:
@@ -138,4 +162,4 @@ def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> st
     return f"{model} device={device}" + (f" kv_layout={kv_cache_layout}" if kv_cache_layout else "")
 
 
-__all__ = ["ConnectorConfig", "model_identity", "on_device"]
+__all__ = ["ConnectorConfig", "long_rope_choice", "model_identity", "on_device"]
