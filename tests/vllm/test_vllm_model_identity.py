@@ -13,8 +13,9 @@ Found by the LMCache-migration review (docs/testing.md).
 
 import json
 import os
+import shutil
 
-from radixkv.vllm.testing import write_tiny_llama
+from radixkv.vllm.testing import write_tiny_llama, write_tiny_lora
 from tests.support.daemon import wait_for
 
 from tests.vllm.engines import generate, prompt
@@ -97,3 +98,67 @@ def test_only_longrope_models_name_their_factor_set_in_the_identity():
     assert model_identity(model(per_layer_type, 4 * ORIGINAL_MAX)).endswith(" rope=long")
     for other in (None, {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "yarn", "factor": 4.0}):
         assert "rope=" not in model_identity(model(other, 4 * ORIGINAL_MAX))
+
+
+def test_a_model_replaced_at_the_same_path_is_not_served_the_old_weights_kv(engines, daemon_factory, tmp_path):
+    path = str(tmp_path / "models" / "current")
+    daemons = stored_daemons(daemon_factory, tmp_path)
+    p = prompt(PROMPT_TOKENS, seed=42)
+    write_tiny_llama(path, seed=0)
+    save_and_stop(engines, daemons(), p, model=path)
+
+    shutil.rmtree(path)
+    write_tiny_llama(path, seed=5)  # new weights of the same shape, deployed at the same path
+    reference = engines.start(model=path)
+    [want] = generate(reference, [p])
+    engines.stop(reference)
+
+    llm = engines.start(daemons().target, model=path)
+    [got] = generate(llm, [p])
+    assert (got.cached_tokens, got.tokens) == (0, want.tokens)
+
+
+def test_a_lora_adapter_replaced_at_the_same_path_is_not_served_the_old_adapters_kv(
+        engines, daemon_factory, tmp_path):
+    from vllm.lora.request import LoRARequest
+    path = str(tmp_path / "adapters" / "tenant-x")
+    adapter = LoRARequest("tenant-x", 1, path)
+    lora_engine = dict(enable_lora=True, max_lora_rank=8, max_loras=1)
+    p = prompt(PROMPT_TOKENS, seed=41)
+    daemon = daemon_factory()
+    write_tiny_lora(path, seed=1)
+    llm = engines.start(daemon.target, **lora_engine)
+    [v1] = generate(llm, [p], lora_request=adapter)
+    engines.stop(llm)
+
+    shutil.rmtree(path)
+    write_tiny_lora(path, seed=2)  # retrained, copied over the same path
+    llm = engines.start(daemon.target, **lora_engine)  # the same daemon: its host tier holds v1's KV
+    [v2] = generate(llm, [p], lora_request=adapter)
+    engines.stop(llm)
+    reference = engines.start(**lora_engine)  # v2 without radixkv
+    [want] = generate(reference, [p], lora_request=adapter)
+    assert want.tokens != v1.tokens  # the retrained adapter changes the output (the test's premise)
+    assert (v2.cached_tokens, v2.tokens) == (0, want.tokens)
+
+
+def test_fingerprints_follow_content_not_paths(tmp_path):
+    """Identical files at two paths (or on two nodes) fingerprint alike; other weights of
+    the same shape, or an adapter retrained in place, do not."""
+    from radixkv.vllm.fingerprints import adapter_fingerprint, model_fingerprint
+
+    a, b, c = (write_tiny_llama(str(tmp_path / name), seed=seed) for name, seed in (("a", 0), ("b", 0), ("c", 5)))
+    assert model_fingerprint(a) == model_fingerprint(b) != model_fingerprint(c)
+    assert model_fingerprint(str(tmp_path / "nowhere")) is None
+    # a hub id: the snapshot vLLM downloaded into the hub cache
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(a, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    assert model_fingerprint("org/tiny", cache_dir=str(tmp_path / "hub")) == model_fingerprint(a)
+    assert model_fingerprint("org/other", cache_dir=str(tmp_path / "hub")) is None
+    first, second = write_tiny_lora(str(tmp_path / "l1"), seed=1), write_tiny_lora(str(tmp_path / "l2"), seed=1)
+    digest = adapter_fingerprint(first)
+    assert digest == adapter_fingerprint(second)
+    write_tiny_lora(first, seed=2)
+    assert adapter_fingerprint(first) != digest

@@ -9,10 +9,10 @@
 Keys (all optional): `target` (the daemon's address), `namespace` (one per model and KV
 layout; default "vllm/<served model name>"), `model` (identity of the weights: the daemon
 refuses a namespace that holds another model's KV, and salts storage keys with it; default
-`model_identity`, vLLM's model path or hub id with its revision, quantization,
-`hf_overrides` and, for an fp8 KV cache, compute dtype; set the same string where the same
-weights sit at other paths, and name there whatever else changes the KV bytes: weights
-updated in place, KV scales, docs/fleet.md; the
+`model_identity`, vLLM's model path or hub id with a digest of its files, revision,
+quantization, `hf_overrides`, for an fp8 KV cache compute dtype, for LongRoPE the factor
+set; set the same string where the same weights sit at other paths, and name there
+whatever else changes the KV bytes: weights updated in place, KV scales, docs/fleet.md; the
 connector adds the device type, `on_device`), `timeout_s` (deadline of each daemon call),
 `connect_timeout_s` (how long startup waits for the daemon before failing),
 `host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
@@ -30,10 +30,15 @@ An unknown key is an error: a typo must not silently fall back to a default.
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, fields
 
 from radixkv.channel import Tls
 from radixkv.client import DEFAULT_TARGET
+
+from .fingerprints import model_fingerprint
+
+log = logging.getLogger("vllm.radixkv")
 
 
 @dataclass(frozen=True)
@@ -105,14 +110,27 @@ class ConnectorConfig:
         return {"tls": tls, "token": token}
 
 
-def model_identity(model_config, cache_config=None) -> str:
-    """Which weights compute the KV, from vLLM's ModelConfig: the model (path or hub id),
-    with its revision and quantization when set; `hf_overrides` when given (they change
+_unresolved: set[str] = set()  # models said to have no local files
+
+
+def model_identity(model_config, cache_config=None, download_dir: str | None = None) -> str:
+    """Which weights compute the KV, from vLLM's ModelConfig: the model (path or hub id)
+    and a digest of its files (`fingerprints.model_fingerprint`, of the hub cache's
+    snapshot under `download_dir` for a hub id; left out, with a warning, where no local
+    files are found), with its revision and quantization when set; `hf_overrides` when given (they change
     the model's config, RoPE scaling included: a digest of them, or the function's name);
     the dtype the model computes in when the KV cache is stored in another
     (`cache_config.cache_dtype` not "auto": the layout says only the stored one); and
     for a LongRoPE model the factor set `max_model_len` selects (`long_rope_choice`)."""
     parts = [str(model_config.model)]
+    weights = model_fingerprint(str(model_config.model), getattr(model_config, "revision", None), download_dir)
+    if weights:
+        parts.append(f"weights={weights}")
+    elif str(model_config.model) not in _unresolved:
+        _unresolved.add(str(model_config.model))
+        log.warning("radixkv: no local files for model %s: its KV is keyed by its name alone, so new weights "
+                    "under that name would be served the old weights' KV (set `model` to name them)",
+                    model_config.model)
     for name in ("revision", "quantization"):
         value = getattr(model_config, name, None)
         if value:
