@@ -22,7 +22,8 @@ same things:
   token ids do not say what its KV was computed from, and hashing the embeddings on the
   scheduler's thread costs more than the lookup it would allow.
 
-Pure functions of the request; the scheduler side computes a request's key once.
+Pure functions of the request; the scheduler side computes a request's key once per prompt
+(again when a streaming-input session grows by a chunk).
 """
 
 import hashlib
