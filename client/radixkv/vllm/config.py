@@ -21,8 +21,10 @@ from a session that is still registered, e.g. of an engine that was killed),
 until the worker reports the load in `get_finished`; default False, loads finish before the
 forward that reads them), `tier_events` (when vLLM publishes KV events, add the daemon's host
 and storage blocks of this namespace to them, `radixkv.vllm.tier_events`; default True).
-For a daemon that requires them (docs/reliability.md, "Security"): `token` or `token_file`
-(a file holding the token, read at startup; sent as `authorization: Bearer`), and TLS over
+For a daemon that requires them (docs/reliability.md, "Security"): `token_file` (a file
+holding the token, read at startup; sent as `authorization: Bearer`) or `token` (warned
+against: vLLM logs its whole extra config at startup, "non-default args", token
+included), else the `RADIXKV_TOKEN` environment variable (TOKEN_ENV), and TLS over
 TCP: `tls_ca` (PEM roots that signed the daemon's certificate; "" with `tls` true: the
 system's), `tls_cert` and `tls_key` (this engine's, for mutual TLS), `tls_server_name`.
 An unknown key is an error: a typo must not silently fall back to a default.
@@ -31,6 +33,7 @@ An unknown key is an error: a typo must not silently fall back to a default.
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, fields
 
 from radixkv.channel import Tls
@@ -39,6 +42,11 @@ from radixkv.client import DEFAULT_TARGET
 from .fingerprints import model_fingerprint
 
 log = logging.getLogger("vllm.radixkv")
+
+TOKEN_ENV = "RADIXKV_TOKEN"  # the token when neither `token` nor `token_file` is set
+INLINE_TOKEN = ("radixkv: `token` is in kv_connector_extra_config, which vLLM prints in its startup log "
+                "(\"non-default args\"): the token is in vLLM's log; give `token_file` or the "
+                f"{TOKEN_ENV} environment variable instead")
 
 
 @dataclass(frozen=True)
@@ -87,15 +95,18 @@ class ConnectorConfig:
             raise ValueError("radixkv: timeout_s and connect_timeout_s must be > 0")
         if config.token and config.token_file:
             raise ValueError("radixkv: give token or token_file, not both")
+        if config.token:
+            log.warning(INLINE_TOKEN)
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ValueError("radixkv: tls_cert and tls_key go together")
         config.channel()  # a token file or a certificate that cannot be read fails vLLM's start
         return config
 
     def channel(self) -> dict:
-        """The `tls` and `token` keywords of a radixkv Client for these settings. Raises
+        """The `tls` and `token` keywords of a radixkv Client for these settings (the token
+        from `token_file`, `token`, else the TOKEN_ENV environment variable). Raises
         ValueError for a token file that cannot be read or is empty."""
-        token = self.token or None
+        token = self.token or os.environ.get(TOKEN_ENV) or None
         if self.token_file:
             try:
                 with open(self.token_file) as f:
@@ -180,4 +191,4 @@ def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> st
     return f"{model} device={device}" + (f" kv_layout={kv_cache_layout}" if kv_cache_layout else "")
 
 
-__all__ = ["ConnectorConfig", "long_rope_choice", "model_identity", "on_device"]
+__all__ = ["INLINE_TOKEN", "TOKEN_ENV", "ConnectorConfig", "long_rope_choice", "model_identity", "on_device"]
