@@ -13,7 +13,8 @@ identical files on two nodes, or at two paths, give the same fingerprint:
 - a LoRA adapter (`adapter_fingerprint`; small): every file of its directory read whole,
   once per version: the digest is kept per (path, each file's name, size and mtime_ns),
   so the scheduler pays a few `stat` calls per request and the read once per adapter
-  written.
+  written. (An adapter rewritten in place with files of the same sizes within one tick
+  of the filesystem's clock, a few ms, keeps the digest read before: git's "racy" case.)
 
 A model or adapter given as a hub id is fingerprinted in the snapshot Hugging Face's
 cache holds for it (vLLM downloads there); None where there is none (the caller keeps
