@@ -127,3 +127,16 @@ def test_a_key_that_only_looks_like_vllm_form_is_opaque():
         assert parse(bad) is None
         assert block_digests(list(range(16)), 16, extra_key=bad) == [bytes(d) for d in vllm_chain(
             list(range(16)), 16, (bad,))]
+
+
+def test_an_adapters_content_digest_sets_its_key_apart_but_not_its_block_hashes():
+    """The connector adds a LoRA adapter's content digest to its key (new weights at the
+    same path are another tree), which vLLM's hashes know nothing of: a router scoring
+    with the adapter's name and path alone finds the same blocks."""
+    from radixkv.routing.extra_keys import parse, vllm_extra_key
+
+    plain, v1, v2 = (vllm_extra_key("adapter", "/a", "salt", digest) for digest in (None, "d1", "d2"))
+    assert len({plain, v1, v2}) == 3 and parse(v1).lora_digest == "d1"
+    tokens = list(range(32))
+    assert block_digests(tokens, 16, extra_key=v1) == block_digests(tokens, 16, extra_key=plain)
+    assert vllm_extra_key(cache_salt="salt", lora_digest="d1") == vllm_extra_key(cache_salt="salt")

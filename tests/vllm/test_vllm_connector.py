@@ -107,10 +107,13 @@ def test_another_model_on_the_namespace_stops_vllm_at_startup(engines, daemon, t
     generate(llm, [prompt(PROMPT_TOKENS, seed=12)])
     engines.stop(llm)
     other = write_tiny_llama(str(tmp_path / "other"), seed=1)  # same layout, other weights
-    with pytest.raises(Exception, match=f"radixkv: cannot register.*holds KV of model .*not '{other} device=cpu"):
+    with pytest.raises(Exception, match=f"radixkv: cannot register.*holds KV of model .*not '{other} weights=[0-9a-f]{{16}} device=cpu"):
         engines.start(daemon.target, model=other)
-    # the same weights elsewhere share the namespace when the connector is told they are the same
-    same = engines.start(model=other, kv_transfer_config=connector_config(daemon.target, model=engines.model))
+    # the same weights elsewhere share the namespace when the connector is told they are the
+    # same: `model` set to the identity the first engine registered by default
+    from radixkv.vllm.fingerprints import model_fingerprint
+    registered = f"{engines.model} weights={model_fingerprint(engines.model)}"
+    same = engines.start(model=other, kv_transfer_config=connector_config(daemon.target, model=registered))
     engines.stop(same)
 
 

@@ -210,3 +210,48 @@ def test_a_key_longer_than_the_vllm_form_allows_is_sent_hashed_and_stays_apart()
                  key_of(lora_name="adapter", lora_path="/" + "p" * 4094)}
     assert len(long_keys) == 3 and all(len(k) == 16 for k in long_keys)
     assert len(key_of(cache_salt="s" * (MAX_VLLM_FORM_BYTES - 20))) <= MAX_VLLM_FORM_BYTES
+
+
+def test_a_streaming_sessions_later_chunk_keys_its_own_multimodal_inputs():
+    """A streaming-input session (vLLM's resumable request: the realtime API) grows with
+    each chunk through vLLM's own `_update_request_as_session`. Two sessions whose first
+    chunks match and whose second chunks carry other audio behind the same placeholders
+    must not be looked up under one key: one would be served the other's KV."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import StreamingUpdate
+
+    from radixkv.vllm.scheduler import SchedulerSide
+
+    class RecordedLookups:
+        """Stands in for the connector's Lookups: keeps the key each lookup would send."""
+        sent: dict = {}
+
+        def poll(self, req_id, tokens):
+            self.sent[req_id] = tokens()
+            return None  # in flight
+
+    bs = 16
+    init_none_hash(sha256)
+    side = SchedulerSide(bs, 1, RecordedLookups(), lambda: None)
+    vllm_scheduler = SimpleNamespace(hash_block_size=bs, log_stats=False, num_waiting_for_streaming_input=0)
+    first_chunk = [5] * 40 + [9] * 32
+    for session, audio in (("alice", "audio-of-alice"), ("bob", "audio-of-bob")):
+        r = request(list(first_chunk), mm_features=[image("same-first-chunk", 40, 32)], resumable=True,
+                    block_hasher=get_request_block_hasher(bs, sha256))
+        r.request_id = session
+        side.matched(r, 0)  # the first chunk's lookup
+        r.num_computed_tokens = len(first_chunk)
+        r.append_output_token_ids(11)
+        Scheduler._update_request_as_session(vllm_scheduler, r, StreamingUpdate(
+            mm_features=[image(audio, 8, 64)], prompt_token_ids=[6] * 8 + [9] * 64 + [6] * 20, max_tokens=4,
+            arrival_time=0.0, sampling_params=SamplingParams(max_tokens=4)))
+        side.matched(r, r.num_computed_tokens)  # the next chunk's lookup
+    alice, bob = RecordedLookups.sent["alice"], RecordedLookups.sent["bob"]
+    assert len(alice.tokens) == len(bob.tokens) == 160 * 4  # the whole blocks before the last token
+    assert alice.tokens[:72 * 4] == bob.tokens[:72 * 4]  # the first chunk is shared
+    assert alice.tokens != bob.tokens, "the sessions with other audio in their second chunk share a key"

@@ -11,7 +11,9 @@ forms:
   `(name, salt)` or `(salt,)`). So a router merges a vLLM engine's own GPU events with its
   radixkv daemon's CPU/STORAGE events of LoRA and salted requests by hash, as it does for
   plain ones. The bytes are `MAGIC` followed by the three fields, each a presence byte and,
-  when present, a 4-byte little-endian length and its UTF-8 text.
+  when present, a 4-byte little-endian length and its UTF-8 text; a LoRA key may add a
+  fourth, the adapter's content digest (`lora_digest`), which sets apart KV of other
+  weights at the same path but, as vLLM hashes no content, stays out of block hashes.
 - **Opaque** (any other non-empty key, e.g. an SGLang-style engine's own): the one-element
   array `[extra_key]` (a byte string) in every block, `(extra_key,)` in every event entry.
 
@@ -54,6 +56,7 @@ class VllmKeys:
     lora_name: str | None = None
     lora_path: str | None = None
     cache_salt: str | None = None
+    lora_digest: str | None = None  # not hashed: vLLM's hashes name the adapter by path
 
     def tagged(self, first: bool) -> tuple | None:
         """vLLM's extra keys of a block (`first`: the prompt's first block), or None."""
@@ -82,14 +85,17 @@ class VllmKeys:
 
 
 def vllm_extra_key(lora_name: str | None = None, lora_path: str | None = None,
-                   cache_salt: str | None = None) -> bytes:
-    """The extra key of a request under LoRA adapter `lora_name` (at `lora_path`) and
-    `cache_salt`, in vLLM's form; b"" with neither (a plain prompt)."""
+                   cache_salt: str | None = None, lora_digest: str | None = None) -> bytes:
+    """The extra key of a request under LoRA adapter `lora_name` (at `lora_path`, its
+    files' digest `lora_digest` when known) and `cache_salt`, in vLLM's form; b"" with
+    neither (a plain prompt)."""
     if not lora_name:
-        lora_path = None
+        lora_path = lora_digest = None
     fields = (lora_name or None, lora_path, cache_salt or None)
     if fields == (None, None, None):
         return b""
+    if lora_digest:
+        fields += (lora_digest,)
     out = [MAGIC]
     for f in fields:
         if f is None:
@@ -108,7 +114,7 @@ def parse(extra_key: bytes) -> VllmKeys | None:
     fields: list[str | None] = []
     i = len(MAGIC)
     try:
-        for _ in range(_FIELDS):
+        while len(fields) < _FIELDS or (len(fields) == _FIELDS and i < len(extra_key) and fields[0]):
             flag = extra_key[i]
             i += 1
             if flag == 0:
@@ -124,7 +130,7 @@ def parse(extra_key: bytes) -> VllmKeys | None:
             i += n
     except (IndexError, UnicodeDecodeError):
         return None
-    if i != len(extra_key) or (fields[0] is None and fields[1] is not None):
+    if i != len(extra_key) or (fields[0] is None and fields[1] is not None) or fields[_FIELDS:] == [None]:
         return None
     return VllmKeys(*fields)
 

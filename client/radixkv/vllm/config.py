@@ -9,10 +9,10 @@
 Keys (all optional): `target` (the daemon's address), `namespace` (one per model and KV
 layout; default "vllm/<served model name>"), `model` (identity of the weights: the daemon
 refuses a namespace that holds another model's KV, and salts storage keys with it; default
-`model_identity`, vLLM's model path or hub id with its revision, quantization,
-`hf_overrides` and, for an fp8 KV cache, compute dtype; set the same string where the same
-weights sit at other paths, and name there whatever else changes the KV bytes: weights
-updated in place, KV scales, docs/fleet.md; the
+`model_identity`, vLLM's model path or hub id with a digest of its files, revision,
+quantization, `hf_overrides`, for an fp8 KV cache compute dtype, for LongRoPE the factor
+set; set the same string where the same weights sit at other paths, and name there
+whatever else changes the KV bytes: weights updated in place, KV scales, docs/fleet.md; the
 connector adds the device type, `on_device`), `timeout_s` (deadline of each daemon call),
 `connect_timeout_s` (how long startup waits for the daemon before failing),
 `host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
@@ -21,8 +21,10 @@ from a session that is still registered, e.g. of an engine that was killed),
 until the worker reports the load in `get_finished`; default False, loads finish before the
 forward that reads them), `tier_events` (when vLLM publishes KV events, add the daemon's host
 and storage blocks of this namespace to them, `radixkv.vllm.tier_events`; default True).
-For a daemon that requires them (docs/reliability.md, "Security"): `token` or `token_file`
-(a file holding the token, read at startup; sent as `authorization: Bearer`), and TLS over
+For a daemon that requires them (docs/reliability.md, "Security"): `token_file` (a file
+holding the token, read at startup; sent as `authorization: Bearer`) or `token` (warned
+against: vLLM logs its whole extra config at startup, "non-default args", token
+included), else the `RADIXKV_TOKEN` environment variable (TOKEN_ENV), and TLS over
 TCP: `tls_ca` (PEM roots that signed the daemon's certificate; "" with `tls` true: the
 system's), `tls_cert` and `tls_key` (this engine's, for mutual TLS), `tls_server_name`.
 An unknown key is an error: a typo must not silently fall back to a default.
@@ -30,10 +32,21 @@ An unknown key is an error: a typo must not silently fall back to a default.
 
 import hashlib
 import json
+import logging
+import os
 from dataclasses import dataclass, fields
 
 from radixkv.channel import Tls
 from radixkv.client import DEFAULT_TARGET
+
+from .fingerprints import model_fingerprint
+
+log = logging.getLogger("vllm.radixkv")
+
+TOKEN_ENV = "RADIXKV_TOKEN"  # the token when neither `token` nor `token_file` is set
+INLINE_TOKEN = ("radixkv: `token` is in kv_connector_extra_config, which vLLM prints in its startup log "
+                "(\"non-default args\"): the token is in vLLM's log; give `token_file` or the "
+                f"{TOKEN_ENV} environment variable instead")
 
 
 @dataclass(frozen=True)
@@ -82,15 +95,18 @@ class ConnectorConfig:
             raise ValueError("radixkv: timeout_s and connect_timeout_s must be > 0")
         if config.token and config.token_file:
             raise ValueError("radixkv: give token or token_file, not both")
+        if config.token:
+            log.warning(INLINE_TOKEN)
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ValueError("radixkv: tls_cert and tls_key go together")
         config.channel()  # a token file or a certificate that cannot be read fails vLLM's start
         return config
 
     def channel(self) -> dict:
-        """The `tls` and `token` keywords of a radixkv Client for these settings. Raises
+        """The `tls` and `token` keywords of a radixkv Client for these settings (the token
+        from `token_file`, `token`, else the TOKEN_ENV environment variable). Raises
         ValueError for a token file that cannot be read or is empty."""
-        token = self.token or None
+        token = self.token or os.environ.get(TOKEN_ENV) or None
         if self.token_file:
             try:
                 with open(self.token_file) as f:
@@ -105,13 +121,27 @@ class ConnectorConfig:
         return {"tls": tls, "token": token}
 
 
-def model_identity(model_config, cache_config=None) -> str:
-    """Which weights compute the KV, from vLLM's ModelConfig: the model (path or hub id),
-    with its revision and quantization when set; `hf_overrides` when given (they change
+_unresolved: set[str] = set()  # models said to have no local files
+
+
+def model_identity(model_config, cache_config=None, download_dir: str | None = None) -> str:
+    """Which weights compute the KV, from vLLM's ModelConfig: the model (path or hub id)
+    and a digest of its files (`fingerprints.model_fingerprint`, of the hub cache's
+    snapshot under `download_dir` for a hub id; left out, with a warning, where no local
+    files are found), with its revision and quantization when set; `hf_overrides` when given (they change
     the model's config, RoPE scaling included: a digest of them, or the function's name);
-    and the dtype the model computes in when the KV cache is stored in another
-    (`cache_config.cache_dtype` not "auto": the layout says only the stored one)."""
+    the dtype the model computes in when the KV cache is stored in another
+    (`cache_config.cache_dtype` not "auto": the layout says only the stored one); and
+    for a LongRoPE model the factor set `max_model_len` selects (`long_rope_choice`)."""
     parts = [str(model_config.model)]
+    weights = model_fingerprint(str(model_config.model), getattr(model_config, "revision", None), download_dir)
+    if weights:
+        parts.append(f"weights={weights}")
+    elif str(model_config.model) not in _unresolved:
+        _unresolved.add(str(model_config.model))
+        log.warning("radixkv: no local files for model %s: its KV is keyed by its name alone, so new weights "
+                    "under that name would be served the old weights' KV (set `model` to name them)",
+                    model_config.model)
     for name in ("revision", "quantization"):
         value = getattr(model_config, name, None)
         if value:
@@ -124,7 +154,30 @@ def model_identity(model_config, cache_config=None) -> str:
         parts.append(f"hf_overrides={hashlib.sha256(text.encode()).hexdigest()[:12]}")
     if cache_config is not None and getattr(cache_config, "cache_dtype", "auto") not in ("auto", None):
         parts.append(f"dtype={str(getattr(model_config, 'dtype', '?')).removeprefix('torch.')}")
+    rope = long_rope_choice(model_config)
+    if rope:
+        parts.append(f"rope={rope}")
     return " ".join(parts)
+
+
+def long_rope_choice(model_config) -> str | None:
+    """"long" or "short": the RoPE factors vLLM computes a LongRoPE model's KV with (Phi-3
+    128k and its kin: the long ones iff `max_model_len` passes the
+    `original_max_position_embeddings` of its `rope_type` "longrope" parameters, vLLM's
+    `Phi3LongRoPEScaledRotaryEmbedding`), so engines of one checkpoint started with
+    another `max_model_len` never share KV; None for every other model (no RoPE
+    variant but LongRoPE reads the engine's settings), whose identity stays as it was."""
+    config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return None
+    # one dict, or one per layer type (vLLM's iter_rope_parameters)
+    sets = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    limits = [p.get("original_max_position_embeddings") for p in sets if p.get("rope_type") == "longrope"]
+    if not limits:
+        return None
+    max_model_len = getattr(model_config, "max_model_len", 0)
+    return "long" if any(max_model_len > (limit or 0) for limit in limits) else "short"
 
 
 def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> str:
@@ -138,4 +191,4 @@ def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> st
     return f"{model} device={device}" + (f" kv_layout={kv_cache_layout}" if kv_cache_layout else "")
 
 
-__all__ = ["ConnectorConfig", "model_identity", "on_device"]
+__all__ = ["INLINE_TOKEN", "TOKEN_ENV", "ConnectorConfig", "long_rope_choice", "model_identity", "on_device"]

@@ -62,7 +62,8 @@ class RadixKVConnector(KVConnectorBase_V1):
         check_version()
         tc = self._kv_transfer_config
         config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.served_model_name,
-                                            model_identity(vllm_config.model_config, vllm_config.cache_config))
+                                            model_identity(vllm_config.model_config, vllm_config.cache_config,
+                                                           vllm_config.load_config.download_dir))
         # The scheduler's and every worker's connector are made with the engine's one
         # kv_cache_config, which carries the KV layout vLLM resolved (0.32).
         self.config = dataclasses.replace(config, model=on_device(

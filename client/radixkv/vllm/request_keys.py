@@ -7,7 +7,9 @@ request under another (another adapter computes other K and V; a salt isolates t
 two images behind the same placeholder tokens are different prompts). radixkv keys the
 same things:
 
-- the LoRA adapter and the cache salt make the request's `extra_key`: the daemon keeps a
+- the LoRA adapter (its name, path and a digest of its files' content, so an adapter
+  retrained and copied over the same path is another key: `fingerprints`) and the cache
+  salt make the request's `extra_key`: the daemon keeps a
   separate tree and separate storage keys per extra key, so nothing is shared across them.
   The key is in vLLM's form (`radixkv.routing.extra_keys`), so the daemon's KV events hash
   and name these blocks exactly as vLLM's own events do; after a `reset_cache` the epoch
@@ -20,13 +22,19 @@ same things:
   token ids do not say what its KV was computed from, and hashing the embeddings on the
   scheduler's thread costs more than the lookup it would allow.
 
-Pure functions of the request; the scheduler side computes a request's key once.
+Pure functions of the request; the scheduler side computes a request's key once per prompt
+(again when a streaming-input session grows by a chunk).
 """
 
 import hashlib
+import logging
 
 from radixkv.routing.extra_keys import vllm_extra_key
 from radixkv.types import Prompt
+
+from .fingerprints import adapter_fingerprint
+
+log = logging.getLogger("vllm.radixkv")
 
 _INT32 = 4
 
@@ -37,32 +45,53 @@ def cacheable(request) -> bool:
 
 
 def extra_key(request, epoch: bytes = b"") -> bytes:
-    """The request's LoRA adapter and cache salt, and the engine's cache `epoch` (new after
-    each `reset_cache`: the weights may have changed), as one extra key (`key_of`)."""
+    """The request's LoRA adapter (with its files' digest, `adapter_digest`) and cache
+    salt, and the engine's cache `epoch` (new after each `reset_cache`: the weights may
+    have changed), as one extra key (`key_of`)."""
     lora = getattr(request, "lora_request", None)
-    return key_of(lora_name=lora.lora_name if lora else None, lora_path=lora.lora_path if lora else None,
+    if lora is None:
+        return key_of(cache_salt=getattr(request, "cache_salt", None), epoch=epoch)
+    return key_of(lora_name=lora.lora_name, lora_path=lora.lora_path, lora_digest=adapter_digest(lora.lora_path),
                   cache_salt=getattr(request, "cache_salt", None), epoch=epoch)
+
+
+_unresolved: set[str] = set()
+
+
+def adapter_digest(path: str | None) -> str | None:
+    """`fingerprints.adapter_fingerprint` of the adapter at `path`; None (the path alone
+    keys it, said once per path) where no local files are found."""
+    digest = adapter_fingerprint(path)
+    if digest is None and path not in _unresolved:
+        _unresolved.add(path)
+        log.warning("radixkv: no local files for LoRA adapter %s: its KV is keyed by its path alone, so "
+                    "new weights there would be served the old weights' KV", path)
+    return digest
 
 
 MAX_VLLM_FORM_BYTES = 1024  # a longer key is sent hashed: the daemon refuses past 4 KiB by default
 
 
 def key_of(*, lora_name: str | None = None, lora_path: str | None = None, cache_salt: str | None = None,
-           epoch: bytes = b"") -> bytes:
-    """The extra key of a request under LoRA adapter `lora_name` (at `lora_path`) and
-    `cache_salt` (b"" with none of them): `vllm_extra_key` of the three, or after a reset
+           epoch: bytes = b"", lora_digest: str | None = None) -> bytes:
+    """The extra key of a request under LoRA adapter `lora_name` (at `lora_path`, whose
+    files' digest is `lora_digest`) and `cache_salt` (b"" with none of them):
+    `vllm_extra_key` of them, or after a reset
     (`epoch`), or when that form passes MAX_VLLM_FORM_BYTES (an end user's salt has no
     bound), 16 bytes of a hash over the tagged, length-prefixed fields: such requests stay
     cached and apart, their events just lack vLLM's form of the keys. Routers pass it to
     `RoutingIndex.score(extra_key=...)` to score such a request against what the
-    connector saved (no vLLM import needed)."""
+    connector saved (no vLLM import needed; the digest stays out of block hashes, so a
+    router may leave it out)."""
     if not epoch:
-        key = vllm_extra_key(lora_name, lora_path, cache_salt)
+        key = vllm_extra_key(lora_name, lora_path, cache_salt, lora_digest)
         if len(key) <= MAX_VLLM_FORM_BYTES:
             return key
     fields = [b"epoch", epoch]
     if lora_name:
         fields += [b"lora", str(lora_name).encode(), str(lora_path or "").encode()]
+        if lora_digest:
+            fields += [b"lora_digest", lora_digest.encode()]
     if cache_salt:
         fields += [b"cache_salt", str(cache_salt).encode()]
     h = hashlib.blake2b(digest_size=16, person=b"radixkv-vllm-key")

@@ -58,7 +58,9 @@ class SchedulerSide:
         self.lookups = lookups
         self._kv_manager = kv_cache_manager_fn  # () -> vLLM's KVCacheManager (bound late)
         self._requests: dict = {}
-        self._prompts: dict[str, Prompt] = {}  # request -> its prompt's key (lookup and saves share it)
+        # request -> its prompt's key (lookup and saves share it), with the prompt length and
+        # number of multimodal inputs it was made for (`_key`)
+        self._prompts: dict[str, tuple[tuple[int, int], Prompt]] = {}
         self._computed: dict[str, int] = {}
         self._saved: dict[str, int] = {}
         self._issued: dict[str, int] = {}  # request -> saves planned
@@ -346,13 +348,16 @@ class SchedulerSide:
     def _key(self, request, n: int) -> Prompt:
         """The radixkv prompt of the request's first `n` tokens: packed int32 bytes (its
         multimodal inputs applied) and its extra key (`request_keys`). The prompt's key is
-        made once (packing 2k tokens takes about 15 us on the scheduler's thread): its
-        lookup and every save within it slice the same bytes; tokens past it are packed
-        when a save needs them."""
-        key = self._prompts.get(request.request_id)
-        if key is None:
+        made once per prompt (packing 2k tokens takes about 15 us on the scheduler's thread):
+        its lookup and every save within it slice the same bytes; tokens past it are packed
+        when a save needs them. A streaming-input session (vLLM's resumable request) grows
+        its prompt and multimodal inputs with each chunk: the key is made again then, so a
+        later chunk's inputs key its blocks too."""
+        shape = (request.num_prompt_tokens, len(getattr(request, "mm_features", None) or ()))
+        made, key = self._prompts.get(request.request_id, (None, None))
+        if made != shape:
             key = prompt_key(_packed(request.all_token_ids, 0, request.num_prompt_tokens), request, self._epoch)
-            self._prompts[request.request_id] = key
+            self._prompts[request.request_id] = (shape, key)
         have = len(key.tokens) // _INT32
         if n <= have:
             return Prompt(key.tokens[:n * _INT32], key.extra_key)

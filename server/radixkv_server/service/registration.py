@@ -165,8 +165,8 @@ def check_compatible(ns: Namespace, reg: Registration, policy: str) -> None:
         raise mismatch("device_tier", f"namespace {ns.name} has the other device tier: this registration asks for "
                            f"{tier}; every session of a namespace uses the tier of its first one")
     if ns.layout != reg.layout:
-        raise mismatch("layout", f"namespace {ns.name} holds KV of another layout ({ns.layout}); "
-                           "use a new namespace name for this one")
+        raise mismatch("layout", f"namespace {ns.name} holds KV of another layout ({ns.layout}), not this "
+                           f"registration's ({reg.layout}); use a new namespace name for this one")
     if ns.config.model != reg.model_name:
         raise mismatch("model", f"namespace {ns.name} holds KV of model {ns.config.model!r}, not {reg.model_name!r}: "
                            "another model's KV must not be served; use a new namespace name for this one")

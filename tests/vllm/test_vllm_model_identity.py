@@ -1,0 +1,164 @@
+"""KV computed by other weights or other RoPE factors is never served (real vLLM, real
+daemon), even where the model's path and name stay the same (`radixkv.vllm.config.model_identity`).
+
+radixkv's KV outlives the engine (host tier, storage) and is shared between engines, so
+the identity that salts storage keys must name everything that changes the KV bytes.
+What a user notices: an engine whose KV would differ gets no hit from what another saved
+and the same output as without radixkv. Each case saves through one daemon with file
+storage and loads through a fresh daemon on the same storage (a daemon restarted, or
+another node of the fleet sharing the store): on one live daemon the second engine's
+other identity is refused at Register instead (the namespace holds another model's KV).
+Found by the LMCache-migration review (docs/testing.md).
+"""
+
+import json
+import os
+import shutil
+
+from radixkv.vllm.testing import write_tiny_llama, write_tiny_lora
+from tests.support.daemon import wait_for
+
+from tests.vllm.engines import generate, prompt
+from tests.vllm.test_vllm_connector import counters
+
+PROMPT_TOKENS = 1024
+HEAD_DIM = 64
+ORIGINAL_MAX = 2048
+
+
+def longrope_model(path: str) -> str:
+    """The tiny Llama with Phi-3's LongRoPE: short factors up to `ORIGINAL_MAX` positions,
+    long ones (far from 1, so the output changes) beyond."""
+    write_tiny_llama(path)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * (HEAD_DIM // 2),
+            "long_factor": [1.0 + 3.0 * i for i in range(HEAD_DIM // 2)],
+            "original_max_position_embeddings": ORIGINAL_MAX}
+    config.update(rope_scaling=rope, rope_parameters={**rope, "rope_theta": config.get("rope_theta", 10000.0)},
+                  original_max_position_embeddings=ORIGINAL_MAX)
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def stored_daemons(daemon_factory, tmp_path):
+    """start() -> a daemon on one file store (written through), so a later daemon finds
+    what an earlier one saved."""
+    flags = ("--storage", f"file://{tmp_path}/pages", "--storage-policy", "write_through")
+    return lambda: daemon_factory(*flags)
+
+
+def save_and_stop(engines, daemon, p: list[int], **engine) -> tuple[int, ...]:
+    """Generate `p` on an engine with radixkv on `daemon`, wait until its pages are
+    stored and stop the daemon; the tokens it generated."""
+    llm = engines.start(daemon.target, **engine)
+    [out] = generate(llm, [p])
+    engines.stop(llm)
+    wait_for(lambda: counters(daemon.target)["stored_tokens"] >= PROMPT_TOKENS, 30, "pages stored")
+    assert daemon.stop() == 0
+    return out.tokens
+
+
+def test_a_longrope_engine_with_another_max_model_len_is_not_served_the_others_kv(
+        engines, daemon_factory, tmp_path):
+    """vLLM picks LongRoPE's short or long factors by max_model_len: the same tokens get
+    other K, so engines that differ only there must not share KV."""
+    model = longrope_model(str(tmp_path / "phi-like"))
+    daemons = stored_daemons(daemon_factory, tmp_path)
+    p = prompt(PROMPT_TOKENS, seed=51)
+    short = save_and_stop(engines, daemons(), p, model=model, max_model_len=ORIGINAL_MAX)
+
+    reference = engines.start(model=model, max_model_len=2 * ORIGINAL_MAX)  # long factors, no radixkv
+    [want] = generate(reference, [p])
+    engines.stop(reference)
+    assert want.tokens != short  # the factors change the output (the test's premise)
+
+    llm = engines.start(daemons().target, model=model, max_model_len=2 * ORIGINAL_MAX)
+    [got] = generate(llm, [p])
+    assert (got.cached_tokens, got.tokens) == (0, want.tokens)
+
+
+def test_only_longrope_models_name_their_factor_set_in_the_identity():
+    """The choice joins the identity of LongRoPE models only: every other model keeps
+    its identity, and so the storage keys of what it saved."""
+    from types import SimpleNamespace
+
+    from radixkv.vllm.config import model_identity
+
+    def model(rope: dict | None, max_model_len: int):
+        return SimpleNamespace(model="/models/phi", revision=None, quantization=None, hf_overrides=None,
+                               max_model_len=max_model_len, hf_text_config=SimpleNamespace(rope_parameters=rope))
+
+    longrope = {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL_MAX}
+    assert model_identity(model(longrope, ORIGINAL_MAX)).endswith(" rope=short")
+    assert model_identity(model(longrope, ORIGINAL_MAX + 1)).endswith(" rope=long")
+    per_layer_type = {"full_attention": longrope, "sliding_attention": {"rope_type": "default"}}
+    assert model_identity(model(per_layer_type, 4 * ORIGINAL_MAX)).endswith(" rope=long")
+    for other in (None, {"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "yarn", "factor": 4.0}):
+        assert "rope=" not in model_identity(model(other, 4 * ORIGINAL_MAX))
+
+
+def test_a_model_replaced_at_the_same_path_is_not_served_the_old_weights_kv(engines, daemon_factory, tmp_path):
+    path = str(tmp_path / "models" / "current")
+    daemons = stored_daemons(daemon_factory, tmp_path)
+    p = prompt(PROMPT_TOKENS, seed=42)
+    write_tiny_llama(path, seed=0)
+    save_and_stop(engines, daemons(), p, model=path)
+
+    shutil.rmtree(path)
+    write_tiny_llama(path, seed=5)  # new weights of the same shape, deployed at the same path
+    reference = engines.start(model=path)
+    [want] = generate(reference, [p])
+    engines.stop(reference)
+
+    llm = engines.start(daemons().target, model=path)
+    [got] = generate(llm, [p])
+    assert (got.cached_tokens, got.tokens) == (0, want.tokens)
+
+
+def test_a_lora_adapter_replaced_at_the_same_path_is_not_served_the_old_adapters_kv(
+        engines, daemon_factory, tmp_path):
+    from vllm.lora.request import LoRARequest
+    path = str(tmp_path / "adapters" / "tenant-x")
+    adapter = LoRARequest("tenant-x", 1, path)
+    lora_engine = dict(enable_lora=True, max_lora_rank=8, max_loras=1)
+    p = prompt(PROMPT_TOKENS, seed=41)
+    daemon = daemon_factory()
+    write_tiny_lora(path, seed=1)
+    llm = engines.start(daemon.target, **lora_engine)
+    [v1] = generate(llm, [p], lora_request=adapter)
+    engines.stop(llm)
+
+    shutil.rmtree(path)
+    write_tiny_lora(path, seed=2)  # retrained, copied over the same path
+    llm = engines.start(daemon.target, **lora_engine)  # the same daemon: its host tier holds v1's KV
+    [v2] = generate(llm, [p], lora_request=adapter)
+    engines.stop(llm)
+    reference = engines.start(**lora_engine)  # v2 without radixkv
+    [want] = generate(reference, [p], lora_request=adapter)
+    assert want.tokens != v1.tokens  # the retrained adapter changes the output (the test's premise)
+    assert (v2.cached_tokens, v2.tokens) == (0, want.tokens)
+
+
+def test_fingerprints_follow_content_not_paths(tmp_path):
+    """Identical files at two paths (or on two nodes) fingerprint alike; other weights of
+    the same shape, or an adapter retrained in place, do not."""
+    from radixkv.vllm.fingerprints import adapter_fingerprint, model_fingerprint
+
+    a, b, c = (write_tiny_llama(str(tmp_path / name), seed=seed) for name, seed in (("a", 0), ("b", 0), ("c", 5)))
+    assert model_fingerprint(a) == model_fingerprint(b) != model_fingerprint(c)
+    assert model_fingerprint(str(tmp_path / "nowhere")) is None
+    # a hub id: the snapshot vLLM downloaded into the hub cache
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(a, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    assert model_fingerprint("org/tiny", cache_dir=str(tmp_path / "hub")) == model_fingerprint(a)
+    assert model_fingerprint("org/other", cache_dir=str(tmp_path / "hub")) is None
+    first, second = write_tiny_lora(str(tmp_path / "l1"), seed=1), write_tiny_lora(str(tmp_path / "l2"), seed=1)
+    digest = adapter_fingerprint(first)
+    assert digest == adapter_fingerprint(second)
+    write_tiny_lora(first, seed=2)
+    assert adapter_fingerprint(first) != digest
