@@ -6,7 +6,11 @@ lend (the daemons lend none, so the pages outlive them).
 `Store.raw_get(keys)` reads the records stored under those storage keys, one batch per
 call, and returns the bytes read; `raw_put(keys, blob)` writes `blob` under each key
 (fresh keys), one batch per call. Both skip everything the daemon adds: checksums,
-copies into a host pool, the event loop.
+copies into a host pool, the event loop. `missing(keys)` returns the keys whose record
+the daemon has not stored yet, asked of the store alone (one batch), so a bench can see
+a daemon's stores land without putting work on that daemon. A record counts once the
+store shows it whole: files are renamed into place, a Redis SET and a Mooncake put (its
+put_end) are atomic.
 """
 
 import os
@@ -42,6 +46,9 @@ class FileStore:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
                 f.write(blob)
+
+    def missing(self, keys: list[bytes]) -> list[bytes]:
+        return [k for k in keys if not os.path.exists(self._paths.path_for(k))]
 
     def close(self) -> None:
         pass
@@ -84,6 +91,9 @@ class RedisStore:
             pipe.set(b"raw:" + k.hex().encode(), blob)
         pipe.execute()
 
+    def missing(self, keys: list[bytes]) -> list[bytes]:
+        return _missing_in(self.client.pipeline(transaction=False), keys)
+
     def close(self) -> None:
         self.client.close()
         self.proc.terminate()
@@ -109,6 +119,9 @@ class RedisClusterStore:
         for k in keys:
             pipe.set(b"raw:" + k.hex().encode(), blob)
         pipe.execute()
+
+    def missing(self, keys: list[bytes]) -> list[bytes]:
+        return _missing_in(self.client.pipeline(), keys)
 
     def close(self) -> None:
         self.client.close()
@@ -147,11 +160,25 @@ class MooncakeStore:
         if any(codes):
             raise RuntimeError(f"raw Mooncake put failed: {sorted(set(codes))}")
 
+    def missing(self, keys: list[bytes]) -> list[bytes]:
+        codes = self.client.batch_is_exist(["radixkv:" + k.hex() for k in keys])
+        if keys and all(c < 0 for c in codes):
+            raise RuntimeError(f"the Mooncake master did not answer batch_is_exist: {sorted(set(codes))}")
+        return [k for k, c in zip(keys, codes) if c != 1]
+
     def close(self) -> None:
         self.client.close()
         for lender in self.lenders:
             lender.kill()
         self.master.cleanup()
+
+
+def _missing_in(pipe, keys: list[bytes]) -> list[bytes]:
+    """The keys without a daemon's record, by one pipeline of EXISTS (one key each, so a
+    cluster pipeline sends each to its shard)."""
+    for k in keys:
+        pipe.exists(b"radixkv:" + k.hex().encode())
+    return [k for k, n in zip(keys, pipe.execute()) if not n]
 
 
 def open_stores(page_bytes: int, total_bytes: int):
