@@ -91,8 +91,8 @@ class Engine:
             return await getattr(self.stub, method)(request, timeout=RPC_TIMEOUT_S)
         self._ids += 1
         await self._session_call.write(pb.SessionRequest(id=self._ids, **{field: request}))
-        resp = await asyncio.wait_for(self._session_call.read(), RPC_TIMEOUT_S)
-        if resp.WhichOneof("result") != field:
+        resp = await self._session_call.read()  # plain, as CallStream reads: `_deadline` bounds the phase
+        if resp is grpc.aio.EOF or resp.WhichOneof("result") != field:
             raise RuntimeError(f"engine {self.index}: {field} on the Session stream: {resp}")
         return getattr(resp, field)
 
@@ -215,7 +215,7 @@ async def _window(engines: list[Engine], seconds: float, daemon_pid: int, paced:
              for k, e in enumerate(engines)]
     await asyncio.sleep(max(0.0, warm_end - time.perf_counter()))
     d0, s0, w0 = cpu_seconds(daemon_pid), cpu_seconds(os.getpid()), time.perf_counter()
-    await asyncio.gather(*tasks)
+    await _deadline(asyncio.gather(*tasks), seconds + RPC_TIMEOUT_S)
     d1, s1, w1 = cpu_seconds(daemon_pid), cpu_seconds(os.getpid()), time.perf_counter()
     matches = [x for e in engines for x in e.match_s]
     steps = [x for e in engines for x in e.step_s]
@@ -223,6 +223,22 @@ async def _window(engines: list[Engine], seconds: float, daemon_pid: int, paced:
             "match_p99": percentile(matches, 99), "step_p99": percentile(steps, 99),
             "daemon_cpu": (d1 - d0) / (w1 - w0), "engines_cpu": (s1 - s0) / (w1 - w0),
             "skipped": sum(e.skipped for e in engines)}
+
+
+async def _fill(engines: list[Engine]) -> None:
+    for e in engines:  # every prompt inserted once (the device keeps the newest)
+        for _ in range(UNIVERSE // BATCH * 3):
+            await e.step(record=False)
+
+
+async def _deadline(coro, seconds: float):
+    """`coro` within `seconds`, else TimeoutError: the one deadline of a phase. The Session
+    stream's reads have no timer each (one per read would be a task and a timer handle, work
+    the client library's CallStream does not do); unary calls carry gRPC's own deadline."""
+    try:
+        return await asyncio.wait_for(coro, seconds)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"node bench: a phase passed its {seconds:g} s deadline (the daemon stopped answering?)")
 
 
 async def _measure(target: str, mode: str, daemon_pid: int, profile=None, counts=None, unpaced: bool = True) -> dict:
@@ -239,9 +255,7 @@ async def _measure(target: str, mode: str, daemon_pid: int, profile=None, counts
         try:
             for e in engines:
                 await e.open()
-            for e in engines:  # fill: every prompt inserted once (the device keeps the newest)
-                for _ in range(UNIVERSE // BATCH * 3):
-                    await e.step(record=False)
+            await _deadline(_fill(engines), RPC_TIMEOUT_S)
             runs = [await _window(engines, SECONDS[mode], daemon_pid) for _ in range(REPEATS[mode])]
             out["stream" if stream else n] = {k: median(r[k] for r in runs) for k in runs[0]}
             if n == top and unpaced:

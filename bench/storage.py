@@ -6,10 +6,11 @@ with the same client's raw batched put and get of the same bytes in the same run
 Mooncake batch_get_into/batch_put_from on a registered buffer.
 
 A first daemon stores whole 2k-token prompts (write-through to storage), timed from the
-first Insert until every page is stored: a warm-up set of prompts, then new sets, each
-followed by the raw client putting as many records; a second daemon on the same store prefetches
-them, one `Prefetch(wait_complete)` per prompt (one prompt at a time, and 4 at once as an
-engine prefetching its next batch would), cycling through prompts with a host pool of half
+first Insert until the store holds every page (asked of the store's own client, not of
+the daemon): a warm-up set of prompts, then new sets, each followed by the raw client
+putting as many records; a second daemon on the same store prefetches them, one
+`Prefetch(wait_complete)` per prompt (one prompt at a time, and 4 at once as an engine
+prefetching its next batch would), cycling through prompts with a host pool of half
 their size so every prefetch really reads.
 """
 
@@ -70,30 +71,59 @@ def _populate(store, layout: KvLayout, prompt_sets: list[list[bytes]]) -> tuple[
                                host_pool_pages=per_set).session
             stub.Stats(pb.StatsRequest(namespace=NAMESPACE))
             for n, prompts in enumerate(prompt_sets):
+                key_lists = _keys(layout, prompts)  # what the wait asks the store for, named untimed
+                keys = [k for ks in key_lists for k in ks]
                 start = time.perf_counter()
                 for i, p in enumerate(prompts):
                     first = (n * len(prompts) + i) * PROMPT_PAGES
                     stub.Insert(pb.InsertRequest(session=session, tokens=p,
                                                  device_pages=pack(range(first, first + PROMPT_PAGES))))
-                _wait_stored(stub, (n + 1) * per_set * PAGE)
+                _wait_stored(store, stub, keys)
                 if n:
                     ours.append(time.perf_counter() - start)
-                    theirs.append(_raw_put(store, layout, _keys(layout, prompts)))
+                _settle(store, stub, keys, (n + 1) * per_set * PAGE)
+                if n:
+                    theirs.append(_raw_put(store, layout, key_lists))
             stub.Close(pb.CloseRequest(session=session))
             return ours, theirs
     finally:
         buffers.close()
 
 
-def _wait_stored(stub, tokens: int) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        c = stub.Stats(pb.StatsRequest(namespace=NAMESPACE)).namespaces[0].counters
-        if c["stored_tokens"] >= tokens:
-            return
-        if c["store_failed_tokens"] or time.monotonic() > deadline:
-            raise RuntimeError(f"storing failed: {dict(c)}")
-        time.sleep(0.002)
+def _wait_stored(store, stub, keys: list[bytes]) -> None:
+    """Return once the store holds a record under every one of `keys`, asking the store
+    itself every 2 ms: the daemon being timed is not asked (a Stats call cost it ~0.6 ms
+    of its loop; docs/performance.md, 2026-12-07). The page queued last is asked for alone
+    until it lands (it is among the last stored), then all of them. The daemon is asked
+    once a second, so that a failing store ends the run then and not at the deadline; a
+    quick-mode set takes less than a second."""
+    now = time.monotonic()
+    deadline, check = now + 300, now + 1
+    for ask in (keys[-1:], keys):
+        while not store.holds_all(ask):
+            if time.monotonic() > check:
+                _counters(stub, deadline, f"{len(ask)} pages not all in the store")
+                check = time.monotonic() + 1
+            time.sleep(0.002)
+
+
+def _settle(store, stub, keys: list[bytes], tokens: int) -> None:
+    """Untimed, after a set: check key by key that the store holds every page, then wait
+    until the daemon counts every token stored, so that its bookkeeping after the last
+    write does not overlap the raw put that follows."""
+    if missing := store.missing(keys):
+        raise RuntimeError(f"{store.label}: {len(missing)} of {len(keys)} pages not in the store after the wait")
+    deadline = time.monotonic() + 60
+    while _counters(stub, deadline, f"the daemon counts fewer than {tokens} tokens stored")["stored_tokens"] < tokens:
+        time.sleep(0.02)
+
+
+def _counters(stub, deadline: float, waiting: str):
+    """The namespace's counters; raises if a store failed or the deadline passed."""
+    c = stub.Stats(pb.StatsRequest(namespace=NAMESPACE)).namespaces[0].counters
+    if c["store_failed_tokens"] or time.monotonic() > deadline:
+        raise RuntimeError(f"storing failed ({waiting}): {dict(c)}")
+    return c
 
 
 def _keys(layout: KvLayout, prompts: list[bytes]) -> list[list[bytes]]:

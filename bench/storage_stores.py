@@ -6,7 +6,12 @@ lend (the daemons lend none, so the pages outlive them).
 `Store.raw_get(keys)` reads the records stored under those storage keys, one batch per
 call, and returns the bytes read; `raw_put(keys, blob)` writes `blob` under each key
 (fresh keys), one batch per call. Both skip everything the daemon adds: checksums,
-copies into a host pool, the event loop.
+copies into a host pool, the event loop. `holds_all(keys)` says whether the daemon's
+record is in the store under every key, asked of the store alone and cheaply enough to
+poll (a few ms for 2k keys), so a bench sees a daemon's stores land without putting work
+on that daemon; `missing(keys)` names the keys without one (slower: a check afterwards).
+A record counts once the store shows it whole: files are renamed into place, a Redis
+SET and a Mooncake put (its put_end) are atomic.
 """
 
 import os
@@ -42,6 +47,12 @@ class FileStore:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
                 f.write(blob)
+
+    def holds_all(self, keys: list[bytes]) -> bool:
+        return all(os.path.exists(self._paths.path_for(k)) for k in reversed(keys))  # the last stored last
+
+    def missing(self, keys: list[bytes]) -> list[bytes]:
+        return [k for k in keys if not os.path.exists(self._paths.path_for(k))]
 
     def close(self) -> None:
         pass
@@ -84,6 +95,12 @@ class RedisStore:
             pipe.set(b"raw:" + k.hex().encode(), blob)
         pipe.execute()
 
+    def holds_all(self, keys: list[bytes]) -> bool:
+        return self.client.exists(*[_name(k) for k in keys]) == len(keys)  # one command, counted by the server
+
+    def missing(self, keys: list[bytes]) -> list[bytes]:
+        return _missing_in(self.client.pipeline(transaction=False), keys)
+
     def close(self) -> None:
         self.client.close()
         self.proc.terminate()
@@ -97,6 +114,8 @@ class RedisClusterStore:
         self.url = self.cluster.url
         import redis
         self.client = redis.RedisCluster(host="127.0.0.1", port=self.cluster.ports[0])
+        self._raw_records = 0
+        self._daemon_keys: set[bytes] = set()
 
     def raw_get(self, keys: list[bytes]) -> int:
         pipe = self.client.pipeline()
@@ -109,6 +128,20 @@ class RedisClusterStore:
         for k in keys:
             pipe.set(b"raw:" + k.hex().encode(), blob)
         pipe.execute()
+        self._raw_records += len(keys)
+
+    def holds_all(self, keys: list[bytes]) -> bool:
+        """One key: EXISTS. More: the masters' record count against the keys asked about so
+        far plus the raw puts (the cluster holds nothing else), since a multi-key EXISTS
+        must stay in one slot and a pipeline of 2k costs ~50-100 ms here."""
+        if len(keys) == 1:
+            return bool(self.client.exists(_name(keys[0])))
+        self._daemon_keys.update(keys)
+        records = sum(self.client.dbsize(target_nodes=n) for n in self.client.get_primaries())
+        return records == self._raw_records + len(self._daemon_keys)
+
+    def missing(self, keys: list[bytes]) -> list[bytes]:
+        return _missing_in(self.client.pipeline(), keys)
 
     def close(self) -> None:
         self.client.close()
@@ -147,11 +180,32 @@ class MooncakeStore:
         if any(codes):
             raise RuntimeError(f"raw Mooncake put failed: {sorted(set(codes))}")
 
+    def holds_all(self, keys: list[bytes]) -> bool:
+        return not self.missing(keys)
+
+    def missing(self, keys: list[bytes]) -> list[bytes]:
+        codes = self.client.batch_is_exist(["radixkv:" + k.hex() for k in keys])
+        if keys and all(c < 0 for c in codes):
+            raise RuntimeError(f"the Mooncake master did not answer batch_is_exist: {sorted(set(codes))}")
+        return [k for k, c in zip(keys, codes) if c != 1]
+
     def close(self) -> None:
         self.client.close()
         for lender in self.lenders:
             lender.kill()
         self.master.cleanup()
+
+
+def _missing_in(pipe, keys: list[bytes]) -> list[bytes]:
+    """The keys without a daemon's record, by one pipeline of EXISTS (one key each, so a
+    cluster pipeline sends each to its shard)."""
+    for k in keys:
+        pipe.exists(_name(k))
+    return [k for k, n in zip(keys, pipe.execute()) if not n]
+
+
+def _name(key: bytes) -> bytes:
+    return b"radixkv:" + key.hex().encode()
 
 
 def open_stores(page_bytes: int, total_bytes: int):
