@@ -303,7 +303,7 @@ def test_refusals_never_name_another_tenants_namespaces(tenants, daemon_factory,
         with pytest.raises(errors.ResourceExhausted) as refused:
             engines[2].register(Client(d.target, timeout=10, token=ALICE), "alice/m2", host_pool_pages=32)
         assert "bob" not in refused.value.message
-        assert f"pools held: alice/m1: {pool}, 1 other namespaces: {pool}" in refused.value.message
+        assert f"pools held: alice/m1: {pool}, other namespaces (1): {pool}" in refused.value.message
     finally:
         for e in engines:
             e.close()

@@ -100,7 +100,7 @@ def check_room(held: dict[str, int], name: str, nbytes: int, limit: int, source:
         holders = ", ".join(f"{n}: {b}" for n, b in sorted(named.items(), key=lambda kv: -kv[1])[:8])
         if len(named) < len(held):
             others = sum(b for n, b in held.items() if n not in named)
-            holders = f"{holders}, " * bool(holders) + f"{len(held) - len(named)} other namespaces: {others}"
+            holders = f"{holders}, " * bool(holders) + f"other namespaces ({len(held) - len(named)}): {others}"
         holders = holders or "none"
         raise exhausted(
             f"a host pool of {nbytes} bytes for namespace {name} would take the host pools to {total} bytes, "
