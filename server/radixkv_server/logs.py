@@ -46,6 +46,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class CallerGone(logging.Filter):
+    """gRPC logs at ERROR, with a traceback, every answer it could not send because the
+    caller had gone: a health probe past its deadline while the daemon started, an engine
+    that exited mid-call (its own handlers' such ends are `rpc.gone`, at debug). The
+    caller's business, not a fault of the daemon's: kept at debug level."""
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(self.PREFIX):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -54,3 +69,6 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(level.upper())
     # grpc's own debug chatter (one line per call) is not ours to print.
     logging.getLogger("grpc").setLevel(max(logging.WARNING, root.level))
+    cygrpc = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, CallerGone) for f in cygrpc.filters):
+        cygrpc.addFilter(CallerGone())

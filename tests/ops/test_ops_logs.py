@@ -100,3 +100,30 @@ def test_sigusr1_writes_every_threads_stack_and_the_daemon_serves_on(daemon_fact
     e = RawEngine(d.target, "ops/usr1")  # serving on
     e.close()
     e.release_memory()
+
+
+def test_an_answer_grpc_could_not_send_to_a_caller_gone_is_not_an_error(capsys):
+    """A health probe past its deadline while the daemon started made gRPC log an ERROR
+    with a traceback (ExecuteBatchError): operators saw a fault of the daemon's where a
+    caller had left, and a test daemon's teardown failed on it. Kept at debug level."""
+    import logging
+
+    from radixkv_server.logs import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        for level, shown in (("info", False), ("debug", True)):
+            setup_logging(level)
+            try:
+                raise RuntimeError("execute_batch failed")
+            except RuntimeError:
+                logging.getLogger("grpc._cython.cygrpc").exception(
+                    "ExecuteBatchError raised in core by servicer method [%s]", "/grpc.health.v1.Health/Check")
+            logging.getLogger("grpc._cython.cygrpc").error("another gRPC error")
+            err = capsys.readouterr().err
+            assert "another gRPC error" in err and "level=error" in err
+            assert ("ExecuteBatchError" in err) is shown and ("level=debug" in err) is shown, err
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])

@@ -30,7 +30,8 @@ def test_session_and_namespace_limits(daemon_factory):
         sessions[2].close()
         code, message = status(lambda: stub.Register(sessions[0].request(namespace="lim/d")))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert message == "namespace limit reached (3); raise --max-namespaces"
+        assert message == ("namespace limit reached (3), none of them detached for --reclaim-detached-after (60s) "
+                           "to drop for this one: raise --max-namespaces, or DropNamespace one no engine uses")
         sessions.append(RawSession(stub, "lim/b"))  # an existing namespace may be re-attached
     finally:
         for s in sessions:
