@@ -190,8 +190,7 @@ TABLE = [
     Row("Register", "host pool over the limit", reg(host_pool_pages=10**9), C.RESOURCE_EXHAUSTED,
         r"exceeds the per-namespace limit"),
     Row("Register", "another layout on an existing namespace", reg(namespace="bad/a", layout=layout(head_dim=32)),
-        C.FAILED_PRECONDITION, r"holds KV of another layout \(KvLayout\(.*head_dim=16.*\), not this "
-        r"registration's \(KvLayout\(.*head_dim=32"),
+        C.FAILED_PRECONDITION, r"another layout \(KvLayout\(.*head_dim=16.*\), not this registration's \(KvLayout\(.*head_dim=32"),
     Row("Register", "another model on an existing namespace", reg(namespace="bad/a", model="a-fine-tune"),
         C.FAILED_PRECONDITION, r"holds KV of model 'bad/a', not 'a-fine-tune'"),
     Row("Register", "another write policy on an existing namespace", reg(namespace="bad/a", write_policy="write_through"),

@@ -91,28 +91,19 @@ def _cut(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
     return f"{kept}... (cut: {len(message)} characters)"
 
 
-def invalid(message: str, reason: str = "", **metadata: object) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message, reason, **metadata)
+def _refusal(code: grpc.StatusCode):
+    """A maker of `ServiceError`s of `code`: (message, reason="", **metadata)."""
+    def make(message: str, reason: str = "", **metadata: object) -> ServiceError:
+        return ServiceError(code, message, reason, **metadata)
+    return make
 
 
-def not_found(message: str, reason: str = "", **metadata: object) -> ServiceError:
-    return ServiceError(grpc.StatusCode.NOT_FOUND, message, reason, **metadata)
-
-
-def precondition(message: str, reason: str = "", **metadata: object) -> ServiceError:
-    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message, reason, **metadata)
-
-
-def exhausted(message: str, reason: str = "", **metadata: object) -> ServiceError:
-    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason, **metadata)
-
-
-def unauthenticated(message: str, reason: str = "", **metadata: object) -> ServiceError:
-    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, message, reason, **metadata)
-
-
-def unavailable(message: str, reason: str = "", **metadata: object) -> ServiceError:
-    return ServiceError(grpc.StatusCode.UNAVAILABLE, message, reason, **metadata)
+invalid = _refusal(grpc.StatusCode.INVALID_ARGUMENT)
+not_found = _refusal(grpc.StatusCode.NOT_FOUND)
+precondition = _refusal(grpc.StatusCode.FAILED_PRECONDITION)
+exhausted = _refusal(grpc.StatusCode.RESOURCE_EXHAUSTED)
+unauthenticated = _refusal(grpc.StatusCode.UNAUTHENTICATED)
+unavailable = _refusal(grpc.StatusCode.UNAVAILABLE)
 
 
 REPLACED = "replaced by a new registration"  # why a session another engine's Register took the place of ended
