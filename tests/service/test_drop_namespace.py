@@ -2,10 +2,15 @@
 longer served) without restarting the daemon; with `store`, its host tier goes to
 storage first, where a later engine of that model finds it."""
 
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from radixkv import errors
 from radixkv.client import Client
+from tests.support.daemon import wait_for
 from tests.support.engine import LAYOUT, PS, EngineDouble, prompt
 
 DEADLINE_S = 20.0
@@ -88,3 +93,34 @@ def test_a_drop_that_stores_first_leaves_the_prefixes_in_storage(daemon_factory,
             assert loaded == PAGES * PS and mismatches == (0, 0)
     finally:
         engine.close()
+
+
+def test_a_drop_storing_into_a_frozen_store_holds_no_other_namespaces_register(private_redis, daemon_factory):
+    """A DropNamespace waits for its stores with the namespace locked; a tenant's engine
+    registering another namespace meanwhile is answered at once (it waited for the whole
+    store before). A Register of the namespace being dropped waits for the drop."""
+    d = daemon_factory("--storage", private_redis.url + "?socket_timeout=60", "--shutdown-store-timeout", "60")
+    engine = EngineDouble.connect(d.target, host_pool_pages=HOST_PAGES)  # write-back: nothing stored yet
+    fill_host(engine)
+    engine.close()
+    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    try:
+        with Client(d.target, timeout=DEADLINE_S * 3) as admin, ThreadPoolExecutor(1) as pool:
+            drop = pool.submit(admin.drop_namespace, "model/tp0", store=True)
+            wait_for(lambda: admin.stats("model/tp0").namespaces[0].transfers_in_flight > 0, DEADLINE_S,
+                     "the drop's stores to start")
+            other = EngineDouble.connect(d.target, "other/tp0")  # within its Register's deadline (20 s)
+            try:
+                other.prefill(prompt(9))
+                [m] = other.client.match([prompt(9)])
+                assert m.device_tokens == PAGES * PS
+            finally:
+                other.close()
+            with pytest.raises(errors.DeadlineExceeded):  # the dropped namespace's own Register waits
+                EngineDouble(LAYOUT, 16).register(Client(d.target, timeout=1.0), "model/tp0")
+            assert not drop.done()
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+            dropped = drop.result()
+    finally:
+        os.kill(private_redis.proc.pid, signal.SIGCONT)
+    assert dropped.stored_tokens == dropped.host_tokens == PROMPTS * PAGES * PS

@@ -2,7 +2,8 @@
 an engine, closing a session, shutting down. Engine operations belong to the session's
 `Namespace`; the servicer finds it here (`session(id).namespace`).
 
-The event loop owns everything; registrations await I/O and run one at a time.
+The event loop owns everything. A change of a namespace (a Register, a drop) awaits
+I/O holding that namespace's lock only (namespace_locks.py).
 """
 
 import asyncio
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 from ..config import DaemonConfig
 from ..core.errors import CacheError
 from ..logs import log_event
-from . import engine_registration, host_budget, rank_registration, reasons, registration
-from .errors import ServiceError, exhausted, not_found, precondition, REPLACED, session_end_code, unavailable
+from . import admission, engine_registration, host_budget, rank_registration, reasons, registration
+from .errors import ServiceError, not_found, precondition, REPLACED, session_end_code, unavailable
 from .expiry import Expiry
 from .idle_checks import IdleChecks
 from .namespace import Namespace
 from . import namespace_reclaim
+from .namespace_locks import NamespaceLocks
 from .sessions import Session, SessionRegistry
 from .shutdown_store import store_host_copies
 from .watch import BatchMessages
@@ -64,12 +66,12 @@ class Daemon:
         self.accepting = True
         self.storage_answered: bool | None = None  # the start's storage check (storage_check.py)
         self.stopping = asyncio.Event()
-        self._register_lock = asyncio.Lock()  # registrations await I/O; one at a time
+        self.locks = NamespaceLocks()  # a change of a namespace awaits I/O: one at a time per namespace
         self._background: set[asyncio.Task] = set()
         self.expiry = Expiry(self)
         self.idle_checks = IdleChecks(self)
         self.last_call = time.monotonic()  # when an engine call was last answered (idle_checks)
-        self.host_memory_limit, self._host_memory_source = \
+        self.host_memory_limit, self.host_memory_source = \
             host_memory or host_budget.host_memory_limit(config.max_host_memory)
 
     def start(self) -> None:
@@ -101,15 +103,15 @@ class Daemon:
             raise unavailable("the daemon is shutting down; register with its successor", reasons.SHUTTING_DOWN)
         registration.validate(reg)
         if reg.engine_managed:  # shared by many sessions: see engine_registration
-            async with self._register_lock:
+            async with self.locks.hold(reg.namespace):
                 return await engine_registration.register(self, reg)
         await self._closes_ended(reg.namespace)  # its engine went: taken once the close ends
         if reg.tp_size > 1:  # one namespace, a session per rank: see rank_registration
             return await self._register_rank(reg)
-        async with self._register_lock:
+        async with self.locks.hold(reg.namespace):
             ns = self.namespaces.get(reg.namespace)
             replacing = ns is not None and self._check_free(ns, reg)
-            ns_config = await self.admit(reg, ns, replacing)
+            ns_config = await admission.admit(self, reg, ns, replacing)
             device = await registration.open_device(reg)  # before the live session goes: errors change nothing
             try:
                 if replacing and ns.session is not None:
@@ -123,7 +125,7 @@ class Daemon:
             except BaseException:
                 device.close()
                 raise
-            session = self.sessions.new(ns, reg.engine, reg.owner)
+            session = self.new_session(ns, reg)
             ns.session = session
             ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
         log_event(log, "session.registered", namespace=ns.name, session=session.id[:8],
@@ -132,12 +134,12 @@ class Daemon:
         return registration.Registered(session, warm, dropped)
 
     async def _register_rank(self, reg: registration.Registration) -> registration.Registered:
-        """A tensor-parallel rank's Register, run to its end under the registration lock
+        """A tensor-parallel rank's Register, run to its end under its namespace's lock
         whoever waits: cut part-way, its join went on without the lock. A session made
         for a caller that left is closed (it never learns its id), with its group. Then,
         when asked, waits (without the lock) for the group to form."""
         async def locked():
-            async with self._register_lock:
+            async with self.locks.hold(reg.namespace):
                 return await rank_registration.register(self, reg)
 
         task = self.run_in_background(locked())
@@ -169,39 +171,6 @@ class Daemon:
         registration.check_may_replace(reg, [ns.session])
         return True
 
-    async def admit(self, reg: registration.Registration, ns, replacing: int = 0):
-        """The daemon's limits for a Register joining namespace `ns` (None: creating it),
-        checked before anything is taken, for both kinds of namespace: the namespace and
-        session limits (the `replacing` sessions it replaces free their places) and, for a
-        new namespace, the host memory budget its whole host pool counts against
-        (host_budget.py). A new namespace past the namespace limit or the budget drops
-        the namespaces detached longest first (namespace_reclaim.py) until it fits.
-        RESOURCE_EXHAUSTED past one still. Returns the new namespace's config; None when
-        joining. Call holding the registration lock."""
-        while True:
-            try:
-                return self._check_limits(reg, ns, replacing)
-            except ServiceError as e:
-                if ns is not None or not await namespace_reclaim.make_room(self, e, reg.namespace):
-                    raise
-
-    def _check_limits(self, reg: registration.Registration, ns, replacing: int):
-        if ns is None and len(self.namespaces) >= self.config.max_namespaces:
-            raise exhausted(f"namespace limit reached ({self.config.max_namespaces}), none of them detached for "
-                            f"--reclaim-detached-after ({self.config.reclaim_detached_after:g}s) to drop for this "
-                            "one: raise --max-namespaces, or DropNamespace one no engine uses",
-                            reasons.LIMIT_REACHED, limit="--max-namespaces")
-        if len(self.sessions) - replacing >= self.config.max_sessions:
-            raise exhausted(f"session limit reached ({self.config.max_sessions}); raise --max-sessions",
-                            reasons.LIMIT_REACHED, limit="--max-sessions")
-        if ns is not None:
-            return None
-        config = registration.namespace_config(self.config, reg, self.storage is not None)
-        held = {n: other.host_pool.nbytes for n, other in self.namespaces.items()}
-        host_budget.check_room(held, config.name, config.host_pages * config.host_layout.page_bytes,
-                               self.host_memory_limit, self._host_memory_source, reg.sees)
-        return config
-
     def add_namespace(self, ns, reg: registration.Registration):
         """Enter the namespace `reg` created (managed or engine-managed) in the registry;
         its residency changes are reported as KV events from now on (when they are on).
@@ -214,6 +183,7 @@ class Daemon:
                       "that name on a daemon sharing this store is served its KV, whatever its weights; pass "
                       "model= (the weights' id, revision, quantization)")
         self.namespaces[ns.name] = ns
+        self.locks.pool_entered(ns.name)
         if self.metrics is not None:
             self.metrics.add_namespace(ns.name)
         if self.events is not None:
@@ -231,7 +201,7 @@ class Daemon:
 
     async def _drop_namespace(self, name: str, store: bool) -> Dropped:
         await self._closes_ended(name)  # their engines went: dropped once the closes end
-        async with self._register_lock:
+        async with self.locks.hold(name):
             if not self.accepting:
                 raise unavailable("the daemon is shutting down", reasons.SHUTTING_DOWN)
             ns = self.namespace(name)
@@ -247,8 +217,9 @@ class Daemon:
         return dropped
 
     async def forget_namespace(self, ns: Namespace, store: bool) -> Dropped:
-        """Drop `ns`, which no session is attached to (the registration lock held):
-        with `store`, its host copies storage lacks are stored first."""
+        """Drop `ns`, which no session is attached to (its lock held): with `store`, its
+        host copies storage lacks are stored first. Its pool counts against the host
+        memory budget until it is freed."""
         stored = 0
         if store and self.config.shutdown_store_timeout > 0:
             stored = await store_host_copies(ns.core, time.monotonic() + self.config.shutdown_store_timeout,
@@ -256,6 +227,7 @@ class Daemon:
         page_size = ns.config.layout.page_size
         dropped = Dropped(ns.cache.host.num_used * page_size, ns.host_pool.nbytes, stored * page_size)
         del self.namespaces[ns.name]
+        self.locks.reserve(ns.name, host_bytes=ns.host_pool.nbytes)  # until the end of the lock's block
         self.detached.forget(ns.name)
         await ns.close()
         if self.metrics is not None:
@@ -263,6 +235,12 @@ class Daemon:
         return dropped
 
     # -- sessions ----------------------------------------------------------------------
+
+    def new_session(self, ns, reg: registration.Registration) -> Session:
+        """The session of the Register `reg` that `admit` let into `ns`."""
+        session = self.sessions.new(ns, reg.engine, reg.owner)
+        self.locks.session_made(ns.name)
+        return session
 
     def session(self, session_id: str) -> Session:
         """The live session with this id; UNAUTHENTICATED saying why otherwise."""

@@ -3,13 +3,14 @@
 Any number of sessions share such a namespace: each engine instance's SCHEDULER session
 and its ENGINE rank sessions. Every session presents the namespace's layout and
 `tp_size` (FAILED_PRECONDITION otherwise, naming both); the first one creates the
-namespace. Called by `Daemon.register` under its registration lock.
+namespace. Called by `Daemon.register` holding the namespace's lock
+(namespace_locks.py).
 """
 
 import logging
 
 from ..logs import log_event
-from . import reasons, registration
+from . import admission, reasons, registration
 from .engine_namespace import SCHEDULER, EngineNamespace
 from .errors import precondition
 
@@ -30,14 +31,14 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     ns = daemon.namespaces.get(reg.namespace)
     if ns is not None:
         check_compatible(ns, reg)
-    config = await daemon.admit(reg, ns)
+    config = await admission.admit(daemon, reg, ns)
     device = None if reg.role == SCHEDULER else await registration.open_device(reg)
     try:
         warm = ns is not None
         if ns is None:
             ns = daemon.add_namespace(await EngineNamespace.open(
                 config, metrics=daemon.metrics, storage=daemon.storage), reg)
-        session = daemon.sessions.new(ns, reg.engine, reg.owner)
+        session = daemon.new_session(ns, reg)
         session.role, session.rank, session.instance = reg.role, reg.tp_rank, reg.instance
         session.device_pages = reg.num_device_pages
         ns.add_session(session, device)

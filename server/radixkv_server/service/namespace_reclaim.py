@@ -12,7 +12,8 @@ a time until the newcomer fits, among those detached for at least
 host KV is lost (a storage tier keeps what it holds). 0 turns it off.
 
 `DetachedSince` only remembers when each namespace lost its last session; the daemon
-decides (`Daemon.admit`), holding its registration lock.
+decides (`admission.admit`), holding the newcomer's lock. A namespace another change holds
+or waits for (a Register, a DropNamespace: namespace_locks.py) is never taken.
 """
 
 from __future__ import annotations
@@ -65,17 +66,19 @@ async def make_room(daemon, refused, newcomer: str) -> bool:
     """After `refused` (a ServiceError of the daemon's limits) for new namespace
     `newcomer`: when it is a refusal for room (--max-namespaces, the host memory budget),
     drop the namespace detached longest, logged and counted; False when `refused` is
-    another refusal or none may go. Holding the registration lock."""
+    another refusal or none may go. Holding `newcomer`'s lock; the one dropped is
+    one no other change holds or waits for, so its lock is taken at once."""
     if refused.reason != reasons.HOST_MEMORY_BUDGET and refused.metadata.get("limit") != "--max-namespaces":
         return False
     now = time.monotonic()
     attached = {s.namespace.name for s in daemon.sessions.all()}
-    name = daemon.detached.oldest(daemon.namespaces, attached, now, daemon.config.reclaim_detached_after,
-                                  keep=newcomer)
+    free = [name for name in daemon.namespaces if not daemon.locks.busy(name)]
+    name = daemon.detached.oldest(free, attached, now, daemon.config.reclaim_detached_after, keep=newcomer)
     if name is None:
         return False
     detached = daemon.detached.seconds(name, attached, now)
-    dropped = await daemon.forget_namespace(daemon.namespaces[name], store=False)
+    async with daemon.locks.hold(name):  # free: taken without waiting
+        dropped = await daemon.forget_namespace(daemon.namespaces[name], store=False)
     log_event(log, "namespace.reclaimed", logging.WARNING, namespace=name, for_namespace=newcomer,
               detached_seconds=round(detached, 1), host_tokens=dropped.host_tokens,
               freed_host_bytes=dropped.freed_host_bytes)

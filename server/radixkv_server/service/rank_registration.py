@@ -5,15 +5,15 @@ same layout, `tp_size`, page count and page split; the first one creates it (hos
 pages of every rank's shard). The group gathers until every rank is in
 (`rank_group.RankGroup`). A rank's place taken by a live session is refused unless the
 Register says `replace_existing`: then the whole group holding it is closed first (a
-restarted engine restarts every rank). Called by `Daemon.register` under its
-registration lock, once no session of the namespace is closing.
+restarted engine restarts every rank). Called by `Daemon.register` holding the
+namespace's lock, once no session of the namespace is closing.
 """
 
 import logging
 import time
 
 from ..logs import log_event
-from . import reasons, registration
+from . import admission, reasons, registration
 from .errors import REPLACED, precondition, unavailable
 from .namespace import Namespace
 from .sessions import Session
@@ -60,13 +60,13 @@ def sessions_to_replace(ns: Namespace, reg: registration.Registration) -> list[S
 
 async def register(daemon, reg: registration.Registration) -> registration.Registered:
     """Join rank `reg.tp_rank` to the namespace `reg` names, creating it for the first
-    rank. Run under the daemon's registration lock, to its end whoever waits
+    rank. Run holding the namespace's lock, to its end whoever waits
     (`Daemon.register`). Errors change nothing; a join that fails closes its session
     (and its group)."""
     check_not_closing(daemon, reg.namespace)
     ns = daemon.namespaces.get(reg.namespace)
     replaced = sessions_to_replace(ns, reg) if ns is not None else []
-    config = await daemon.admit(reg, ns, len(replaced))
+    config = await admission.admit(daemon, reg, ns, len(replaced))
     device = await registration.open_device(reg)  # before the live sessions go: errors change nothing
     try:
         if not replaced:
@@ -81,7 +81,7 @@ async def register(daemon, reg: registration.Registration) -> registration.Regis
     except BaseException:
         device.close()
         raise
-    session = daemon.sessions.new(ns, reg.engine, reg.owner)
+    session = daemon.new_session(ns, reg)
     session.rank, session.device_pages, session.instance = reg.tp_rank, reg.num_device_pages, reg.instance
     ns.page_geometry = ns.page_geometry or registration.page_geometry(reg)
     try:
