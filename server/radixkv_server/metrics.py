@@ -14,7 +14,7 @@ import logging
 import time
 
 from prometheus_client import (
-    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Histogram,
+    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
     disable_created_metrics, start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -56,6 +56,10 @@ class Metrics:
         self.namespaces_reclaimed = Counter("radixkv_namespaces_reclaimed", "Namespaces no engine was attached to, "
                                             "dropped to make room for a new namespace (--reclaim-detached-after)",
                                             registry=r)
+        self.config_reload_ok = Gauge(
+            "radixkv_config_last_reload_successful", "1 when SIGHUP's last reading of the token file (what=tokens) "
+            "or the TLS files (what=tls) took effect; 0 when it failed and the daemon serves on with the previous "
+            "ones (the log's auth.reload_failed / tls.reload_failed says why)", ["what"], registry=r)
         self.storage_duration = Histogram(
             "radixkv_storage_operation_duration_seconds", "Storage tier calls (batched), by operation",
             ["operation"], buckets=COPY_BUCKETS, registry=r)
@@ -85,6 +89,14 @@ class Metrics:
         an alert on their rate needs the series before the first failure."""
         for operation in STORAGE_OPERATIONS:
             self.storage_errors.labels(operation)
+
+    def reloadable(self, what: str) -> None:
+        """`what` ("tokens", "tls") is read again on SIGHUP: its series starts at 1 (the
+        start read it)."""
+        self.config_reload_ok.labels(what).set(1)
+
+    def reloaded(self, what: str, ok: bool) -> None:
+        self.config_reload_ok.labels(what).set(1 if ok else 0)
 
     def add_namespace(self, name: str) -> None:
         """Export the namespace's counters from 0 at once, not from their first increment

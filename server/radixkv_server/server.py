@@ -224,10 +224,12 @@ def _open_events(config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> Event
 
 
 def _reload(reloadable: list) -> None:
-    """SIGHUP: read the token file and the TLS certificates again (each logs how it went)."""
-    log_event(log, "daemon.reload", what=",".join(type(x).__name__ for x in reloadable) or "nothing")
-    for x in reloadable:
-        x.reload()
+    """SIGHUP: read the token file and the TLS certificates again (each logs how it went;
+    /metrics' radixkv_config_last_reload_successful says whether it took effect).
+    `reloadable`: (what, its reload() -> bool, Metrics)."""
+    log_event(log, "daemon.reload", what=",".join(what for what, _, _ in reloadable) or "nothing")
+    for what, reload, metrics in reloadable:
+        metrics.reloaded(what, reload())
 
 
 def _freeze_startup_objects() -> None:
@@ -308,7 +310,10 @@ async def _start(config: DaemonConfig, loop: asyncio.AbstractEventLoop, running:
         reloadable_tls = ReloadableTls.open(config.tls_cert, config.tls_key, config.tls_client_ca)
     except (AuthError, TokenFileError) as e:
         raise StartupError(str(e)) from None
-    reloadable.extend(x for x in (tokens if config.auth_token_file else None, reloadable_tls) if x is not None)
+    for what, x in (("tokens", tokens if config.auth_token_file else None), ("tls", reloadable_tls)):
+        if x is not None:
+            reloadable.append((what, x.reload, metrics))
+            metrics.reloadable(what)
     tls = reloadable_tls.credentials() if reloadable_tls is not None else None
     events = _open_events(config, loop)
     if events is not None:

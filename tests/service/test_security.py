@@ -278,10 +278,13 @@ def test_a_caller_without_a_token_cannot_make_the_daemon_hold_its_message(daemon
 
 def test_sighup_reloads_the_token_file(daemons, tmp_path):
     """New tokens take effect on SIGHUP, logged; the daemon serves on; a broken file
-    keeps the tokens in use (logged as an error)."""
+    keeps the tokens in use (logged as an error, and shown on /metrics until a reload
+    takes effect: an alert needs no log search)."""
     token_file = tmp_path / "tokens"
     token_file.write_text(TOKEN + "\n")
-    d = daemons("--auth-token-file", str(token_file))
+    d = daemons("--auth-token-file", str(token_file), metrics=True)
+    reload_ok = 'radixkv_config_last_reload_successful{what="tokens"}'
+    assert f"{reload_ok} 1.0" in d.scrape() and 'what="tls"' not in d.scrape()
     assert reaches(d.target, token=TOKEN) is True
     token_file.write_text("a-new-token\n")
     d.signal(signal.SIGHUP)
@@ -292,7 +295,12 @@ def test_sighup_reloads_the_token_file(daemons, tmp_path):
     d.signal(signal.SIGHUP)
     wait_for(lambda: "event=auth.reload_failed" in d.log(), 10, "the empty token file refused")
     assert d.alive and reaches(d.target, token="a-new-token") is True
-    assert "a-new-token" not in d.log() and "event=daemon.reload " in d.log()
+    assert "a-new-token" not in d.log() and "event=daemon.reload what=tokens" in d.log()
+    assert f"{reload_ok} 0.0" in d.scrape()
+    token_file.write_text("a-third-token\n")
+    d.signal(signal.SIGHUP)
+    wait_for(lambda: d.log().count("event=auth.reloaded") == 2, 10, "the mended token file reloaded")
+    assert f"{reload_ok} 1.0" in d.scrape()
 
 
 def test_sighup_reloads_tls_certificates(daemons, pki, tmp_path):
