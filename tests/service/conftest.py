@@ -4,11 +4,16 @@
 `daemon` yields the target of a fresh daemon ("unix:///tmp/rkv-.../radixkv.sock") and,
 at teardown, stops it with SIGTERM and requires a clean exit (code 0, no traceback
 logged). `daemon_factory` starts more (or differently configured) daemons the same way.
+`buffers` gives two engines' worth of device buffers for tests that register by hand.
 """
 
 import pytest
+from radixkv.kvbuffers import ShmKvBuffers
 
 from tests.support.daemon import DaemonProcess, stop_all
+from tests.support.engine import LAYOUT
+
+BUFFER_PAGES = 16  # device pages of each of `buffers`
 
 
 @pytest.fixture
@@ -31,3 +36,13 @@ def daemon_factory():
 def daemon(daemon_factory) -> str:
     """The target of a fresh daemon, stopped with SIGTERM (exit code 0) afterwards."""
     return daemon_factory().target
+
+
+@pytest.fixture
+def buffers() -> list[ShmKvBuffers]:
+    """Two sets of shared-memory device buffers of LAYOUT, BUFFER_PAGES pages each
+    (two engines, or an engine and its replacement), freed after the test."""
+    made = [ShmKvBuffers.create(LAYOUT, BUFFER_PAGES) for _ in range(2)]
+    yield made
+    for b in made:
+        b.close()

@@ -17,16 +17,8 @@ from radixkv.v1 import radixkv_pb2_grpc as pb_grpc
 from tests.support.daemon import wait_for
 from tests.support.engine import LAYOUT
 
-NUM_PAGES = 16
+NUM_PAGES = 16  # conftest's `buffers`
 NAMESPACE = "closed/streams"
-
-
-@pytest.fixture
-def buffers():
-    made = [ShmKvBuffers.create(LAYOUT, NUM_PAGES) for _ in range(2)]
-    yield made
-    for b in made:
-        b.close()
 
 
 @pytest.fixture

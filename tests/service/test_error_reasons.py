@@ -23,7 +23,7 @@ from radixkv_server.service import reasons
 from tests.support.engine import LAYOUT
 
 REPO = Path(__file__).resolve().parents[2]
-NUM_PAGES = 16
+NUM_PAGES = 16  # conftest's `buffers`
 NAMESPACE = "reasons/ns"
 
 
@@ -32,14 +32,6 @@ def stub(daemon):
     channel = grpc.insecure_channel(daemon)
     yield pb_grpc.RadixKVStub(channel)
     channel.close()
-
-
-@pytest.fixture
-def buffers():
-    made = [ShmKvBuffers.create(LAYOUT, NUM_PAGES) for _ in range(2)]
-    yield made
-    for b in made:
-        b.close()
 
 
 def info_of(err: grpc.RpcError) -> error_details_pb2.ErrorInfo:
