@@ -238,7 +238,7 @@ class Daemon:
 
     def new_session(self, ns, reg: registration.Registration) -> Session:
         """The session of the Register `reg` that `admit` let into `ns`."""
-        session = self.sessions.new(ns, reg.engine, reg.owner)
+        session = self.sessions.new(ns, reg.engine, reg.owner, reg.token)
         self.locks.session_made(ns.name)
         return session
 
@@ -308,12 +308,12 @@ class Daemon:
             session.closer = self.run_in_background(self._end_session(session, reason, replaced=replaced))
 
     def close_revoked(self, allows) -> None:
-        """Close every session whose token no longer grants its namespace (`allows(owner,
+        """Close every session whose token no longer grants its namespace (`allows(token,
         namespace)`, after a token file reload): an engine with nothing to send would
         otherwise keep its session, leases and mappings, its token checked only on its
         next message. Its streams end ABORTED; registering again is UNAUTHENTICATED."""
         for session in self.sessions.all():
-            if not session.closing and not allows(session.owner, session.namespace.name):
+            if not session.closing and not allows(session.token, session.namespace.name):
                 self.close_in_background(session, "its token no longer grants the namespace (token file reloaded)")
 
     # -- operators ---------------------------------------------------------------------

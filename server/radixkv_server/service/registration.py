@@ -48,7 +48,8 @@ class Registration:
     instance: str = ""
     wait_for_ranks: float = 0.0  # seconds a managed-device rank's Register waits for its group to form
     segment_uid: int | None = None  # shm: the owner the segments must have (the caller's token's uid=)
-    owner: bytes = b""  # the caller's token (its digest): the session is its own (tenants.Grant.owner)
+    owner: bytes = b""  # whose the session is (tenants.Grant.owner: the caller's token or its tenant=)
+    token: bytes = b""  # the caller's token (its digest; tenants.Grant.token)
     operator: bool = True  # the caller's token grants every namespace: it may replace any session
     sees: Callable[[str], bool] | None = None  # which namespaces its errors may name (None: every one)
 

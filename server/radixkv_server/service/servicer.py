@@ -126,7 +126,8 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         reg = convert.registration(request, self.daemon.config.page_size)
         grant = self.grant(context)
         done = await self.daemon.register(dataclasses.replace(
-            reg, segment_uid=grant.segment_uid, owner=grant.owner, operator=grant.everything,
+            reg, segment_uid=grant.segment_uid, owner=grant.owner, token=grant.token,
+            operator=grant.everything,
             sees=None if grant.everything else grant.allows))
         try:
             return self._registered(done)

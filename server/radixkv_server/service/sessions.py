@@ -48,7 +48,8 @@ class Session:
     rank: int = 0
     instance: str = ""
     device_pages: int = 0
-    owner: bytes = b""  # sha256 of the token that registered it (b"": no token file)
+    owner: bytes = b""  # whose it is: tenants.Grant.owner of the token that registered it (b"": no token file)
+    token: bytes = b""  # sha256 of the token that registered it: removed from the token file, the session ends
     max_leases: int = 100_000  # leases it may hold at once (--max-leases-per-session)
     lease_room_held: int = 0  # leases its calls in flight will take (`lease_room`)
     waiting_for_ranks: bool = False  # its Register waits for its group (rank_registration.wait_for_ranks)
@@ -274,10 +275,11 @@ class SessionRegistry:
                 oldest_unacked = min(oldest_unacked, next(iter(s.unacked.values()), now))
         return Holdings(leases, now - oldest_lease, unacked, now - oldest_unacked)
 
-    def new(self, namespace, engine: str, owner: bytes = b"") -> Session:
-        """A live session of `namespace`, its own to the token whose digest is `owner`."""
+    def new(self, namespace, engine: str, owner: bytes = b"", token: bytes = b"") -> Session:
+        """A live session of `namespace`, its own to `owner`, registered with the token
+        whose digest is `token` (tenants.Grant)."""
         session = Session(secrets.token_hex(16), namespace, engine, lease_ids=self._lease_ids,
-                          held_elsewhere=self._leased, max_leases=self.max_leases, owner=owner)
+                          held_elsewhere=self._leased, max_leases=self.max_leases, owner=owner, token=token)
         self._live[session.id] = session
         return session
 

@@ -9,6 +9,14 @@ comment:
     # tenant alice: her models only
     al-93be04...   alice/*  shared/llama3-8b/*
     bob-5a6f11...  bob/*  uid=1001
+    # carol's old and new token while her engines move to the new one
+    c1-0d2e77...   carol/*  tenant=carol
+    c2-61f3a0...   carol/*  tenant=carol
+
+A session is its owner's: the token that registered it, or every token of its line's
+`tenant=NAME` (a token being rotated and its successor are one owner, so an engine
+restarted with the new token may replace the old one's session). Removing a token
+still closes the sessions it registered.
 
 `uid=N` binds a token's engines to the shared-memory segments user N owns: a Register
 naming a segment of another owner is PERMISSION_DENIED (tenants sharing a host's
@@ -51,7 +59,8 @@ class Grant:
     patterns: tuple[str, ...]
     label: str  # for logs: which line of the token file, never the token
     segment_uid: int | None = None  # `uid=N`: the owner its engines' shm segments must have
-    owner: bytes = b""  # sha256 of the token: the sessions it registers are its own
+    owner: bytes = b""  # whose sessions it registers: sha256 of the token, or of its `tenant=` name
+    token: bytes = b""  # sha256 of the token (its key in the file; the sessions it registered end with it)
 
     @property
     def everything(self) -> bool:
@@ -97,18 +106,26 @@ def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        token, patterns = fields[0], tuple(f for f in fields[1:] if not f.startswith("uid="))
+        token, patterns = fields[0], tuple(f for f in fields[1:] if not f.startswith(_OPTIONS))
         uids = [f[len("uid="):] for f in fields[1:] if f.startswith("uid=")]
+        tenants = [f[len("tenant="):] for f in fields[1:] if f.startswith("tenant=")]
         if len(uids) > 1 or not all(u.isdecimal() for u in uids):
             raise TokenFileError(f"auth token file {path}: line {number}: give at most one uid=N, N a number "
                                  f"(got {' '.join('uid=' + u for u in uids)})")
+        if len(tenants) > 1 or not all(tenants):
+            raise TokenFileError(f"auth token file {path}: line {number}: give at most one tenant=NAME, NAME "
+                                 f"not empty (got {' '.join('tenant=' + t for t in tenants)})")
         key = _digest(token.encode())
         if key in grants:
             raise TokenFileError(f"auth token file {path}: line {number} repeats the token of {grants[key].label}")
-        grants[key] = Grant(patterns or ("*",), f"line {number}", int(uids[0]) if uids else None, key)
+        owner = _digest(b"tenant=" + tenants[0].encode()) if tenants else key
+        grants[key] = Grant(patterns or ("*",), f"line {number}", int(uids[0]) if uids else None, owner, key)
     if not grants:
         raise TokenFileError(f"auth token file {path} is empty (no token in it)")
     return grants
+
+
+_OPTIONS = ("uid=", "tenant=")
 
 
 def _digest(token: bytes) -> bytes:
@@ -128,7 +145,7 @@ class Tokens:
             self._grants = self._read()
         elif token:
             key = _digest(token.encode())
-            self._grants = {key: Grant(("*",), "--auth-token", owner=key)}
+            self._grants = {key: Grant(("*",), "--auth-token", owner=key, token=key)}
 
     @property
     def required(self) -> bool:
@@ -159,14 +176,14 @@ class Tokens:
     def granted_to_others(self, grant: Grant, namespace: str) -> bool:
         """Whether another tenant's token (one granting some namespaces, not an
         operator's) may use `namespace` too."""
-        return any(g.allows(namespace) for key, g in self._grants.items() if key != grant.owner and not g.everything)
+        return any(g.allows(namespace) for g in self._grants.values() if g.owner != grant.owner and not g.everything)
 
-    def allows(self, owner: bytes, namespace: str) -> bool:
-        """Whether the token whose digest is `owner` (a session's) still grants `namespace`
+    def allows(self, token: bytes, namespace: str) -> bool:
+        """Whether the token whose digest is `token` (a session's) still grants `namespace`
         (True without a token file: nothing was granted, nothing is revoked)."""
         if not self.token_file:
             return True
-        grant = self._grants.get(owner)
+        grant = self._grants.get(token)
         return grant is not None and grant.allows(namespace)
 
     def reload(self) -> bool:

@@ -1,0 +1,73 @@
+"""A tenant rotating its token: the lines of the old and the new token say `tenant=NAME`,
+so an engine restarted with the new token may replace the session the old one's engine
+left (before, a session was its token's alone: PERMISSION_DENIED until it timed out).
+Another tenant granted the same namespaces still may not; removing the old token still
+closes the sessions it registered, and the new token's stay."""
+
+import signal
+
+import grpc
+import pytest
+
+from radixkv import errors
+from radixkv.client import Client
+from radixkv.types import pack
+from radixkv_server.service.tenants import TokenFileError, parse_token_file
+from tests.support.daemon import wait_for
+from tests.support.engine import EngineDouble, prompt
+
+OLD, NEW, DAVE = "carol-old-1f", "carol-new-9c", "dave-4e"
+TOKEN_FILE = f"""{OLD}   carol/*  tenant=carol
+{NEW}   carol/*  tenant=carol
+{DAVE}  dave/*  carol/*     # shares carol's namespaces, but is not carol
+"""
+
+
+def engine_of(target: str, token: str, namespace: str, **register) -> EngineDouble:
+    engine = EngineDouble(num_pages=32)
+    engine.register(Client(target, timeout=10, token=token), namespace, **register)
+    return engine
+
+
+def test_a_tenants_new_token_replaces_the_session_its_old_token_registered(daemon_factory, tmp_path):
+    token_file = tmp_path / "tokens"
+    token_file.write_text(TOKEN_FILE)
+    d = daemon_factory("--auth-token-file", str(token_file))
+    old = engine_of(d.target, OLD, "carol/m")  # its engine hung: the session is still live
+    other = engine_of(d.target, OLD, "carol/m2")  # an engine not restarted yet
+    new = None
+    try:
+        old.prefill(prompt(1, pages=4))
+        with pytest.raises(errors.PermissionDenied, match="registered with another token"):
+            engine_of(d.target, DAVE, "carol/m", replace_existing=True)
+        new = engine_of(d.target, NEW, "carol/m", replace_existing=True)
+        assert new.registration.warm
+        [m] = new.client.match([pack(prompt(1, pages=4))])
+        assert m.device_tokens + m.host_tokens == 16  # the old engine's KV, kept
+        with pytest.raises(errors.RadixKVError):  # the old engine's session is gone
+            old.client.match([pack(prompt(1, pages=4))])
+        # The rotation ends: the old token leaves the file. Its remaining session ends with it.
+        token_file.write_text(TOKEN_FILE.replace(f"{OLD}   carol/*  tenant=carol\n", ""))
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: "event=auth.reloaded" in d.log(), 10, "the token file reloaded")
+        wait_for(lambda: "no longer grants the namespace" in d.log(), 10, "the old token's session closed")
+        with pytest.raises(errors.RadixKVError) as gone:
+            other.client.match([pack(prompt(2))])
+        assert gone.value.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ABORTED)
+        new.client.match([pack(prompt(1, pages=4))])  # the new token's session stays
+    finally:
+        for e in (old, other, new):
+            if e is not None:
+                e.close()
+
+
+@pytest.mark.parametrize("line", ["tok a/* tenant=", "tok tenant=x tenant=y"])
+def test_a_token_line_with_a_bad_tenant_is_refused_saying_so(line):
+    with pytest.raises(TokenFileError, match="at most one tenant=NAME"):
+        parse_token_file(line, "tokens")
+
+
+def test_tokens_of_one_tenant_are_one_owner_and_others_are_not():
+    grants = list(parse_token_file(TOKEN_FILE, "tokens").values())
+    assert grants[0].owner == grants[1].owner != grants[2].owner
+    assert len({g.token for g in grants}) == 3 and grants[0].patterns == ("carol/*",)
