@@ -58,9 +58,10 @@ def test_an_operator_token_without_uid_names_any_segment(daemon):
         engine.close()
 
 
-@pytest.mark.parametrize("line", ["tok a/* uid=1 uid=2", "tok uid=root", "tok uid=-1"])
-def test_a_bad_uid_in_the_token_file_is_refused(line):
-    with pytest.raises(TokenFileError, match="at most one uid=N"):
+@pytest.mark.parametrize("line, says", [("tok a/* uid=1 uid=2", "at most one uid="),
+                                         ("tok uid=root", "uid= takes a number"), ("tok uid=-1", "uid= takes a number")])
+def test_a_bad_uid_in_the_token_file_is_refused(line, says):
+    with pytest.raises(TokenFileError, match=says):
         parse_token_file(line, "tokens")
 
 

@@ -49,13 +49,16 @@ class Engine:
 
     @classmethod
     async def register(cls, daemon: Daemon, namespace: str, *, write_policy: str = "write_back",
-                       replace: bool = False, tp_rank: int = 0, tp_size: int = 1, instance: str = "") -> "Engine":
+                       replace: bool = False, tp_rank: int = 0, tp_size: int = 1, instance: str = "",
+                       **fields) -> "Engine":
+        """Register new device buffers on `daemon` (`fields`: more of Registration's, a
+        caller's `owner` and `quota`)."""
         buffers = ShmKvBuffers.create(LAYOUT, NUM_PAGES)
         try:
             done = await daemon.register(Registration(
                 namespace=namespace, layout=LAYOUT, backend="shm", device=0, buffers=buffers.specs(),
                 num_device_pages=NUM_PAGES, write_policy=write_policy, replace_existing=replace,
-                tp_rank=tp_rank, tp_size=tp_size, instance=instance))
+                tp_rank=tp_rank, tp_size=tp_size, instance=instance, **fields))
         except BaseException:
             buffers.close()
             raise

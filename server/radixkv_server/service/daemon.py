@@ -183,6 +183,7 @@ class Daemon:
                       "that name on a daemon sharing this store is served its KV, whatever its weights; pass "
                       "model= (the weights' id, revision, quantization)")
         self.namespaces[ns.name] = ns
+        ns.owner = reg.owner
         self.locks.pool_entered(ns.name)
         if self.metrics is not None:
             self.metrics.add_namespace(ns.name)
@@ -227,7 +228,7 @@ class Daemon:
         page_size = ns.config.layout.page_size
         dropped = Dropped(ns.cache.host.num_used * page_size, ns.host_pool.nbytes, stored * page_size)
         del self.namespaces[ns.name]
-        self.locks.reserve(ns.name, host_bytes=ns.host_pool.nbytes)  # until the end of the lock's block
+        self.locks.reserve(ns.name, host_bytes=ns.host_pool.nbytes, owner=ns.owner)  # until the lock's block ends
         self.detached.forget(ns.name)
         await ns.close()
         if self.metrics is not None:

@@ -46,6 +46,7 @@ class EngineNamespace:
         self.sessions: dict[str, Session] = {}  # every session sharing it, by id
         self.session: Session | None = None  # the managed namespace's one session: never set here
         self.page_geometry: tuple[int, int] | None = None  # registration.page_geometry, of the first rank
+        self.owner = b""  # the tenant whose Register created it (its quota counts it: admission.py)
         self.ranks = RankCopies(config, host_pool, tp_size, self._copied, metrics)
         self.core = NamespaceCore(config, host_pool, num_device_pages=0, metrics=metrics, storage=storage,
                                   ranks=self.ranks)

@@ -38,12 +38,12 @@ class Namespace:
     """`config`, `host_pool`, `cache` (the core) and `copies`: its core's (Stats, metrics)."""
 
     engine_managed = False
+    owner = b""  # the tenant whose Register created it (admission.py); set by the Daemon
 
     def __init__(self, config: NamespaceConfig, host_pool: HostPool, device: DeviceBuffers | None, *,
                  num_device_pages: int = 0, metrics=None, storage=None):
-        """`device`: the engine's buffers; None for a tensor-parallel namespace
-        (`config.tp_size` > 1), whose ranks join (`join_rank`) with `num_device_pages`
-        each. `storage`: the daemon's StorageBackend, or None. Call on the event loop."""
+        """`device`: the engine's buffers; None when `config.tp_size` > 1 (its ranks join
+        with `num_device_pages` each: `join_rank`). `storage`: the daemon's, or None."""
         num_device_pages = device.num_pages if device is not None else num_device_pages
         self.core = NamespaceCore(config, host_pool, num_device_pages=num_device_pages, metrics=metrics,
                                   storage=storage)
@@ -52,7 +52,7 @@ class Namespace:
         self._group_detach: asyncio.Task | None = None  # the last group's buffers being detached
         self.name, self.layout, self.config, self.host_pool = config.name, config.layout, config, host_pool
         self.cache, self.copies, self.expirations = self.core.cache, self.core.copies, self.core.expirations
-        self.session: Session | None = None  # the attached engine's session; set by the Daemon
+        self.session: Session | None = None  # the attached engine's session (set by the Daemon)
         self.page_geometry: tuple[int, int] | None = None  # registration.page_geometry, of the first engine
         self._abandoned: set[asyncio.Task] = set()  # Evicts whose callers gave up (see `evict`)
         self._dropped_at_detach = 0  # tokens the last session's end dropped, for the next Register

@@ -27,6 +27,7 @@ class Reserved:
 
     session: bool = False           # a Register admitted whose session is not made yet
     host_bytes: int | None = None   # a namespace not in the registry (being made or freed), its pool's bytes
+    owner: bytes = b""              # that namespace's tenant (tenants.Grant.owner), for its quota
 
 
 class NamespaceLocks:
@@ -58,9 +59,10 @@ class NamespaceLocks:
 
     # -- room held meanwhile (by the holder of `name`'s lock) ---------------------------
 
-    def reserve(self, name: str, session: bool = False, host_bytes: int | None = None) -> None:
-        """Count a session and/or a pool of `host_bytes` for `name` until released."""
-        self._reserved[name] = Reserved(session, host_bytes)
+    def reserve(self, name: str, session: bool = False, host_bytes: int | None = None, owner: bytes = b"") -> None:
+        """Count a session and/or a pool of `host_bytes` (tenant `owner`'s) for `name`
+        until released."""
+        self._reserved[name] = Reserved(session, host_bytes, owner)
 
     def session_made(self, name: str) -> None:
         """The session reserved for `name` is in the registry now."""
@@ -76,9 +78,11 @@ class NamespaceLocks:
         """Sessions admitted and not made yet."""
         return sum(held.session for held in self._reserved.values())
 
-    def pools(self) -> dict[str, int]:
-        """Pools outside the registry, being made or freed: name -> bytes."""
-        return {name: held.host_bytes for name, held in self._reserved.items() if held.host_bytes is not None}
+    def pools(self, owner: bytes | None = None) -> dict[str, int]:
+        """Pools outside the registry, being made or freed (tenant `owner`'s only, when
+        given): name -> bytes."""
+        return {name: held.host_bytes for name, held in self._reserved.items()
+                if held.host_bytes is not None and owner in (None, held.owner)}
 
 
 __all__ = ["NamespaceLocks", "Reserved"]

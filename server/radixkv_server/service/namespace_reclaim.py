@@ -9,7 +9,9 @@ refused until an operator drops them by hand. So when a new namespace's Register
 refused for either limit, the daemon drops the namespace detached the longest, one at
 a time until the newcomer fits, among those detached for at least
 --reclaim-detached-after seconds (an engine restarting keeps its namespace warm); its
-host KV is lost (a storage tier keeps what it holds). 0 turns it off.
+host KV is lost (a storage tier keeps what it holds). 0 turns it off. A Register past
+its tenant's quota (token_file.py) makes room the same way among that tenant's own
+namespaces only.
 
 `DetachedSince` only remembers when each namespace lost its last session; the daemon
 decides (`admission.admit`), holding the newcomer's lock. A namespace another change holds
@@ -25,6 +27,8 @@ from ..logs import log_event
 from . import reasons
 
 log = logging.getLogger("radixkv.daemon")
+
+QUOTAS = ("namespaces=", "host=")  # a tenant's quota (token_file.py): room made among its own namespaces
 
 
 class DetachedSince:
@@ -62,17 +66,20 @@ class DetachedSince:
         return best
 
 
-async def make_room(daemon, refused, newcomer: str) -> bool:
-    """After `refused` (a ServiceError of the daemon's limits) for new namespace
-    `newcomer`: when it is a refusal for room (--max-namespaces, the host memory budget),
+async def make_room(daemon, refused, reg) -> bool:
+    """After `refused` (a ServiceError of the daemon's limits) for the Register `reg` of
+    a new namespace: when it is a refusal for room (--max-namespaces, the host memory
+    budget; or its tenant's quota, `namespaces=` or `host=`: then among the tenant's own),
     drop the namespace detached longest, logged and counted; False when `refused` is
-    another refusal or none may go. Holding `newcomer`'s lock; the one dropped is
+    another refusal or none may go. Holding `reg.namespace`'s lock; the one dropped is
     one no other change holds or waits for, so its lock is taken at once."""
-    if refused.reason != reasons.HOST_MEMORY_BUDGET and refused.metadata.get("limit") != "--max-namespaces":
+    limit = refused.metadata.get("limit")
+    if refused.reason != reasons.HOST_MEMORY_BUDGET and limit not in ("--max-namespaces", *QUOTAS):
         return False
-    now = time.monotonic()
+    newcomer, now = reg.namespace, time.monotonic()
     attached = {s.namespace.name for s in daemon.sessions.all()}
-    free = [name for name in daemon.namespaces if not daemon.locks.busy(name)]
+    free = [name for name, ns in daemon.namespaces.items()
+            if not daemon.locks.busy(name) and (limit not in QUOTAS or ns.owner == reg.owner)]
     name = daemon.detached.oldest(free, attached, now, daemon.config.reclaim_detached_after, keep=newcomer)
     if name is None:
         return False

@@ -50,6 +50,7 @@ class Registration:
     segment_uid: int | None = None  # shm: the owner the segments must have (the caller's token's uid=)
     owner: bytes = b""  # whose the session is (tenants.Grant.owner: the caller's token or its tenant=)
     token: bytes = b""  # the caller's token (its digest; tenants.Grant.token)
+    quota: object = None  # token_file.Quota of the caller's tenant: what the namespaces it creates may take
     operator: bool = True  # the caller's token grants every namespace: it may replace any session
     sees: Callable[[str], bool] | None = None  # which namespaces its errors may name (None: every one)
 

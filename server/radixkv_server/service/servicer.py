@@ -127,7 +127,7 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         grant = self.grant(context)
         done = await self.daemon.register(dataclasses.replace(
             reg, segment_uid=grant.segment_uid, owner=grant.owner, token=grant.token,
-            operator=grant.everything,
+            quota=grant.quota, operator=grant.everything,
             sees=None if grant.everything else grant.allows))
         try:
             return self._registered(done)

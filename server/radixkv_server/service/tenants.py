@@ -1,28 +1,5 @@
-"""Tenants: which namespaces a caller may use, decided by its token.
-
-The token file (`--auth-token-file`) holds one token per line, each followed by the
-namespaces it grants as glob patterns (`*`, `?`, `[...]`, as `fnmatch`); `#` starts a
-comment:
-
-    # operators: every namespace (a token alone, as in the one-line format before)
-    op-7c1d9e...
-    # tenant alice: her models only
-    al-93be04...   alice/*  shared/llama3-8b/*
-    bob-5a6f11...  bob/*  uid=1001
-    # carol's old and new token while her engines move to the new one
-    c1-0d2e77...   carol/*  tenant=carol
-    c2-61f3a0...   carol/*  tenant=carol
-
-A session is its owner's: the token that registered it, or every token of its line's
-`tenant=NAME` (a token being rotated and its successor are one owner, so an engine
-restarted with the new token may replace the old one's session). Removing a token
-still closes the sessions it registered.
-
-`uid=N` binds a token's engines to the shared-memory segments user N owns: a Register
-naming a segment of another owner is PERMISSION_DENIED (tenants sharing a host's
-/dev/shm could otherwise name each other's segments, and the daemon would read and write
-them on their behalf). CUDA IPC handles are not files: a process holds one only when
-the exporter handed it over.
+"""Tenants: which namespaces a caller may use, decided by its token (the token file's
+format, owners and quotas: token_file.py).
 
 A caller whose token grants a namespace may register into it, use a session attached to
 it (match, insert, load back, ack, release, evict, prefetch, close) and see it in Stats,
@@ -33,103 +10,17 @@ in an answer. Without tokens (`--auth-token` inline, or none) every caller may u
 namespace. `Tokens.reload()` re-reads the file (SIGHUP).
 """
 
-import fnmatch
-import hashlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
 from ..logs import log_event
 from . import reasons
 from .errors import ServiceError, not_found
+from .token_file import EVERYTHING, Grant, Quota, TokenFileError, digest, parse_token_file
 
 log = logging.getLogger("radixkv.auth")
-
-
-class TokenFileError(Exception):
-    """The token file cannot be used (the message says which line and why)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """The namespaces one token may use: glob `patterns`, or every one (`everything`)."""
-
-    patterns: tuple[str, ...]
-    label: str  # for logs: which line of the token file, never the token
-    segment_uid: int | None = None  # `uid=N`: the owner its engines' shm segments must have
-    owner: bytes = b""  # whose sessions it registers: sha256 of the token, or of its `tenant=` name
-    token: bytes = b""  # sha256 of the token (its key in the file; the sessions it registered end with it)
-
-    @property
-    def everything(self) -> bool:
-        return "*" in self.patterns
-
-    def allows(self, namespace: str) -> bool:
-        return self.everything or any(fnmatch.fnmatchcase(namespace, p) for p in self.patterns)
-
-    def check(self, namespace: str) -> None:
-        """PERMISSION_DENIED unless this grant covers `namespace`."""
-        if not self.allows(namespace):
-            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"this token does not grant namespace {namespace!r} "
-                               f"(it grants: {', '.join(self.patterns)})", reasons.NAMESPACE_NOT_GRANTED,
-                               namespace=namespace)
-
-    def check_session(self, session) -> None:
-        """PERMISSION_DENIED unless this grant may act as `session`: one of every
-        namespace (an operator's) may, one of some namespaces only as a session its own
-        token registered in one of them (a session id alone is no credential: a tenant
-        sharing a namespace sees the others' in Stats, and could otherwise act as them)."""
-        if self.everything:
-            return
-        self.check(session.namespace.name)
-        if session.owner != self.owner:
-            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"session {session.id[:8]} was registered with another token", reasons.OTHER_SESSION)
-
-    def shows(self, session) -> str:
-        """The session's id as Stats shows it to this grant: whole to its owner and to an
-        operator, its first 8 characters (as the daemon's logs) to anyone else."""
-        return session.id if self.everything or session.owner == self.owner else session.id[:8]
-
-
-EVERYTHING = Grant(("*",), "no token file")
-
-
-def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
-    """{sha256(token): Grant} from the file's text. TokenFileError for an empty file or
-    a token listed twice."""
-    grants: dict[bytes, Grant] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        fields = line.split("#", 1)[0].split()
-        if not fields:
-            continue
-        token, patterns = fields[0], tuple(f for f in fields[1:] if not f.startswith(_OPTIONS))
-        uids = [f[len("uid="):] for f in fields[1:] if f.startswith("uid=")]
-        tenants = [f[len("tenant="):] for f in fields[1:] if f.startswith("tenant=")]
-        if len(uids) > 1 or not all(u.isdecimal() for u in uids):
-            raise TokenFileError(f"auth token file {path}: line {number}: give at most one uid=N, N a number "
-                                 f"(got {' '.join('uid=' + u for u in uids)})")
-        if len(tenants) > 1 or not all(tenants):
-            raise TokenFileError(f"auth token file {path}: line {number}: give at most one tenant=NAME, NAME "
-                                 f"not empty (got {' '.join('tenant=' + t for t in tenants)})")
-        key = _digest(token.encode())
-        if key in grants:
-            raise TokenFileError(f"auth token file {path}: line {number} repeats the token of {grants[key].label}")
-        owner = _digest(b"tenant=" + tenants[0].encode()) if tenants else key
-        grants[key] = Grant(patterns or ("*",), f"line {number}", int(uids[0]) if uids else None, owner, key)
-    if not grants:
-        raise TokenFileError(f"auth token file {path} is empty (no token in it)")
-    return grants
-
-
-_OPTIONS = ("uid=", "tenant=")
-
-
-def _digest(token: bytes) -> bytes:
-    return hashlib.sha256(token).digest()
 
 
 class Tokens:
@@ -144,7 +35,7 @@ class Tokens:
         if token_file:
             self._grants = self._read()
         elif token:
-            key = _digest(token.encode())
+            key = digest(token.encode())
             self._grants = {key: Grant(("*",), "--auth-token", owner=key, token=key)}
 
     @property
@@ -170,7 +61,7 @@ class Tokens:
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 if not given.startswith(b"Bearer "):
                     return None
-                return self._grants.get(_digest(given[len(b"Bearer "):]))
+                return self._grants.get(digest(given[len(b"Bearer "):]))
         return None
 
     def granted_to_others(self, grant: Grant, namespace: str) -> bool:
@@ -251,4 +142,4 @@ def authorize(grant: Grant, sessions, method: str, request) -> None:
                            f"{method} must name one", reasons.NAMESPACE_NOT_GRANTED)
 
 
-__all__ = ["EVERYTHING", "Grant", "TokenFileError", "Tokens", "authorize", "parse_token_file", "visible"]
+__all__ = ["EVERYTHING", "Grant", "Quota", "TokenFileError", "Tokens", "authorize", "parse_token_file", "visible"]

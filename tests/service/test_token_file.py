@@ -1,8 +1,14 @@
-"""A tenant rotating its token: the lines of the old and the new token say `tenant=NAME`,
-so an engine restarted with the new token may replace the session the old one's engine
-left (before, a session was its token's alone: PERMISSION_DENIED until it timed out).
-Another tenant granted the same namespaces still may not; removing the old token still
-closes the sessions it registered, and the new token's stay."""
+"""The token file's options, through a real daemon.
+
+`tenant=NAME`: a tenant rotating its token gives the old and the new token's lines one
+tenant, so an engine restarted with the new token may replace the session the old one's
+engine left (before, a session was its token's alone: PERMISSION_DENIED until it timed
+out). Another tenant granted the same namespaces still may not; removing the old token
+still closes the sessions it registered, and the new token's stay.
+
+`namespaces=N`, `host=SIZE`: a tenant's quota; a Register past it is RESOURCE_EXHAUSTED
+with the reason LIMIT_REACHED naming the option.
+"""
 
 import signal
 
@@ -61,9 +67,11 @@ def test_a_tenants_new_token_replaces_the_session_its_old_token_registered(daemo
                 e.close()
 
 
-@pytest.mark.parametrize("line", ["tok a/* tenant=", "tok tenant=x tenant=y"])
-def test_a_token_line_with_a_bad_tenant_is_refused_saying_so(line):
-    with pytest.raises(TokenFileError, match="at most one tenant=NAME"):
+@pytest.mark.parametrize("line, says", [("tok a/* tenant=", "tenant= takes a name"),
+                                         ("tok tenant=x tenant=y", "at most one tenant="),
+                                         ("tok a/* tennant=x", "unknown option tennant=")])
+def test_a_token_line_with_a_bad_option_is_refused_saying_so(line, says):
+    with pytest.raises(TokenFileError, match=says):
         parse_token_file(line, "tokens")
 
 
@@ -71,3 +79,23 @@ def test_tokens_of_one_tenant_are_one_owner_and_others_are_not():
     grants = list(parse_token_file(TOKEN_FILE, "tokens").values())
     assert grants[0].owner == grants[1].owner != grants[2].owner
     assert len({g.token for g in grants}) == 3 and grants[0].patterns == ("carol/*",)
+
+
+def test_a_register_past_the_tenants_quota_is_refused_naming_the_option(daemon_factory, tmp_path):
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"{OLD} carol/* tenant=carol namespaces=1\n{NEW} carol/* tenant=carol namespaces=1\n")
+    d = daemon_factory("--auth-token-file", str(token_file), "--reclaim-detached-after", "0")
+    first = engine_of(d.target, OLD, "carol/a")
+    try:
+        with pytest.raises(errors.ResourceExhausted, match="namespaces=1 in the token file") as refused:
+            engine_of(d.target, NEW, "carol/b")  # the tenant's, whichever of its tokens
+        assert refused.value.reason == "LIMIT_REACHED" and refused.value.metadata == {"limit": "namespaces="}
+    finally:
+        first.close()
+
+
+def test_one_tenants_lines_must_give_one_quota():
+    with pytest.raises(TokenFileError, match="tenant carol has another quota on line 1"):
+        parse_token_file("a carol/* tenant=carol host=1GiB\nb carol/* tenant=carol host=2GiB", "tokens")
+    [grant] = parse_token_file("a carol/* host=1.5GiB namespaces=3", "tokens").values()
+    assert (grant.quota.host_bytes, grant.quota.namespaces) == (int(1.5 * 2**30), 3)
