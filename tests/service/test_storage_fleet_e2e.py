@@ -1,5 +1,6 @@
-"""The fleet stores end to end: real daemons sharing Mooncake Store or Redis Cluster,
-byte-exact round trips, and what a lost, frozen or restarted node costs the engines."""
+"""The fleet stores end to end: real daemons sharing Mooncake Store or Redis Cluster (and
+Valkey Cluster, through the same client), byte-exact round trips, and what a lost,
+frozen or restarted node costs the engines."""
 
 import os
 import signal
@@ -31,6 +32,13 @@ def redis_cluster():
     cluster.cleanup()
 
 
+@pytest.fixture(scope="module")
+def valkey_cluster():
+    cluster = RedisCluster(flavor="valkey").start()
+    yield cluster
+    cluster.cleanup()
+
+
 def mooncake_flags(master) -> tuple[str, ...]:
     return ("--storage", f"mooncake://{master.address}?segment=32MiB&buffer=16MiB&timeout={STORE_TIMEOUT_S}",
             "--storage-policy", "write_through")
@@ -42,13 +50,13 @@ def timed(call):
     return result, time.monotonic() - start
 
 
-@pytest.mark.parametrize("fleet", ["mooncake", "redis_cluster"])
+@pytest.mark.parametrize("fleet", ["mooncake", "redis_cluster", "valkey_cluster"])
 def test_two_daemons_sharing_a_fleet_store_serve_each_others_prefixes(request, fleet):
     # The store first: fixtures end in reverse, so the daemons stop while it still runs.
     if fleet == "mooncake":
         flags = mooncake_flags(request.getfixturevalue("mooncake_master"))
     else:
-        flags = ("--storage", request.getfixturevalue("redis_cluster").url, "--storage-policy", "write_through")
+        flags = ("--storage", request.getfixturevalue(fleet).url, "--storage-policy", "write_through")
     daemon_factory = request.getfixturevalue("daemon_factory")
     a, b = daemon_factory(*flags), daemon_factory(*flags)
     writer, reader = EngineDouble.connect(a.target), EngineDouble.connect(b.target)
@@ -137,8 +145,9 @@ def wait_until(predicate, seconds: float) -> bool:
     return True
 
 
-def test_redis_cluster_master_killed_while_daemons_run(daemon_factory):
-    cluster = RedisCluster().start()
+@pytest.mark.parametrize("flavor", ["redis", "valkey"])
+def test_redis_cluster_master_killed_while_daemons_run(daemon_factory, flavor):
+    cluster = RedisCluster(flavor=flavor).start()
     try:
         flags = ("--storage", f"{cluster.url}?socket_timeout={STORE_TIMEOUT_S}&retries=1",
                  "--storage-policy", "write_through")

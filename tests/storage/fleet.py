@@ -200,10 +200,13 @@ class RedisCluster:
     """`masters` redis-servers in cluster mode with `replicas` replicas each, on
     127.0.0.1, created with `redis-cli --cluster create`. node_timeout_ms is how long a
     master may be silent before its replica is promoted. With `tls` ({"ca", "cert",
-    "key"}: PEM files), every node speaks TLS only, to clients and to the other nodes."""
+    "key"}: PEM files), every node speaks TLS only, to clients and to the other nodes.
+    `flavor` "valkey": valkey-server and valkey-cli instead (the same protocol and flags)."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, tls: dict | None = None):
-        for exe in ("redis-server", "redis-cli"):
+    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, tls: dict | None = None,
+                 flavor: str = "redis"):
+        self.server, self.cli = f"{flavor}-server", f"{flavor}-cli"
+        for exe in (self.server, self.cli):
             if shutil.which(exe) is None:
                 raise RuntimeError(f"{exe} is not installed (scripts/ensure-system-deps.sh)")
         self.dir = tempfile.mkdtemp(prefix="rkv-rc-")
@@ -243,7 +246,7 @@ class RedisCluster:
         for port in self.ports:
             self._start_node(port)
         for port in self.ports:
-            poll(lambda p=port: self._pings(p), START_TIMEOUT_S, f"redis-server on {port}")
+            poll(lambda p=port: self._pings(p), START_TIMEOUT_S, f"{self.server} on {port}")
         if self.masters < 3:  # redis-cli creates clusters of 3 masters or more
             self._assign_slots()
         else:
@@ -251,7 +254,7 @@ class RedisCluster:
             extra = ["--cluster-replicas", str(self.replicas)] if self.replicas else []
             if self.tls:
                 extra += ["--tls", "--cacert", self.tls["ca"]]
-            subprocess.run(["redis-cli", "--cluster", "create", *nodes, *extra, "--cluster-yes"],
+            subprocess.run([self.cli, "--cluster", "create", *nodes, *extra, "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)
         self.wait_ok()
         # "ok" comes before gossip has told every node which ones became replicas
@@ -290,7 +293,7 @@ class RedisCluster:
                       "--tls-cert-file", self.tls["cert"], "--tls-key-file", self.tls["key"],
                       "--tls-ca-cert-file", self.tls["ca"], "--tls-auth-clients", "no"]
         self.procs[port] = subprocess.Popen(
-            ["redis-server", *listen, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+            [self.server, *listen, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
              "--save", "", "--appendonly", "no", "--dir", self.dir,
              # replicas sync at once, and may take over however long they were cut off
@@ -307,7 +310,7 @@ class RedisCluster:
         if proc is not None and proc.poll() is not None:
             with open(os.path.join(self.dir, f"{port}.log"), "rb") as f:
                 tail = f.read()[-500:].decode(errors="replace")
-            raise _NodeExited(f"redis-server on {port} exited with {proc.returncode}: {tail}")
+            raise _NodeExited(f"{self.server} on {port} exited with {proc.returncode}: {tail}")
         try:
             with self.client(port) as c:
                 return c.ping()

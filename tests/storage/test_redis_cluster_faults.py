@@ -128,7 +128,16 @@ def test_a_failed_master_back_as_a_replica_is_no_loss_of_contents(cluster):
     backend.close()
 
 
-def test_maxmemory_eviction_in_the_middle_of_a_prefix_stops_it_there(cluster):
+@pytest.fixture
+def valkey_cluster():
+    c = RedisCluster(node_timeout_ms=1000, flavor="valkey").start()
+    yield c
+    c.cleanup()
+
+
+@pytest.mark.parametrize("flavor", ["cluster", "valkey_cluster"])
+def test_maxmemory_eviction_in_the_middle_of_a_prefix_stops_it_there(request, flavor):
+    cluster = request.getfixturevalue(flavor)
     backend = open_storage(cluster.url)
     keys, data = lender_keys(4, 64), pages(64, 4)
     assert backend.put([(k, memoryview(data[i])) for i, k in enumerate(keys)]) == 64
