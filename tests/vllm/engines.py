@@ -2,8 +2,9 @@
 shut it down so its connector closes its session.
 
 `Result` keeps what a user of vLLM sees per request: the generated tokens, their
-logprobs, and how many prompt tokens vLLM reported as cached. `vllm_metric` reads what an
-engine started with `disable_log_stats=False` shows on its /metrics.
+logprobs, and how many prompt tokens vLLM reported as cached. `vllm_metric` and
+`vllm_histogram` read what an engine started with `disable_log_stats=False` shows on its
+/metrics.
 """
 
 import random
@@ -92,3 +93,10 @@ def vllm_metric(llm, name: str, **labels: str) -> float:
     name = name.removesuffix("_total")
     return sum(m.value for m in llm.get_metrics()
                if m.name.removesuffix("_total") == name and labels.items() <= m.labels.items())
+
+
+def vllm_histogram(llm, name: str, **labels: str) -> tuple[int, float]:
+    """(observations, their sum) of histogram `name`'s series whose labels include
+    `labels`, in the engine's Prometheus registry."""
+    found = [m for m in llm.get_metrics() if m.name == name and labels.items() <= m.labels.items()]
+    return sum(m.count for m in found), sum(m.sum for m in found)

@@ -6,14 +6,15 @@ import logging
 
 
 class LogLines(logging.Handler):
-    """Within `with LogLines(level) as lines:`, the records of logger "vllm.radixkv" at
-    `level` and above, as (level, message); the logger is opened down to `level` for
-    the block if it was not already (as vLLM's logging setup opens it to INFO)."""
+    """Within `with LogLines(level) as lines:`, the records of logger `name` (the
+    connector's, "vllm.radixkv", unless given) at `level` and above, as (level, message);
+    the logger is opened down to `level` for the block if it was not already (as vLLM's
+    logging setup opens it to INFO)."""
 
-    def __init__(self, level: int = logging.DEBUG):
+    def __init__(self, level: int = logging.DEBUG, name: str = "vllm.radixkv"):
         super().__init__(level)
         self.records: list[tuple[int, str]] = []
-        self._logger = logging.getLogger("vllm.radixkv")
+        self._logger = logging.getLogger(name)
         self._was = self._logger.level
 
     def emit(self, record) -> None:

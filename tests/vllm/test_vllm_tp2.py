@@ -14,7 +14,7 @@ test empties vLLM's prefix cache instead of restarting vLLM.
 from radixkv import Client
 
 from radixkv.vllm.testing import reset_prefix_cache
-from tests.vllm.engines import generate, prompt, vllm_metric
+from tests.vllm.engines import generate, prompt, vllm_histogram, vllm_metric
 
 PROMPT_TOKENS = 2048
 BLOCK = 128
@@ -72,3 +72,6 @@ def test_tensor_parallel_2_hits_radixkv_with_both_ranks_shards(engines, daemon):
     # vLLM's /metrics counts the load once, when both ranks reported theirs
     assert vllm_metric(llm, "vllm:radixkv_loads_total") == 1
     assert vllm_metric(llm, "vllm:radixkv_loaded_blocks_total") == CACHEABLE // BLOCK
+    # ... and each rank's wait for its shard's load is an observation of its own
+    waits, waited = vllm_histogram(llm, "vllm:radixkv_load_wait_seconds")
+    assert waits == TP and waited > 0

@@ -14,7 +14,8 @@ blocks that failed to load (`get_block_ids_with_load_errors`, vLLM recomputes th
 its loads (`build_connector_worker_meta`, so the scheduler releases their leases). The
 scheduler instance looks prefixes up on its own daemon session without waiting, and plans
 loads and saves (`radixkv.vllm.scheduler`); it also reports what it did to vLLM's metrics
-(`get_kv_connector_stats`, `get_external_cache_hit_sources`; `radixkv.vllm.stats`) and,
+(`get_kv_connector_stats`, `get_external_cache_hit_sources`; `radixkv.vllm.stats`, with
+its own time per step, `radixkv.vllm.latency`; the workers report their loads' waits) and,
 when vLLM publishes KV events, adds the daemon's host and storage blocks to them
 (`take_events`; `radixkv.vllm.tier_events`). docs/vllm.md describes the mapping.
 """
@@ -30,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from .config import ConnectorConfig, model_identity, on_device
 from .daemon import DaemonAdapter
 from .kvmemory import ShmAllocation, layout_from_spec
+from .latency import StepClock, ends_step, timed
 from .layer_waits import LayerWaits
 from .loads import WorkerLoads
 from .lookups import Lookups
@@ -77,6 +79,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._allocation: ShmAllocation | None = None
         self._scheduler: SchedulerSide | None = None
         self._tier_events: TierEvents | None = None
+        self.clock = StepClock()  # the scheduler's seconds in this connector, per step
         if role == KVConnectorRole.SCHEDULER:
             # kv_role: kv_both loads and saves; kv_consumer only loads, kv_producer only saves
             loads, saves = tc.is_kv_consumer, tc.is_kv_producer
@@ -239,21 +242,26 @@ class RadixKVConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------
 
+    @timed
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.matched(request, num_computed_tokens)
 
+    @timed
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.allocated(request, blocks, num_external_tokens)
 
+    @ends_step
     def build_connector_meta(self, scheduler_output) -> RadixKVMetadata:
         return self._scheduler.build(scheduler_output)
 
+    @timed
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, RadixKVWorkerMetadata):
             self._scheduler.answered(meta)
         self._scheduler.sent(connector_output.finished_sending or ())
 
+    @timed
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """True (keep the blocks) for a request that had saves: the workers list it in
         `get_finished` once the daemon's copies out of its blocks are done."""
@@ -291,16 +299,25 @@ class RadixKVConnector(KVConnectorBase_V1):
         return self._scheduler.hit_sources(request.request_id, num_external_tokens)
 
     def get_kv_connector_stats(self) -> RadixKVStats | None:
-        """The scheduler's counts since vLLM last asked (`radixkv.vllm.stats`); workers
-        report none of their own (the scheduler hears every rank's report)."""
-        if self._scheduler is None:
+        """What happened since vLLM last asked (`radixkv.vllm.stats`). The scheduler: its
+        counts (it hears every rank's report, so a load counts once), its lookups' waits
+        and its own time per step. A worker: its loads' waits only (vLLM merges every
+        rank's, so a tensor-parallel load is observed once per rank)."""
+        if self._scheduler is not None:
+            data = self._scheduler.take_counts()
+            lookups = self._scheduler.lookups
+            data.update(lookup_seconds=lookups.take_waits() if lookups is not None else [],
+                        scheduler_step_seconds=self.clock.take())
+        elif self._loads is not None:
+            data = {"load_wait_seconds": self._loads.take_waits()}
+        else:
             return None
-        counts = self._scheduler.take_counts()
-        return RadixKVStats(data=counts) if counts else None
+        data = {name: v for name, v in data.items() if v}
+        return RadixKVStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RadixKVStats:
-        return RadixKVStats(data=dict(data or {}))
+        return RadixKVStats.of(data)
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> RadixKVPromMetrics:

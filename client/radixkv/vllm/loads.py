@@ -17,10 +17,13 @@ what came of it. Per step, in vLLM's order:
   nothing more (`short`: under vLLM's asynchronous scheduling the next step, planned
   before vLLM learns of the failure, computed on from those blocks too) until they finish
   (`forget`);
-- `take_errors`, `take_loaded` (the worker's report to the scheduler: its leases go).
+- `take_errors`, `take_loaded` (the worker's report to the scheduler: its leases go);
+- `take_waits` (vLLM's metrics): per load, the seconds `load` waited for its answer (from
+  its start when not begun early), the time the forward was held back for it.
 
 With `async_loads` the loads are vLLM's asynchronous receives instead: begun in
-`load`, reported over by `received` (get_finished) and failed by `take_failed_receiving`.
+`load`, reported over by `received` (get_finished) and failed by `take_failed_receiving`;
+their wait is from the start to the `received` that finds the answer.
 
 A load answered too late (timeout_s) fills no block and keeps the request's blocks held
 (`Saves.hold`) until the daemon answers; so does a queued load whose acknowledgement does
@@ -57,6 +60,8 @@ class WorkerLoads:
         self._receiving: dict[str, tuple[LoadSpec, PendingLoad]] = {}  # async loads in flight
         self._recv_done: set[str] = set()  # async loads over, for get_finished
         self._recv_failed: set[str] = set()
+        self._started: dict[str, float] = {}  # async loads in flight: when begun
+        self._waits: list[float] = []  # per load over: seconds waited for its answer, since take_waits
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -75,11 +80,15 @@ class WorkerLoads:
             if self.async_loads:  # answered in `received`, once the daemon copied
                 # Not held like a save: vLLM keeps the blocks of a request aborted while it
                 # waits for its receive until `received` lists it, and frees them then.
+                self._started[spec.req_id] = time.perf_counter()
                 pending = self._adapter.begin_load(spec.node, spec.block_ids, spec.local_blocks, spec.lease)
                 self._receiving[spec.req_id] = (spec, pending)
                 continue
+            start = time.perf_counter()
             pending = self._early.pop(spec.req_id, None) or self._begin(spec)
-            self._over(spec, self._finish(spec.req_id, pending, self._layers))
+            got = self._finish(spec.req_id, pending, self._layers)
+            self._waits.append(time.perf_counter() - start)
+            self._over(spec, got)
         for req_id, pending in self._early.items():
             self._finish(req_id, pending)
         self._early.clear()
@@ -126,6 +135,11 @@ class WorkerLoads:
         loaded, self._loaded = self._loaded, {}
         return loaded
 
+    def take_waits(self) -> list[float]:
+        """Per load over since the last call: the seconds waited for its answer."""
+        waits, self._waits = self._waits, []
+        return waits
+
     def received(self) -> set[str]:
         """Asynchronous loads over since the last call, failed or not (never waits)."""
         answered = self._answered()
@@ -138,6 +152,7 @@ class WorkerLoads:
         for req_id in answered:
             spec, pending = self._receiving.pop(req_id)
             self._over(spec, self._adapter.finish_load(pending))  # does not wait: answered
+            self._waits.append(time.perf_counter() - self._started.pop(req_id))
         done, self._recv_done = self._recv_done, set()
         return done
 

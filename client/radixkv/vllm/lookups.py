@@ -26,13 +26,15 @@ Releases go out in the next pass (the watchdog's within a few milliseconds when 
 engine stops stepping).
 
 For vLLM's metrics it counts prompts looked up, lookups the daemon did not answer and
-prompts staged from storage (`take_counts`); `storage` is the daemon's storage tier as
-Register named it.
+prompts staged from storage (`take_counts`), and times each lookup from the first ask to
+the ask that gets its answer (`take_waits`: how long the request waited for radixkv);
+`storage` is the daemon's storage tier as Register named it.
 """
 
 import asyncio
 import logging
 from collections import Counter
+from time import perf_counter
 
 from radixkv.aio import AsyncClient
 from radixkv.errors import NotFound, RadixKVError, Unavailable
@@ -83,6 +85,8 @@ class Lookups:
         self._client = client
         self.storage = storage
         self._counts: Counter = Counter()
+        self._asked: dict[str, float] = {}  # request -> when first asked, until its answer is read
+        self._waits: list[float] = []  # seconds from a first ask to its answer, since take_waits
         self._queued: dict[str, Prompt] = {}  # asked this step, not sent yet
         self._inflight: set[str] = set()  # in a Match (or staging) now
         self._hits: dict[str, Hit] = {}
@@ -134,7 +138,10 @@ class Lookups:
         with self._pump.lock:
             hit = self._hits.get(req_id)
             if hit is None and req_id not in self._inflight and req_id not in self._queued:
+                self._asked[req_id] = perf_counter()
                 self._queued[req_id] = Prompt.of(tokens())
+            elif hit is not None and req_id in self._asked:
+                self._waits.append(perf_counter() - self._asked.pop(req_id))
         return hit
 
     def send(self) -> None:
@@ -160,6 +167,13 @@ class Lookups:
             counts, self._counts = self._counts, Counter()
         return counts
 
+    def take_waits(self) -> list[float]:
+        """Seconds from each lookup's first ask to the ask that got its answer, since the
+        last call (a lookup dropped before its answer was read has none)."""
+        with self._pump.lock:
+            waits, self._waits = self._waits, []
+        return waits
+
     def take(self, req_id: str) -> Hit:
         """Forget `req_id`'s hit without releasing it: the caller now owns its lease
         (`release` it later). MISS when there is none."""
@@ -171,6 +185,7 @@ class Lookups:
         with self._pump.lock:
             hit = self._hits.pop(req_id, None)
             self._queued.pop(req_id, None)
+            self._asked.pop(req_id, None)
             if req_id in self._inflight:
                 self._dropped.add(req_id)
             if hit is not None:
