@@ -7,14 +7,16 @@
                                                          "namespace": "llama3-8b"}}'
 
 Keys (all optional): `target` (the daemon's address), `namespace` (one per model and KV
-layout; default "vllm/<served model name>"), `model` (identity of the weights: the daemon
-refuses a namespace that holds another model's KV, and salts storage keys with it; default
-vLLM's model path or hub id with a digest of its files and its revision; set the same
-string where the same weights sit at other paths, and name there whatever else changes the
-KV bytes: weights updated in place, KV scales, docs/fleet.md; the connector appends to
-either the engine's settings that change the KV, `engine_settings` (quantization,
-`hf_overrides`, `hf_config_path`, a KV cache dtype, the LongRoPE factor set), and the device
-type and layout, `on_device`), `timeout_s` (deadline of each daemon call),
+layout; default "vllm/<vLLM's model path or hub id>": not the served model name, which
+names an endpoint, so engines of one model served under other names share their KV, and
+engines of other models served under one name are not refused), `model` (identity of the
+weights: the daemon refuses a namespace that holds another model's KV, and salts storage
+keys with it; default vLLM's model path or hub id with a digest of its files and its
+revision; set the same string where the same weights sit at other paths, and name there
+whatever else changes the KV bytes: weights updated in place, KV scales, docs/fleet.md; the
+connector appends to either the engine's settings that change the KV, `engine_settings`
+(quantization, `hf_overrides`, `hf_config_path`, a KV cache dtype, the LongRoPE factor
+set), and the device type and layout, `on_device`), `timeout_s` (deadline of each daemon call),
 `connect_timeout_s` (how long startup waits for the daemon before failing),
 `host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
 from a session that is still registered, e.g. of an engine that was killed),
@@ -70,8 +72,9 @@ class ConnectorConfig:
     tls_server_name: str = ""
 
     @classmethod
-    def from_extra(cls, extra: dict | None, served_model: str, model: str = "") -> "ConnectorConfig":
-        """Settings from `kv_connector_extra_config` (`model`: the default of `model`).
+    def from_extra(cls, extra: dict | None, model_path: str, model: str = "") -> "ConnectorConfig":
+        """Settings from `kv_connector_extra_config` (`model_path`: vLLM's model, which
+        names the default namespace; `model`: the default of `model`).
         Raises ValueError naming an unknown key or a value of the wrong type."""
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
@@ -90,7 +93,7 @@ class ConnectorConfig:
             values[key] = value
         values.setdefault("model", model)
         if not values.get("namespace"):
-            values["namespace"] = f"vllm/{served_model}"
+            values["namespace"] = f"vllm/{model_path}"
         config = cls(**values)
         if config.timeout_s <= 0 or config.connect_timeout_s <= 0:
             raise ValueError("radixkv: timeout_s and connect_timeout_s must be > 0")
@@ -223,4 +226,5 @@ def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> st
     return f"{model} device={device}" + (f" kv_layout={kv_cache_layout}" if kv_cache_layout else "")
 
 
-__all__ = ["INLINE_TOKEN", "TOKEN_ENV", "ConnectorConfig", "engine_settings", "long_rope_choice", "model_identity", "on_device"]
+__all__ = ["INLINE_TOKEN", "TOKEN_ENV", "ConnectorConfig", "engine_settings", "long_rope_choice", "model_identity",
+           "on_device"]

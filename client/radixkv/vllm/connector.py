@@ -61,7 +61,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         check_supported(vllm_config, kv_cache_config)  # vLLM fails to start, saying what is not supported
         check_version()
         tc = self._kv_transfer_config
-        config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.served_model_name)
+        config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, str(vllm_config.model_config.model))
         # `model` from the settings names the weights only: the engine's settings that
         # change their KV (KV cache dtype, RoPE choice, overrides) are appended to it too.
         identity = model_identity(vllm_config.model_config, vllm_config.cache_config,
