@@ -212,3 +212,21 @@ def test_a_config_read_from_hf_config_path_is_part_of_the_identity(tmp_path):
     plain, a, b = (ModelConfig(model=path, hf_config_path=str(p) if p else None) for p in (None, *paths))
     assert a.hf_config.rope_parameters["rope_theta"] != plain.hf_config.rope_parameters["rope_theta"]
     assert model_identity(plain) != model_identity(a) == model_identity(b)
+
+
+def test_weights_streamed_from_object_storage_are_named_by_their_uri_and_warned_about(tmp_path, caplog):
+    """vLLM streams a model given as an object-storage URI (Run:ai, `model_weights`) and
+    pulls only its config files to a local directory named by the URI, its `model`: that
+    was keyed as a local model, by the config files' digest alone and without a word, so
+    new weights written to the URI were served the old weights' KV. The URI names them
+    (the same on every node), and a warning says to name their version in `model`."""
+    from vllm.config import ModelConfig
+
+    from radixkv.vllm.config import model_identity
+
+    pulled = write_tiny_llama(str(tmp_path / "model_streamer" / "1f2e3d4c"))
+    os.remove(os.path.join(pulled, "model.safetensors"))  # the streamer pulls config files only
+    with caplog.at_level("WARNING", logger="vllm.radixkv"):
+        identity = model_identity(ModelConfig(model=pulled, model_weights="s3://bucket/llama"))
+    assert identity.split()[0] == "s3://bucket/llama" and pulled not in identity
+    assert "s3://bucket/llama are streamed" in caplog.text and "set `model`" in caplog.text

@@ -125,7 +125,7 @@ class ConnectorConfig:
         return {"tls": tls, "token": token}
 
 
-_unresolved: set[str] = set()  # models said to have no local files
+_unresolved: set[str] = set()  # models (paths, ids, URIs) warned about: weights not fingerprinted
 
 
 def model_identity(model_config, cache_config=None, download_dir: str | None = None, model: str = "") -> str:
@@ -135,10 +135,15 @@ def model_identity(model_config, cache_config=None, download_dir: str | None = N
     The weights: `model` (the settings' `model`) when given, else the model (path or hub
     id) and a digest of its files (`fingerprints.model_fingerprint`, of the hub cache's
     snapshot under `download_dir` for a hub id; left out, with a warning, where no local
-    files are found) and its revision when set. The settings, appended whatever names
-    the weights (`engine_settings`)."""
+    files are found) and its revision when set; for weights vLLM streams from object
+    storage, their URI (`streamed_weights`). The settings, appended whatever names the
+    weights (`engine_settings`)."""
     if model:
         return " ".join([model, *engine_settings(model_config, cache_config, download_dir)])
+    streamed = getattr(model_config, "model_weights", "")
+    if streamed and str(streamed) != str(model_config.model):
+        return " ".join([*streamed_weights(model_config, download_dir),
+                         *engine_settings(model_config, cache_config, download_dir)])
     parts = [str(model_config.model)]
     weights = model_fingerprint(str(model_config.model), getattr(model_config, "revision", None), download_dir)
     if weights:
@@ -152,6 +157,22 @@ def model_identity(model_config, cache_config=None, download_dir: str | None = N
     if revision:
         parts.append(f"revision={revision}")
     return " ".join(parts + engine_settings(model_config, cache_config, download_dir))
+
+
+def streamed_weights(model_config, download_dir: str | None = None) -> list[str]:
+    """The weights' fields of the identity of a model vLLM streams from object storage
+    (`model_weights`, e.g. an s3:// URI, while `model` is the local directory vLLM pulled
+    the config files to): the URI, and a digest of those files (`files=`; the weights
+    themselves are never here to fingerprint). Warns once per URI: new weights written
+    to it are served the old weights' KV unless `model` names their version."""
+    uri = str(model_config.model_weights)
+    if uri not in _unresolved:
+        _unresolved.add(uri)
+        log.warning("radixkv: the weights of model %s are streamed, not read from local files, so radixkv cannot "
+                    "fingerprint them: their KV is keyed by the URI and the config files alone, and new weights "
+                    "written there would be served the old weights' KV (set `model` to name their version)", uri)
+    files = model_fingerprint(str(model_config.model), None, download_dir)
+    return [uri] + ([f"files={files}"] if files else [])
 
 
 def engine_settings(model_config, cache_config=None, download_dir: str | None = None) -> list[str]:
@@ -227,4 +248,4 @@ def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> st
 
 
 __all__ = ["INLINE_TOKEN", "TOKEN_ENV", "ConnectorConfig", "engine_settings", "long_rope_choice", "model_identity",
-           "on_device"]
+           "on_device", "streamed_weights"]
