@@ -163,6 +163,25 @@ def test_a_second_instance_on_the_namespace_hits_what_the_first_computed(engines
     assert again.cached_tokens == 1024
 
 
+def test_the_default_namespace_follows_the_model_not_the_name_it_is_served_under(engines, daemon, tmp_path):
+    """`served_model_name` names an endpoint, not the KV: engines of one model served
+    under other names share it by default, and an engine of other weights served under
+    a name already in use starts (no hit) instead of being refused the name's namespace."""
+    from radixkv.vllm.testing import write_tiny_llama
+    p = prompt(1024, seed=13)
+    default = dict(kv_transfer_config=connector_config(daemon.target, namespace=""))  # the default namespace
+    llm = engines.start(served_model_name="alpha", **default)
+    [cold] = generate(llm, [p])
+    engines.stop(llm)
+    llm = engines.start(served_model_name="beta", **default)
+    [warm] = generate(llm, [p])
+    engines.stop(llm)
+    assert (warm.cached_tokens, warm.tokens) == (1023 // BLOCK * BLOCK, cold.tokens)
+    other = engines.start(model=write_tiny_llama(str(tmp_path / "other"), seed=1), served_model_name="alpha", **default)
+    [fresh] = generate(other, [p])
+    assert fresh.cached_tokens == 0
+
+
 def test_a_load_that_fails_is_recomputed_with_the_same_output(engines, daemon_factory):
     daemon = daemon_factory("--fault-fail-loads", "1")  # every host->device copy fails
     p = prompt(PROMPT_TOKENS, seed=7)

@@ -201,5 +201,5 @@ def test_overrides_and_a_kv_cache_in_another_dtype_are_part_of_the_model_identit
     other_rope = model_identity(model(hf_overrides={"rope_scaling": {"type": "yarn", "factor": 2.0}}))
     assert len({plain, rope, other_rope}) == 3
     fp8 = SimpleNamespace(cache_dtype="fp8")
-    assert model_identity(model(), fp8) == "/models/llama dtype=bfloat16"
-    assert model_identity(model(dtype=torch.float16), fp8) == "/models/llama dtype=float16"
+    assert model_identity(model(), fp8) == "/models/llama kv_cache_dtype=fp8 dtype=bfloat16"
+    assert model_identity(model(dtype=torch.float16), fp8) == "/models/llama kv_cache_dtype=fp8 dtype=float16"

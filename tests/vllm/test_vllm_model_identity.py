@@ -15,10 +15,12 @@ import json
 import os
 import shutil
 
+import pytest
+
 from radixkv.vllm.testing import write_tiny_llama, write_tiny_lora
 from tests.support.daemon import wait_for
 
-from tests.vllm.engines import generate, prompt
+from tests.vllm.engines import connector_config, generate, prompt
 from tests.vllm.test_vllm_connector import counters
 
 PROMPT_TOKENS = 1024
@@ -50,10 +52,10 @@ def stored_daemons(daemon_factory, tmp_path):
     return lambda: daemon_factory(*flags)
 
 
-def save_and_stop(engines, daemon, p: list[int], **engine) -> tuple[int, ...]:
-    """Generate `p` on an engine with radixkv on `daemon`, wait until its pages are
-    stored and stop the daemon; the tokens it generated."""
-    llm = engines.start(daemon.target, **engine)
+def save_and_stop(engines, daemon, p: list[int], settings: dict | None = None, **engine) -> tuple[int, ...]:
+    """Generate `p` on an engine with radixkv on `daemon` (extra config `settings`), wait
+    until its pages are stored and stop the daemon; the tokens it generated."""
+    llm = engines.start(daemon.target, kv_transfer_config=connector_config(daemon.target, **(settings or {})), **engine)
     [out] = generate(llm, [p])
     engines.stop(llm)
     wait_for(lambda: counters(daemon.target)["stored_tokens"] >= PROMPT_TOKENS, 30, "pages stored")
@@ -61,21 +63,27 @@ def save_and_stop(engines, daemon, p: list[int], **engine) -> tuple[int, ...]:
     return out.tokens
 
 
+@pytest.mark.parametrize("named", [None, "phi-like@v1"])
 def test_a_longrope_engine_with_another_max_model_len_is_not_served_the_others_kv(
-        engines, daemon_factory, tmp_path):
+        engines, daemon_factory, tmp_path, named):
     """vLLM picks LongRoPE's short or long factors by max_model_len: the same tokens get
-    other K, so engines that differ only there must not share KV."""
+    other K, so engines that differ only there must not share KV; also where the
+    settings name the weights (`model`, as a fleet with them at other paths does), a
+    name that once replaced the whole identity, the engine's settings included."""
     model = longrope_model(str(tmp_path / "phi-like"))
     daemons = stored_daemons(daemon_factory, tmp_path)
+    settings = {"model": named} if named else {}
     p = prompt(PROMPT_TOKENS, seed=51)
-    short = save_and_stop(engines, daemons(), p, model=model, max_model_len=ORIGINAL_MAX)
+    short = save_and_stop(engines, daemons(), p, settings, model=model, max_model_len=ORIGINAL_MAX)
 
     reference = engines.start(model=model, max_model_len=2 * ORIGINAL_MAX)  # long factors, no radixkv
     [want] = generate(reference, [p])
     engines.stop(reference)
     assert want.tokens != short  # the factors change the output (the test's premise)
 
-    llm = engines.start(daemons().target, model=model, max_model_len=2 * ORIGINAL_MAX)
+    target = daemons().target
+    llm = engines.start(target, kv_transfer_config=connector_config(target, **settings), model=model,
+                        max_model_len=2 * ORIGINAL_MAX)
     [got] = generate(llm, [p])
     assert (got.cached_tokens, got.tokens) == (0, want.tokens)
 
@@ -162,3 +170,63 @@ def test_fingerprints_follow_content_not_paths(tmp_path):
     assert digest == adapter_fingerprint(second)
     write_tiny_lora(first, seed=2)
     assert adapter_fingerprint(first) != digest
+
+
+def test_kv_cache_dtypes_stored_as_the_same_bytes_have_other_identities(tmp_path):
+    """vLLM stores every quantized KV cache (fp8_e4m3, fp8_e5m2, int8 per token-head, ...)
+    as uint8, so the layout the daemon salts keys with is one for all of them, and the
+    layers `kv_cache_dtype_skip_layers` keeps unquantized; engines that differ there once
+    shared an identity, and so each other's pages read in another number format. vLLM's
+    own config objects (fp8 needs AVX-512 on CPU, not here)."""
+    from vllm.config import CacheConfig, ModelConfig
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    from radixkv.vllm.config import model_identity
+
+    dtypes = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head")
+    assert {STR_DTYPE_TO_TORCH_DTYPE[d] for d in dtypes[:3]} == {STR_DTYPE_TO_TORCH_DTYPE["fp8"]}  # the premise
+    model = ModelConfig(model=write_tiny_llama(str(tmp_path / "llama")))
+    caches = [CacheConfig(cache_dtype=d) for d in dtypes]
+    caches.append(CacheConfig(cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers=["0"]))
+    identities = [model_identity(model, cache) for cache in caches]
+    assert len(set(identities)) == len(caches)
+    assert model_identity(model, CacheConfig()) == model_identity(model)  # auto: as before
+
+
+def test_a_config_read_from_hf_config_path_is_part_of_the_identity(tmp_path):
+    """vLLM reads the model's config from `hf_config_path` when given (another RoPE base
+    here: other K for the same tokens), which the weights' fingerprint never saw; the
+    same config at another path (content, not path) keeps the identity."""
+    from vllm.config import ModelConfig
+
+    from radixkv.vllm.config import model_identity
+
+    path = write_tiny_llama(str(tmp_path / "llama"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    paths = [tmp_path / "config-a", tmp_path / "config-b"]
+    for directory in paths:
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    plain, a, b = (ModelConfig(model=path, hf_config_path=str(p) if p else None) for p in (None, *paths))
+    assert a.hf_config.rope_parameters["rope_theta"] != plain.hf_config.rope_parameters["rope_theta"]
+    assert model_identity(plain) != model_identity(a) == model_identity(b)
+
+
+def test_weights_streamed_from_object_storage_are_named_by_their_uri_and_warned_about(tmp_path, caplog):
+    """vLLM streams a model given as an object-storage URI (Run:ai, `model_weights`) and
+    pulls only its config files to a local directory named by the URI, its `model`: that
+    was keyed as a local model, by the config files' digest alone and without a word, so
+    new weights written to the URI were served the old weights' KV. The URI names them
+    (the same on every node), and a warning says to name their version in `model`."""
+    from vllm.config import ModelConfig
+
+    from radixkv.vllm.config import model_identity
+
+    pulled = write_tiny_llama(str(tmp_path / "model_streamer" / "1f2e3d4c"))
+    os.remove(os.path.join(pulled, "model.safetensors"))  # the streamer pulls config files only
+    with caplog.at_level("WARNING", logger="vllm.radixkv"):
+        identity = model_identity(ModelConfig(model=pulled, model_weights="s3://bucket/llama"))
+    assert identity.split()[0] == "s3://bucket/llama" and pulled not in identity
+    assert "s3://bucket/llama are streamed" in caplog.text and "set `model`" in caplog.text

@@ -7,13 +7,16 @@
                                                          "namespace": "llama3-8b"}}'
 
 Keys (all optional): `target` (the daemon's address), `namespace` (one per model and KV
-layout; default "vllm/<served model name>"), `model` (identity of the weights: the daemon
-refuses a namespace that holds another model's KV, and salts storage keys with it; default
-`model_identity`, vLLM's model path or hub id with a digest of its files, revision,
-quantization, `hf_overrides`, for an fp8 KV cache compute dtype, for LongRoPE the factor
-set; set the same string where the same weights sit at other paths, and name there
+layout; default "vllm/<vLLM's model path or hub id>": not the served model name, which
+names an endpoint, so engines of one model served under other names share their KV, and
+engines of other models served under one name are not refused), `model` (identity of the
+weights: the daemon refuses a namespace that holds another model's KV, and salts storage
+keys with it; default vLLM's model path or hub id with a digest of its files and its
+revision; set the same string where the same weights sit at other paths, and name there
 whatever else changes the KV bytes: weights updated in place, KV scales, docs/fleet.md; the
-connector adds the device type, `on_device`), `timeout_s` (deadline of each daemon call),
+connector appends to either the engine's settings that change the KV, `engine_settings`
+(quantization, `hf_overrides`, `hf_config_path`, a KV cache dtype, the LongRoPE factor
+set), and the device type and layout, `on_device`), `timeout_s` (deadline of each daemon call),
 `connect_timeout_s` (how long startup waits for the daemon before failing),
 `host_pool_pages` (0: the daemon's default), `replace_existing` (take over the namespace
 from a session that is still registered, e.g. of an engine that was killed),
@@ -69,8 +72,9 @@ class ConnectorConfig:
     tls_server_name: str = ""
 
     @classmethod
-    def from_extra(cls, extra: dict | None, served_model: str, model: str = "") -> "ConnectorConfig":
-        """Settings from `kv_connector_extra_config` (`model`: the default model identity).
+    def from_extra(cls, extra: dict | None, model_path: str, model: str = "") -> "ConnectorConfig":
+        """Settings from `kv_connector_extra_config` (`model_path`: vLLM's model, which
+        names the default namespace; `model`: the default of `model`).
         Raises ValueError naming an unknown key or a value of the wrong type."""
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
@@ -89,7 +93,7 @@ class ConnectorConfig:
             values[key] = value
         values.setdefault("model", model)
         if not values.get("namespace"):
-            values["namespace"] = f"vllm/{served_model}"
+            values["namespace"] = f"vllm/{model_path}"
         config = cls(**values)
         if config.timeout_s <= 0 or config.connect_timeout_s <= 0:
             raise ValueError("radixkv: timeout_s and connect_timeout_s must be > 0")
@@ -121,18 +125,25 @@ class ConnectorConfig:
         return {"tls": tls, "token": token}
 
 
-_unresolved: set[str] = set()  # models said to have no local files
+_unresolved: set[str] = set()  # models (paths, ids, URIs) warned about: weights not fingerprinted
 
 
-def model_identity(model_config, cache_config=None, download_dir: str | None = None) -> str:
-    """Which weights compute the KV, from vLLM's ModelConfig: the model (path or hub id)
-    and a digest of its files (`fingerprints.model_fingerprint`, of the hub cache's
+def model_identity(model_config, cache_config=None, download_dir: str | None = None, model: str = "") -> str:
+    """What computes the KV, from vLLM's ModelConfig and CacheConfig: the weights, then
+    the engine's settings that change the KV of the same weights.
+
+    The weights: `model` (the settings' `model`) when given, else the model (path or hub
+    id) and a digest of its files (`fingerprints.model_fingerprint`, of the hub cache's
     snapshot under `download_dir` for a hub id; left out, with a warning, where no local
-    files are found), with its revision and quantization when set; `hf_overrides` when given (they change
-    the model's config, RoPE scaling included: a digest of them, or the function's name);
-    the dtype the model computes in when the KV cache is stored in another
-    (`cache_config.cache_dtype` not "auto": the layout says only the stored one); and
-    for a LongRoPE model the factor set `max_model_len` selects (`long_rope_choice`)."""
+    files are found) and its revision when set; for weights vLLM streams from object
+    storage, their URI (`streamed_weights`). The settings, appended whatever names the
+    weights (`engine_settings`)."""
+    if model:
+        return " ".join([model, *engine_settings(model_config, cache_config, download_dir)])
+    streamed = getattr(model_config, "model_weights", "")
+    if streamed and str(streamed) != str(model_config.model):
+        return " ".join([*streamed_weights(model_config, download_dir),
+                         *engine_settings(model_config, cache_config, download_dir)])
     parts = [str(model_config.model)]
     weights = model_fingerprint(str(model_config.model), getattr(model_config, "revision", None), download_dir)
     if weights:
@@ -142,22 +153,67 @@ def model_identity(model_config, cache_config=None, download_dir: str | None = N
         log.warning("radixkv: no local files for model %s: its KV is keyed by its name alone, so new weights "
                     "under that name would be served the old weights' KV (set `model` to name them)",
                     model_config.model)
-    for name in ("revision", "quantization"):
-        value = getattr(model_config, name, None)
-        if value:
-            parts.append(f"{name}={value}")
+    revision = getattr(model_config, "revision", None)
+    if revision:
+        parts.append(f"revision={revision}")
+    return " ".join(parts + engine_settings(model_config, cache_config, download_dir))
+
+
+def streamed_weights(model_config, download_dir: str | None = None) -> list[str]:
+    """The weights' fields of the identity of a model vLLM streams from object storage
+    (`model_weights`, e.g. an s3:// URI, while `model` is the local directory vLLM pulled
+    the config files to): the URI, and a digest of those files (`files=`; the weights
+    themselves are never here to fingerprint). Warns once per URI: new weights written
+    to it are served the old weights' KV unless `model` names their version."""
+    uri = str(model_config.model_weights)
+    if uri not in _unresolved:
+        _unresolved.add(uri)
+        log.warning("radixkv: the weights of model %s are streamed, not read from local files, so radixkv cannot "
+                    "fingerprint them: their KV is keyed by the URI and the config files alone, and new weights "
+                    "written there would be served the old weights' KV (set `model` to name their version)", uri)
+    files = model_fingerprint(str(model_config.model), None, download_dir)
+    return [uri] + ([f"files={files}"] if files else [])
+
+
+def engine_settings(model_config, cache_config=None, download_dir: str | None = None) -> list[str]:
+    """The fields of the identity that an engine's settings give the same weights, none
+    for the usual engine: its quantization when set; `hf_overrides` when given (they
+    change the model's config, RoPE scaling included: a digest of them, or the function's
+    name); a digest of the config files `hf_config_path` names where vLLM reads the
+    model's config from there (`config=`, the path where none are found here); for a KV
+    cache stored in another dtype than the model's (`cache_config.cache_dtype` not
+    "auto") that dtype and the layers it skips (every quantized one, fp8_e4m3 and
+    fp8_e5m2 alike, is uint8 in the layout) and the dtype the model computes in; and
+    for a LongRoPE model the factor set `max_model_len` selects (`long_rope_choice`)."""
+    parts = []
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:
+        parts.append(f"quantization={quantization}")
     overrides = getattr(model_config, "hf_overrides", None)
     if callable(overrides):
         parts.append(f"hf_overrides={getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}")
     elif overrides:
-        text = json.dumps(overrides, sort_keys=True, default=str)
-        parts.append(f"hf_overrides={hashlib.sha256(text.encode()).hexdigest()[:12]}")
-    if cache_config is not None and getattr(cache_config, "cache_dtype", "auto") not in ("auto", None):
+        parts.append(f"hf_overrides={_digest(overrides)}")
+    config_path = getattr(model_config, "hf_config_path", None)
+    if config_path and str(config_path) != str(model_config.model):
+        revision = getattr(model_config, "_hf_config_revision", None) or getattr(model_config, "revision", None)
+        parts.append(f"config={model_fingerprint(str(config_path), revision, download_dir) or config_path}")
+    cache_dtype = getattr(cache_config, "cache_dtype", "auto") if cache_config is not None else "auto"
+    if cache_dtype not in ("auto", None):
+        parts.append(f"kv_cache_dtype={cache_dtype}")
+        skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None)
+        if skipped:
+            parts.append(f"skip_layers={_digest(sorted(map(str, skipped)))}")
         parts.append(f"dtype={str(getattr(model_config, 'dtype', '?')).removeprefix('torch.')}")
     rope = long_rope_choice(model_config)
     if rope:
         parts.append(f"rope={rope}")
-    return " ".join(parts)
+    return parts
+
+
+def _digest(value) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def long_rope_choice(model_config) -> str | None:
@@ -191,4 +247,5 @@ def on_device(model: str, device: str, kv_cache_layout: str | None = None) -> st
     return f"{model} device={device}" + (f" kv_layout={kv_cache_layout}" if kv_cache_layout else "")
 
 
-__all__ = ["INLINE_TOKEN", "TOKEN_ENV", "ConnectorConfig", "long_rope_choice", "model_identity", "on_device"]
+__all__ = ["INLINE_TOKEN", "TOKEN_ENV", "ConnectorConfig", "engine_settings", "long_rope_choice", "model_identity",
+           "on_device", "streamed_weights"]

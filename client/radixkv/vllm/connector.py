@@ -63,13 +63,15 @@ class RadixKVConnector(KVConnectorBase_V1):
         check_supported(vllm_config, kv_cache_config)  # vLLM fails to start, saying what is not supported
         check_version()
         tc = self._kv_transfer_config
-        config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, vllm_config.model_config.served_model_name,
-                                            model_identity(vllm_config.model_config, vllm_config.cache_config,
-                                                           vllm_config.load_config.download_dir))
+        config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, str(vllm_config.model_config.model))
+        # `model` from the settings names the weights only: the engine's settings that
+        # change their KV (KV cache dtype, RoPE choice, overrides) are appended to it too.
+        identity = model_identity(vllm_config.model_config, vllm_config.cache_config,
+                                  vllm_config.load_config.download_dir, model=config.model)
         # The scheduler's and every worker's connector are made with the engine's one
         # kv_cache_config, which carries the KV layout vLLM resolved (0.32).
         self.config = dataclasses.replace(config, model=on_device(
-            config.model, vllm_config.device_config.device.type, getattr(kv_cache_config, "kv_cache_layout", None)))
+            identity, vllm_config.device_config.device.type, getattr(kv_cache_config, "kv_cache_layout", None)))
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank, self.tp_size = _tp_rank(vllm_config)
         self._adapter: DaemonAdapter | None = None
