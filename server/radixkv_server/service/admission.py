@@ -20,10 +20,10 @@ async def admit(daemon, reg: registration.Registration, ns, replacing: int = 0):
     places) and, for a new namespace, the host memory budget its whole host pool counts
     against. A new namespace past the namespace limit or the budget drops the namespaces
     detached longest first (namespace_reclaim.py) until it fits; past its tenant's
-    quota, the tenant's own. RESOURCE_EXHAUSTED past one still. Returns
-    the new namespace's config; None when joining. What it admits (the session, a new
-    pool) stays reserved until made (`Daemon.new_session`, `Daemon.add_namespace`) or
-    the change ends. Call holding `reg.namespace`'s lock."""
+    quota, the tenant's own. RESOURCE_EXHAUSTED past one still. Returns the new
+    namespace's config; None when joining. What it admits (the session, a new pool)
+    stays reserved until made (`Daemon.new_session`, `Daemon.add_namespace`) or the
+    change ends. Call holding `reg.namespace`'s lock."""
     while True:
         try:
             config = _check_limits(daemon, reg, ns, replacing)
