@@ -160,6 +160,7 @@ def test_vllm_serve_and_the_request_commands(served, model_with_tokenizer, metri
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert '"choices"' in run.stdout and '"text"' in run.stdout, run.stdout[-2000:]
     assert "vllm:external_prefix_cache_hits" in run.stdout, run.stdout[-2000:]
-    for series in ("radixkv_lookups_total", "radixkv_loaded_blocks_total", "radixkv_save_blocks_total"):
+    for series in ("radixkv_lookups_total", "radixkv_loaded_blocks_total", "radixkv_save_blocks_total",
+                   "radixkv_lookup_seconds_count", "radixkv_scheduler_step_seconds_count"):
         assert re.search(rf"^vllm:{series}{{.*}} \d", run.stdout, re.M), f"no vllm:{series} in {run.stdout[-2000:]}"
     namespace_counters(metrics_daemon.target)  # the connector registered the README's namespace
