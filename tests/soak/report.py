@@ -1,5 +1,24 @@
 """The soak's human-readable report: one line per figure, the verdict's problems, and
-the byte-mismatch count last (the line CI and `make soak` readers look for)."""
+the byte-mismatch count last (the line CI and `make soak` readers look for); and the
+verdict on the daemon's resident memory over the run."""
+
+import statistics
+
+
+def rss_verdict(samples: list[dict], name: str, warmup: float, seconds: float) -> dict:
+    """Whether daemon `name`'s RSS stayed flat after `warmup` seconds: the median of the
+    last fifth of `samples` within max(16 MiB, 10%) of the first fifth's. Judged
+    (`checked`) for runs of 2 minutes or more only."""
+    points = [(s["t"], s[f"{name}_rss_mib"]) for s in samples if s.get(f"{name}_rss_mib")]
+    after = [r for t, r in points if t >= warmup]
+    if len(after) < 6:
+        return {"daemon": name, "checked": False, "reason": "too few samples after warm-up"}
+    k = max(3, len(after) // 5)
+    early, late = statistics.median(after[:k]), statistics.median(after[-k:])
+    limit = max(16.0, early * 0.10)
+    return {"daemon": name, "checked": seconds >= 120, "after_warmup_mib": early,
+            "end_mib": late, "growth_mib": round(late - early, 1), "limit_mib": round(limit, 1),
+            "peak_mib": max(r for _, r in points), "flat": late - early < limit}
 
 
 def summary(out: dict) -> list[str]:

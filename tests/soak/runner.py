@@ -32,7 +32,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ from radixkv.client import Client
 from radixkv.errors import RadixKVError
 
 from tests.support.daemon import DaemonProcess
+
+from .report import rss_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -352,23 +353,11 @@ class Soak:
             "daemon_starts": {n: d.starts for n, d in self.daemons.items()}, "daemon_exit_codes": exits,
             "daemon_counters": self.counters,
             "invariant_violations": self.violations[:20], "num_violations": len(self.violations),
-            "problems": self.problems[:40], "rss": self.rss_verdict(), "samples": self.samples,
+            "problems": self.problems[:40], "rss": rss_verdict(self.samples, "steady" if self.cfg.steady else "crashy",
+                                                      self.cfg.warmup, self.cfg.seconds), "samples": self.samples,
         }
         out["ok"] = self.verdict(out)
         return out
-
-    def rss_verdict(self) -> dict:
-        name = "steady" if self.cfg.steady else "crashy"
-        points = [(s["t"], s[f"{name}_rss_mib"]) for s in self.samples if s.get(f"{name}_rss_mib")]
-        after = [r for t, r in points if t >= self.cfg.warmup]
-        if len(after) < 6:
-            return {"daemon": name, "checked": False, "reason": "too few samples after warm-up"}
-        k = max(3, len(after) // 5)
-        early, late = statistics.median(after[:k]), statistics.median(after[-k:])
-        limit = max(16.0, early * 0.10)
-        return {"daemon": name, "checked": self.cfg.seconds >= 120, "after_warmup_mib": early,
-                "end_mib": late, "growth_mib": round(late - early, 1), "limit_mib": round(limit, 1),
-                "peak_mib": max(r for _, r in points), "flat": late - early < limit}
 
     def verdict(self, out: dict) -> bool:
         t, faults = out["totals"], self.faults
