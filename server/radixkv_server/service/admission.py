@@ -32,7 +32,7 @@ async def admit(daemon, reg: registration.Registration, ns, replacing: int = 0):
                 raise
             continue
         daemon.locks.reserve(reg.namespace, session=True, owner=reg.owner,
-                             host_bytes=None if config is None else config.host_pages * config.host_layout.page_bytes)
+                             host_bytes=None if config is None else config.host_pool_bytes)
         return config
 
 
@@ -40,7 +40,7 @@ def _check_limits(daemon, reg: registration.Registration, ns, replacing: int):
     limits = daemon.config
     config = None if ns is not None else registration.namespace_config(limits, reg, daemon.storage is not None)
     if config is not None and reg.quota is not None:
-        _check_quota(daemon, reg, config.host_pages * config.host_layout.page_bytes)
+        _check_quota(daemon, reg, config.host_pool_bytes)
     pools = daemon.locks.pools()  # namespaces made or freed meanwhile (by other names: this one's lock is held)
     if ns is None and len(daemon.namespaces) + len(pools) >= limits.max_namespaces:
         raise exhausted(f"namespace limit reached ({limits.max_namespaces}), none of them detached for "
@@ -53,7 +53,7 @@ def _check_limits(daemon, reg: registration.Registration, ns, replacing: int):
     if ns is not None:
         return None
     held = {n: other.host_pool.nbytes for n, other in daemon.namespaces.items()} | pools
-    host_budget.check_room(held, config.name, config.host_pages * config.host_layout.page_bytes,
+    host_budget.check_room(held, config.name, config.host_pool_bytes,
                            daemon.host_memory_limit, daemon.host_memory_source, reg.sees)
     return config
 

@@ -33,6 +33,11 @@ class NamespaceConfig:
         the gauges all size host pages by it."""
         return host_layout(self.layout, self.tp_size)
 
+    @property
+    def host_pool_bytes(self) -> int:
+        """The bytes its host pool takes (what the budget and a tenant's quota count)."""
+        return self.host_pages * self.host_layout.page_bytes
+
 
 def host_layout(layout: KvLayout, tp_size: int) -> KvLayout:
     """The layout of one host page holding `tp_size` ranks' shards of `layout`'s page."""
