@@ -11,9 +11,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import redis
+
+from radixkv_server.storage.mooncake_probe import probe_master
 
 START_TIMEOUT_S = 30.0
 
@@ -35,6 +38,12 @@ def _free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def _another_port(taken: set[int]) -> int:
+    while (port := free_port()) in taken:
+        pass
+    return port
 
 
 def poll(condition, timeout: float, what: str, interval: float = 0.05):
@@ -75,7 +84,11 @@ class MooncakeMaster:
         if self.exe is None:
             raise RuntimeError("mooncake_master is not installed (pip install -e '.[mooncake]')")
         self.dir = tempfile.mkdtemp(prefix="rkv-mc-")
+        # All three chosen now and kept distinct: a metrics port drawn later could be the
+        # RPC port just released, and the master then serves HTTP where RPC was expected.
         self.port = free_port()
+        self.metrics_port = _another_port({self.port})
+        self.http_port = _another_port({self.port, self.metrics_port})
         self.client_ttl_s = client_ttl_s
         self.proc: subprocess.Popen | None = None
 
@@ -86,8 +99,8 @@ class MooncakeMaster:
     def start(self) -> "MooncakeMaster":
         log = open(os.path.join(self.dir, "master.log"), "ab")
         self.proc = subprocess.Popen(
-            [self.exe, f"--rpc_port={self.port}", f"--metrics_port={free_port()}",
-             f"--http_metadata_server_port={free_port()}", f"--client_ttl={self.client_ttl_s}",
+            [self.exe, f"--rpc_port={self.port}", f"--metrics_port={self.metrics_port}",
+             f"--http_metadata_server_port={self.http_port}", f"--client_ttl={self.client_ttl_s}",
              "--rpc_address=127.0.0.1", "--rpc_thread_num=2", "--enable_metric_reporting=false"],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.dir)
         log.close()
@@ -99,10 +112,11 @@ class MooncakeMaster:
         return self
 
     def _listening(self) -> bool:
+        """The master answers an RPC on its port (a bare connect can succeed before it
+        listens: a socket connected to itself)."""
         if self.proc.poll() is not None:
             raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}: {self.log_tail()}")
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
+        return probe_master(self.address, 1.0) is None
 
     def kill(self) -> None:
         _stop(self.proc, signal.SIGKILL)
@@ -117,6 +131,27 @@ class MooncakeMaster:
         exits is not what any test looks at) and remove its directory."""
         _stop(self.proc, signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Ticker:
+    """A thread that notes the longest gap between its 10 ms ticks: how long every
+    Python thread of this process was kept from running (a store call holding the GIL)."""
+
+    def __init__(self):
+        self.worst, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        last = time.monotonic()
+        while not self._stop.wait(0.01):
+            now = time.monotonic()
+            self.worst, last = max(self.worst, now - last), now
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.worst
 
 
 LENDER = r"""

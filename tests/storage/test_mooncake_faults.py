@@ -5,7 +5,6 @@ in wrong bytes or a hang. Facts of the 0.3.13 wheel: see storage/mooncake_store.
 import logging
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 from radixkv_server.storage import StorageFull, StorageTimeout, StorageUnavailable, open_storage
 from radixkv_server.storage.mooncake_store import CLOSE_GRACE_S, MooncakeStorage, _close_store
-from tests.storage.fleet import Lender, MooncakeMaster, lender_keys, poll
+from tests.storage.fleet import Lender, MooncakeMaster, Ticker, lender_keys, poll
 
 PAGE = 16 << 10
 TIMEOUT_S = 1.0
@@ -216,27 +215,6 @@ def test_unreachable_master_is_unavailable_at_once_and_joins_when_it_appears():
     finally:
         b.close()
         m.cleanup()
-
-
-class Ticker:
-    """A thread that notes the longest gap between its 10 ms ticks: how long every
-    Python thread of this process was kept from running (a store call holding the GIL)."""
-
-    def __init__(self):
-        self.worst, self._stop = 0.0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        last = time.monotonic()
-        while not self._stop.wait(0.01):
-            now = time.monotonic()
-            self.worst, last = max(self.worst, now - last), now
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return self.worst
 
 
 def test_frozen_master_never_freezes_the_process_joining_it_and_it_joins_once_resumed(caplog):

@@ -7,9 +7,13 @@ either is called, `probe_master` asks the master itself, from Python, on a socke
 deadline (which releases the GIL while it waits): it sends one coro_rpc request (the
 master's RPC protocol) for a function the master does not have. A running master answers
 it at once with an error ("the rpc function not registered"); one that is stopped,
-hung or overloaded leaves it unanswered. An answer in another form, or the master
-closing the connection, also proves its RPC threads run, and counts as answering (a
-later wheel may speak a newer protocol version).
+hung or overloaded leaves it unanswered.
+
+Only an answer in coro_rpc's form counts (its magic byte first and our sequence number
+echoed, not our own request sent back). Anything else is refused, since trusting it costs a frozen daemon: a port
+that is not the master's RPC port (its admin/metrics port, another service), a server
+that closes the connection without answering, or this socket connected to itself (a
+local master that is down: Linux can hand out its port as our source port).
 """
 
 import socket
@@ -35,13 +39,21 @@ def probe_master(master: str, seconds: float) -> str | None:
     except OSError as exc:  # refused, unreachable, or no answer to the connect (socket.timeout)
         return f"the master at {master} does not accept connections ({exc or type(exc).__name__})"
     with sock:
+        if sock.getsockname() == sock.getpeername():
+            return f"the master at {master} does not accept connections (the socket connected to itself)"
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.sendall(REQUEST)
-            sock.recv(64)  # an answer, or b"" if the master closed the connection: it runs
-            return None
+            answer = sock.recv(64)
         except socket.timeout:
             return (f"the master at {master} accepts connections but did not answer within {seconds:g}s "
                     "(stopped, hung or overloaded)")
         except OSError as exc:
             return f"the master at {master} dropped the connection ({exc})"
+    if not answer:
+        return (f"the service at {master} closed the connection without answering: "
+                "not a Mooncake master's RPC port (--rpc_port)")
+    if answer[0] != _MAGIC or answer[4:8] != REQUEST[4:8] or REQUEST.startswith(answer):
+        return (f"the service at {master} answered in another protocol ({answer[:8]!r}): "
+                "not a Mooncake master's RPC port (--rpc_port)")
+    return None
