@@ -137,14 +137,15 @@ import numpy as np
 from radixkv_server.storage import open_storage
 from radixkv_server.storage.record import crc32
 assert crc32.__module__.startswith("zlib_ng"), crc32.__module__
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-port = free_port()
+socks = [socket.socket() for _ in range(3)]  # three distinct free ports, held until all are drawn
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+port, metrics_port, http_port = (s.getsockname()[1] for s in socks)
+for s in socks:
+    s.close()
 exe = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-master = subprocess.Popen([exe, f"--rpc_port={port}", f"--metrics_port={free_port()}",
-                           f"--http_metadata_server_port={free_port()}", "--rpc_address=127.0.0.1",
+master = subprocess.Popen([exe, f"--rpc_port={port}", f"--metrics_port={metrics_port}",
+                           f"--http_metadata_server_port={http_port}", "--rpc_address=127.0.0.1",
                            "--enable_metric_reporting=false"], cwd=tempfile.mkdtemp(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 try:

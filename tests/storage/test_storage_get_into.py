@@ -59,6 +59,27 @@ def test_damaged_page_ends_the_run_and_is_dropped(store):
     assert store.read_raw(backend, keys[2]) is None
 
 
+
+@pytest.mark.parametrize("path", ["get", "get_into", "read_ahead"])
+def test_a_sound_record_filed_under_another_key_never_lands(store, path):
+    """Another page's whole, undamaged record under a key (copied or moved in the store,
+    or lined up with the wrong key by a batched read) is that other page's KV: it ends
+    the run as damage, never read as this key's page. Before, only the payload was in
+    the checksum, and it was served."""
+    backend = store.open()
+    pool = pool_with(4, seed=5)
+    backend.attach_memory(pool.ctypes.data, pool.nbytes)
+    keys = keys_for(4, seed=50)
+    backend.put(list(zip(keys, views(pool, range(4)))))
+    store.write_raw(backend, keys[2], store.read_raw(backend, keys[0]))
+    if path == "get":
+        assert backend.get(keys)[2] is None
+    elif path == "get_into":
+        assert backend.get_into(keys, views(pool, range(4, 8))) == 2
+    else:
+        assert backend.place(backend.read_ahead(keys, PAGE), views(pool, range(4, 8))) == 2
+    assert backend.stats.corrupt == 1 and store.read_raw(backend, keys[2]) is None
+
 def test_page_of_another_size_is_a_miss_not_damage(store):
     backend = store.open()
     key = keys_for(1, seed=40)[0]

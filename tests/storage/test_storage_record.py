@@ -6,30 +6,47 @@ import struct
 import pytest
 
 from radixkv_server.storage import CorruptPage, decode, encode
-from radixkv_server.storage.record import HEADER_BYTES
+from radixkv_server.storage.record import HEADER_BYTES, decode_into, verify
+
+
+KEY = bytes(range(32))
 
 
 @pytest.mark.parametrize("size", [0, 1, 4096, 1 << 20])
 def test_round_trip_is_byte_exact(size):
     payload = os.urandom(size)
-    blob = encode(payload)
+    blob = encode(KEY, payload)
     assert len(blob) == HEADER_BYTES + size
-    assert decode(blob) == payload
-    assert decode(bytearray(blob)) == payload
+    assert decode(KEY, blob) == payload
+    assert decode(KEY, bytearray(blob)) == payload
 
 
-def test_records_carry_zlibs_crc32_whichever_implementation_runs():
+def test_records_carry_zlibs_crc32_of_key_and_payload_whichever_implementation_runs():
     # zlib-ng when installed, the standard library's zlib otherwise: a record written by
     # a daemon with one reads back in a daemon with the other.
     import zlib
     payload = os.urandom(70_000)
-    checksum = struct.unpack_from("<I", encode(payload), 16)[0]
-    assert checksum == zlib.crc32(payload)
+    checksum = struct.unpack_from("<I", encode(KEY, payload), 16)[0]
+    assert checksum == zlib.crc32(payload, zlib.crc32(KEY))
+
+
+def test_a_sound_record_read_under_another_key_is_refused_as_misfiled():
+    """A record copied, moved or lined up with the wrong key (a batched read's bug) is
+    sound bytes for ANOTHER page: served, the engine would compute on wrong KV."""
+    payload = os.urandom(4096)
+    blob = encode(KEY, payload)
+    other = bytes(reversed(KEY))
+    with pytest.raises(CorruptPage, match="record stored under another key"):
+        decode(other, blob)
+    with pytest.raises(CorruptPage, match="record stored under another key"):
+        decode_into(other, blob, bytearray(4096))
+    with pytest.raises(CorruptPage, match="record stored under another key"):
+        verify(other, blob[:HEADER_BYTES], payload)
 
 
 def test_encode_takes_any_contiguous_buffer():
     values = memoryview(bytearray(range(16))).cast("I")  # 4 items, 16 bytes
-    assert decode(encode(values)) == bytes(range(16))
+    assert decode(KEY, encode(KEY, values)) == bytes(range(16))
 
 
 def _damage(kind: str, blob: bytes) -> bytes:
@@ -43,7 +60,7 @@ def _damage(kind: str, blob: bytes) -> bytes:
     elif kind == "version":
         b[4:6] = struct.pack("<H", 99)
     elif kind == "old_version":
-        b[4:6] = struct.pack("<H", 0)
+        b[4:6] = struct.pack("<H", 1)  # the format before keys were in the checksum
     elif kind == "truncated_payload":
         del b[-1]
     elif kind == "truncated_header":
@@ -59,17 +76,17 @@ def _damage(kind: str, blob: bytes) -> bytes:
     ("flip_payload", "checksum mismatch"),
     ("flip_checksum", "checksum mismatch"),
     ("magic", "bad magic"),
-    ("version", r"record version 99 is newer than this build reads \(1\)"),
-    ("old_version", r"record version 0 is older than this build's \(1\): replaced"),
+    ("version", r"record version 99 is newer than this build reads \(2\)"),
+    ("old_version", r"record version 1 is older than this build's \(2\): replaced"),
     ("truncated_payload", "truncated record"),
     ("truncated_header", "truncated record"),
     ("trailing", "trailing bytes"),
     ("empty", "truncated record"),
 ])
 def test_damage_raises_corrupt_page(kind, message):
-    blob = encode(os.urandom(64))
+    blob = encode(KEY, os.urandom(64))
     with pytest.raises(CorruptPage, match=message):
-        decode(_damage(kind, blob))
+        decode(KEY, _damage(kind, blob))
 
 
 def test_records_of_other_format_versions_in_a_rolling_upgrade(tmp_path):

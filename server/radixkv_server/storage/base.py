@@ -136,7 +136,7 @@ class StorageBackend(ABC):
                 misses += 1
             else:
                 try:
-                    payload = decode(blob)
+                    payload = decode(key, blob)
                     nbytes += len(payload)
                 except NotForThisReader:
                     misses += 1
@@ -278,7 +278,7 @@ class StorageBackend(ABC):
     def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
         """Store each (key, payload) unless its key is present; True where this call
         stored it. The default wraps each payload in a record (one copy) for _put_blobs."""
-        return self._put_blobs([(key, encode(payload)) for key, payload in items])
+        return self._put_blobs([(key, encode(key, payload)) for key, payload in items])
 
     def _get_into(self, keys: list[bytes], pages: list) -> list[Read]:
         """What each key held, its payload written into its page where it is a HIT. The
@@ -294,11 +294,11 @@ class StorageBackend(ABC):
 
     def _place(self, key: bytes, blob, page) -> Read:
         """Check the record `blob` and copy its payload into `page`."""
-        return self._checked(key, decode_into, blob, page)
+        return self._checked(key, decode_into, key, blob, page)
 
     def _verified(self, key: bytes, head, page) -> Read:
         """Check a payload read in place into `page` against its record header `head`."""
-        return self._checked(key, verify, head, page)
+        return self._checked(key, verify, key, head, page)
 
     def _checked(self, key: bytes, check, *args) -> Read:
         """HIT when `check(*args)` passes; a record not for this reader (another size or

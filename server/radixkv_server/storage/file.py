@@ -173,7 +173,7 @@ class FileStorage(StorageBackend):
     def _put_pages(self, items: list[tuple[bytes, bytes]]) -> list[bool]:
         """Each page is written with one writev of its record header and the page itself
         (no record copy)."""
-        return self._put_blobs([(key, (header(payload), payload)) for key, payload in items])
+        return self._put_blobs([(key, (header(key, payload), payload)) for key, payload in items])
 
     def _put_blobs(self, records: list[tuple[bytes, bytes | tuple]]) -> list[bool]:
         stored = []

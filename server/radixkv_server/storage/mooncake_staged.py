@@ -48,14 +48,14 @@ def read_ahead(backend, store, keys: list[bytes], page_bytes: int):
     return records, lambda: backend._staging.give(buf)
 
 
-def put(backend, store, names: list[str], payloads: list) -> list[int] | None:
-    """The store's answer for each record (0: stored, or already present). None: put
-    the pages in place instead."""
-    record = _record_bytes(payloads)
+def put(backend, store, items: list[tuple[bytes, bytes]]) -> list[int] | None:
+    """The store's answer for each (key, payload) record (0: stored, or already
+    present). None: put the pages in place instead."""
+    record = _record_bytes([p for _, p in items])
     if record is None:
         return None
-    return _staged(backend, record, len(names), lambda buf, lo, hi: _put_chunk(
-        backend, store, buf, record, names[lo:hi], payloads[lo:hi]), reads=False)
+    return _staged(backend, record, len(items), lambda buf, lo, hi: _put_chunk(
+        backend, store, buf, record, items[lo:hi]), reads=False)
 
 
 def _record_bytes(pages: list) -> int | None:
@@ -116,13 +116,14 @@ def _get_chunk(backend, store, buf, record: int, keys: list[bytes], pages: list,
             for key, page, r in zip(keys, pages, _records(backend, store, buf, record, keys, head))]
 
 
-def _put_chunk(backend, store, buf, record: int, names: list[str], payloads: list) -> list[int]:
+def _put_chunk(backend, store, buf, record: int, items: list[tuple[bytes, bytes]]) -> list[int]:
     view = memoryview(buf)
-    for i, payload in enumerate(payloads):
+    for i, (key, payload) in enumerate(items):
         at = i * record
         staged = view[at + HEADER_BYTES:at + record]
         staged[:] = memoryview(payload).cast("B")
-        view[at:at + HEADER_BYTES] = header(staged)  # checksummed where the copy left it in cache
+        view[at:at + HEADER_BYTES] = header(key, staged)  # checksummed where the copy left it in cache
+    names = [backend.store_key(k) for k, _ in items]
     base = buf.ctypes.data
     return backend.answered("put", backend._calls.run("put", store.batch_put_from, names,
                                                       [base + i * record for i in range(len(names))],

@@ -227,8 +227,7 @@ class MooncakeStorage(StorageBackend):
         names = [self.store_key(k) for k, _ in items]
         present = self.answered("put", self._calls.run("put", store.batch_is_exist, names), len(names))
         todo = [i for i, code in enumerate(present) if code != 1]
-        codes = self.answered("put", self._put_runs(store, [names[j] for j in todo], [items[j][1] for j in todo]),
-                              len(todo))
+        codes = self.answered("put", self._put_runs(store, [items[j] for j in todo]), len(todo))
         stored = [False] * len(items)
         for j, code in zip(todo, codes):
             stored[j] = code == 0
@@ -241,23 +240,23 @@ class MooncakeStorage(StorageBackend):
                 f"{len(failed)} of {len(items)} pages not stored (codes {sorted(set(failed))})"))
         return stored
 
-    def _put_runs(self, store, names: list[str], payloads: list) -> list[int]:
+    def _put_runs(self, store, items: list[tuple[bytes, bytes]]) -> list[int]:
         """Whole records through a staging buffer when one is free (`staged.put`), else
         store calls of max_batch pages sending header and page as two parts, the next
         batch's headers (checksums) made while the previous call runs."""
-        if not names:
+        if not items:
             return []
-        codes = staged.put(self, store, names, payloads)
+        codes = staged.put(self, store, items)
         if codes is not None:
             return codes
-        if not all(self._attached(p) for p in payloads):  # copying path
-            return [self._calls.run("put", store.put_parts, n, header(p), p, config=self._config())
-                    for n, p in zip(names, payloads)]
+        if not all(self._attached(p) for _, p in items):  # copying path
+            return [self._calls.run("put", store.put_parts, self.store_key(k), header(k, p), p, config=self._config())
+                    for k, p in items]
         codes: list[int] = []
         call = None
-        for lo in range(0, len(names), self.max_batch):
+        for lo in range(0, len(items), self.max_batch):
             try:
-                following = self._start_put(store, names[lo:lo + self.max_batch], payloads[lo:lo + self.max_batch])
+                following = self._start_put(store, items[lo:lo + self.max_batch])
             except BaseException as exc:
                 self._settle(call, exc)
                 raise
@@ -268,12 +267,13 @@ class MooncakeStorage(StorageBackend):
             codes += self._finish_put(call, None)
         return codes
 
-    def _start_put(self, store, names: list[str], payloads: list) -> Call:
-        slots = self._calls.take_slots(len(names), "put")
-        for slot, payload in zip(slots, payloads):
-            self._headers.view(slot)[:] = header(payload)
-        ptrs = [[self._headers.ptr(s), address(p)] for s, p in zip(slots, payloads)]
-        sizes = [[HEADER_BYTES, memoryview(p).nbytes] for p in payloads]
+    def _start_put(self, store, items: list[tuple[bytes, bytes]]) -> Call:
+        slots = self._calls.take_slots(len(items), "put")
+        for slot, (key, payload) in zip(slots, items):
+            self._headers.view(slot)[:] = header(key, payload)
+        ptrs = [[self._headers.ptr(s), address(p)] for s, (_, p) in zip(slots, items)]
+        sizes = [[HEADER_BYTES, memoryview(p).nbytes] for _, p in items]
+        names = [self.store_key(k) for k, _ in items]
         return self._calls.start("put", store.batch_put_from_multi_buffers, names, ptrs, sizes, self._config(),
                                  slots=slots)
 

@@ -4,18 +4,24 @@ Layout (all integers little-endian), 20 header bytes:
 
     offset  size  field
     0       4     magic b"RKVP"
-    4       2     version (1)
+    4       2     version (2)
     6       2     reserved, written 0, ignored on read
     8       8     payload length in bytes
-    16      4     CRC-32 of the payload (zlib / IEEE 802.3 polynomial, as `zlib.crc32`)
+    16      4     CRC-32 of the key, then the payload (zlib / IEEE 802.3 polynomial:
+                  `zlib.crc32(payload, zlib.crc32(key))`)
     20      n     payload
+
+The key is in the checksum (version 2; version 1 covered the payload alone), so a sound
+record read under another key (moved, copied, or lined up with the wrong key by a bug in
+a batched read) fails its check like a damaged one, and is never served as that key's
+page. The key itself is not stored: the store already files the record under it.
 
 The CRC is computed by zlib-ng (`zlib-ng` package: the same CRC-32, with the CPU's
 carry-less multiply, ~40 GB/s per core measured here) and falls back to the standard
 library's zlib (~2 GB/s: then the check costs more than reading the page) when that
 package is missing; both give the same values, so records are the same either way. It
-guards against torn and bit-flipped records, not against tampering (the key already
-names the content).
+guards against torn, bit-flipped and misfiled records, not against tampering (anyone who
+can write the store can write a record with a matching checksum).
 """
 
 import struct
@@ -26,7 +32,7 @@ except ImportError:  # the standard library's, same polynomial and values, ~20x 
     from zlib import crc32
 
 MAGIC = b"RKVP"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sHHQI")
 HEADER_BYTES = _HEADER.size
 
@@ -60,17 +66,29 @@ def _version_error(version: int) -> CorruptPage:
     return CorruptPage(f"record version {version} is older than this build's ({VERSION}): replaced")
 
 
-def encode(payload: bytes) -> bytes:
-    """Header + payload, ready to store. Pure; accepts any C-contiguous bytes-like payload."""
+def checksum(key: bytes, payload) -> int:
+    """The CRC-32 a record of `payload` stored under `key` carries. Pure."""
+    return crc32(payload, crc32(key))
+
+
+def _mismatch(expected: int, actual: int) -> CorruptPage:
+    return CorruptPage(f"checksum mismatch: header says {expected:#010x}, key and payload give {actual:#010x} "
+                       "(damaged, or a record stored under another key)")
+
+
+def encode(key: bytes, payload: bytes) -> bytes:
+    """Header + payload, ready to store under `key`. Pure; accepts any C-contiguous
+    bytes-like payload."""
     view = memoryview(payload).cast("B")
-    return _HEADER.pack(MAGIC, VERSION, 0, len(view), crc32(view)) + view
+    return _HEADER.pack(MAGIC, VERSION, 0, len(view), checksum(key, view)) + view
 
 
-def decode(blob: bytes) -> bytes:
-    """The payload of a record made by `encode`; raises CorruptPage if it is damaged."""
+def decode(key: bytes, blob: bytes) -> bytes:
+    """The payload of a record `encode` made for `key`; raises CorruptPage if it is
+    damaged or was made for another key."""
     if len(blob) < HEADER_BYTES:
         raise CorruptPage(f"truncated record: {len(blob)} bytes, the header alone is {HEADER_BYTES}")
-    magic, version, _reserved, length, checksum = _HEADER.unpack_from(blob)
+    magic, version, _reserved, length, expected = _HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptPage(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -80,18 +98,17 @@ def decode(blob: bytes) -> bytes:
         what = "truncated record" if found < length else "trailing bytes after record"
         raise CorruptPage(f"{what}: header says {length} payload bytes, found {found}")
     payload = memoryview(blob)[HEADER_BYTES:]
-    actual = crc32(payload)
-    if actual != checksum:
-        raise CorruptPage(f"checksum mismatch: header says {checksum:#010x}, payload has {actual:#010x}")
+    actual = checksum(key, payload)
+    if actual != expected:
+        raise _mismatch(expected, actual)
     return payload.tobytes()
 
 
-
-def header(payload) -> bytes:
-    """The header `encode` would put before `payload`, alone: for backends that store the
-    header and the payload from two buffers (no concatenated copy). Pure."""
+def header(key: bytes, payload) -> bytes:
+    """The header `encode` would put before `payload` for `key`, alone: for backends that
+    store the header and the payload from two buffers (no concatenated copy). Pure."""
     view = memoryview(payload).cast("B")
-    return _HEADER.pack(MAGIC, VERSION, 0, len(view), crc32(view))
+    return _HEADER.pack(MAGIC, VERSION, 0, len(view), checksum(key, view))
 
 
 def payload_length(head) -> int:
@@ -107,22 +124,23 @@ def payload_length(head) -> int:
     return length
 
 
-def verify(head, payload) -> None:
-    """Check a payload read in place (e.g. straight into a host page) against its header:
-    SizeMismatch when the header announces another length (a page of another layout),
-    CorruptPage when the payload is damaged. Reads only."""
+def verify(key: bytes, head, payload) -> None:
+    """Check a payload read in place (e.g. straight into a host page) for `key` against
+    its header: SizeMismatch when the header announces another length (a page of another
+    layout), CorruptPage when the payload is damaged or was stored for another key.
+    Reads only."""
     length = payload_length(head)
     view = memoryview(payload).cast("B")
     if len(view) != length:
         raise SizeMismatch(f"record holds {length} payload bytes, the page has {len(view)}")
-    checksum = _HEADER.unpack_from(head)[4]
-    actual = crc32(view)
-    if actual != checksum:
-        raise CorruptPage(f"checksum mismatch: header says {checksum:#010x}, payload has {actual:#010x}")
+    expected = _HEADER.unpack_from(head)[4]
+    actual = checksum(key, view)
+    if actual != expected:
+        raise _mismatch(expected, actual)
 
 
-def decode_into(blob, out) -> None:
-    """Check the whole record `blob` and copy its payload into `out` (one copy, no
+def decode_into(key: bytes, blob, out) -> None:
+    """Check the whole record `blob` of `key` and copy its payload into `out` (one copy, no
     temporary). SizeMismatch when the record is sound but not len(out) bytes long,
     CorruptPage when it is damaged or truncated; `out` is then unspecified.
     The payload is copied first and checked in `out`, where the copy left it in cache:
@@ -138,4 +156,4 @@ def decode_into(blob, out) -> None:
     if length != len(out):
         raise SizeMismatch(f"record holds {length} payload bytes, the page has {len(out)}")
     out[:] = blob[HEADER_BYTES:]
-    verify(blob[:HEADER_BYTES], out)
+    verify(key, blob[:HEADER_BYTES], out)
