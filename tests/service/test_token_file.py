@@ -97,5 +97,7 @@ def test_a_register_past_the_tenants_quota_is_refused_naming_the_option(daemon_f
 def test_one_tenants_lines_must_give_one_quota():
     with pytest.raises(TokenFileError, match="tenant carol has another quota on line 1"):
         parse_token_file("a carol/* tenant=carol host=1GiB\nb carol/* tenant=carol host=2GiB", "tokens")
-    [grant] = parse_token_file("a carol/* host=1.5GiB namespaces=3", "tokens").values()
-    assert (grant.quota.host_bytes, grant.quota.namespaces) == (int(1.5 * 2**30), 3)
+    [grant] = parse_token_file("a carol/* host=1.5GiB namespaces=3 sessions=9", "tokens").values()
+    assert (grant.quota.host_bytes, grant.quota.namespaces, grant.quota.sessions) == (int(1.5 * 2**30), 3, 9)
+    with pytest.raises(TokenFileError, match="sessions= takes a number"):
+        parse_token_file("a carol/* sessions=many", "tokens")

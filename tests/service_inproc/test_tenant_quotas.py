@@ -1,8 +1,9 @@
-"""A tenant's quota (`namespaces=`, `host=` on its token file lines): the namespaces its
-Registers create count against it, those another tenant created do not, and a Register
-past it is RESOURCE_EXHAUSTED naming the option and only the tenant's own namespaces;
-room is made among the tenant's own detached namespaces, never another's. Without a
-quota a tenant is bounded by the daemon's limits alone, as before."""
+"""A tenant's quota (`namespaces=`, `host=`, `sessions=` on its token file lines). The
+namespaces its Registers create count against the first two, those another tenant
+created do not; every session it holds counts against the last, wherever it is. A
+Register past it is RESOURCE_EXHAUSTED naming the option and only the tenant's own
+namespaces; room is made among the tenant's own detached namespaces, never another's.
+Without a quota a tenant is bounded by the daemon's limits alone, as before."""
 
 import asyncio
 import time
@@ -24,7 +25,8 @@ def as_tenant(owner: bytes, quota: Quota | None = None) -> dict:
 
 
 @pytest.mark.parametrize("quota, limit", [(Quota(namespaces=2), "namespaces="),
-                                          (Quota(host_bytes=2 * POOL_BYTES), "host=")])
+                                          (Quota(host_bytes=2 * POOL_BYTES), "host="),
+                                          (Quota(sessions=2), "sessions=")])
 def test_a_tenant_past_its_quota_is_refused_and_others_are_not(quota, limit):
     async def scenario():
         async with running_daemon(reclaim_detached_after=0) as daemon:
@@ -71,5 +73,29 @@ def test_a_namespace_another_tenant_created_is_not_counted_when_joined():
             own = await Engine.register(daemon, "alice/m", **as_tenant(ALICE, Quota(namespaces=1)))
             assert daemon.namespaces["shared/m"].owner == BOB and daemon.namespaces["alice/m"].owner == ALICE
             for e in (joined, own):
+                await e.close()
+    run(scenario())
+
+
+def test_a_tenants_sessions_are_bounded_in_every_namespace_and_a_replacement_fits():
+    """`sessions=2`: her sessions in her own namespace and in one another tenant made
+    count alike; a third is refused (Bob's are not counted, and his go on); an engine
+    restart replacing one of hers fits at the quota; closing one makes room."""
+    async def scenario():
+        async with running_daemon() as daemon:
+            quota = Quota(sessions=2)
+            bobs = await Engine.register(daemon, "shared/m", **as_tenant(BOB))
+            await bobs.close()
+            joined = await Engine.register(daemon, "shared/m", **as_tenant(ALICE, quota))
+            own = await Engine.register(daemon, "alice/m", **as_tenant(ALICE, quota))
+            with pytest.raises(ServiceError) as refused:
+                await Engine.register(daemon, "alice/other", **as_tenant(ALICE, quota))
+            assert refused.value.reason == reasons.LIMIT_REACHED and refused.value.metadata["limit"] == "sessions="
+            assert "alice/m, shared/m" in str(refused.value) and "alice/other" not in daemon.namespaces
+            bobs = await Engine.register(daemon, "bob/m", **as_tenant(BOB))  # no quota of his
+            restarted = await Engine.register(daemon, "alice/m", replace=True, **as_tenant(ALICE, quota))
+            await joined.close()
+            other = await Engine.register(daemon, "alice/other", **as_tenant(ALICE, quota))
+            for e in (restarted, other, bobs):
                 await e.close()
     run(scenario())

@@ -1,6 +1,6 @@
 """Whether a Register fits the daemon's limits: its tenant's quota (`namespaces=`,
-`host=` in the token file: token_file.py), --max-namespaces, --max-sessions and the host
-memory budget (host_budget.py), for both kinds of namespace.
+`host=`, `sessions=` in the token file: token_file.py), --max-namespaces, --max-sessions
+and the host memory budget (host_budget.py), for both kinds of namespace.
 
 The check runs between awaits on the daemon's loop, holding only the registering
 namespace's lock, while other namespaces' changes are under way: so it counts, besides
@@ -50,12 +50,28 @@ def _check_limits(daemon, reg: registration.Registration, ns, replacing: int):
     if len(daemon.sessions) + daemon.locks.sessions() - replacing >= limits.max_sessions:
         raise exhausted(f"session limit reached ({limits.max_sessions}); raise --max-sessions",
                         reasons.LIMIT_REACHED, limit="--max-sessions")
+    if reg.quota is not None and reg.quota.sessions is not None:
+        _check_session_quota(daemon, reg, replacing)
     if ns is not None:
         return None
     held = {n: other.host_pool.nbytes for n, other in daemon.namespaces.items()} | pools
     host_budget.check_room(held, config.name, config.host_pool_bytes,
                            daemon.host_memory_limit, daemon.host_memory_source, reg.sees)
     return config
+
+
+def _check_session_quota(daemon, reg: registration.Registration, replacing: int) -> None:
+    """RESOURCE_EXHAUSTED (LIMIT_REACHED, `limit` sessions=) when one more session would
+    take the caller's tenant past its quota; the `replacing` sessions it replaces (its
+    own: registration.check_may_replace) free their places."""
+    mine = [s for s in daemon.sessions.all() if s.owner == reg.owner]
+    held = len(mine) + daemon.locks.sessions(reg.owner) - replacing
+    if held >= reg.quota.sessions:
+        where = sorted({s.namespace.name for s in mine})
+        raise exhausted(f"this token's tenant holds {held} sessions, its quota (sessions={reg.quota.sessions} in the "
+                        f"token file), in {', '.join(where) or 'namespaces being registered'}; close an engine "
+                        "(its sessions end with it), or ask the operator for more",
+                        reasons.LIMIT_REACHED, limit="sessions=")
 
 
 def _check_quota(daemon, reg: registration.Registration, nbytes: int) -> None:

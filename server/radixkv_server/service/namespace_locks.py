@@ -27,7 +27,7 @@ class Reserved:
 
     session: bool = False           # a Register admitted whose session is not made yet
     host_bytes: int | None = None   # a namespace not in the registry (being made or freed), its pool's bytes
-    owner: bytes = b""              # that namespace's tenant (tenants.Grant.owner), for its quota
+    owner: bytes = b""              # the registering tenant (token_file.Grant.owner), for its quota
 
 
 class NamespaceLocks:
@@ -74,9 +74,9 @@ class NamespaceLocks:
         if (held := self._reserved.get(name)) is not None:
             held.host_bytes = None
 
-    def sessions(self) -> int:
-        """Sessions admitted and not made yet."""
-        return sum(held.session for held in self._reserved.values())
+    def sessions(self, owner: bytes | None = None) -> int:
+        """Sessions admitted and not made yet (tenant `owner`'s only, when given)."""
+        return sum(held.session for held in self._reserved.values() if owner in (None, held.owner))
 
     def pools(self, owner: bytes | None = None) -> dict[str, int]:
         """Pools outside the registry, being made or freed (tenant `owner`'s only, when

@@ -7,8 +7,8 @@ One token per line, followed by the namespaces it grants as glob patterns (`*`, 
 
     # operators: every namespace (a token alone, as in the one-line format before)
     op-7c1d9e...
-    # tenant alice: her models only, at most 4 namespaces and 64 GiB of host pools
-    al-93be04...   alice/*  shared/llama3-8b/*  namespaces=4  host=64GiB
+    # tenant alice: her models only, at most 4 namespaces, 64 GiB of host pools, 16 engines
+    al-93be04...   alice/*  shared/llama3-8b/*  namespaces=4  host=64GiB  sessions=16
     bob-5a6f11...  bob/*  uid=1001
     # carol's old and new token while her engines move to the new one
     c1-0d2e77...   carol/*  tenant=carol
@@ -25,10 +25,12 @@ naming a segment of another owner is PERMISSION_DENIED (tenants sharing a host's
 them on their behalf). CUDA IPC handles are not files: a process holds one only when
 the exporter handed it over.
 
-`namespaces=N`, `host=SIZE`: the tenant's quota (admission.py). The namespaces its
-Registers create (not those it joins) count against them: at most N, their host pools
-at most SIZE bytes together (`64GiB`, `512MiB`). Every line of one tenant gives the same
-quota. Without them a tenant is bounded only by the daemon's own limits.
+`namespaces=N`, `host=SIZE`, `sessions=N`: the tenant's quota (admission.py). The
+namespaces its Registers create (not those it joins) count against the first two: at
+most N, their host pools at most SIZE bytes together (`64GiB`, `512MiB`). Every session
+its tokens registered counts against `sessions=` (a vLLM engine holds one per worker and
+one for its scheduler), in any namespace, its own or joined. Every line of one tenant
+gives the same quota. Without them a tenant is bounded only by the daemon's own limits.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Quota:
 
     namespaces: int | None = None
     host_bytes: int | None = None
+    sessions: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,7 @@ class Grant:
     segment_uid: int | None = None  # `uid=N`: the owner its engines' shm segments must have
     owner: bytes = b""  # whose sessions it registers: sha256 of the token, or of its `tenant=` name
     token: bytes = b""  # sha256 of the token (its key in the file; the sessions it registered end with it)
-    quota: Quota | None = None  # its tenant's (`namespaces=`, `host=`)
+    quota: Quota | None = None  # its tenant's (`namespaces=`, `host=`, `sessions=`)
 
     @property
     def everything(self) -> bool:
@@ -103,7 +106,7 @@ class Grant:
 
 EVERYTHING = Grant(("*",), "no token file")
 
-_OPTIONS = ("uid", "tenant", "namespaces", "host")
+_OPTIONS = ("uid", "tenant", "namespaces", "host", "sessions")
 
 
 def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
@@ -123,11 +126,11 @@ def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
         if key in grants:
             raise TokenFileError(f"{where} repeats the token of {grants[key].label}")
         owner = digest(b"tenant=" + options["tenant"].encode()) if "tenant" in options else key
-        quota = Quota(options.get("namespaces"), options.get("host"))
+        quota = Quota(options.get("namespaces"), options.get("host"), options.get("sessions"))
         quota = None if quota == Quota() else quota
         if owner in quotas and quotas[owner][0] != quota:
             raise TokenFileError(f"{where}: tenant {options['tenant']} has another quota on {quotas[owner][1]} "
-                                 "(give every line of one tenant the same namespaces= and host=)")
+                                 "(give every line of one tenant the same namespaces=, host= and sessions=)")
         quotas[owner] = (quota, f"line {number}")
         grants[key] = Grant(patterns or ("*",), f"line {number}", options.get("uid"), owner, key, quota)
     if not grants:
@@ -136,7 +139,7 @@ def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
 
 
 def _options(fields: list[str], where: str) -> dict:
-    """`name=value` fields: uid and namespaces numbers, host a size, tenant a name."""
+    """`name=value` fields: uid, namespaces and sessions numbers, host a size, tenant a name."""
     out: dict = {}
     for field in fields:
         name, _, value = field.partition("=")
@@ -145,7 +148,7 @@ def _options(fields: list[str], where: str) -> dict:
         if name in out:
             raise TokenFileError(f"{where}: give at most one {name}=")
         try:
-            if name in ("uid", "namespaces"):
+            if name in ("uid", "namespaces", "sessions"):
                 if not value.isdecimal():
                     raise ValueError
                 out[name] = int(value)
@@ -156,7 +159,8 @@ def _options(fields: list[str], where: str) -> dict:
             else:
                 out[name] = value
         except ValueError:
-            want = {"uid": "a number", "namespaces": "a number", "host": "a size (64GiB)", "tenant": "a name"}[name]
+            want = {"uid": "a number", "namespaces": "a number", "sessions": "a number", "host": "a size (64GiB)",
+                    "tenant": "a name"}[name]
             raise TokenFileError(f"{where}: {name}= takes {want} (got {field})") from None
     return out
 
