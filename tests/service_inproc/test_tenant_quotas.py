@@ -94,6 +94,7 @@ def test_a_tenants_sessions_are_bounded_in_every_namespace_and_a_replacement_fit
             assert "alice/m, shared/m" in str(refused.value) and "alice/other" not in daemon.namespaces
             bobs = await Engine.register(daemon, "bob/m", **as_tenant(BOB))  # no quota of his
             restarted = await Engine.register(daemon, "alice/m", replace=True, **as_tenant(ALICE, quota))
+            own.buffers.close()  # its session was replaced
             await joined.close()
             other = await Engine.register(daemon, "alice/other", **as_tenant(ALICE, quota))
             for e in (restarted, other, bobs):
