@@ -6,8 +6,9 @@ engine left (before, a session was its token's alone: PERMISSION_DENIED until it
 out). Another tenant granted the same namespaces still may not; removing the old token
 still closes the sessions it registered, and the new token's stay.
 
-`namespaces=N`, `host=SIZE`: a tenant's quota; a Register past it is RESOURCE_EXHAUSTED
-with the reason LIMIT_REACHED naming the option.
+`namespaces=N`, `host=SIZE`, `sessions=N`: a tenant's quota; a Register past it is
+RESOURCE_EXHAUSTED with the reason LIMIT_REACHED naming the option. Stats names the
+tenant of each namespace and session, to that tenant and to operators.
 """
 
 import signal
@@ -101,3 +102,23 @@ def test_one_tenants_lines_must_give_one_quota():
     assert (grant.quota.host_bytes, grant.quota.namespaces, grant.quota.sessions) == (int(1.5 * 2**30), 3, 9)
     with pytest.raises(TokenFileError, match="sessions= takes a number"):
         parse_token_file("a carol/* sessions=many", "tokens")
+
+
+def test_stats_names_each_namespaces_and_sessions_tenant_to_it_and_to_operators_only(daemon_factory, tmp_path):
+    """An operator sees whose namespaces and sessions they are (the quota's holders);
+    a tenant sees its own named, and another tenant's in a namespace they share as ""."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text(TOKEN_FILE + "op-77  # the operator\n")
+    d = daemon_factory("--auth-token-file", str(token_file))
+    carols = engine_of(d.target, OLD, "carol/m")
+    daves = engine_of(d.target, DAVE, "dave/m")
+    try:
+        def tenants(token: str) -> dict:
+            stats = Client(d.target, timeout=10, token=token).stats()
+            return {ns.namespace: (ns.tenant, [s.tenant for s in ns.sessions]) for ns in stats.namespaces}
+        assert tenants("op-77") == {"carol/m": ("carol", ["carol"]), "dave/m": ("line 3", ["line 3"])}
+        assert tenants(NEW) == {"carol/m": ("carol", ["carol"])}  # carol's other token: carol still
+        assert tenants(DAVE)["carol/m"] == ("", [""]) and tenants(DAVE)["dave/m"] == ("line 3", ["line 3"])
+    finally:
+        carols.close()
+        daves.close()

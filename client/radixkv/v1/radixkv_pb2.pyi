@@ -356,7 +356,7 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "layout", "write_policy", "eviction_policy", "attached", "nodes", "device_pages", "device_pages_held", "device_pages_evictable", "device_pages_protected", "host_pages_used", "host_pages_capacity", "host_page_bytes", "transfers_in_flight", "pinned_nodes", "tracked_duplicates", "counters", "leases", "oldest_lease_seconds", "load_backs_unacked", "sessions", "tp_size", "ranks_missing", "detached_seconds")
+    __slots__ = ("namespace", "layout", "write_policy", "eviction_policy", "attached", "nodes", "device_pages", "device_pages_held", "device_pages_evictable", "device_pages_protected", "host_pages_used", "host_pages_capacity", "host_page_bytes", "transfers_in_flight", "pinned_nodes", "tracked_duplicates", "counters", "leases", "oldest_lease_seconds", "load_backs_unacked", "sessions", "tp_size", "ranks_missing", "detached_seconds", "tenant")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +388,7 @@ class NamespaceStats(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_MISSING_FIELD_NUMBER: _ClassVar[int]
     DETACHED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KvLayout
     write_policy: str
@@ -412,10 +413,11 @@ class NamespaceStats(_message.Message):
     tp_size: int
     ranks_missing: _containers.RepeatedScalarFieldContainer[int]
     detached_seconds: float
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., write_policy: _Optional[str] = ..., eviction_policy: _Optional[str] = ..., attached: bool = ..., nodes: _Optional[int] = ..., device_pages: _Optional[int] = ..., device_pages_held: _Optional[int] = ..., device_pages_evictable: _Optional[int] = ..., device_pages_protected: _Optional[int] = ..., host_pages_used: _Optional[int] = ..., host_pages_capacity: _Optional[int] = ..., host_page_bytes: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pinned_nodes: _Optional[int] = ..., tracked_duplicates: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., leases: _Optional[int] = ..., oldest_lease_seconds: _Optional[float] = ..., load_backs_unacked: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., tp_size: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., detached_seconds: _Optional[float] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., write_policy: _Optional[str] = ..., eviction_policy: _Optional[str] = ..., attached: bool = ..., nodes: _Optional[int] = ..., device_pages: _Optional[int] = ..., device_pages_held: _Optional[int] = ..., device_pages_evictable: _Optional[int] = ..., device_pages_protected: _Optional[int] = ..., host_pages_used: _Optional[int] = ..., host_pages_capacity: _Optional[int] = ..., host_page_bytes: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pinned_nodes: _Optional[int] = ..., tracked_duplicates: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., leases: _Optional[int] = ..., oldest_lease_seconds: _Optional[float] = ..., load_backs_unacked: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., tp_size: _Optional[int] = ..., ranks_missing: _Optional[_Iterable[int]] = ..., detached_seconds: _Optional[float] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session", "engine", "role", "tp_rank", "instance", "age_seconds", "streams_open", "leases", "load_backs_unacked")
+    __slots__ = ("session", "engine", "role", "tp_rank", "instance", "age_seconds", "streams_open", "leases", "load_backs_unacked", "tenant")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +427,7 @@ class SessionInfo(_message.Message):
     STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     LOAD_BACKS_UNACKED_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session: str
     engine: str
     role: str
@@ -434,7 +437,8 @@ class SessionInfo(_message.Message):
     streams_open: bool
     leases: int
     load_backs_unacked: int
-    def __init__(self, session: _Optional[str] = ..., engine: _Optional[str] = ..., role: _Optional[str] = ..., tp_rank: _Optional[int] = ..., instance: _Optional[str] = ..., age_seconds: _Optional[float] = ..., streams_open: bool = ..., leases: _Optional[int] = ..., load_backs_unacked: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session: _Optional[str] = ..., engine: _Optional[str] = ..., role: _Optional[str] = ..., tp_rank: _Optional[int] = ..., instance: _Optional[str] = ..., age_seconds: _Optional[float] = ..., streams_open: bool = ..., leases: _Optional[int] = ..., load_backs_unacked: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("namespaces", "sessions", "version", "uptime_seconds", "daemon_instance")

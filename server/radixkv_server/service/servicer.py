@@ -202,12 +202,14 @@ class RadixKVServicer(pb_grpc.RadixKVServicer):
         held = self.daemon.sessions.holdings(ns)
         stats.leases, stats.oldest_lease_seconds = held.leases, held.oldest_lease_seconds
         stats.load_backs_unacked = held.unacked_loads
+        stats.tenant = self.tokens.tenant(grant, ns.owner)
         now = time.monotonic()
         stats.sessions.extend(
             pb.SessionInfo(session=grant.shows(s), engine=s.engine, role=s.role, tp_rank=s.rank, instance=s.instance,
                            age_seconds=now - s.created,
                            streams_open=s.ack_stream is not None or s.session_stream is not None,
-                           leases=len(s.leases), load_backs_unacked=len(s.unacked))
+                           leases=len(s.leases), load_backs_unacked=len(s.unacked),
+                           tenant=self.tokens.tenant(grant, s.owner))
             for s in sorted(self.daemon.sessions.all(), key=lambda s: s.created) if s.namespace is ns)
         return stats
 

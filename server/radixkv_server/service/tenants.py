@@ -64,6 +64,14 @@ class Tokens:
                 return self._grants.get(digest(given[len(b"Bearer "):]))
         return None
 
+    def tenant(self, grant: Grant, owner: bytes) -> str:
+        """The name of `owner` (a session's or namespace's) as `grant` is shown it: the
+        tenant's name to itself and to operators, "" to other tenants, to everyone
+        without a token file, and for an owner whose tokens are gone."""
+        if not self.token_file or not grant.sees_owner(owner):
+            return ""
+        return next((g.tenant for g in self._grants.values() if g.owner == owner), "")
+
     def granted_to_others(self, grant: Grant, namespace: str) -> bool:
         """Whether another tenant's token (one granting some namespaces, not an
         operator's) may use `namespace` too."""

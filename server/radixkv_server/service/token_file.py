@@ -69,6 +69,7 @@ class Grant:
     owner: bytes = b""  # whose sessions it registers: sha256 of the token, or of its `tenant=` name
     token: bytes = b""  # sha256 of the token (its key in the file; the sessions it registered end with it)
     quota: Quota | None = None  # its tenant's (`namespaces=`, `host=`, `sessions=`)
+    tenant: str = ""  # the owner's name for Stats: its `tenant=`, else "line N" ("": no token file)
 
     @property
     def everything(self) -> bool:
@@ -97,6 +98,10 @@ class Grant:
         if session.owner != self.owner:
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
                                f"session {session.id[:8]} was registered with another token", reasons.OTHER_SESSION)
+
+    def sees_owner(self, owner: bytes) -> bool:
+        """Whether this grant is shown who `owner` is (its own, or an operator's)."""
+        return self.everything or owner == self.owner
 
     def shows(self, session) -> str:
         """The session's id as Stats shows it to this grant: whole to its owner and to an
@@ -132,7 +137,8 @@ def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
             raise TokenFileError(f"{where}: tenant {options['tenant']} has another quota on {quotas[owner][1]} "
                                  "(give every line of one tenant the same namespaces=, host= and sessions=)")
         quotas[owner] = (quota, f"line {number}")
-        grants[key] = Grant(patterns or ("*",), f"line {number}", options.get("uid"), owner, key, quota)
+        grants[key] = Grant(patterns or ("*",), f"line {number}", options.get("uid"), owner, key, quota,
+                            options.get("tenant", f"line {number}"))
     if not grants:
         raise TokenFileError(f"auth token file {path} is empty (no token in it)")
     return grants
