@@ -2,12 +2,10 @@
 in the daemon), checked in place; the run of pages stops at the first miss or damage,
 and never leaves wrong bytes counted as read. Every backend kind."""
 
-import logging
-
 import numpy as np
 import pytest
 
-from radixkv_server.storage.record import HEADER_BYTES, VERSION
+from radixkv_server.storage.record import HEADER_BYTES
 
 from test_storage_backends import keys_for
 
@@ -81,29 +79,6 @@ def test_a_sound_record_filed_under_another_key_never_lands(store, path):
     else:
         assert backend.place(backend.read_ahead(keys, PAGE), views(pool, range(4, 8))) == 2
     assert backend.stats.corrupt == 1 and store.read_raw(backend, keys[2]) is None
-
-
-def test_pages_of_an_older_record_format_are_replaced_quietly(store, caplog):
-    """After an upgrade every page an older radixkv stored is of the older format: each
-    is a miss and removed (so this version stores it anew), with one log line for them
-    all, not a damaged-page warning and count per page."""
-    backend = store.open()
-    pool = pool_with(3, seed=6)
-    backend.attach_memory(pool.ctypes.data, pool.nbytes)
-    keys = keys_for(3, seed=60)
-    backend.put(list(zip(keys, views(pool, range(3)))))
-    for key in keys:
-        raw = bytearray(store.read_raw(backend, key))
-        raw[4:6] = (VERSION - 1).to_bytes(2, "little")
-        store.write_raw(backend, key, bytes(raw))
-    with caplog.at_level(logging.INFO, logger="radixkv.storage"):
-        assert backend.get_into(keys[:1], views(pool, [3])) == 0
-        assert backend.get(keys[1:]) == [None, None]
-    events = [r.getMessage() for r in caplog.records]
-    assert events.count("storage.older_format_replaced") == 1 and "storage.page_damaged" not in events
-    assert backend.stats.corrupt == 0 and all(store.read_raw(backend, k) is None for k in keys)
-    assert backend.put(list(zip(keys, views(pool, range(3))))) == 3
-    assert backend.get_into(keys, views(pool, range(3, 6))) == 3 and np.array_equal(pool[3:6], pool[:3])
 
 def test_page_of_another_size_is_a_miss_not_damage(store):
     backend = store.open()

@@ -109,5 +109,5 @@ def test_records_of_other_format_versions_in_a_rolling_upgrade(tmp_path):
     assert backend.get([newer]) == [None] and backend.stats.corrupt == 0
     with open(backend.path_for(newer), "rb") as f:
         assert f.read()[4:6] == struct.pack("<H", 99)  # kept for the newer daemons
-    assert backend.get([older]) == [None] and backend.stats.corrupt == 0  # removed, not as damage...
+    assert backend.get([older]) == [None] and backend.stats.corrupt == 1  # removed...
     assert backend.put([(older, payload)]) == 1 and backend.get([older]) == [payload]  # ...and stored anew

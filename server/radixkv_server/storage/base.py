@@ -20,7 +20,7 @@ from ..logs import log_event
 from .errors import StorageUnavailable
 from .health import StorageHealth
 from .stats import StorageStats
-from .record import CorruptPage, NotForThisReader, OlderFormat, decode, decode_into, encode, verify
+from .record import CorruptPage, NotForThisReader, decode, decode_into, encode, verify
 
 MAX_KEY_BYTES = 64
 log = logging.getLogger("radixkv.storage")
@@ -31,7 +31,6 @@ class Read(enum.Enum):
     HIT = "hit"          # the page holds the key's verified payload
     MISS = "miss"        # absent, or a sound record of another size
     DAMAGED = "damaged"  # a record failed its checks; it is removed
-    OUTDATED = "outdated"  # a record of an older format version: a miss, removed (stored anew later)
 
 
 @dataclass(slots=True)
@@ -85,7 +84,6 @@ class StorageBackend(ABC):
         self.generation = 0
         self._lost_listeners: list[Callable[[], None]] = []
         self._unexpected_seen: set[type] = set()  # error types outside `faults` logged once
-        self._outdated_seen = False  # a record of an older format version logged (once)
         self.health = StorageHealth(name)  # as every namespace's calls found it (on the loop)
 
     def on_lost(self, listener: Callable[[], None]) -> Callable[[], None]:
@@ -130,7 +128,7 @@ class StorageBackend(ABC):
             return []
         blobs = self._call("get", self._get_blobs, keys)
         out: list[bytes | None] = []
-        damaged, outdated = [], []
+        damaged = []
         misses = nbytes = 0
         for key, blob in zip(keys, blobs):
             payload = None
@@ -142,17 +140,13 @@ class StorageBackend(ABC):
                     nbytes += len(payload)
                 except NotForThisReader:
                     misses += 1
-                except OlderFormat:
-                    self._outdated()
-                    misses += 1
-                    outdated.append(key)
                 except CorruptPage as exc:
                     self._damaged(key, exc)
                     damaged.append(key)
             out.append(payload)
         self._count(gets=len(keys), misses=misses, corrupt=len(damaged), get_bytes=nbytes)
-        if damaged or outdated:
-            self._drop(damaged + outdated)
+        if damaged:
+            self._drop(damaged)
         return out
 
     def get_into(self, keys: list[bytes], pages: list) -> int:
@@ -208,16 +202,14 @@ class StorageBackend(ABC):
             ahead.close()
 
     def _settle_reads(self, keys: list[bytes], pages: list, reads: list["Read"]) -> int:
-        """Count and log what a read found, drop damaged and outdated records; the
-        leading HIT run."""
+        """Count and log what a read found, drop damaged records; the leading HIT run."""
         damaged = [k for k, r in zip(keys, reads) if r is Read.DAMAGED]
-        dropped = [k for k, r in zip(keys, reads) if r in (Read.DAMAGED, Read.OUTDATED)]
         leading = next((i for i, r in enumerate(reads) if r is not Read.HIT), len(reads))
         hits = sum(1 for r in reads if r is Read.HIT)
         self._count(gets=len(keys), misses=len(keys) - hits - len(damaged), corrupt=len(damaged),
                     get_bytes=sum(memoryview(p).nbytes for p, r in zip(pages, reads) if r is Read.HIT))
-        if dropped:
-            self._drop(dropped)
+        if damaged:
+            self._drop(damaged)
         return leading
 
     def attach_memory(self, address: int, nbytes: int) -> None:
@@ -310,29 +302,15 @@ class StorageBackend(ABC):
 
     def _checked(self, key: bytes, check, *args) -> Read:
         """HIT when `check(*args)` passes; a record not for this reader (another size or
-        a newer format version) reads as a MISS, one of an older format version as
-        OUTDATED (dropped), a damaged record as DAMAGED (logged once, dropped)."""
+        format version) reads as a MISS, a damaged record as DAMAGED (logged once, dropped)."""
         try:
             check(*args)
             return Read.HIT
         except NotForThisReader:
             return Read.MISS
-        except OlderFormat:
-            self._outdated()
-            return Read.OUTDATED
         except CorruptPage as exc:
             self._damaged(key, exc)
             return Read.DAMAGED
-
-    def _outdated(self) -> None:
-        """A record of an older format version was read: logged once per backend (after
-        an upgrade every page stored before it is one)."""
-        with self._stats_lock:
-            first, self._outdated_seen = not self._outdated_seen, True
-        if first:
-            log_event(log, "storage.older_format_replaced", store=self.name,
-                      note="records an older version of radixkv stored read as misses and are removed; each page "
-                      "is stored again in this version's format when it next leaves the host (logged once)")
 
     def _damaged(self, key: bytes, why: CorruptPage) -> None:
         log_event(log, "storage.page_damaged", logging.WARNING, store=self.name, key=key.hex(), error=why,

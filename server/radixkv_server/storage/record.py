@@ -55,20 +55,15 @@ class SizeMismatch(NotForThisReader):
 class OtherVersion(NotForThisReader):
     """A record of a newer format version than this build reads: a newer daemon's,
     during a rolling upgrade. Kept for the daemons that read it (removed as damage, the
-    old daemons deleted the new ones' pages)."""
-
-
-class OlderFormat(CorruptPage):
-    """A record of an OLDER format version: not damage, but this build does not read it.
-    Removed like damage, so this build stores its own page there (kept, it would block
-    the key for good, since a present key is never written again); not counted or
-    logged as damage (after an upgrade every page of a store is one)."""
+    old daemons deleted the new ones' pages). A record of an OLDER version is damage to
+    this build: removed, so this build stores its own page there (kept, it would block
+    the key for good, since a present key is never written again)."""
 
 
 def _version_error(version: int) -> CorruptPage:
     if version > VERSION:
         return OtherVersion(f"record version {version} is newer than this build reads ({VERSION})")
-    return OlderFormat(f"record version {version} is older than this build's ({VERSION}): replaced")
+    return CorruptPage(f"record version {version} is older than this build's ({VERSION}): replaced")
 
 
 def checksum(key: bytes, payload) -> int:
