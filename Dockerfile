@@ -6,9 +6,9 @@
 # those reach only the builder stage; the runtime stage copies /opt/radixkv{,-app} alone.
 #
 # CPU hosts (shared-memory backend; the default), from the public base:
-#   docker build -t radixkv:0.1.0 .
+#   docker build -t radixkv:0.2.0 .
 # CUDA hosts: a CUDA runtime base image and the matching torch build, e.g.
-#   docker build -t radixkv:0.1.0-cu126 \
+#   docker build -t radixkv:0.2.0-cu126 \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
 # Build args: BASE_IMAGE; TORCH_INDEX_URL and TORCH_SPEC (torch from an index), or
@@ -20,7 +20,7 @@
 # Run (engine and daemon share /run/radixkv, and the IPC namespace, so /dev/shm, for
 # the shm backend; --stop-timeout 50 covers the shutdown grace and storing, docs/image.md):
 #   docker run -d --name radixkv --ipc=shareable --shm-size=8g -v radixkv-run:/run/radixkv \
-#     --stop-timeout 50 -p 127.0.0.1:9464:9464 radixkv:0.1.0 --host-pool-size 16GiB
+#     --stop-timeout 50 -p 127.0.0.1:9464:9464 radixkv:0.2.0 --host-pool-size 16GiB
 #   docker run --ipc=container:radixkv -v radixkv-run:/run/radixkv --user 10001 <engine image>
 # CUDA: add --gpus to both, and --pid=container:radixkv to the engine (legacy CUDA IPC
 # handles fail to open across PID namespaces).

@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from radixkv_server.storage.record import HEADER_BYTES
+from radixkv_server.storage.record import HEADER_BYTES, record_name
 from tests.storage.fleet import Lender, MooncakeMaster, RedisCluster, poll
 
 
@@ -86,7 +86,7 @@ class RedisStore:
     def raw_get(self, keys: list[bytes]) -> int:
         pipe = self.client.pipeline(transaction=False)
         for k in keys:
-            pipe.get(b"radixkv:" + k.hex().encode())
+            pipe.get(_name(k))
         return sum(len(v) for v in pipe.execute())
 
     def raw_put(self, keys: list[bytes], blob: bytes) -> None:
@@ -120,7 +120,7 @@ class RedisClusterStore:
     def raw_get(self, keys: list[bytes]) -> int:
         pipe = self.client.pipeline()
         for k in keys:
-            pipe.get(b"radixkv:" + k.hex().encode())
+            pipe.get(_name(k))
         return sum(len(v) for v in pipe.execute())
 
     def raw_put(self, keys: list[bytes], blob: bytes) -> None:
@@ -168,7 +168,7 @@ class MooncakeStore:
         return [self.buffer.ctypes.data + i * self.record for i in range(n)]
 
     def raw_get(self, keys: list[bytes]) -> int:
-        codes = self.client.batch_get_into(["radixkv:" + k.hex() for k in keys], self._ptrs(len(keys)),
+        codes = self.client.batch_get_into(["radixkv:" + record_name(k) for k in keys], self._ptrs(len(keys)),
                                            [self.record] * len(keys))
         if any(c != self.record for c in codes):
             raise RuntimeError(f"raw Mooncake get failed: {sorted(set(codes))}")
@@ -184,7 +184,7 @@ class MooncakeStore:
         return not self.missing(keys)
 
     def missing(self, keys: list[bytes]) -> list[bytes]:
-        codes = self.client.batch_is_exist(["radixkv:" + k.hex() for k in keys])
+        codes = self.client.batch_is_exist(["radixkv:" + record_name(k) for k in keys])
         if keys and all(c < 0 for c in codes):
             raise RuntimeError(f"the Mooncake master did not answer batch_is_exist: {sorted(set(codes))}")
         return [k for k, c in zip(keys, codes) if c != 1]
@@ -205,7 +205,8 @@ def _missing_in(pipe, keys: list[bytes]) -> list[bytes]:
 
 
 def _name(key: bytes) -> bytes:
-    return b"radixkv:" + key.hex().encode()
+    """The name of a daemon's record of `key` (the default prefix)."""
+    return b"radixkv:" + record_name(key).encode()
 
 
 def open_stores(page_bytes: int, total_bytes: int):

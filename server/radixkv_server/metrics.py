@@ -14,14 +14,16 @@ import logging
 import time
 
 from prometheus_client import (
-    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram,
+    GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram, Info,
     disable_created_metrics, start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from . import __version__
 from .core.transfers import TransferKind
 from .logs import log_event
+from .storage.record import VERSION as RECORD_FORMAT
 
 log = logging.getLogger("radixkv.metrics")
 
@@ -37,6 +39,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             self.registry.register(collector)
+        Info("radixkv_build", "The daemon's version and the storage record format it reads and writes (daemons "
+             "of two formats share no stored pages: docs/operations.md, Upgrades)", registry=self.registry).info(
+            {"version": __version__, "record_format": str(RECORD_FORMAT)})
         r = self.registry
         self.rpc_requests = Counter("radixkv_rpc_requests", "RPCs answered, by method and status code",
                                     ["method", "code"], registry=r)

@@ -16,6 +16,8 @@ import grpc
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+import radixkv
 from radixkv.client import Client
 from radixkv.v1 import radixkv_pb2 as pb
 from tests.support.daemon import free_port, wait_for
@@ -186,6 +188,9 @@ def test_prometheus_scrapes_the_load_back_tokens_the_workload_moved(daemon, prom
     assert prom.value('max_over_time(up{job="radixkv"}[1m])') == 1.0
     assert prom.value('last_over_time(radixkv_hit_tokens_total{namespace="ops/prom",tier="host"}[1m])') == 96.0
     assert prom.value('last_over_time(radixkv_rpc_requests_total{method="LoadBack",code="OK"}[1m])') == 3.0
+    # How far a rolling upgrade got: the daemon's version and its storage record format.
+    assert prom.value(f'count by (version) (radixkv_build_info{{version="{radixkv.__version__}",'
+                      'record_format="2"})') == 1.0
     # Every dashboard expression is valid PromQL against this server.
     for expr in dashboard_exprs():
         answer = prom.query(as_promql(expr))

@@ -3,12 +3,14 @@ directories under pytest's tmp_path, a Redis Cluster (3 masters, 3 replicas) and
 Mooncake Store (a `mooncake_master` and a lender process holding the segment) on
 localhost (tests/storage/fleet.py). Nothing is mocked."""
 
+import os
 import uuid
 
 import pytest
 import redis
 
 from radixkv_server.storage import open_storage
+from radixkv_server.storage.record import NAME_TAG, VERSION, record_name
 from tests.storage.fleet import Lender, MooncakeMaster, RedisCluster
 
 MOONCAKE_SEGMENT = 256 << 20  # what the fixture's lender process lends to the store
@@ -28,36 +30,51 @@ class Store:
         self._opened.append(backend)
         return backend
 
-    def write_raw(self, backend, key: bytes, blob: bytes) -> None:
-        """Overwrite the stored record of `key` behind the backend's back."""
+    def name(self, backend, key: bytes, version: int = VERSION):
+        """Where `backend` files `key`'s record (a path, a Redis key, a Mooncake key); with
+        version=1, where the version-1 format filed it (the key's hex, no format tag)."""
         if self.kind == "file":
-            with open(backend.path_for(key), "wb") as f:
+            path = backend.path_for(key)
+            return path if version == VERSION else path.replace(f".{NAME_TAG}.page", ".page")
+        tail = record_name(key) if version == VERSION else key.hex()
+        if self.kind == "mooncake":
+            return backend.prefix + tail
+        return backend.key_prefix + tail.encode()
+
+    def write_raw(self, backend, key: bytes, blob: bytes, version: int = VERSION) -> None:
+        """Overwrite the stored record of `key` behind the backend's back (with version=1,
+        the record under the version-1 name)."""
+        name = self.name(backend, key, version)
+        if self.kind == "file":
+            os.makedirs(os.path.dirname(name), exist_ok=True)
+            with open(name, "wb") as f:
                 f.write(blob)
         elif self.kind == "mooncake":
-            assert backend._client().upsert(backend.store_key(key), blob) == 0
+            assert backend._client().upsert(name, blob) == 0
         elif self.kind == "redis_cluster":
             with self._cluster_client() as client:
-                client.set(backend.redis_key(key), blob)
+                client.set(name, blob)
         else:
             client = self._redis_server.client()
-            client.set(backend.redis_key(key), blob)
+            client.set(name, blob)
             client.close()
 
-    def read_raw(self, backend, key: bytes) -> bytes | None:
+    def read_raw(self, backend, key: bytes, version: int = VERSION) -> bytes | None:
+        name = self.name(backend, key, version)
         if self.kind == "file":
             try:
-                with open(backend.path_for(key), "rb") as f:
+                with open(name, "rb") as f:
                     return f.read()
             except FileNotFoundError:
                 return None
         if self.kind == "mooncake":
-            return backend._client().get(backend.store_key(key)) or None
+            return backend._client().get(name) or None
         if self.kind == "redis_cluster":
             with self._cluster_client() as client:
-                return client.get(backend.redis_key(key))
+                return client.get(name)
         client = self._redis_server.client()
         try:
-            return client.get(backend.redis_key(key))
+            return client.get(name)
         finally:
             client.close()
 

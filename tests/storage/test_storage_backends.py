@@ -3,7 +3,9 @@ damaged pages as misses, no rewrites, sharing between instances, concurrent use.
 
 import os
 import random
+import struct
 import threading
+import zlib
 
 import pytest
 
@@ -84,6 +86,28 @@ def test_damaged_page_reads_as_none_and_can_be_stored_again(store, damage):
     assert backend.put([(keys[1], pages[1])]) == 1
     assert backend.get([keys[1]]) == [pages[1]]
 
+
+
+def _version_1_record(payload: bytes) -> bytes:
+    """A record as the version-1 format wrote it: its CRC over the payload alone."""
+    return struct.pack("<4sHHQI", b"RKVP", 1, 0, len(payload), zlib.crc32(payload)) + payload
+
+
+def test_records_of_the_older_format_and_this_one_live_side_by_side(store):
+    """A rolling upgrade: daemons of the version-1 format and of this one share the
+    store. Each format names its records apart, so this version never reads, counts or
+    removes the older daemons' records (they would see it delete each of theirs it read,
+    one page of a run at a time, and probe as present pages it then refused), and stores
+    its own beside them; a rollback finds the older records where they were."""
+    backend = store.open()
+    keys, pages = keys_for(3), payloads(3, seed=4)
+    for key, page in zip(keys, pages):
+        store.write_raw(backend, key, _version_1_record(page), version=1)
+    assert backend.exists_prefix(keys) == 0 and backend.get(keys) == [None] * 3
+    assert backend.place(backend.read_ahead(keys, 1 << 20), []) == 0
+    assert backend.put(list(zip(keys, pages))) == 3 and backend.get(keys) == pages
+    assert (backend.stats.corrupt, backend.stats.put_skipped) == (0, 0)
+    assert [store.read_raw(backend, k, version=1) for k in keys] == [_version_1_record(p) for p in pages]
 
 def test_put_of_existing_key_keeps_the_first_page(store):
     backend = store.open()

@@ -89,11 +89,12 @@ def test_damage_raises_corrupt_page(kind, message):
         decode(KEY, _damage(kind, blob))
 
 
-def test_records_of_other_format_versions_in_a_rolling_upgrade(tmp_path):
-    """Daemons of two versions sharing a store: a newer daemon's record is a miss to an
-    older one and stays (removed as damage, each version deleted the other's pages); an
-    older daemon's record is replaced by the newer one's page (kept, it blocked its key
-    for good: a present key is never written again)."""
+def test_records_of_other_format_versions_under_this_formats_name(tmp_path):
+    """Each format names its records apart (test_storage_backends.py: the two live side
+    by side), so a record of another version under this format's name was put there by
+    hand or by a future format sharing names. A newer one is a miss and stays (for the
+    daemons that read it); an older one is replaced by this version's page (kept, it
+    would block its key for good: a present key is never written again)."""
     from radixkv_server.storage import FileStorage
 
     backend = FileStorage(tmp_path)

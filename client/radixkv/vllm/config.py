@@ -7,7 +7,7 @@
                                                          "namespace": "llama3-8b"}}'
 
 Keys (all optional): `target` (the daemon's address), `namespace` (one per model and KV
-layout; default "vllm/<vLLM's model path or hub id>": not the served model name, which
+layout; default "vllm/<vLLM's model path or hub id>", `default_namespace`: not the served model name, which
 names an endpoint, so engines of one model served under other names share their KV, and
 engines of other models served under one name are not refused), `model` (identity of the
 weights: the daemon refuses a namespace that holds another model's KV, and salts storage
@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, fields
 
 from radixkv.channel import Tls
@@ -50,6 +51,27 @@ TOKEN_ENV = "RADIXKV_TOKEN"  # the token when neither `token` nor `token_file` i
 INLINE_TOKEN = ("radixkv: `token` is in kv_connector_extra_config, which vLLM prints in its startup log "
                 "(\"non-default args\"): the token is in vLLM's log; give `token_file` or the "
                 f"{TOKEN_ENV} environment variable instead")
+
+
+# The daemon's rule for namespace names (the RPC contract: Register refuses others).
+_NAME_CHARS = "A-Za-z0-9._:/@+-"
+_NAMESPACE = re.compile(rf"^[A-Za-z0-9][{_NAME_CHARS}]{{0,127}}$")
+_DIGEST_HEX = 8
+
+
+def default_namespace(model_path: str) -> str:
+    """"vllm/<model_path>" when the daemon takes that as a namespace name (1-128
+    characters of A-Z a-z 0-9 . _ : / @ + -). Else (a hub cache's snapshot path runs past
+    128 characters; a space) the path's end in those characters, then 8 hex digits of
+    the whole path's digest: still one name per model path, readable, and never
+    refused by Register. Pure."""
+    name = f"vllm/{model_path}"
+    if _NAMESPACE.fullmatch(name):
+        return name
+    digest = hashlib.sha256(model_path.encode()).hexdigest()[:_DIGEST_HEX]
+    room = 128 - len("vllm/") - 1 - _DIGEST_HEX
+    tail = re.sub(rf"[^{_NAME_CHARS}]", "_", model_path)[-room:]
+    return f"vllm/{tail}-{digest}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +115,7 @@ class ConnectorConfig:
             values[key] = value
         values.setdefault("model", model)
         if not values.get("namespace"):
-            values["namespace"] = f"vllm/{model_path}"
+            values["namespace"] = default_namespace(model_path)
         config = cls(**values)
         if config.timeout_s <= 0 or config.connect_timeout_s <= 0:
             raise ValueError("radixkv: timeout_s and connect_timeout_s must be > 0")

@@ -19,10 +19,12 @@ person parameters); `u32(n)` is n as 4 little-endian bytes; `||` concatenates.
 The layout fingerprint (`layout_fingerprint`) covers everything that changes a page's
 bytes (dtype, layers, heads, head_dim, page_size, tensor-parallel shards); the model name
 alone does not. A managed-device namespace whose engine splits a page over its buffers
-otherwise than the layout's own way adds that split (`service.registration.storage_salt`). Every part of a key is made here; a storage backend only names a key's
-record from `hex(key)`: Redis, Redis Cluster and Mooncake as `prefix + hex(key)` (the URL's
-`prefix=`, "radixkv:" by default: daemons share records only under one prefix), the file
-backend as `<dir>/<hex[0:2]>/<hex[2:4]>/<hex>` plus its suffix.
+otherwise than the layout's own way adds that split (`service.registration.storage_salt`).
+Every part of a key is made here; a storage backend only names a key's record from
+`hex(key)` and the record format's version: Redis, Redis Cluster and Mooncake as
+`prefix + "v2:" + hex(key)` (the URL's `prefix=`, "radixkv:" by default: daemons share
+records only under one prefix), the file backend as `<dir>/<hex[0:2]>/<hex[2:4]>/<hex>.v2.page`
+(storage/record.py).
 """
 
 import hashlib

@@ -1,10 +1,11 @@
 """FileStorage: one file per page in a local (or shared) directory, the embedded default.
 
-Layout: `<dir>/<h[0:2]>/<h[2:4]>/<h>.page`, where h is the key in lowercase hex; the
-two fan-out levels keep directories small at hundreds of millions of pages. A file holds
-one `record` (header + payload).
+Layout: `<dir>/<h[0:2]>/<h[2:4]>/<h>.v2.page`, where h is the key in lowercase hex and
+v2 the record format (record.py; version 1's files are `<h>.page`, left to `max_bytes`
+or the operator); the two fan-out levels keep directories small at hundreds of millions
+of pages. A file holds one `record` (header + payload).
 
-Writes are atomic: a page is written to `.<h>.page.<random>.tmp` in its final directory
+Writes are atomic: a page is written to `.<h>.v2.page.<random>.tmp` in its final directory
 and renamed into place, so a reader sees either no file or a whole one, and readers never
 need a lock. A present page is not rewritten. Two writers racing on the same absent key
 may both rename; the later rename wins with an equal page (keys are content addresses),
@@ -42,7 +43,7 @@ from ..logs import log_event
 from .base import Read, StorageBackend
 from .errors import StorageUnavailable
 from .file_budget import DiskBudget, relieve_full_disk
-from .record import HEADER_BYTES, header
+from .record import HEADER_BYTES, NAME_TAG, header
 
 SUFFIX = ".page"
 # Errors of one page file, not of the directory or the disk: that page is a miss.
@@ -90,7 +91,7 @@ class FileStorage(StorageBackend):
     def path_for(self, key: bytes) -> str:
         """The file that holds (or would hold) the page stored under `key`."""
         h = key.hex()
-        return f"{self.directory}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"  # os.path.join, without its cost per page
+        return f"{self.directory}/{h[0:2]}/{h[2:4]}/{h}.{NAME_TAG}{SUFFIX}"  # os.path.join, without its cost per page
 
     # -- primitives -------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ from .mooncake_codes import MIN_SEGMENT, NO_SPACE, DeadOwners, answered
 from .mooncake_join import Membership
 from .mooncake_probe import probe_master
 from .mooncake_sentinel import Sentinel
-from .record import HEADER_BYTES, header
+from .record import HEADER_BYTES, header, record_name
 
 log = logging.getLogger("radixkv.storage")
 MAX_TIMEOUT_S = 3600.0  # a store call's timeout past this is a mistake (and inf overflows the C client's clock)
@@ -99,7 +99,7 @@ class MooncakeStorage(StorageBackend):
 
     def store_key(self, key: bytes) -> str:
         """The Mooncake key that holds (or would hold) the page stored under `key`."""
-        return self.prefix + key.hex()
+        return self.prefix + record_name(key)
 
     def attach_memory(self, address: int, nbytes: int) -> None:
         self._member.attach(address, nbytes)

@@ -16,6 +16,12 @@ record read under another key (moved, copied, or lined up with the wrong key by 
 a batched read) fails its check like a damaged one, and is never served as that key's
 page. The key itself is not stored: the store already files the record under it.
 
+Each format version names its records apart (`record_name`: "v2:" before the key's hex;
+version 1 used the hex alone). Daemons of two versions sharing a store during a rolling
+upgrade therefore never read, count or remove each other's records, and a rollback
+finds the older version's records where it left them; the records of a version no
+daemon runs any more leave by the store's own eviction.
+
 The CRC is computed by zlib-ng (`zlib-ng` package: the same CRC-32, with the CPU's
 carry-less multiply, ~40 GB/s per core measured here) and falls back to the standard
 library's zlib (~2 GB/s: then the check costs more than reading the page) when that
@@ -64,6 +70,15 @@ def _version_error(version: int) -> CorruptPage:
     if version > VERSION:
         return OtherVersion(f"record version {version} is newer than this build reads ({VERSION})")
     return CorruptPage(f"record version {version} is older than this build's ({VERSION}): replaced")
+
+
+NAME_TAG = f"v{VERSION}"
+
+
+def record_name(key: bytes) -> str:
+    """The name of `key`'s record in a store that names records by string, after the
+    store's prefix: this format's tag and the key in lowercase hex ("v2:0a1b..."). Pure."""
+    return f"{NAME_TAG}:{key.hex()}"
 
 
 def checksum(key: bytes, payload) -> int:

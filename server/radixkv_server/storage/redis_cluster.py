@@ -1,6 +1,6 @@
 """RedisClusterStorage: pages in a Redis or Valkey Cluster, shared by a fleet.
 
-One page is one string key, `key_prefix + hex(key)`, with no hash tag: the pages of one
+One page is one string key, `key_prefix + "v2:" + hex(key)`, with no hash tag: the pages of one
 prefix hash to different slots and so spread over every shard. A batch is split per
 node by redis-py's slot map and every node's commands are written before any reply is
 read (redis_cluster_batch.ClusterBatch). Pages are written with SET NX [EX], as in
@@ -46,6 +46,7 @@ from redis.retry import Retry
 from ..logs import log_event
 from .base import StorageBackend
 from .errors import StorageUnavailable
+from .record import record_name
 from .redis_cluster_batch import NODE_FAILURES, ClusterBatch, DeadlineExceeded
 from .redis_store import info_field
 
@@ -93,7 +94,7 @@ class RedisClusterStorage(StorageBackend):
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key that holds (or would hold) the page stored under `key`."""
-        return self.key_prefix + key.hex().encode()
+        return self.key_prefix + record_name(key).encode()
 
     # -- primitives -------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ Only basic commands are needed (EXISTS, MGET, SET NX [EX], DEL, PING), so any Re
 2.6.12 or Valkey works, as does a managed service that disables scripting. Each new
 connection also asks `INFO server` for the server's run_id (a restarted server may have
 lost every page); a user or proxy that refuses INFO only loses that. One page is one
-string value under `key_prefix + hex(key)`; SET NX keeps the first writer's page, so
-pages are never rewritten and concurrent daemons agree on every key's value.
+string value under `key_prefix + "v2:" + hex(key)` (record.record_name); SET NX keeps the
+first writer's page, so pages are never rewritten and concurrent daemons agree on every key's value.
 
 For a bounded cache, give the server `maxmemory` with `maxmemory-policy allkeys-lru`
 (usage-based), or pass `ttl_seconds` (pages expire that long after they are written,
@@ -32,6 +32,7 @@ from redis.retry import Retry
 
 from .base import StorageBackend
 from .errors import redact_url
+from .record import record_name
 
 # Options redis-py reads from a URL, beyond those it parses by type above.
 _URL_OPTIONS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {
@@ -115,7 +116,7 @@ class RedisStorage(StorageBackend):
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key that holds (or would hold) the page stored under `key`."""
-        return self.key_prefix + key.hex().encode()
+        return self.key_prefix + record_name(key).encode()
 
     # -- primitives -------------------------------------------------------------------
 
