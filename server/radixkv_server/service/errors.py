@@ -57,8 +57,13 @@ _CORE_STATUS: list[tuple[type, grpc.StatusCode, str]] = [
 ]
 
 
-MAX_MESSAGE_BYTES = 2000  # UTF-8: a status travels in a trailer of 16 KiB at most, percent-encoded (x3)
-MAX_METADATA_BYTES = 1000  # per value (a list of leases): the details repeat the message besides
+# A status travels in the call's trailer, which a client takes whole only under 8 KiB
+# (gRPC's soft limit: past it, up to the 16 KiB hard one, it refuses a growing share of
+# trailers at random, RESOURCE_EXHAUSTED "metadata size exceeds soft limit"). The message
+# goes twice: percent-encoded in grpc-message (every byte outside printable ASCII, and
+# '%', takes 3), and in grpc-status-details-bin (base64: 4 bytes per 3), with metadata.
+MAX_MESSAGE_BYTES = 2000  # the message as grpc-message sends it (percent-encoded)
+MAX_METADATA_BYTES = 1000  # per value (a list of leases)
 
 
 def status_of(exc: Exception) -> Refusal | None:
@@ -83,12 +88,23 @@ def internal(where: str, exc: BaseException) -> Refusal:
     return Refusal(grpc.StatusCode.INTERNAL, f"internal error in {where}: {type(exc).__name__}")
 
 
+def wire_bytes(text: str) -> int:
+    """The size of `text` percent-encoded as gRPC sends a status message."""
+    return sum(1 if " " <= c <= "~" and c != "%" else 3 * len(c.encode()) for c in text)
+
+
 def _cut(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
-    encoded = message.encode()
-    if len(encoded) <= limit:
+    """`message` whole when it takes at most `limit` bytes on the wire (`wire_bytes`),
+    else its start, cut on a character's boundary, and how long it was."""
+    if len(message) <= limit // 3 or wire_bytes(message) <= limit:
         return message
-    kept = encoded[:limit].decode(errors="ignore")  # on a character's boundary
-    return f"{kept}... (cut: {len(message)} characters)"
+    kept, used = [], 0
+    for c in message:
+        used += wire_bytes(c)
+        if used > limit:
+            break
+        kept.append(c)
+    return f"{''.join(kept)}... (cut: {len(message)} characters)"
 
 
 def _refusal(code: grpc.StatusCode):
