@@ -26,6 +26,7 @@ _MAGIC = 21
 _SEQ = 0x5241444B  # echoed in the answer; any value
 _NO_FUNCTION = 0   # a function id the master does not register
 REQUEST = struct.pack("<BBBBIIII", _MAGIC, 0, 0, 0, _SEQ, _NO_FUNCTION, 0, 0)
+_ANSWER_HEAD = 8  # an answer's magic, version, error code, message type and sequence number
 
 
 def probe_master(master: str, seconds: float) -> str | None:
@@ -44,7 +45,13 @@ def probe_master(master: str, seconds: float) -> str | None:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.sendall(REQUEST)
-            answer = sock.recv(64)
+            answer = b""
+            while len(answer) < _ANSWER_HEAD:  # the answer's head may come in pieces
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                piece = sock.recv(64)
+                if not piece:
+                    break
+                answer += piece
         except socket.timeout:
             return (f"the master at {master} accepts connections but did not answer within {seconds:g}s "
                     "(stopped, hung or overloaded)")
