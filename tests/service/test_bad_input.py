@@ -398,4 +398,3 @@ def test_stateful_rows_in_order(ctx):
 def test_no_traceback_for_caller_errors(ctx):
     log = ctx["daemon"].log()
     assert "Traceback" not in log and "level=error" not in log, log[-4000:]
-

@@ -111,7 +111,8 @@ class Grant:
 
 EVERYTHING = Grant(("*",), "no token file")
 
-_OPTIONS = ("uid", "tenant", "namespaces", "host", "sessions")
+_NUMBER, _SIZE, _NAME = "a number", "a size (64GiB)", "a name"
+_OPTIONS = {"uid": _NUMBER, "tenant": _NAME, "namespaces": _NUMBER, "host": _SIZE, "sessions": _NUMBER}  # what each takes
 
 
 def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
@@ -145,7 +146,7 @@ def parse_token_file(text: str, path: str) -> dict[bytes, Grant]:
 
 
 def _options(fields: list[str], where: str) -> dict:
-    """`name=value` fields: uid, namespaces and sessions numbers, host a size, tenant a name."""
+    """`name=value` fields, each parsed as _OPTIONS says it takes."""
     out: dict = {}
     for field in fields:
         name, _, value = field.partition("=")
@@ -153,21 +154,20 @@ def _options(fields: list[str], where: str) -> dict:
             raise TokenFileError(f"{where}: unknown option {name}= (options: {', '.join(o + '=' for o in _OPTIONS)})")
         if name in out:
             raise TokenFileError(f"{where}: give at most one {name}=")
+        takes = _OPTIONS[name]
         try:
-            if name in ("uid", "namespaces", "sessions"):
+            if takes is _NUMBER:
                 if not value.isdecimal():
                     raise ValueError
                 out[name] = int(value)
-            elif name == "host":
+            elif takes is _SIZE:
                 out[name] = parse_size(value)
             elif not value:
                 raise ValueError
             else:
                 out[name] = value
         except ValueError:
-            want = {"uid": "a number", "namespaces": "a number", "sessions": "a number", "host": "a size (64GiB)",
-                    "tenant": "a name"}[name]
-            raise TokenFileError(f"{where}: {name}= takes {want} (got {field})") from None
+            raise TokenFileError(f"{where}: {name}= takes {takes} (got {field})") from None
     return out
 
 
