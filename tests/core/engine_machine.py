@@ -26,6 +26,7 @@ from radixkv_server.core.pages import pack, unpack
 from radixkv_server.core.transfers import TransferKind
 
 from harness import GARBAGE, HOST_POISON, MemoryCopier, poison_freed_host_pages
+from machine import start_prefetch
 
 PAGE = 2
 HOST_PAGES = 12
@@ -211,7 +212,7 @@ class EngineTierMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.storage != "off")
     @rule(symbols=prompts, extra=extra_keys, pages=st.integers(1, 6))
     def prefetch(self, symbols, extra, pages):
-        self.cache.start_prefetch(prompt_bytes(symbols), extra, pages)
+        start_prefetch(self.cache, prompt_bytes(symbols), extra, pages)
 
     @rule(n=st.integers(0, 8))
     def evict_host(self, n):

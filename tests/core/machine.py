@@ -141,7 +141,7 @@ class CoreMachine(RuleBasedStateMachine):
         held = 0
         while held < len(keys) and keys[held] in self.copier.storage:
             held += 1
-        self.cache.start_prefetch(prompt, extra, min(held, limit))
+        start_prefetch(self.cache, prompt, extra, min(held, limit))
 
     @rule(symbols=prompts, extra=extra_keys, n=st.integers(1, HOST_PAGES))
     def evict_and_prefetch(self, symbols, extra, n):
@@ -336,3 +336,13 @@ def walk(m: CoreMachine, rnd: random.Random, steps: int) -> None:
         elif op == 12 and m.loses_storage and m.storage != "off" and rnd.random() < 0.25:
             m.storage_lost()
         m.check_all()
+
+
+def start_prefetch(cache, prompt: bytes, extra: bytes, pages: int) -> int:
+    """As the service starts a waiting Prefetch (storage stays slow here): the whole run,
+    or, where stores in flight must end first (NotReady names only stores), what fits."""
+    try:
+        return cache.start_prefetch(prompt, extra, pages)
+    except NotReady as e:
+        assert e.transfers and all(cache.transfers[t].kind is TransferKind.STORE for t in e.transfers)
+        return cache.start_prefetch(prompt, extra, pages, partial=True)

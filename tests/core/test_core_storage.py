@@ -3,7 +3,7 @@
 import pytest
 from radixkv_server.core.pages import pack
 from radixkv_server.core.page_keys import page_keys
-from radixkv_server.core.errors import InvalidRequest, UnknownTransfer
+from radixkv_server.core.errors import InvalidRequest, NotReady, UnknownTransfer
 from radixkv_server.core.transfers import TransferKind
 
 from harness import Engine, identity, make_cache, tokens
@@ -313,4 +313,59 @@ def test_an_evict_covered_by_nodes_waiting_for_room_still_takes_a_leaf_with_a_ho
     assert len(r.freed_pages) == 4 and not r.pending  # one page (packed int32), at once
     assert cache.match(y).device_tokens == 0 and cache.match(y).host_tokens == 2  # Y left the device
     assert cache.match(x).device_tokens == 2  # X waits for the room
+    clean(cache)
+
+
+def test_a_prefetch_short_of_host_room_names_the_stores_that_make_it_or_takes_what_fits():
+    """The pool lacks room for the whole run only until a store in flight ends (its pages
+    become evictable then): the whole fetch waits for that store (NotReady names it); one
+    that takes part of the run fetches its first pages, as many as are free. Before, the
+    fetch was all or nothing: a lookup staging a prompt right after another prompt was
+    written through got no hit at all."""
+    cache, copier = make_cache("write_through", storage="write_through", host_pages=3)
+    eng = Engine(cache, copier)
+    old, new = tokens(1, 2, 3, 4), tokens(5, 6, 7, 8)
+    eng.insert(old)
+    drain(cache, copier, eng)  # the backup, then the store it starts
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.evict_host(2)  # stored: it leaves the host at once
+    assert cache.match(old).host_tokens == 0 and cache.storage_probe(old).keys
+    eng.insert(new)
+    [backup] = cache.transfers
+    copier.complete(cache, backup)  # the store it starts stays in flight
+    [store] = [tid for tid, t in cache.transfers.items() if t.kind is TransferKind.STORE]
+    assert cache.host.num_free == 1
+    with pytest.raises(NotReady) as refused:
+        cache.start_prefetch(old, b"", 2)
+    assert refused.value.transfers == (store,) and cache.host.num_free == 1
+    clean(cache)
+    part = cache.start_prefetch(old, b"", 2, partial=True)
+    assert copier.complete(cache, part).added_tokens == 2  # the run's first page
+    assert cache.match(old).host_tokens == 2
+    clean(cache)
+    copier.complete(cache, store)  # new is stored: evictable, so the rest of old fits
+    rest = cache.start_prefetch(old, b"", 2)
+    assert copier.complete(cache, rest).added_tokens == 2
+    assert cache.match(old).host_tokens == 4
+    clean(cache)
+
+
+def test_a_prefetch_with_no_store_in_flight_takes_what_fits_at_once():
+    """Room held by a lease does not come by waiting: the run's first pages that fit."""
+    cache, copier = make_cache("write_through", storage="write_through", host_pages=3)
+    eng = Engine(cache, copier)
+    old, new = tokens(1, 2, 3, 4), tokens(5, 6, 7, 8)
+    eng.insert(old)
+    drain(cache, copier, eng)
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)
+    cache.evict_host(2)
+    eng.insert(new)
+    drain(cache, copier, eng)
+    eng.give(cache.evict_device(2).freed_pages)  # new on host only (and stored)
+    cache.lock(cache.match(new).host_node)  # a lease: its host copy may not leave
+    tid = cache.start_prefetch(old, b"", 2)
+    assert copier.complete(cache, tid).added_tokens == 2
+    assert cache.match(old).host_tokens == 2
     clean(cache)

@@ -212,6 +212,10 @@ class RadixKVServicer(object):
         """Pull the part of a prompt only the storage tier holds into host memory. Streams
         progress: a first message once the fetch started, a last one when it ended (or
         the policy stopped waiting). Afterwards Match reports those tokens as host hits.
+        Where the host pool has room for only part of the run, its first pages are fetched
+        (storage_tokens says how many); "wait_complete" first waits for stores in flight
+        whose pages become evictable when they end (up to storage_lookup_timeout, 2 s when
+        that is 0), as Evict does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

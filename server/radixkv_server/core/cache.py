@@ -215,9 +215,9 @@ class HierarchicalCache:
         return self.storage_tier.store_now(nodes)
 
     def start_prefetch(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
-                       ahead: object = None, losses_seen: int | None = None) -> int:
+                       ahead: object = None, losses_seen: int | None = None, partial: bool = False) -> int:
         """See `Prefetches.start`."""
-        return self.prefetches.start(tokens, extra_key, max_pages, owner, ahead, losses_seen)
+        return self.prefetches.start(tokens, extra_key, max_pages, owner, ahead, losses_seen, partial)
 
     @property
     def storage_losses(self) -> int:

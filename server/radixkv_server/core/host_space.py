@@ -10,6 +10,7 @@ storage tier is on and lacks them).
 from .node import Node
 from .state import CacheState
 from .storage_tier import StorageTier
+from .transfers import TransferKind
 
 
 class HostSpace:
@@ -32,6 +33,17 @@ class HostSpace:
             self.evict(n - host.num_free)
             pages = host.alloc(n)
         return pages
+
+    def take_free(self, n: int) -> bytes | None:
+        """Up to `n` of the host pages free now, evicting nothing (after `alloc` found too
+        few: what its eviction left); None when none is free."""
+        free = min(n, self.state.host.num_free)
+        return self.state.host.alloc(free) if free > 0 else None
+
+    def stores_in_flight(self) -> tuple[int, ...]:
+        """Every store in flight: when one ends its host pages are stored, so eviction may
+        take them at once (or they leave, for a store that evicts): room that may come."""
+        return tuple(tid for tid, t in self.state.transfers.items() if t.kind is TransferKind.STORE)
 
     def stores_freeing_room(self) -> tuple[int, ...]:
         """The stores in flight whose host copies leave the host when they end (stored

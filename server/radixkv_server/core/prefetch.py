@@ -9,7 +9,7 @@ from .state import CacheState
 from .storage_tier import StorageTier
 from .host_space import HostSpace
 from .transfers import TransferKind
-from .errors import UnknownTransfer
+from .errors import NotReady, UnknownTransfer
 
 
 class Prefetches:
@@ -30,12 +30,17 @@ class Prefetches:
         self.losses += 1
 
     def start(self, tokens: bytes, extra_key: bytes, max_pages: int, owner: object = None,
-              ahead: object = None, losses_seen: int | None = None) -> int:
+              ahead: object = None, losses_seen: int | None = None, partial: bool = False) -> int:
         """Reserve host pages for up to `max_pages` pages of `tokens` past the cached
         prefix and start fetching them from storage (`ahead` goes to the copier as is;
         `losses_seen`: `losses` when it was read, so a loss since makes its pages join
         as not stored). Returns the transfer id, or 0 when there is nothing to fetch or
-        no host room. Mutates: reserves host pages."""
+        no host room. Mutates: reserves host pages (evicting).
+
+        Room: the whole run where eviction makes it. Where it does not, while stores are
+        in flight (the pages they write become evictable when they end) raises NotReady
+        naming them, unless `partial`; with `partial`, or no store in flight, the run's
+        first pages, as many as there is room for (a hit on part of the run beats none)."""
         state = self.state
         start, keys = self.storage.probe(tokens, extra_key)
         keys = keys[:max(0, max_pages)]
@@ -43,7 +48,13 @@ class Prefetches:
             return 0
         host = self.host_space.alloc(len(keys))
         if host is None:
-            return 0
+            stores = self.host_space.stores_in_flight()
+            if stores and not partial:
+                raise NotReady(f"no host room for {len(keys)} fetched pages until stores in flight end", stores)
+            host = self.host_space.take_free(len(keys))
+            if host is None:
+                return 0
+            keys = keys[:count(host)]
         state.host_reserved += len(keys)
         t = state.new_transfer(TransferKind.FETCH, [], owner=owner)
         t.host_pages, t.keys, t.extra_key, t.start_page = host, keys, extra_key, start

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 
 from ..core import FinishResult
 from ..core.pages import count
-from ..core.transfers import TransferKind
 from ..datapath import DeviceBuffers, HostPool
 from ..logs import log_event
 from .calls import EvictAnswer, InsertAnswer, InsertRequest, LoadBackAnswer, MatchAnswer, PrefetchRequest, \
@@ -29,9 +28,6 @@ from .rank_group import RankGroup
 from .sessions import Session
 
 log = logging.getLogger("radixkv.namespace")
-
-ROOM_WAIT_S = 2.0  # an Evict's wait for host room when --storage-lookup-timeout is 0 (no limit)
-FAILING_ROOM_WAIT_S = 0.05  # its wait for stores while storage writes fail
 
 
 class Namespace:
@@ -215,35 +211,11 @@ class Namespace:
             need -= progress
         return EvictAnswer(b"".join(freed), written_back)
 
-    def _room_wait_limit(self, transfers: list[int]) -> float:
-        """How long an Evict waits for `transfers` to free host room: as an engine call
-        waits for storage (`storage_lookup_timeout`; ROOM_WAIT_S when that is 0), but
-        FAILING_ROOM_WAIT_S for stores while the storage tier fails writes: they most
-        likely fail too, and their room comes then, but a store client's retries against
-        a store that is down took ~200 ms, which every Evict paid (engines 6x slower
-        while Redis was down). A store refused at once (a full store) still frees its
-        room within that."""
-        limit = self.config.storage_lookup_timeout or ROOM_WAIT_S
-        storage = self.copies.storage
-        if storage is not None and "write" in storage.health.failing and any(
-                self.cache.transfers[t].kind is TransferKind.STORE for t in transfers):
-            return min(limit, FAILING_ROOM_WAIT_S)
-        return limit
-
     async def _wait_for_room(self, transfers: list[int]) -> bool:
-        """Wait for the backups and room-freeing stores an Evict came short on, no longer
-        than `_room_wait_limit`. Whether they all ended."""
+        """Wait for the backups and room-freeing stores an Evict came short on (each once:
+        `_room_waited`), as `NamespaceCore.wait_for_room`. Whether they all ended."""
         self._room_waited.update(transfers)
-        limit = self._room_wait_limit(transfers)
-        wait = asyncio.ensure_future(self.copies.wait(transfers))
-        try:
-            await asyncio.wait_for(asyncio.shield(wait), limit)
-            return True
-        except TimeoutError:
-            log_event(log, "evict.store_wait_ended", logging.DEBUG, namespace=self.name, waited_s=limit)
-            return False
-        finally:
-            wait.cancel()
+        return await self.core.wait_for_room(transfers, "evict.store_wait_ended")
 
     def prefetch(self, session: Session, request: PrefetchRequest) -> AsyncIterator[PrefetchStep]:
         """See `NamespaceCore.prefetch`."""

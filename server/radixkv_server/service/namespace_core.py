@@ -5,8 +5,9 @@ and an engine-managed one (`engine_namespace.EngineNamespace`: the engines keep 
 blocks) each own one of these and add their own operations; it never calls them back.
 It holds the core cache over the namespace's host pool and the copies the core starts,
 and does on them what is alike for both: match (leases, storage probe), release,
-prefetch, the one wait-and-retry loop after `NotReady`, finishing and acknowledging a
-transfer, ending a session's holdings, reporting residency as KV events, closing.
+prefetch, the one wait-and-retry loop after `NotReady`, the bounded wait for host room
+(Evict, Prefetch), finishing and acknowledging a transfer, ending a session's holdings,
+reporting residency as KV events, closing.
 
 The event loop owns all of it. No tree change spans an `await`: an operation that must
 wait for copies waits first (`until_copied`), then re-checks its session and tries the
@@ -14,13 +15,16 @@ core again.
 """
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from ..core import FinishResult, HierarchicalCache, NotReady
 from ..core.errors import UnknownTransfer
+from ..core.transfers import TransferKind
 from ..datapath import HostPool
 from ..events import resident
+from ..logs import log_event
 from .calls import MatchAnswer, PrefetchPolicy, PrefetchRequest, PrefetchState, PrefetchStep, Prompt
 from .copies import Copies
 from . import reasons
@@ -30,6 +34,11 @@ from .rank_copies import RankCopies
 from .sessions import Session
 
 T = TypeVar("T")
+log = logging.getLogger("radixkv.namespace")
+
+ROOM_WAIT_S = 2.0  # a wait for host room when --storage-lookup-timeout is 0 (no limit)
+FAILING_ROOM_WAIT_S = 0.05  # its wait for stores while storage writes fail
+
 FinishNow = Callable[[int, object], FinishResult]  # the core's finish of one transfer: (transfer, owner)
 
 
@@ -95,12 +104,11 @@ class NamespaceCore:
         losses = self.cache.storage_losses  # a loss while the lookup reads: its pages join as not stored
         ahead = await self.copies.find_run(self.cache.storage_probe(request.tokens, request.extra_key).keys,
                                            read=request.policy is PrefetchPolicy.WAIT_COMPLETE)
-        pages, transfer = ahead.found, 0
+        transfer = 0
         try:
             session.check_open()
-            if pages:  # the fetch it starts takes `ahead` over
-                transfer = self.cache.start_prefetch(request.tokens, request.extra_key, pages, owner=session.id,
-                                                     ahead=ahead, losses_seen=losses)
+            if ahead.found:  # the fetch it starts takes `ahead` over
+                transfer = await self._start_fetch(session, request, ahead, losses)
         finally:
             if not transfer:
                 ahead.close()
@@ -108,7 +116,7 @@ class NamespaceCore:
             yield PrefetchStep(PrefetchState.NOTHING)
             return
         done = self.copies.fetched(transfer)  # before the first yield: the fetch may finish meanwhile
-        tokens = pages * self.config.layout.page_size
+        tokens = len(self.cache.transfers[transfer].keys) * self.config.layout.page_size
         yield PrefetchStep(PrefetchState.STARTED, transfer, tokens)
         if request.policy is PrefetchPolicy.BEST_EFFORT:
             return
@@ -119,6 +127,55 @@ class NamespaceCore:
             yield PrefetchStep(PrefetchState.WAITING_ENDED, transfer, tokens)
             return
         yield PrefetchStep.done(transfer, tokens, outcome, self.config.layout.page_size)
+
+    async def _start_fetch(self, session: Session, request: PrefetchRequest, ahead, losses: int) -> int:
+        """The fetch of `ahead`'s run (Cache.start_prefetch). Where the host pool has no
+        room for all of it until stores in flight end, a caller waiting for the whole
+        fetch waits for those stores (`wait_for_room`), the others go on at once; then
+        what fits of the run is fetched. Returns the transfer id, 0 if none started."""
+        def start(partial: bool) -> int:
+            return self.cache.start_prefetch(request.tokens, request.extra_key, ahead.found, owner=session.id,
+                                             ahead=ahead, losses_seen=losses, partial=partial)
+        if request.policy is not PrefetchPolicy.WAIT_COMPLETE:
+            return start(partial=True)
+        try:
+            return start(partial=False)
+        except NotReady as e:
+            await self.wait_for_room(e.transfers, "prefetch.store_wait_ended")
+            session.check_open()
+            return start(partial=True)
+
+    # -- host room ---------------------------------------------------------------------
+
+    def _room_wait_limit(self, transfers) -> float:
+        """How long a call waits for `transfers` to free host room: as an engine call
+        waits for storage (`storage_lookup_timeout`; ROOM_WAIT_S when that is 0), but
+        FAILING_ROOM_WAIT_S for stores while the storage tier fails writes: they most
+        likely fail too, and their room comes then, but a store client's retries against
+        a store that is down took ~200 ms, which every Evict paid (engines 6x slower
+        while Redis was down). A store refused at once (a full store) still frees its
+        room within that."""
+        limit = self.config.storage_lookup_timeout or ROOM_WAIT_S
+        storage = self.copies.storage
+        if storage is not None and "write" in storage.health.failing and any(
+                self.cache.transfers[t].kind is TransferKind.STORE for t in transfers if t in self.cache.transfers):
+            return min(limit, FAILING_ROOM_WAIT_S)
+        return limit
+
+    async def wait_for_room(self, transfers, event: str) -> bool:
+        """Wait for copies (backups, stores) whose end frees host room or makes it
+        evictable, no longer than `_room_wait_limit`; past it, log `event` (DEBUG).
+        Whether they all ended."""
+        limit = self._room_wait_limit(transfers)
+        wait = asyncio.ensure_future(self.copies.wait(transfers))
+        try:
+            await asyncio.wait_for(asyncio.shield(wait), limit)
+            return True
+        except TimeoutError:
+            log_event(log, event, logging.DEBUG, namespace=self.config.name, waited_s=limit)
+            return False
+        finally:
+            wait.cancel()
 
     # -- waiting for copies, finishing transfers ------------------------------------------------
 
