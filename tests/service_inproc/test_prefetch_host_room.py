@@ -24,7 +24,7 @@ A, B, C = prompt(0, 4), prompt(100, 4), prompt(200, 4)
 
 
 class HeldWrites(FileStorage):
-    """A file store whose writes wait while `held` (a slow or busy store, reads unhindered)."""
+    """A file store whose writes wait while `go` is clear (a slow or busy store; reads go on)."""
 
     def __init__(self, directory: str):
         super().__init__(directory)
@@ -53,9 +53,9 @@ def with_store(tmp_path, scenario, **config) -> None:
         storage.close()
 
 
-async def a_in_storage_only_and_host_full_of_stores(e: Engine) -> list[int]:
-    """A stored and gone from device and host; B and C fill the host, their stores held
-    (writes held by the caller). Returns those stores."""
+async def a_stored_and_on_host_only(e: Engine):
+    """A inserted, stored, and evicted from the device (its host copy stays, stored).
+    Returns a function listing the stores in flight."""
     stores = lambda: [t for t, x in e.ns.cache.transfers.items() if x.kind is TransferKind.STORE]  # noqa: E731
     await e.insert(A, [0, 1, 2, 3])
     await until(lambda: e.ns.counters()["stored_tokens"] == 16, "A stored")
@@ -71,7 +71,7 @@ async def prefetch(e: Engine, tokens: bytes) -> list:
 def test_a_waiting_prefetch_waits_for_the_stores_holding_the_host_then_fetches_the_whole_run(tmp_path):
     async def scenario(daemon, store):
         e = await Engine.register(daemon, "t/fetch-room", write_policy="write_through")
-        stores = await a_in_storage_only_and_host_full_of_stores(e)
+        stores = await a_stored_and_on_host_only(e)
         store.go.clear()
         await e.insert(B, [4, 5, 6, 7])
         await e.insert(C, [8, 9, 10, 11])  # A's stored host copy leaves for C's backup
@@ -94,7 +94,7 @@ def test_a_waiting_prefetch_waits_for_the_stores_holding_the_host_then_fetches_t
 def test_a_waiting_prefetch_whose_room_does_not_come_in_time_fetches_what_fits(tmp_path, caplog):
     async def scenario(daemon, store):
         e = await Engine.register(daemon, "t/fetch-part", write_policy="write_through")
-        stores = await a_in_storage_only_and_host_full_of_stores(e)
+        stores = await a_stored_and_on_host_only(e)
         store.go.clear()
         await e.insert(B, [4, 5, 6, 7])
         await until(lambda: len(stores()) == 1, "B's store in flight")
